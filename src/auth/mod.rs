@@ -1,0 +1,191 @@
+//! Credentials and the password checks of both sides: what a client must prove to the proxy
+//! (SCRAM-SHA-256 verifiers, md5 hashes, trust) and what the proxy tells Postgres.
+//!
+//! Secrets are derived once, when the config is loaded, so a login costs an HMAC and not a
+//! PBKDF2 run. Unknown users get a dummy verifier and walk the same SCRAM exchange, so unknown
+//! users and wrong passwords look identical (28P01) in text and timing. No socket I/O here.
+
+use std::collections::HashMap;
+
+use base64::Engine;
+use pgwire::api::auth::sasl::scram::ScramSecret;
+
+use crate::config::{AuthMethod, Config};
+
+/// A SCRAM-SHA-256 verifier (`SCRAM-SHA-256$iter:salt$stored:server`), decoded.
+#[derive(Clone)]
+pub struct Verifier {
+    salt: Vec<u8>,
+    iterations: usize,
+    stored_key: Vec<u8>,
+    server_key: Vec<u8>,
+}
+
+impl Verifier {
+    /// Derives a verifier from a plaintext password (PBKDF2, 4096 rounds).
+    pub fn from_password(password: &str) -> Verifier {
+        let s = postgres_protocol::password::scram_sha_256(password.as_bytes());
+        // The string we just generated always has the documented shape.
+        Verifier::parse(&s).unwrap_or_else(|| Verifier {
+            salt: vec![0; 16],
+            iterations: 4096,
+            stored_key: vec![0; 32],
+            server_key: vec![0; 32],
+        })
+    }
+
+    /// Parses Postgres' `pg_authid.rolpassword` SCRAM format.
+    pub fn parse(s: &str) -> Option<Verifier> {
+        let b64 = base64::engine::general_purpose::STANDARD;
+        let (iter_salt, keys) = s.strip_prefix("SCRAM-SHA-256$")?.split_once('$')?;
+        let (iter, salt) = iter_salt.split_once(':')?;
+        let (stored, server) = keys.split_once(':')?;
+        Some(Verifier {
+            salt: b64.decode(salt).ok()?,
+            iterations: iter.parse().ok()?,
+            stored_key: b64.decode(stored).ok()?,
+            server_key: b64.decode(server).ok()?,
+        })
+    }
+
+    /// A fresh pgwire secret for one exchange (the state machine consumes it).
+    pub fn secret(&self) -> ScramSecret {
+        ScramSecret::Verifier {
+            salt: self.salt.clone(),
+            iterations: self.iterations,
+            stored_key: self.stored_key.clone(),
+            server_key: self.server_key.clone(),
+        }
+    }
+}
+
+/// What the proxy knows about one user.
+#[derive(Clone)]
+pub struct UserAuth {
+    pub method: AuthMethod,
+    pub verifier: Option<Verifier>,
+    /// `md5(password || user)` as hex, for md5 client auth.
+    pub md5_inner: Option<String>,
+    /// Password the proxy uses toward Postgres for this user.
+    pub backend_password: Option<String>,
+}
+
+impl std::fmt::Debug for UserAuth {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("UserAuth")
+            .field("method", &self.method)
+            .finish_non_exhaustive()
+    }
+}
+
+/// All users that may log in, plus the dummy verifier used for unknown ones.
+pub struct Credentials {
+    users: HashMap<String, UserAuth>,
+    dummy: Verifier,
+}
+
+impl Credentials {
+    pub fn from_config(cfg: &Config) -> Credentials {
+        let mut users = HashMap::new();
+        let mut add = |name: &str, password: Option<&str>, method: AuthMethod| {
+            users.insert(
+                name.to_string(),
+                UserAuth {
+                    method,
+                    verifier: password.map(Verifier::from_password),
+                    md5_inner: password.map(|p| md5_inner(name, p)),
+                    backend_password: password.map(str::to_string),
+                },
+            );
+        };
+        if let Some(u) = cfg.backend_url() {
+            add(&u.user, u.password.as_deref(), cfg.auth.method);
+        }
+        for u in &cfg.auth.users {
+            add(
+                &u.name,
+                u.password.as_deref(),
+                u.method.unwrap_or(cfg.auth.method),
+            );
+        }
+        Credentials {
+            users,
+            dummy: Verifier::from_password(&random_hex(16)),
+        }
+    }
+
+    pub fn user(&self, name: &str) -> Option<&UserAuth> {
+        self.users.get(name)
+    }
+
+    /// The verifier to run SCRAM with: the user's, or a dummy that no password matches.
+    pub fn verifier_or_dummy(&self, name: &str) -> &Verifier {
+        self.users
+            .get(name)
+            .and_then(|u| u.verifier.as_ref())
+            .unwrap_or(&self.dummy)
+    }
+}
+
+/// The inner md5 hash Postgres stores: hex(md5(password || user)).
+pub fn md5_inner(user: &str, password: &str) -> String {
+    // postgres_protocol returns "md5" + hex; we keep only the hex.
+    let s = postgres_protocol::password::md5(password.as_bytes(), user);
+    s.trim_start_matches("md5").to_string()
+}
+
+/// Checks an md5 PasswordMessage (`md5` + hex(md5(inner || salt))) in constant time.
+pub fn md5_response_matches(inner_hex: &str, salt: [u8; 4], response: &[u8]) -> bool {
+    let mut buf = inner_hex.as_bytes().to_vec();
+    buf.extend_from_slice(&salt);
+    // `password::md5(data, "")` is "md5" + hex(md5(data)): exactly the outer step.
+    let outer = postgres_protocol::password::md5(&buf, "");
+    ct_eq(outer.as_bytes(), response)
+}
+
+/// Constant-time equality for secrets.
+pub fn ct_eq(a: &[u8], b: &[u8]) -> bool {
+    if a.len() != b.len() {
+        return false;
+    }
+    let mut diff = 0u8;
+    for (x, y) in a.iter().zip(b) {
+        diff |= x ^ y;
+    }
+    std::hint::black_box(diff) == 0
+}
+
+/// Random lowercase hex, for dummy secrets and nonces.
+pub fn random_hex(bytes: usize) -> String {
+    (0..bytes)
+        .map(|_| format!("{:02x}", rand::random::<u8>()))
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn md5_matches_what_libpq_sends() {
+        let salt = [1, 2, 3, 4];
+        let sent = postgres_protocol::authentication::md5_hash(b"app", b"secret", salt);
+        let inner = md5_inner("app", "secret");
+        assert!(md5_response_matches(&inner, salt, sent.as_bytes()));
+        assert!(!md5_response_matches(&inner, [4, 3, 2, 1], sent.as_bytes()));
+    }
+
+    #[test]
+    fn verifier_roundtrip() {
+        let s = postgres_protocol::password::scram_sha_256(b"pw");
+        assert!(Verifier::parse(&s).is_some());
+        assert!(Verifier::parse("SCRAM-SHA-256$x").is_none());
+    }
+
+    #[test]
+    fn ct_eq_works() {
+        assert!(ct_eq(b"abc", b"abc"));
+        assert!(!ct_eq(b"abc", b"abd"));
+        assert!(!ct_eq(b"abc", b"ab"));
+    }
+}

@@ -1,0 +1,453 @@
+//! The configuration file: serde structs (unknown keys are errors), defaults, command-line
+//! overrides, and validation with errors that name the field and its line.
+//!
+//! Imports nothing else of ours. Loading returns a complete, validated [`Config`] or a list of
+//! [`ConfigError`]s; it never half-applies. Reloading is the app's job (it swaps the snapshot).
+
+mod validate;
+
+use std::collections::BTreeMap;
+use std::net::SocketAddr;
+use std::path::Path;
+
+use serde::Deserialize;
+
+pub use validate::{BackendUrl, ConfigError};
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct Config {
+    /// Address clients connect to.
+    pub listen: SocketAddr,
+    pub admin: AdminConfig,
+    pub backend: BackendConfig,
+    /// Defaults for every (database, user) pool.
+    pub pool: PoolConfig,
+    /// Per-(database, user) overrides of `pool`.
+    pub pools: Vec<PoolOverride>,
+    pub auth: AuthConfig,
+    pub limits: LimitsConfig,
+    pub callers: Vec<CallerConfig>,
+    pub global_defaults: GlobalDefaults,
+    pub log: LogConfig,
+}
+
+impl Default for Config {
+    fn default() -> Self {
+        Config {
+            listen: SocketAddr::from(([127, 0, 0, 1], 6432)),
+            admin: AdminConfig::default(),
+            backend: BackendConfig::default(),
+            pool: PoolConfig::default(),
+            pools: Vec::new(),
+            auth: AuthConfig::default(),
+            limits: LimitsConfig::default(),
+            callers: Vec::new(),
+            global_defaults: GlobalDefaults::default(),
+            log: LogConfig::default(),
+        }
+    }
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct AdminConfig {
+    pub listen: SocketAddr,
+    pub write_token: Option<String>,
+    pub read_token: Option<String>,
+    /// Serve stats and /metrics without a token.
+    pub open_reads: bool,
+    /// Where runtime rules are persisted.
+    pub rules_file: Option<String>,
+}
+
+impl Default for AdminConfig {
+    fn default() -> Self {
+        AdminConfig {
+            listen: SocketAddr::from(([127, 0, 0, 1], 9930)),
+            write_token: None,
+            read_token: None,
+            open_reads: false,
+            rules_file: None,
+        }
+    }
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct BackendConfig {
+    /// `postgres://USER:PASSWORD@HOST:PORT/DB`; its user may log in with its password.
+    pub url: Option<String>,
+    pub host: String,
+    pub port: u16,
+    pub connect_timeout_ms: u64,
+}
+
+impl Default for BackendConfig {
+    fn default() -> Self {
+        BackendConfig {
+            url: None,
+            host: "127.0.0.1".into(),
+            port: 5432,
+            connect_timeout_ms: 5_000,
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum PoolMode {
+    Transaction,
+    Session,
+}
+
+impl std::str::FromStr for PoolMode {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "transaction" => Ok(PoolMode::Transaction),
+            "session" => Ok(PoolMode::Session),
+            _ => Err(format!(
+                "unknown pool mode `{s}` (expected transaction or session)"
+            )),
+        }
+    }
+}
+
+/// What to do with session state (SET, LISTEN, advisory locks, …) in transaction mode.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum SessionStateMode {
+    /// Re-apply trackable `SET`s on every backend; pin the client for the rest.
+    Track,
+    /// Pin the client to its backend on any session state.
+    Pin,
+    /// Refuse session state with 0A000 ERR_SESSION_STATE.
+    Reject,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct PoolConfig {
+    pub mode: PoolMode,
+    /// Backend connections per (database, user) pool.
+    pub size: usize,
+    pub min_idle: usize,
+    pub idle_timeout_ms: u64,
+    /// Connections are closed on release after this age (plus up to 10% jitter).
+    pub max_lifetime_ms: u64,
+    /// How long a client waits for a backend before 53300.
+    pub checkout_timeout_ms: u64,
+    /// A connection idle longer than this is health-checked before reuse.
+    pub health_check_after_ms: u64,
+    /// Concurrent connection attempts per pool.
+    pub max_connect_attempts: usize,
+    pub connect_backoff_base_ms: u64,
+    pub connect_backoff_cap_ms: u64,
+    pub session_state: SessionStateMode,
+    /// Protocol-level prepared statements kept per backend connection (LRU).
+    pub prepared_cache_size: usize,
+}
+
+impl Default for PoolConfig {
+    fn default() -> Self {
+        PoolConfig {
+            mode: PoolMode::Transaction,
+            size: 20,
+            min_idle: 0,
+            idle_timeout_ms: 600_000,
+            max_lifetime_ms: 3_600_000,
+            checkout_timeout_ms: 5_000,
+            health_check_after_ms: 30_000,
+            max_connect_attempts: 4,
+            connect_backoff_base_ms: 100,
+            connect_backoff_cap_ms: 5_000,
+            session_state: SessionStateMode::Track,
+            prepared_cache_size: 1_000,
+        }
+    }
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PoolOverride {
+    pub database: String,
+    pub user: String,
+    pub mode: Option<PoolMode>,
+    pub size: Option<usize>,
+    pub min_idle: Option<usize>,
+    pub session_state: Option<SessionStateMode>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+pub enum AuthMethod {
+    #[serde(rename = "scram-sha-256")]
+    ScramSha256,
+    #[serde(rename = "md5")]
+    Md5,
+    #[serde(rename = "trust")]
+    Trust,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct AuthConfig {
+    /// Client authentication method for users that do not set their own.
+    pub method: AuthMethod,
+    pub users: Vec<UserConfig>,
+}
+
+impl Default for AuthConfig {
+    fn default() -> Self {
+        AuthConfig {
+            method: AuthMethod::ScramSha256,
+            users: Vec::new(),
+        }
+    }
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct UserConfig {
+    pub name: String,
+    /// Used both to check the client and to log in to Postgres as this user.
+    pub password: Option<String>,
+    pub method: Option<AuthMethod>,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct LimitsConfig {
+    pub max_client_conn: usize,
+    /// Time a client has to finish startup and authentication.
+    pub handshake_timeout_ms: u64,
+    /// In-flight handshakes before new connections are refused.
+    pub max_handshakes: usize,
+    /// Graceful shutdown: how long in-flight transactions may run after SIGTERM.
+    pub shutdown_timeout_ms: u64,
+}
+
+impl Default for LimitsConfig {
+    fn default() -> Self {
+        LimitsConfig {
+            max_client_conn: 10_000,
+            handshake_timeout_ms: 10_000,
+            max_handshakes: 512,
+            shutdown_timeout_ms: 30_000,
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Deserialize, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum Priority {
+    Critical,
+    High,
+    #[default]
+    Normal,
+    Low,
+}
+
+#[derive(Debug, Clone, Deserialize, Default)]
+#[serde(deny_unknown_fields)]
+pub struct CallerMatch {
+    #[serde(default)]
+    pub tag: BTreeMap<String, String>,
+    pub application_name: Option<String>,
+    pub user: Option<String>,
+    pub client_cidr: Option<String>,
+}
+
+/// Per-statement-kind timeouts in milliseconds, or one number for every kind.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(untagged)]
+pub enum KindTimeouts {
+    All(u64),
+    PerKind {
+        #[serde(default)]
+        read: Option<u64>,
+        #[serde(default)]
+        write: Option<u64>,
+        #[serde(default)]
+        ddl: Option<u64>,
+        #[serde(default)]
+        other: Option<u64>,
+    },
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct CallerConfig {
+    pub name: String,
+    #[serde(rename = "match", default)]
+    pub matcher: CallerMatch,
+    pub max_concurrency: Option<u32>,
+    pub queue_depth: Option<u32>,
+    pub queue_timeout_ms: Option<u64>,
+    #[serde(default)]
+    pub priority: Priority,
+    pub max_qps: Option<f64>,
+    pub burst: Option<u32>,
+    pub statement_timeout_ms: Option<KindTimeouts>,
+    pub lock_timeout_ms: Option<u64>,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct GlobalDefaults {
+    pub max_concurrency: u32,
+    pub queue_depth: u32,
+    pub queue_timeout_ms: u64,
+    pub statement_timeout_ms: Option<KindTimeouts>,
+    pub lock_timeout_ms: Option<u64>,
+    pub circuit_breaker: BreakerConfig,
+}
+
+impl Default for GlobalDefaults {
+    fn default() -> Self {
+        GlobalDefaults {
+            max_concurrency: 120,
+            queue_depth: 1_000,
+            queue_timeout_ms: 300,
+            statement_timeout_ms: None,
+            lock_timeout_ms: None,
+            circuit_breaker: BreakerConfig::default(),
+        }
+    }
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct BreakerConfig {
+    pub max_inflight_threshold: Option<u32>,
+    pub db_cpu_threshold_percent: Option<f64>,
+    pub probe_sql: Option<String>,
+    pub probe_interval_ms: u64,
+    pub consecutive_errors: u32,
+    pub open_ms: u64,
+}
+
+impl Default for BreakerConfig {
+    fn default() -> Self {
+        BreakerConfig {
+            max_inflight_threshold: None,
+            db_cpu_threshold_percent: None,
+            probe_sql: None,
+            probe_interval_ms: 1_000,
+            consecutive_errors: 5,
+            open_ms: 5_000,
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum LogFormat {
+    #[default]
+    Human,
+    Json,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct LogConfig {
+    pub format: LogFormat,
+    /// tracing EnvFilter directive; RUST_LOG wins when set.
+    pub level: String,
+}
+
+impl Default for LogConfig {
+    fn default() -> Self {
+        LogConfig {
+            format: LogFormat::Human,
+            level: "info".into(),
+        }
+    }
+}
+
+/// Command-line values that override the file.
+#[derive(Debug, Clone, Default)]
+pub struct Overrides {
+    pub listen: Option<SocketAddr>,
+    pub admin_listen: Option<SocketAddr>,
+    pub backend: Option<String>,
+    pub pool_size: Option<usize>,
+    pub pool_mode: Option<PoolMode>,
+}
+
+impl Config {
+    /// Parses YAML text; `Err` lists every problem found, each naming field and line.
+    pub fn from_yaml(text: &str) -> Result<Config, Vec<ConfigError>> {
+        let cfg: Config = if text.trim().is_empty() {
+            Config::default()
+        } else {
+            serde_yaml::from_str(text).map_err(|e| vec![ConfigError::from_yaml(&e)])?
+        };
+        cfg.validate(Some(text))?;
+        Ok(cfg)
+    }
+
+    /// Reads and parses a file (errors carry the path).
+    pub fn load(path: &Path) -> Result<Config, Vec<ConfigError>> {
+        let text = std::fs::read_to_string(path).map_err(|e| {
+            vec![ConfigError::plain(format!(
+                "cannot read {}: {e}",
+                path.display()
+            ))]
+        })?;
+        Config::from_yaml(&text)
+    }
+
+    /// Applies command-line overrides, then validates again.
+    pub fn apply(mut self, o: &Overrides) -> Result<Config, Vec<ConfigError>> {
+        if let Some(l) = o.listen {
+            self.listen = l;
+        }
+        if let Some(l) = o.admin_listen {
+            self.admin.listen = l;
+        }
+        if let Some(b) = &o.backend {
+            self.backend.url = Some(b.clone());
+        }
+        if let Some(n) = o.pool_size {
+            self.pool.size = n;
+        }
+        if let Some(m) = o.pool_mode {
+            self.pool.mode = m;
+        }
+        self.validate(None)?;
+        Ok(self)
+    }
+
+    /// The backend URL, parsed (validated on load, so `None` only when absent).
+    pub fn backend_url(&self) -> Option<BackendUrl> {
+        self.backend
+            .url
+            .as_deref()
+            .and_then(|u| BackendUrl::parse(u).ok())
+    }
+
+    /// Effective pool settings for one (database, user).
+    pub fn pool_for(&self, database: &str, user: &str) -> PoolConfig {
+        let mut p = self.pool.clone();
+        if let Some(o) = self
+            .pools
+            .iter()
+            .find(|o| o.database == database && o.user == user)
+        {
+            if let Some(m) = o.mode {
+                p.mode = m;
+            }
+            if let Some(s) = o.size {
+                p.size = s;
+            }
+            if let Some(s) = o.min_idle {
+                p.min_idle = s;
+            }
+            if let Some(s) = o.session_state {
+                p.session_state = s;
+            }
+        }
+        p
+    }
+}

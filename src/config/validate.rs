@@ -1,0 +1,432 @@
+//! Validation of a parsed [`Config`]: every problem is reported with the field's path and, when
+//! the source text is known, the line it is on. Also the backend URL parser.
+
+use std::collections::HashSet;
+use std::fmt;
+
+use super::Config;
+
+/// One problem in a configuration.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ConfigError {
+    /// Dotted path, e.g. `pool.size` or `callers[1].max_concurrency`; empty when unknown.
+    pub field: String,
+    pub line: Option<usize>,
+    pub message: String,
+}
+
+impl fmt::Display for ConfigError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match (&self.line, self.field.is_empty()) {
+            (Some(l), false) => write!(f, "line {l}: {}: {}", self.field, self.message),
+            (Some(l), true) => write!(f, "line {l}: {}", self.message),
+            (None, false) => write!(f, "{}: {}", self.field, self.message),
+            (None, true) => write!(f, "{}", self.message),
+        }
+    }
+}
+
+impl ConfigError {
+    pub fn plain(message: String) -> Self {
+        ConfigError {
+            field: String::new(),
+            line: None,
+            message,
+        }
+    }
+
+    pub(super) fn from_yaml(e: &serde_yaml::Error) -> Self {
+        ConfigError {
+            field: String::new(),
+            line: e.location().map(|l| l.line()),
+            message: e.to_string(),
+        }
+    }
+}
+
+/// `postgres://USER:PASSWORD@HOST:PORT/DB`, percent-decoded.
+#[derive(Clone, PartialEq, Eq)]
+pub struct BackendUrl {
+    pub user: String,
+    pub password: Option<String>,
+    pub host: String,
+    pub port: u16,
+    pub database: String,
+}
+
+impl fmt::Debug for BackendUrl {
+    // Never print the password.
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "postgres://{}@{}:{}/{}",
+            self.user, self.host, self.port, self.database
+        )
+    }
+}
+
+impl BackendUrl {
+    pub fn parse(url: &str) -> Result<BackendUrl, String> {
+        let rest = url
+            .strip_prefix("postgres://")
+            .or_else(|| url.strip_prefix("postgresql://"))
+            .ok_or("must start with postgres:// or postgresql://")?;
+        let rest = rest.split('?').next().unwrap_or(rest);
+        let (userinfo, hostpart) = rest
+            .rsplit_once('@')
+            .ok_or("must name a user: postgres://USER:PASSWORD@HOST:PORT/DB")?;
+        let (user, password) = match userinfo.split_once(':') {
+            Some((u, p)) => (decode(u)?, Some(decode(p)?)),
+            None => (decode(userinfo)?, None),
+        };
+        if user.is_empty() {
+            return Err("the user name is empty".into());
+        }
+        let (hostport, database) = match hostpart.split_once('/') {
+            Some((h, d)) if !d.is_empty() => (h, decode(d)?),
+            Some((h, _)) => (h, user.clone()),
+            None => (hostpart, user.clone()),
+        };
+        let (host, port) = if let Some(h) = hostport.strip_prefix('[') {
+            let (h, tail) = h.split_once(']').ok_or("unterminated [ in host")?;
+            (h.to_string(), tail.strip_prefix(':').unwrap_or(""))
+        } else {
+            match hostport.rsplit_once(':') {
+                Some((h, p)) => (h.to_string(), p),
+                None => (hostport.to_string(), ""),
+            }
+        };
+        if host.is_empty() {
+            return Err("the host is empty".into());
+        }
+        let port = if port.is_empty() {
+            5432
+        } else {
+            port.parse::<u16>()
+                .map_err(|_| format!("invalid port `{port}`"))?
+        };
+        Ok(BackendUrl {
+            user,
+            password,
+            host,
+            port,
+            database,
+        })
+    }
+}
+
+fn decode(s: &str) -> Result<String, String> {
+    let b = s.as_bytes();
+    let mut out = Vec::with_capacity(b.len());
+    let mut i = 0;
+    while i < b.len() {
+        if b[i] == b'%' {
+            let hex = s
+                .get(i + 1..i + 3)
+                .and_then(|h| u8::from_str_radix(h, 16).ok())
+                .ok_or_else(|| format!("invalid percent-encoding in `{s}`"))?;
+            out.push(hex);
+            i += 3;
+        } else {
+            out.push(b[i]);
+            i += 1;
+        }
+    }
+    String::from_utf8(out).map_err(|_| format!("`{s}` is not UTF-8 after percent-decoding"))
+}
+
+/// Checks that `s` is `ADDR/LEN` with a sane prefix length.
+fn check_cidr(s: &str) -> Result<(), String> {
+    let (ip, len) = s.split_once('/').unwrap_or((s, ""));
+    let ip: std::net::IpAddr = ip
+        .parse()
+        .map_err(|_| format!("`{s}` is not an IP network"))?;
+    let max = if ip.is_ipv4() { 32 } else { 128 };
+    if !len.is_empty() {
+        match len.parse::<u8>() {
+            Ok(l) if l <= max => {}
+            _ => return Err(format!("prefix length in `{s}` must be 0..={max}")),
+        }
+    }
+    Ok(())
+}
+
+struct Problems<'a> {
+    text: Option<&'a str>,
+    out: Vec<ConfigError>,
+}
+
+impl Problems<'_> {
+    fn add(&mut self, field: String, message: impl Into<String>) {
+        let line = self.text.and_then(|t| locate(t, &field));
+        self.out.push(ConfigError {
+            field,
+            line,
+            message: message.into(),
+        });
+    }
+}
+
+/// Finds the line of a dotted field path (`a.b[2].c`) in YAML text by indentation; best effort.
+fn locate(text: &str, field: &str) -> Option<usize> {
+    let lines: Vec<&str> = text.lines().collect();
+    let mut from = 0usize;
+    let mut min_indent = 0usize;
+    let mut found = None;
+    for seg in field.split('.') {
+        let (key, index) = match seg.split_once('[') {
+            Some((k, i)) => (k, i.trim_end_matches(']').parse::<usize>().ok()),
+            None => (seg, None),
+        };
+        let mut hit = None;
+        for (i, l) in lines.iter().enumerate().skip(from) {
+            let trimmed = l.trim_start().trim_start_matches("- ");
+            let indent = l.len() - l.trim_start().len();
+            if found.is_some() && indent < min_indent && !l.trim().is_empty() {
+                break;
+            }
+            if trimmed.starts_with(&format!("{key}:")) {
+                hit = Some((i, indent));
+                break;
+            }
+        }
+        let (mut line, indent) = hit?;
+        if let Some(n) = index {
+            // Walk to the n-th list item below the key.
+            let mut seen = 0;
+            let mut item = None;
+            for (i, l) in lines.iter().enumerate().skip(line + 1) {
+                let ind = l.len() - l.trim_start().len();
+                if !l.trim().is_empty() && ind <= indent && !l.trim_start().starts_with('-') {
+                    break;
+                }
+                if l.trim_start().starts_with('-') {
+                    if seen == n {
+                        item = Some(i);
+                        break;
+                    }
+                    seen += 1;
+                }
+            }
+            line = item?;
+            // Keys of the item may sit on the dash line itself.
+            from = line;
+        } else {
+            from = line + 1;
+        }
+        min_indent = indent + 1;
+        found = Some(line);
+    }
+    found.map(|l| l + 1)
+}
+
+impl Config {
+    pub(super) fn validate(&self, text: Option<&str>) -> Result<(), Vec<ConfigError>> {
+        let mut p = Problems {
+            text,
+            out: Vec::new(),
+        };
+        if let Some(url) = &self.backend.url
+            && let Err(e) = BackendUrl::parse(url)
+        {
+            p.add("backend.url".into(), e);
+        }
+        if self.backend.connect_timeout_ms == 0 {
+            p.add("backend.connect_timeout_ms".into(), "must be > 0");
+        }
+        let pool = &self.pool;
+        if pool.size == 0 || pool.size > 10_000 {
+            p.add("pool.size".into(), "must be between 1 and 10000");
+        }
+        if pool.min_idle > pool.size {
+            p.add("pool.min_idle".into(), "must not exceed pool.size");
+        }
+        if pool.checkout_timeout_ms == 0 {
+            p.add("pool.checkout_timeout_ms".into(), "must be > 0");
+        }
+        if pool.max_connect_attempts == 0 {
+            p.add("pool.max_connect_attempts".into(), "must be > 0");
+        }
+        if pool.connect_backoff_base_ms > pool.connect_backoff_cap_ms {
+            p.add(
+                "pool.connect_backoff_base_ms".into(),
+                "must not exceed pool.connect_backoff_cap_ms",
+            );
+        }
+        if pool.prepared_cache_size == 0 {
+            p.add("pool.prepared_cache_size".into(), "must be > 0");
+        }
+        for (i, o) in self.pools.iter().enumerate() {
+            if o.size == Some(0) {
+                p.add(format!("pools[{i}].size"), "must be > 0");
+            }
+        }
+        let mut users = HashSet::new();
+        for (i, u) in self.auth.users.iter().enumerate() {
+            if u.name.is_empty() {
+                p.add(format!("auth.users[{i}].name"), "must not be empty");
+            }
+            if !users.insert(u.name.as_str()) {
+                p.add(
+                    format!("auth.users[{i}].name"),
+                    format!("duplicate user `{}`", u.name),
+                );
+            }
+            let method = u.method.unwrap_or(self.auth.method);
+            if method != super::AuthMethod::Trust && u.password.is_none() {
+                p.add(
+                    format!("auth.users[{i}].password"),
+                    "required unless the method is trust",
+                );
+            }
+        }
+        let l = &self.limits;
+        if l.max_client_conn == 0 {
+            p.add("limits.max_client_conn".into(), "must be > 0");
+        }
+        if l.max_handshakes == 0 {
+            p.add("limits.max_handshakes".into(), "must be > 0");
+        }
+        if l.handshake_timeout_ms == 0 {
+            p.add("limits.handshake_timeout_ms".into(), "must be > 0");
+        }
+        let mut names = HashSet::new();
+        for (i, c) in self.callers.iter().enumerate() {
+            if c.name.is_empty() || c.name == "default" {
+                p.add(
+                    format!("callers[{i}].name"),
+                    "must be a non-empty name other than `default`",
+                );
+            }
+            if !names.insert(c.name.as_str()) {
+                p.add(
+                    format!("callers[{i}].name"),
+                    format!("duplicate caller `{}`", c.name),
+                );
+            }
+            if c.max_concurrency == Some(0) {
+                p.add(format!("callers[{i}].max_concurrency"), "must be > 0");
+            }
+            if let Some(q) = c.max_qps
+                && (!q.is_finite() || q <= 0.0 || q > 1e6)
+            {
+                p.add(
+                    format!("callers[{i}].max_qps"),
+                    "must be a number in (0, 1000000]",
+                );
+            }
+            if let Some(cidr) = &c.matcher.client_cidr
+                && let Err(e) = check_cidr(cidr)
+            {
+                p.add(format!("callers[{i}].match.client_cidr"), e);
+            }
+        }
+        let b = &self.global_defaults.circuit_breaker;
+        if let Some(t) = b.db_cpu_threshold_percent
+            && !(0.0..=100.0).contains(&t)
+        {
+            p.add(
+                "global_defaults.circuit_breaker.db_cpu_threshold_percent".into(),
+                "must be between 0 and 100",
+            );
+        }
+        if self.global_defaults.max_concurrency == 0 {
+            p.add("global_defaults.max_concurrency".into(), "must be > 0");
+        }
+        if p.out.is_empty() { Ok(()) } else { Err(p.out) }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_backend_urls() {
+        let u = BackendUrl::parse("postgres://app:s%40cret@db.local:6000/appdb").unwrap();
+        assert_eq!(
+            (
+                u.user.as_str(),
+                u.password.as_deref(),
+                u.host.as_str(),
+                u.port,
+                u.database.as_str()
+            ),
+            ("app", Some("s@cret"), "db.local", 6000, "appdb")
+        );
+        let u = BackendUrl::parse("postgresql://app@127.0.0.1").unwrap();
+        assert_eq!(
+            (u.port, u.database.as_str(), u.password.as_deref()),
+            (5432, "app", None)
+        );
+        assert!(BackendUrl::parse("mysql://x@y/z").is_err());
+        assert!(BackendUrl::parse("postgres://h:5432/db").is_err());
+        assert!(BackendUrl::parse("postgres://a:b@h:99999/db").is_err());
+        assert!(!format!("{u:?}").contains("s@cret"));
+    }
+
+    #[test]
+    fn errors_name_field_and_line() {
+        let text = "listen: 127.0.0.1:6432\npool:\n  mode: transaction\n  size: 0\n";
+        let errs = Config::from_yaml(text).unwrap_err();
+        assert_eq!(errs.len(), 1);
+        assert_eq!(errs[0].field, "pool.size");
+        assert_eq!(errs[0].line, Some(4));
+    }
+
+    #[test]
+    fn unknown_keys_are_errors_with_lines() {
+        let errs = Config::from_yaml("pool:\n  sise: 3\n").unwrap_err();
+        assert!(errs[0].message.contains("sise"), "{}", errs[0]);
+        assert_eq!(errs[0].line, Some(2));
+    }
+
+    #[test]
+    fn list_items_are_located() {
+        let text =
+            "callers:\n  - name: a\n    max_concurrency: 5\n  - name: b\n    max_concurrency: 0\n";
+        let errs = Config::from_yaml(text).unwrap_err();
+        assert_eq!(errs[0].field, "callers[1].max_concurrency");
+        assert_eq!(errs[0].line, Some(5));
+    }
+
+    #[test]
+    fn empty_file_is_the_defaults() {
+        let c = Config::from_yaml("").unwrap();
+        assert_eq!(c.pool.size, 20);
+    }
+
+    #[test]
+    fn issue_example_parses() {
+        let text = r#"
+callers:
+  - name: service_payment
+    match: { tag: { service: billing } }
+    max_concurrency: 50
+    queue_depth: 20
+    queue_timeout_ms: 200
+    priority: critical
+  - name: service_analytics
+    match: { application_name: analytics }
+    max_concurrency: 5
+    queue_depth: 0
+    queue_timeout_ms: 0
+    priority: low
+    max_qps: 100
+    statement_timeout_ms: { read: 1000, write: 5000 }
+    lock_timeout_ms: 200
+global_defaults:
+  max_concurrency: 120
+  queue_timeout_ms: 300
+  statement_timeout_ms: 30000
+  circuit_breaker:
+    max_inflight_threshold: 100
+    db_cpu_threshold_percent: 85
+    probe_sql: "SELECT 1"
+    consecutive_errors: 5
+    open_ms: 5000
+"#;
+        let c = Config::from_yaml(text).unwrap();
+        assert_eq!(c.callers.len(), 2);
+    }
+}

@@ -1,0 +1,27 @@
+//! pgsluice: a PostgreSQL wire-protocol proxy that pools backend connections and decides, per
+//! caller and per query pattern, what may reach the database.
+//!
+//! Modules in the order a query meets them:
+//!
+//! ```text
+//! server    accept loop, client slots, graceful stop
+//! session   handshake (SSL/GSS answer, startup, auth) → relay loop (framing, statement
+//!           renaming, replies matched to requests) → release at ReadyForQuery('I')
+//! protocol  header-only framing, message bodies, SQLSTATE errors
+//! pool      per-(database, user) pools, priority checkout, backend connect/auth/reset
+//! cancel    proxy-issued cancel keys → the backend currently running the client's query
+//! auth      SCRAM/md5 secrets for both sides
+//! config    YAML config, validation with field and line
+//! admin     HTTP API on its own port
+//! ```
+
+pub mod admin;
+pub mod app;
+pub mod auth;
+pub mod cancel;
+pub mod config;
+pub mod policy;
+pub mod pool;
+pub mod protocol;
+pub mod server;
+pub mod session;

@@ -1,0 +1,189 @@
+//! `pgsluice` command line: run the proxy, or check a config file.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::sync::Arc;
+
+use clap::{Parser, Subcommand};
+use tokio::signal::unix::{SignalKind, signal};
+
+use pgsluice::app::App;
+use pgsluice::auth::Credentials;
+use pgsluice::config::{Config, ConfigError, LogFormat, Overrides, PoolMode};
+
+#[derive(Parser, Debug)]
+#[command(name = "pgsluice", version, about = "PostgreSQL traffic-control proxy")]
+#[command(args_conflicts_with_subcommands = true)]
+struct Cli {
+    /// YAML configuration file (every section optional).
+    #[arg(long, short = 'c', env = "PGSLUICE_CONFIG")]
+    config: Option<PathBuf>,
+    /// Address clients connect to [default: 127.0.0.1:6432].
+    #[arg(long)]
+    listen: Option<SocketAddr>,
+    /// postgres://USER:PASSWORD@HOST:PORT/DB — that user may log in with that password.
+    #[arg(long)]
+    backend: Option<String>,
+    /// Backend connections per (database, user) pool.
+    #[arg(long)]
+    pool_size: Option<usize>,
+    /// transaction or session.
+    #[arg(long)]
+    pool_mode: Option<PoolMode>,
+    /// Admin HTTP API address [default: 127.0.0.1:9930].
+    #[arg(long)]
+    admin_listen: Option<SocketAddr>,
+    /// Log as JSON lines.
+    #[arg(long)]
+    log_json: bool,
+    #[command(subcommand)]
+    cmd: Option<Cmd>,
+}
+
+#[derive(Subcommand, Debug)]
+enum Cmd {
+    /// Validate a configuration file and print precise errors, without starting.
+    CheckConfig { file: PathBuf },
+}
+
+fn print_errors(errs: &[ConfigError], file: Option<&PathBuf>) {
+    for e in errs {
+        match file {
+            Some(f) => eprintln!("{}: {e}", f.display()),
+            None => eprintln!("config: {e}"),
+        }
+    }
+}
+
+fn load(cli: &Cli) -> Result<Config, Vec<ConfigError>> {
+    let base = match &cli.config {
+        Some(p) => Config::load(p)?,
+        None => Config::default(),
+    };
+    base.apply(&Overrides {
+        listen: cli.listen,
+        admin_listen: cli.admin_listen,
+        backend: cli.backend.clone(),
+        pool_size: cli.pool_size,
+        pool_mode: cli.pool_mode,
+    })
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    if let Some(Cmd::CheckConfig { file }) = &cli.cmd {
+        return match Config::load(file) {
+            Ok(_) => {
+                println!("{}: OK", file.display());
+                ExitCode::SUCCESS
+            }
+            Err(errs) => {
+                print_errors(&errs, Some(file));
+                ExitCode::from(1)
+            }
+        };
+    }
+    let config = match load(&cli) {
+        Ok(c) => c,
+        Err(errs) => {
+            print_errors(&errs, cli.config.as_ref());
+            return ExitCode::from(1);
+        }
+    };
+    init_tracing(&config, cli.log_json);
+    let rt = match tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("cannot start the runtime: {e}");
+            return ExitCode::from(1);
+        }
+    };
+    match rt.block_on(run(cli, config)) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("pgsluice: {e:#}");
+            ExitCode::from(1)
+        }
+    }
+}
+
+fn init_tracing(config: &Config, json: bool) {
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(&config.log.level));
+    let b = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr);
+    if json || config.log.format == LogFormat::Json {
+        b.json().init();
+    } else {
+        b.init();
+    }
+}
+
+async fn run(cli: Cli, config: Config) -> anyhow::Result<()> {
+    let listener = tokio::net::TcpListener::bind(config.listen).await?;
+    let admin = tokio::net::TcpListener::bind(config.admin.listen).await?;
+    let app = App::new(config);
+    // The harness and scripts read these two lines to learn the chosen ports.
+    println!("pgsluice listening on {}", listener.local_addr()?);
+    println!("pgsluice admin listening on {}", admin.local_addr()?);
+    tracing::info!(addr = %listener.local_addr()?, "pgsluice listening");
+
+    let router = pgsluice::admin::router(app.clone());
+    let token = app.shutdown.clone();
+    tokio::spawn(async move {
+        let r = axum::serve(admin, router)
+            .with_graceful_shutdown(token.cancelled_owned())
+            .await;
+        if let Err(e) = r {
+            tracing::error!(error = %e, "admin server failed");
+        }
+    });
+    tokio::spawn(app.clone().maintain());
+    tokio::spawn(signals(app.clone(), cli));
+    pgsluice::server::serve(app, listener).await;
+    Ok(())
+}
+
+/// SIGTERM/SIGINT: graceful stop (a second one exits at once). SIGHUP: reload.
+async fn signals(app: Arc<App>, cli: Cli) {
+    let (Ok(mut term), Ok(mut int), Ok(mut hup)) = (
+        signal(SignalKind::terminate()),
+        signal(SignalKind::interrupt()),
+        signal(SignalKind::hangup()),
+    ) else {
+        tracing::error!("cannot install signal handlers");
+        return;
+    };
+    loop {
+        tokio::select! {
+            _ = term.recv() => {}
+            _ = int.recv() => {}
+            _ = hup.recv() => {
+                match load(&cli) {
+                    Ok(c) => {
+                        app.creds.store(Arc::new(Credentials::from_config(&c)));
+                        app.config.store(Arc::new(c));
+                        tracing::info!("configuration reloaded");
+                    }
+                    Err(errs) => {
+                        for e in errs {
+                            tracing::error!(error = %e, "reload rejected; keeping the running configuration");
+                        }
+                    }
+                }
+                continue;
+            }
+        }
+        if app.shutdown.is_cancelled() {
+            tracing::warn!("second shutdown signal: exiting now");
+            std::process::exit(0);
+        }
+        tracing::info!("shutting down: no new connections");
+        app.shutdown.cancel();
+    }
+}

@@ -1,0 +1,687 @@
+//! Admission control: may this statement run now, after a wait, or not at all (DESIGN §5).
+//!
+//! [`Policy::admit`] evaluates, in order, and the first refusal wins:
+//! 1. fingerprint rules ([`rules`]): REJECT, THROTTLE (refuse, or wait for a token up to the
+//!    caller's queue timeout), CONCURRENCY, TIMEOUT overrides; warn-mode rules only add a
+//!    notice;
+//! 2. caller limits: the caller's `max_qps` bucket ([`bucket`]), then its concurrency slots
+//!    and FIFO queue ([`limiter`]);
+//! 3. the circuit breaker ([`breaker`]).
+//!
+//! One deviation from a strictly sequential reading: if the caller has to queue for a slot
+//! and the breaker would shed it anyway, it is refused with `ERR_CIRCUIT_OPEN` at once rather
+//! than after waiting — "fail fast" while open is the point of the breaker. A caller whose
+//! queue is full still gets `ERR_CALLER_LIMIT_EXCEEDED`, as the order says.
+//!
+//! The result is an [`Admission`] — an RAII bundle of the caller permit, the rule CONCURRENCY
+//! slot and the breaker ticket, plus timeout overrides and warn-mode notices — or a
+//! [`Refusal`] carrying SQLSTATE, message, DETAIL and a jittered retry hint ([`refusal`]).
+//!
+//! What this module must not do: touch sockets, import other pgsluice modules, or decide which
+//! errors are backend faults. Callers arrive as `u16` ids (index into the configured list,
+//! the last entry being the catch-all `default`; an unknown id is treated as that last entry so
+//! that a reload shrinking the list cannot panic a session) and fingerprints as `u64`.
+//!
+//! A rate token (rule THROTTLE or caller `max_qps`) is spent when that check passes, even if a
+//! later check refuses the statement: the buckets bound how fast statements *arrive* at each
+//! gate, which keeps a refused flood from refilling its own budget.
+//!
+//! Hot reload: [`Policy::reconfigure`] swaps the caller table in one step. Callers are matched
+//! by name, so their in-flight permits, queues and counters carry over; new limits apply to new
+//! acquisitions. A `max_qps` bucket is kept when its rate and burst are unchanged.
+
+pub mod breaker;
+pub mod bucket;
+pub mod limiter;
+pub mod refusal;
+pub mod rule_spec;
+pub mod rules;
+
+#[cfg(test)]
+mod admit_tests;
+#[cfg(test)]
+mod rules_tests;
+
+use std::fmt;
+use std::str::FromStr;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+use parking_lot::RwLock;
+use serde::{Deserialize, Serialize, Serializer};
+use tokio::time::Instant;
+
+use self::breaker::{
+    Breaker, BreakerConfig, BreakerRefusal, BreakerSnapshot, BreakerState, BreakerTicket,
+    TransitionObserver,
+};
+use self::bucket::{MAX_RATE, TokenBucket};
+use self::limiter::{CallerPermit, LimitRefusal, Limiter, Limits};
+use self::refusal::{Backoff, Reason};
+use self::rules::{RuleAction, RuleCheck, RuleGuard, RuleSet, RuleViolation, fingerprint_hex};
+
+pub use self::refusal::{Refusal, RefusalKind};
+
+/// Caller priority. Derived order is serving order: `Critical < High < Normal < Low`.
+#[derive(
+    Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Default, Serialize, Deserialize,
+)]
+#[serde(rename_all = "lowercase")]
+pub enum Priority {
+    Critical,
+    High,
+    #[default]
+    Normal,
+    Low,
+}
+
+impl Priority {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Critical => "critical",
+            Self::High => "high",
+            Self::Normal => "normal",
+            Self::Low => "low",
+        }
+    }
+}
+
+impl fmt::Display for Priority {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// `"critical"` etc. was expected.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("unknown priority {0:?}; expected critical, high, normal or low")]
+pub struct UnknownPriority(pub String);
+
+impl FromStr for Priority {
+    type Err = UnknownPriority;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s {
+            "critical" => Ok(Self::Critical),
+            "high" => Ok(Self::High),
+            "normal" => Ok(Self::Normal),
+            "low" => Ok(Self::Low),
+            _ => Err(UnknownPriority(s.to_owned())),
+        }
+    }
+}
+
+/// One caller's limits, as the config module hands them over.
+#[derive(Debug, Clone, PartialEq)]
+pub struct CallerPolicy {
+    pub name: String,
+    pub max_concurrency: u32,
+    /// Waiters once `max_concurrency` is reached; 0 refuses at once.
+    pub queue_depth: u32,
+    /// Longest wait for a slot (and for a THROTTLE-QUEUE token), counted from arrival.
+    pub queue_timeout: Duration,
+    pub priority: Priority,
+    /// Token-bucket rate; `None` = unlimited.
+    pub max_qps: Option<f64>,
+    /// Bucket capacity; defaults to one second's worth of `max_qps`.
+    pub burst: Option<u32>,
+}
+
+/// The caller table or breaker settings were unusable; nothing was applied.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("callers[{index}].{field}: {message}")]
+pub struct PolicyError {
+    pub index: usize,
+    pub field: &'static str,
+    pub message: String,
+}
+
+/// What `admit` needs to know about a statement. Plain data, built per statement.
+#[derive(Debug, Clone, Copy)]
+pub struct AdmitRequest {
+    /// Index into the caller table.
+    pub caller: u16,
+    pub fingerprint: u64,
+    /// Arrival time; queue deadlines count from here.
+    pub now: Instant,
+}
+
+/// A statement may run. Hold this until the statement (in transaction mode: the backend) is
+/// released; dropping it gives back the caller slot, the rule slot and the breaker ticket.
+#[derive(Debug)]
+pub struct Admission {
+    pub caller: u16,
+    /// From a TIMEOUT rule. `Some(ZERO)` means "no timeout" (Postgres reads 0 that way).
+    pub statement_timeout_override: Option<Duration>,
+    pub lock_timeout_override: Option<Duration>,
+    /// Warn-mode rule notices for the session to send as NOTICE before running the statement.
+    pub warnings: Vec<String>,
+    /// Time spent waiting (THROTTLE-QUEUE token plus caller queue), for the queue-wait
+    /// histogram.
+    pub queue_wait: Duration,
+    _permit: CallerPermit,
+    _rule_guard: Option<RuleGuard>,
+    ticket: BreakerTicket,
+}
+
+impl Admission {
+    /// Admitted as a half-open trial of the breaker.
+    pub fn is_breaker_trial(&self) -> bool {
+        self.ticket.is_probe()
+    }
+}
+
+/// Refusals of one caller, by reason.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize)]
+pub struct RefusalCounts {
+    pub caller_limit: u64,
+    pub queue_timeout: u64,
+    pub rate_limited: u64,
+    pub query_blocked: u64,
+    pub circuit_open: u64,
+    pub query_concurrency: u64,
+}
+
+/// One caller in `GET /v1/callers`.
+#[derive(Debug, Clone, Serialize)]
+pub struct CallerSnapshot {
+    pub id: u16,
+    pub name: String,
+    pub priority: Priority,
+    pub max_concurrency: u32,
+    pub queue_depth: u32,
+    pub queue_timeout_ms: u64,
+    pub max_qps: Option<f64>,
+    pub burst: Option<u32>,
+    pub in_flight: u32,
+    pub queued: u32,
+    pub admitted: u64,
+    pub refusals: RefusalCounts,
+}
+
+/// The policy engine shared by all sessions.
+pub struct Policy {
+    callers: RwLock<Arc<[Arc<CallerState>]>>,
+    breaker: Breaker,
+    rules: Arc<RuleSet>,
+}
+
+/// Per-caller runtime state; rebuilt on reload around the same limiter and stats.
+struct CallerState {
+    policy: CallerPolicy,
+    limiter: Limiter,
+    bucket: Option<Arc<TokenBucket>>,
+    stats: Arc<CallerStats>,
+}
+
+struct CallerStats {
+    admitted: AtomicU64,
+    refusals: [AtomicU64; RefusalKind::ALL.len()],
+    backoff: Backoff,
+}
+
+impl Policy {
+    /// Build from the caller table (index = caller id, last = `default`) and breaker config,
+    /// with an empty rule set.
+    pub fn new(callers: Vec<CallerPolicy>, breaker: BreakerConfig) -> Result<Self, PolicyError> {
+        Self::with_rules(callers, breaker, Arc::new(RuleSet::new()))
+    }
+
+    /// As [`Policy::new`], sharing a rule set (e.g. one loaded from the rules file).
+    pub fn with_rules(
+        callers: Vec<CallerPolicy>,
+        breaker: BreakerConfig,
+        rules: Arc<RuleSet>,
+    ) -> Result<Self, PolicyError> {
+        let now = Instant::now();
+        let table = build_table(callers, &[], now)?;
+        Ok(Self {
+            callers: RwLock::new(table),
+            breaker: Breaker::new(breaker, now),
+            rules,
+        })
+    }
+
+    /// Hot reload: validate everything first, then swap in one step (never half-applied).
+    pub fn reconfigure(
+        &self,
+        callers: Vec<CallerPolicy>,
+        breaker: BreakerConfig,
+    ) -> Result<(), PolicyError> {
+        let old = self.callers.read().clone();
+        let table = build_table(callers, &old, Instant::now())?;
+        *self.callers.write() = table;
+        self.breaker.set_config(breaker);
+        Ok(())
+    }
+
+    /// Runtime fingerprint rules (for the admin API and persistence).
+    pub fn rules(&self) -> &Arc<RuleSet> {
+        &self.rules
+    }
+
+    /// Called on every breaker transition, outside any lock (logs, metrics).
+    pub fn set_transition_observer(&self, observer: Option<TransitionObserver>) {
+        self.breaker.set_observer(observer);
+    }
+
+    /// Caller id for a name in the current table.
+    pub fn caller_id(&self, name: &str) -> Option<u16> {
+        let table = self.callers.read();
+        table
+            .iter()
+            .position(|c| c.policy.name == name)
+            .and_then(|i| u16::try_from(i).ok())
+    }
+
+    /// Decide on one statement. May wait (THROTTLE-QUEUE token, caller queue) up to the
+    /// caller's queue timeout; cancel-safe — dropping the future gives everything back.
+    pub async fn admit(&self, req: &AdmitRequest) -> Result<Admission, Refusal> {
+        let (id, caller) = self.caller(req.caller);
+        let policy = &caller.policy;
+        let deadline = req
+            .now
+            .checked_add(policy.queue_timeout)
+            .unwrap_or_else(|| req.now + Duration::from_secs(86_400));
+        let mut now = req.now;
+        let mut waited = false;
+        let mut warnings = Vec::new();
+        let (mut statement_timeout, mut lock_timeout, mut rule_guard) = (None, None, None);
+
+        // 1. Fingerprint rules.
+        match self
+            .rules
+            .check(req.fingerprint, &policy.name, now, policy.queue_timeout)
+        {
+            RuleCheck::NoRule => {}
+            RuleCheck::Refuse { rule, violation } => {
+                let reason = rule_reason(req.fingerprint, rule.def(), &violation);
+                return Err(self.refuse(id, &caller, reason, req.fingerprint, now));
+            }
+            RuleCheck::Admit(a) => {
+                if let Some(v) = &a.would_refuse {
+                    warnings.push(rule_reason(req.fingerprint, a.rule.def(), v).warning());
+                }
+                statement_timeout = a.statement_timeout;
+                lock_timeout = a.lock_timeout;
+                rule_guard = a.guard;
+                if !a.wait.is_zero() {
+                    tokio::time::sleep_until(now + a.wait).await;
+                    now = Instant::now();
+                    waited = true;
+                }
+            }
+        }
+
+        // 2a. Caller rate.
+        if let Some(bucket) = &caller.bucket
+            && let Err(wait) = bucket.try_take(now)
+        {
+            let what = format!("caller {} is over max_qps={}", policy.name, bucket.rate());
+            let detail = format!(
+                "limit: caller {} max_qps={}, burst={}",
+                policy.name,
+                bucket.rate(),
+                bucket.burst()
+            );
+            let reason = Reason::new(RefusalKind::RateLimited, what, detail, wait);
+            return Err(self.refuse(id, &caller, reason, req.fingerprint, now));
+        }
+
+        // 2b. Caller concurrency, queueing if allowed.
+        let permit = match caller.limiter.try_acquire() {
+            Some(permit) => permit,
+            None => {
+                let limiter = &caller.limiter;
+                if limiter.queued() < limiter.limits().queue_depth
+                    && let Some(shed) = self.breaker.would_shed(policy.priority, now)
+                {
+                    let reason = self.circuit_reason(policy, &shed);
+                    return Err(self.refuse(id, &caller, reason, req.fingerprint, now));
+                }
+                let acquired = limiter.acquire(deadline).await;
+                now = Instant::now();
+                waited = true;
+                match acquired {
+                    Ok(permit) => permit,
+                    Err(refusal) => {
+                        let reason = limit_reason(policy, &refusal);
+                        return Err(self.refuse(id, &caller, reason, req.fingerprint, now));
+                    }
+                }
+            }
+        };
+
+        // 3. Circuit breaker.
+        let ticket = match self.breaker.allow(policy.priority, now) {
+            Ok(ticket) => ticket,
+            Err(shed) => {
+                let reason = self.circuit_reason(policy, &shed);
+                return Err(self.refuse(id, &caller, reason, req.fingerprint, now));
+            }
+        };
+
+        caller.stats.admitted.fetch_add(1, Ordering::Relaxed);
+        Ok(Admission {
+            caller: id,
+            statement_timeout_override: statement_timeout,
+            lock_timeout_override: lock_timeout,
+            warnings,
+            queue_wait: if waited {
+                now.saturating_duration_since(req.now)
+            } else {
+                Duration::ZERO
+            },
+            _permit: permit,
+            _rule_guard: rule_guard,
+            ticket,
+        })
+    }
+
+    /// Outcome of a statement that reached the backend: `false` for backend faults only
+    /// (errors, timeouts, lost connections), `true` otherwise.
+    pub fn record_backend_result(&self, ok: bool) {
+        let now = Instant::now();
+        if ok {
+            self.breaker.on_success(now);
+        } else {
+            self.breaker.on_failure(now);
+        }
+    }
+
+    /// A health-probe reading (e.g. DB CPU %).
+    pub fn on_probe(&self, value: f64) {
+        self.breaker.on_probe(value, Instant::now());
+    }
+
+    /// Per-caller limits, load and refusals.
+    pub fn callers(&self) -> Vec<CallerSnapshot> {
+        let table = self.callers.read().clone();
+        table
+            .iter()
+            .enumerate()
+            .map(|(i, c)| {
+                let p = &c.policy;
+                let r = |k: RefusalKind| c.stats.refusals[k.index()].load(Ordering::Relaxed);
+                CallerSnapshot {
+                    id: u16::try_from(i).unwrap_or(u16::MAX),
+                    name: p.name.clone(),
+                    priority: p.priority,
+                    max_concurrency: p.max_concurrency,
+                    queue_depth: p.queue_depth,
+                    queue_timeout_ms: u64::try_from(p.queue_timeout.as_millis())
+                        .unwrap_or(u64::MAX),
+                    max_qps: c.bucket.as_ref().map(|b| b.rate()),
+                    burst: c.bucket.as_ref().map(|b| b.burst()),
+                    in_flight: c.limiter.in_flight(),
+                    queued: c.limiter.queued(),
+                    admitted: c.stats.admitted.load(Ordering::Relaxed),
+                    refusals: RefusalCounts {
+                        caller_limit: r(RefusalKind::CallerLimitExceeded),
+                        queue_timeout: r(RefusalKind::QueueTimeout),
+                        rate_limited: r(RefusalKind::RateLimited),
+                        query_blocked: r(RefusalKind::QueryBlocked),
+                        circuit_open: r(RefusalKind::CircuitOpen),
+                        query_concurrency: r(RefusalKind::QueryConcurrency),
+                    },
+                }
+            })
+            .collect()
+    }
+
+    /// Breaker state for `GET /v1/breaker` and metrics.
+    pub fn breaker(&self) -> BreakerSnapshot {
+        self.breaker.snapshot(Instant::now())
+    }
+
+    /// Current breaker state only (cheap enough for a gauge).
+    pub fn breaker_state(&self) -> BreakerState {
+        self.breaker.state(Instant::now())
+    }
+
+    /// `(id, state)` for a caller id, out-of-range ids mapping to the last (`default`) entry.
+    fn caller(&self, id: u16) -> (u16, Arc<CallerState>) {
+        let table = self.callers.read();
+        let last = table.len() - 1; // never empty: build_table refuses an empty list
+        let index = usize::from(id).min(last);
+        (
+            u16::try_from(index).unwrap_or(u16::MAX),
+            Arc::clone(&table[index]),
+        )
+    }
+
+    fn refuse(
+        &self,
+        id: u16,
+        caller: &CallerState,
+        reason: Reason,
+        fingerprint: u64,
+        now: Instant,
+    ) -> Refusal {
+        caller.stats.refusals[reason.kind.index()].fetch_add(1, Ordering::Relaxed);
+        let retry = caller.stats.backoff.retry_after_ms(reason.floor, now);
+        reason.into_refusal(retry, id, fingerprint)
+    }
+
+    fn circuit_reason(&self, policy: &CallerPolicy, shed: &BreakerRefusal) -> Reason {
+        let config = self.breaker.config();
+        let limit = match shed.reason {
+            Some(breaker::TripReason::ConsecutiveErrors) => {
+                format!("consecutive_errors={}", config.consecutive_errors)
+            }
+            Some(breaker::TripReason::Inflight) => format!(
+                "max_inflight_threshold={}",
+                config.max_inflight_threshold.unwrap_or(0)
+            ),
+            Some(breaker::TripReason::Probe) => format!(
+                "db_cpu_threshold_percent={}",
+                config.db_cpu_threshold_percent.unwrap_or(f64::NAN)
+            ),
+            Some(breaker::TripReason::TrialFailed) => "a half-open trial failed".to_owned(),
+            None => "tripped".to_owned(),
+        };
+        let state = match shed.state {
+            BreakerState::HalfOpen => "half-open and its trial slots are busy",
+            _ => "open",
+        };
+        let what = format!(
+            "circuit breaker is {state}; only critical traffic is admitted (caller {} has priority {})",
+            policy.name, policy.priority
+        );
+        let detail = format!(
+            "limit: circuit_breaker {limit}, open_ms={}",
+            config.open.as_millis()
+        );
+        Reason::new(RefusalKind::CircuitOpen, what, detail, shed.retry_after)
+    }
+}
+
+fn limit_reason(policy: &CallerPolicy, refusal: &LimitRefusal) -> Reason {
+    let name = &policy.name;
+    match refusal {
+        LimitRefusal::LimitExceeded {
+            limits,
+            in_flight,
+            queued,
+        } => Reason::new(
+            RefusalKind::CallerLimitExceeded,
+            format!(
+                "caller {name} is at max_concurrency={} and its queue is full",
+                limits.max_concurrency
+            ),
+            format!(
+                "limit: caller {name} max_concurrency={}, queue_depth={} (in flight {in_flight}, queued {queued})",
+                limits.max_concurrency, limits.queue_depth
+            ),
+            Duration::ZERO,
+        ),
+        LimitRefusal::QueueTimeout { limits, waited } => Reason::new(
+            RefusalKind::QueueTimeout,
+            format!(
+                "caller {name} waited {} ms for one of its max_concurrency={} slots",
+                waited.as_millis(),
+                limits.max_concurrency
+            ),
+            format!(
+                "limit: caller {name} queue_timeout_ms={}, max_concurrency={}",
+                policy.queue_timeout.as_millis(),
+                limits.max_concurrency
+            ),
+            Duration::ZERO,
+        ),
+    }
+}
+
+fn rule_reason(fp: u64, def: &rules::RuleDef, violation: &RuleViolation) -> Reason {
+    let hex = fingerprint_hex(fp);
+    let suffix = def
+        .error_message
+        .as_deref()
+        .map(|m| format!(": {m}"))
+        .unwrap_or_default();
+    match (violation, &def.action) {
+        (
+            RuleViolation::RateLimited { retry_after },
+            RuleAction::Throttle {
+                max_qps,
+                burst,
+                on_exceed,
+            },
+        ) => Reason::new(
+            RefusalKind::RateLimited,
+            format!("fingerprint {hex} is throttled to max_qps={max_qps} by a rule{suffix}"),
+            format!(
+                "limit: rule on fingerprint {hex} max_qps={max_qps}, burst={burst}, action_on_exceed={}",
+                match on_exceed {
+                    rules::OnExceed::Reject => "REJECT",
+                    rules::OnExceed::Queue => "QUEUE",
+                }
+            ),
+            *retry_after,
+        ),
+        (RuleViolation::RateLimited { retry_after }, _) => Reason::new(
+            RefusalKind::RateLimited,
+            format!("fingerprint {hex} is throttled by a rule{suffix}"),
+            format!("limit: rule on fingerprint {hex}"),
+            *retry_after,
+        ),
+        (RuleViolation::Concurrency { max_inflight }, _) => Reason::new(
+            RefusalKind::QueryConcurrency,
+            format!("fingerprint {hex} is at max_inflight={max_inflight} set by a rule{suffix}"),
+            format!("limit: rule on fingerprint {hex} max_inflight={max_inflight}"),
+            Duration::ZERO,
+        ),
+        (RuleViolation::Blocked, _) => Reason::new(
+            RefusalKind::QueryBlocked,
+            format!("fingerprint {hex} is blocked by a rule{suffix}"),
+            format!("limit: rule on fingerprint {hex} action=REJECT"),
+            Duration::ZERO,
+        ),
+    }
+}
+
+/// Validate the caller list and build its runtime table, reusing the limiter, stats and (if
+/// unchanged) bucket of same-named callers in `old`.
+fn build_table(
+    callers: Vec<CallerPolicy>,
+    old: &[Arc<CallerState>],
+    now: Instant,
+) -> Result<Arc<[Arc<CallerState>]>, PolicyError> {
+    let err = |index, field, message: &str| PolicyError {
+        index,
+        field,
+        message: message.to_owned(),
+    };
+    if callers.is_empty() {
+        return Err(err(
+            0,
+            "name",
+            "at least one caller (the default) is required",
+        ));
+    }
+    if callers.len() > usize::from(u16::MAX) + 1 {
+        return Err(err(callers.len() - 1, "name", "more than 65536 callers"));
+    }
+    let mut table = Vec::with_capacity(callers.len());
+    for (i, policy) in callers.into_iter().enumerate() {
+        if policy.name.is_empty() {
+            return Err(err(i, "name", "must not be empty"));
+        }
+        if table
+            .iter()
+            .any(|c: &Arc<CallerState>| c.policy.name == policy.name)
+        {
+            return Err(err(i, "name", "duplicate caller name"));
+        }
+        if policy.max_concurrency == 0 {
+            return Err(err(i, "max_concurrency", "must be >= 1"));
+        }
+        if let Some(q) = policy.max_qps
+            && !(q.is_finite() && q > 0.0 && q <= MAX_RATE)
+        {
+            return Err(err(
+                i,
+                "max_qps",
+                "must be a finite number > 0 and <= 1000000",
+            ));
+        }
+        if policy.burst == Some(0) {
+            return Err(err(i, "burst", "must be >= 1"));
+        }
+        let limits = Limits {
+            max_concurrency: policy.max_concurrency,
+            queue_depth: policy.queue_depth,
+        };
+        let want_bucket = policy.max_qps.map(|q| {
+            (
+                q,
+                policy
+                    .burst
+                    .unwrap_or_else(|| TokenBucket::default_burst(q)),
+            )
+        });
+        let previous = old.iter().find(|c| c.policy.name == policy.name);
+        let bucket = match (want_bucket, previous.and_then(|p| p.bucket.as_ref())) {
+            (None, _) => None,
+            (Some((q, b)), Some(existing)) if existing.rate() == q && existing.burst() == b => {
+                Some(Arc::clone(existing))
+            }
+            (Some((q, b)), _) => Some(Arc::new(TokenBucket::new(q, b, now))),
+        };
+        let state = match previous {
+            Some(p) => CallerState {
+                limiter: p.limiter.clone(),
+                stats: Arc::clone(&p.stats),
+                bucket,
+                policy,
+            },
+            None => CallerState {
+                limiter: Limiter::new(limits),
+                stats: Arc::new(CallerStats {
+                    admitted: AtomicU64::new(0),
+                    refusals: Default::default(),
+                    backoff: Backoff::new(),
+                }),
+                bucket,
+                policy,
+            },
+        };
+        table.push(Arc::new(state));
+    }
+    // Only now, with the whole table valid, touch the shared limiters.
+    for c in &table {
+        let limits = Limits {
+            max_concurrency: c.policy.max_concurrency,
+            queue_depth: c.policy.queue_depth,
+        };
+        if c.limiter.limits() != limits {
+            c.limiter.set_limits(limits);
+        }
+    }
+    Ok(table.into())
+}
+
+/// Serialise a `Duration` as whole milliseconds (snapshots use `_ms` field names).
+fn ser_ms<S: Serializer>(d: &Duration, s: S) -> Result<S::Ok, S::Error> {
+    s.serialize_u64(u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
+}

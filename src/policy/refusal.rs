@@ -1,0 +1,298 @@
+//! Refusals: the one place that turns a policy "no" into SQLSTATE, client-visible text and a
+//! retry hint (DESIGN §5 error table).
+//!
+//! Owns the refusal kinds, their codes and message wording, the warn-mode notice wording, and
+//! the full-jitter retry hint. It does not send anything: the protocol layer turns a
+//! [`Refusal`] into an ErrorResponse (message, DETAIL = `detail`, HINT = [`Refusal::hint`]).
+//!
+//! Retry hint: `retry_after_ms = floor + random(0, min(CAP, BASE · 2^k))` where `floor` is
+//! the time the limit itself says nothing can change (a bucket's time to the next token, the
+//! rest of a breaker's open period) and `k` is the number of refusals the same caller got in
+//! the preceding burst (reset after [`BACKOFF_WINDOW`] without refusals). A flooding caller's
+//! clients therefore spread their retries over a growing window instead of returning as a
+//! herd, while an occasional refusal suggests a retry within [`BACKOFF_BASE`].
+
+use std::time::Duration;
+
+use parking_lot::Mutex;
+use serde::Serialize;
+use tokio::time::Instant;
+
+/// Jitter window for a caller's first refusal in a burst.
+pub const BACKOFF_BASE: Duration = Duration::from_millis(50);
+/// Largest jitter window, however long the burst of refusals.
+pub const BACKOFF_CAP: Duration = Duration::from_secs(5);
+/// A caller with no refusal for this long starts again at `BACKOFF_BASE`.
+pub const BACKOFF_WINDOW: Duration = Duration::from_secs(1);
+
+/// Why a statement was refused. `reason()` is the bounded metrics label.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize)]
+pub enum RefusalKind {
+    /// Caller at `max_concurrency` and its queue full.
+    #[serde(rename = "caller_limit")]
+    CallerLimitExceeded,
+    /// Waited longer than the caller's `queue_timeout_ms`.
+    #[serde(rename = "queue_timeout")]
+    QueueTimeout,
+    /// Caller `max_qps` or rule THROTTLE.
+    #[serde(rename = "rate_limited")]
+    RateLimited,
+    /// Rule REJECT.
+    #[serde(rename = "query_blocked")]
+    QueryBlocked,
+    /// Breaker open (or half-open with its trial slots busy), non-critical traffic.
+    #[serde(rename = "circuit_open")]
+    CircuitOpen,
+    /// Rule CONCURRENCY at its `max_inflight`. Not in the DESIGN table; it shares 53300 with
+    /// the other concurrency refusal and has its own code so operators can tell them apart.
+    #[serde(rename = "query_concurrency")]
+    QueryConcurrency,
+}
+
+impl RefusalKind {
+    pub const ALL: [RefusalKind; 6] = [
+        Self::CallerLimitExceeded,
+        Self::QueueTimeout,
+        Self::RateLimited,
+        Self::QueryBlocked,
+        Self::CircuitOpen,
+        Self::QueryConcurrency,
+    ];
+
+    /// Metrics label.
+    pub fn reason(self) -> &'static str {
+        match self {
+            Self::CallerLimitExceeded => "caller_limit",
+            Self::QueueTimeout => "queue_timeout",
+            Self::RateLimited => "rate_limited",
+            Self::QueryBlocked => "query_blocked",
+            Self::CircuitOpen => "circuit_open",
+            Self::QueryConcurrency => "query_concurrency",
+        }
+    }
+
+    /// SQLSTATE: 53300 too_many_connections, 53400 configuration_limit_exceeded,
+    /// 53000 insufficient_resources.
+    pub fn sqlstate(self) -> &'static str {
+        match self {
+            Self::CallerLimitExceeded | Self::QueueTimeout | Self::QueryConcurrency => "53300",
+            Self::RateLimited | Self::QueryBlocked => "53400",
+            Self::CircuitOpen => "53000",
+        }
+    }
+
+    /// The `ERR_…` code that leads the message.
+    pub fn code(self) -> &'static str {
+        match self {
+            Self::CallerLimitExceeded => "ERR_CALLER_LIMIT_EXCEEDED",
+            Self::QueueTimeout => "ERR_QUEUE_TIMEOUT",
+            Self::RateLimited => "ERR_RATE_LIMITED",
+            Self::QueryBlocked => "ERR_QUERY_BLOCKED",
+            Self::CircuitOpen => "ERR_CIRCUIT_OPEN",
+            Self::QueryConcurrency => "ERR_QUERY_CONCURRENCY",
+        }
+    }
+
+    pub(super) fn index(self) -> usize {
+        self as usize
+    }
+}
+
+/// A refused statement, ready for the protocol layer to send as an ErrorResponse.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+#[error("{message}")]
+pub struct Refusal {
+    pub kind: RefusalKind,
+    pub sqlstate: &'static str,
+    /// `pgsluice: ERR_…: <what happened, which caller/fingerprint/limit>`.
+    pub message: String,
+    /// Names the limit (sent as DETAIL).
+    pub detail: String,
+    /// Suggested back-off with full jitter (sent as HINT `retry_after_ms=N`).
+    pub retry_after_ms: u64,
+    /// Caller id the statement was classified as.
+    pub caller: u16,
+    pub fingerprint: u64,
+}
+
+impl Refusal {
+    /// HINT text.
+    pub fn hint(&self) -> String {
+        format!("retry_after_ms={}", self.retry_after_ms)
+    }
+}
+
+/// A refusal before it gets its retry hint and counters: what happened and the limit's floor.
+#[derive(Debug, Clone)]
+pub(super) struct Reason {
+    pub kind: RefusalKind,
+    pub what: String,
+    pub detail: String,
+    pub floor: Duration,
+}
+
+impl Reason {
+    pub fn new(kind: RefusalKind, what: String, detail: String, floor: Duration) -> Self {
+        Self {
+            kind,
+            what,
+            detail,
+            floor,
+        }
+    }
+
+    pub fn into_refusal(self, retry_after_ms: u64, caller: u16, fingerprint: u64) -> Refusal {
+        Refusal {
+            kind: self.kind,
+            sqlstate: self.kind.sqlstate(),
+            message: format!("pgsluice: {}: {}", self.kind.code(), self.what),
+            detail: self.detail,
+            retry_after_ms,
+            caller,
+            fingerprint,
+        }
+    }
+
+    /// NOTICE text for a warn-mode rule that would have refused.
+    pub fn warning(&self) -> String {
+        format!(
+            "pgsluice: rule in warn mode would refuse this statement with {}: {} ({})",
+            self.kind.code(),
+            self.what,
+            self.detail
+        )
+    }
+}
+
+/// Per-caller refusal streak, for the exponent of the jitter window.
+#[derive(Debug)]
+pub(super) struct Backoff {
+    state: Mutex<Option<(Instant, u32)>>,
+}
+
+impl Backoff {
+    pub fn new() -> Self {
+        Self {
+            state: Mutex::new(None),
+        }
+    }
+
+    /// Record a refusal at `now` and return its retry hint in ms.
+    pub fn retry_after_ms(&self, floor: Duration, now: Instant) -> u64 {
+        let k = {
+            let mut st = self.state.lock();
+            let streak = match *st {
+                Some((last, n)) if now.saturating_duration_since(last) < BACKOFF_WINDOW => {
+                    n.saturating_add(1)
+                }
+                _ => 0,
+            };
+            *st = Some((now, streak));
+            streak
+        };
+        floor_ms(floor).saturating_add(jitter_ms(k))
+    }
+}
+
+/// `random(0, min(CAP, BASE · 2^k))` in ms.
+pub(super) fn jitter_ms(k: u32) -> u64 {
+    let base = floor_ms(BACKOFF_BASE);
+    let cap = floor_ms(BACKOFF_CAP);
+    let window = base.checked_shl(k.min(32)).unwrap_or(cap).min(cap);
+    rand::random_range(0..=window)
+}
+
+/// Duration → ms, rounded up so a floor of 0.3 ms is not hinted as "retry now".
+fn floor_ms(d: Duration) -> u64 {
+    let ms = d.as_micros().div_ceil(1000);
+    u64::try_from(ms).unwrap_or(u64::MAX)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn codes_and_states_match_the_design_table() {
+        let table = [
+            (
+                RefusalKind::CallerLimitExceeded,
+                "53300",
+                "ERR_CALLER_LIMIT_EXCEEDED",
+                "caller_limit",
+            ),
+            (
+                RefusalKind::QueueTimeout,
+                "53300",
+                "ERR_QUEUE_TIMEOUT",
+                "queue_timeout",
+            ),
+            (
+                RefusalKind::RateLimited,
+                "53400",
+                "ERR_RATE_LIMITED",
+                "rate_limited",
+            ),
+            (
+                RefusalKind::QueryBlocked,
+                "53400",
+                "ERR_QUERY_BLOCKED",
+                "query_blocked",
+            ),
+            (
+                RefusalKind::CircuitOpen,
+                "53000",
+                "ERR_CIRCUIT_OPEN",
+                "circuit_open",
+            ),
+            (
+                RefusalKind::QueryConcurrency,
+                "53300",
+                "ERR_QUERY_CONCURRENCY",
+                "query_concurrency",
+            ),
+        ];
+        for (kind, state, code, reason) in table {
+            assert_eq!(
+                (kind.sqlstate(), kind.code(), kind.reason()),
+                (state, code, reason)
+            );
+            assert_eq!(serde_json::to_value(kind).ok(), Some(reason.into()));
+        }
+        for (i, kind) in RefusalKind::ALL.iter().enumerate() {
+            assert_eq!(kind.index(), i);
+        }
+    }
+
+    #[test]
+    fn jitter_window_grows_and_caps() {
+        for _ in 0..200 {
+            assert!(jitter_ms(0) <= 50);
+            assert!(jitter_ms(3) <= 400);
+            assert!(jitter_ms(7) <= 5000);
+            assert!(jitter_ms(u32::MAX) <= 5000);
+        }
+        // Over many draws the cap is actually reached for, not stuck at the base.
+        assert!((0..200).map(|_| jitter_ms(10)).max().unwrap_or(0) > 1000);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn streak_resets_after_a_quiet_window() {
+        let b = Backoff::new();
+        let floor = Duration::from_micros(300);
+        for _ in 0..20 {
+            b.retry_after_ms(floor, Instant::now());
+        }
+        let hot = (0..50)
+            .map(|_| b.retry_after_ms(floor, Instant::now()))
+            .max()
+            .unwrap_or(0);
+        assert!(hot > 100, "a long streak widens the window: {hot}");
+        tokio::time::advance(BACKOFF_WINDOW).await;
+        let cool = b.retry_after_ms(floor, Instant::now());
+        assert!(
+            (1..=51).contains(&cool),
+            "floor rounds up to 1 ms, window back to base: {cool}"
+        );
+    }
+}

@@ -1,0 +1,443 @@
+//! Runtime fingerprint rules (DESIGN §5 step 1, issue 6): the live set an SRE changes during
+//! an incident.
+//!
+//! Owns the in-memory rule set keyed by fingerprint, each rule's runtime state (THROTTLE bucket,
+//! CONCURRENCY in-flight count, hit/refusal/warn counters), TTL expiry, the hot-path
+//! [`RuleSet::check`], and the persisted file format. The rule vocabulary and its validation
+//! live in `rule_spec` and are re-exported here. It does not format client-visible errors (that
+//! is `policy::refusal`, so all refusal text lives in one place), does not write files (the
+//! admin layer does the atomic write+rename with the bytes from [`RuleSet::to_json_bytes`]) and
+//! does not know which callers exist.
+//!
+//! * One rule per fingerprint; a PUT replaces the rule (and its counters and bucket).
+//! * Expiry is kept as an `Instant` for the hot path and as absolute unix ms for persistence,
+//!   so a rule with a TTL survives a restart with the time it had left. Expired rules are
+//!   ignored at once and removed lazily (or by [`RuleSet::purge_expired`]).
+//! * Hot path: one relaxed atomic load when there are no rules; otherwise a read lock for a
+//!   hash lookup. Writers (admin API) take the write lock briefly.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU32, AtomicU64, AtomicUsize, Ordering};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use parking_lot::RwLock;
+use serde::{Deserialize, Serialize};
+use tokio::time::Instant;
+
+use super::bucket::TokenBucket;
+use super::rule_spec::duration_ms;
+pub use super::rule_spec::{
+    MAX_RULE_JSON_BYTES, MAX_TIMEOUT_MS, MAX_TTL_SECONDS, OnExceed, RuleAction, RuleDef, RuleError,
+    RuleMode, RuleSpec, fingerprint_hex, parse_fingerprint,
+};
+
+/// A live rule: definition plus its bucket, in-flight counter and hit counters.
+#[derive(Debug)]
+pub struct Rule {
+    fingerprint: u64,
+    def: RuleDef,
+    created_unix_ms: u64,
+    /// (hot-path deadline, the same moment as unix ms for persistence)
+    expires: Option<(Instant, u64)>,
+    bucket: Option<TokenBucket>,
+    in_flight: AtomicU32,
+    hits: AtomicU64,
+    refusals: AtomicU64,
+    warned: AtomicU64,
+}
+
+impl Rule {
+    pub fn fingerprint(&self) -> u64 {
+        self.fingerprint
+    }
+
+    pub fn def(&self) -> &RuleDef {
+        &self.def
+    }
+
+    /// Statements matched (admitted, refused or warned).
+    pub fn hits(&self) -> u64 {
+        self.hits.load(Ordering::Relaxed)
+    }
+
+    /// Statements refused while enforcing.
+    pub fn refusals(&self) -> u64 {
+        self.refusals.load(Ordering::Relaxed)
+    }
+
+    /// Statements that would have been refused in warn mode.
+    pub fn warned(&self) -> u64 {
+        self.warned.load(Ordering::Relaxed)
+    }
+
+    pub fn is_expired(&self, now: Instant) -> bool {
+        self.expires.is_some_and(|(at, _)| now >= at)
+    }
+
+    /// Listing entry for the admin API.
+    pub fn info(&self, now: Instant) -> RuleInfo {
+        RuleInfo {
+            fingerprint: fingerprint_hex(self.fingerprint),
+            spec: self.def.to_spec(),
+            created_unix_ms: self.created_unix_ms,
+            expires_unix_ms: self.expires.map(|(_, ms)| ms),
+            expires_in_ms: self
+                .expires
+                .map(|(at, _)| duration_ms(at.saturating_duration_since(now))),
+            hits: self.hits(),
+            refusals: self.refusals(),
+            warned: self.warned(),
+            in_flight: self.in_flight.load(Ordering::Relaxed),
+        }
+    }
+}
+
+/// A rule as listed by `GET /v1/rules`.
+#[derive(Debug, Clone, Serialize)]
+pub struct RuleInfo {
+    pub fingerprint: String,
+    #[serde(flatten)]
+    pub spec: RuleSpec,
+    pub created_unix_ms: u64,
+    pub expires_unix_ms: Option<u64>,
+    pub expires_in_ms: Option<u64>,
+    pub hits: u64,
+    pub refusals: u64,
+    pub warned: u64,
+    pub in_flight: u32,
+}
+
+/// Holds one CONCURRENCY slot of a rule; dropping it frees the slot.
+#[derive(Debug)]
+pub struct RuleGuard {
+    rule: Arc<Rule>,
+}
+
+impl Drop for RuleGuard {
+    fn drop(&mut self) {
+        self.rule.in_flight.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
+/// How a rule would refuse (enforced, or reported in warn mode).
+#[derive(Debug, Clone, PartialEq)]
+pub enum RuleViolation {
+    /// REJECT.
+    Blocked,
+    /// THROTTLE bucket empty (or, with QUEUE, no token within the queue timeout).
+    RateLimited { retry_after: Duration },
+    /// CONCURRENCY at its limit.
+    Concurrency { max_inflight: u32 },
+}
+
+/// The rule lets the statement through.
+#[derive(Debug)]
+pub struct RuleAdmit {
+    pub rule: Arc<Rule>,
+    /// THROTTLE with QUEUE: sleep this long before proceeding (the token is reserved).
+    pub wait: Duration,
+    pub statement_timeout: Option<Duration>,
+    pub lock_timeout: Option<Duration>,
+    /// Warn mode: what enforcing would have done.
+    pub would_refuse: Option<RuleViolation>,
+    /// CONCURRENCY slot, held for the statement's lifetime.
+    pub guard: Option<RuleGuard>,
+}
+
+/// Outcome of [`RuleSet::check`].
+#[derive(Debug)]
+pub enum RuleCheck {
+    /// No live rule for this fingerprint and caller.
+    NoRule,
+    Admit(RuleAdmit),
+    Refuse {
+        rule: Arc<Rule>,
+        violation: RuleViolation,
+    },
+}
+
+/// All rules, keyed by fingerprint.
+#[derive(Debug, Default)]
+pub struct RuleSet {
+    rules: RwLock<HashMap<u64, Arc<Rule>>>,
+    /// Mirror of `rules.len()` so the common no-rules case skips the lock entirely.
+    count: AtomicUsize,
+}
+
+/// Persisted file layout (version 1).
+#[derive(Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RuleFile {
+    version: u32,
+    rules: Vec<StoredRule>,
+}
+
+#[derive(Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct StoredRule {
+    fingerprint: String,
+    created_unix_ms: u64,
+    #[serde(default)]
+    expires_unix_ms: Option<u64>,
+    rule: RuleSpec,
+}
+
+impl RuleSet {
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Validate and install (or replace) the rule for `fp`. TTL counts from now.
+    pub fn put(&self, fp: u64, spec: RuleSpec) -> Result<Arc<Rule>, RuleError> {
+        let def = spec.validate()?;
+        let (now, unix_now) = (Instant::now(), unix_ms_now());
+        let expires = def
+            .ttl
+            .map(|ttl| (now + ttl, unix_now.saturating_add(duration_ms(ttl))));
+        let rule = Arc::new(build_rule(fp, def, unix_now, expires, now));
+        let mut map = self.rules.write();
+        map.insert(fp, Arc::clone(&rule));
+        self.count.store(map.len(), Ordering::Release);
+        Ok(rule)
+    }
+
+    /// The live rule for `fp` (expired rules are invisible).
+    pub fn get(&self, fp: u64) -> Option<Arc<Rule>> {
+        let rule = self.rules.read().get(&fp).cloned()?;
+        (!rule.is_expired(Instant::now())).then_some(rule)
+    }
+
+    /// Remove the rule for `fp`; false if there was none.
+    pub fn delete(&self, fp: u64) -> bool {
+        let mut map = self.rules.write();
+        let removed = map.remove(&fp).is_some();
+        self.count.store(map.len(), Ordering::Release);
+        removed
+    }
+
+    /// Live rules, ordered by fingerprint.
+    pub fn list(&self, now: Instant) -> Vec<RuleInfo> {
+        let mut out: Vec<RuleInfo> = self
+            .rules
+            .read()
+            .values()
+            .filter(|r| !r.is_expired(now))
+            .map(|r| r.info(now))
+            .collect();
+        out.sort_by(|a, b| a.fingerprint.cmp(&b.fingerprint));
+        out
+    }
+
+    /// Number of stored rules (expired ones not yet purged included).
+    pub fn len(&self) -> usize {
+        self.count.load(Ordering::Acquire)
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Drop expired rules; returns how many went.
+    pub fn purge_expired(&self, now: Instant) -> usize {
+        let mut map = self.rules.write();
+        let before = map.len();
+        map.retain(|_, r| !r.is_expired(now));
+        self.count.store(map.len(), Ordering::Release);
+        before - map.len()
+    }
+
+    /// The hot-path question: does a rule say anything about this statement?
+    ///
+    /// `max_queue_wait` is how long a THROTTLE rule with `action_on_exceed: QUEUE` may make
+    /// the statement wait for a token (the caller's queue timeout).
+    pub fn check(
+        &self,
+        fp: u64,
+        caller: &str,
+        now: Instant,
+        max_queue_wait: Duration,
+    ) -> RuleCheck {
+        if self.count.load(Ordering::Relaxed) == 0 {
+            return RuleCheck::NoRule;
+        }
+        let Some(rule) = self.rules.read().get(&fp).cloned() else {
+            return RuleCheck::NoRule;
+        };
+        if rule.is_expired(now) {
+            // Lazy removal, but never wait for the write lock on the hot path.
+            if let Some(mut map) = self.rules.try_write() {
+                if map.get(&fp).is_some_and(|r| Arc::ptr_eq(r, &rule)) {
+                    map.remove(&fp);
+                }
+                self.count.store(map.len(), Ordering::Release);
+            }
+            return RuleCheck::NoRule;
+        }
+        if let Some(callers) = &rule.def.callers
+            && !callers.iter().any(|c| c == caller)
+        {
+            return RuleCheck::NoRule;
+        }
+        rule.hits.fetch_add(1, Ordering::Relaxed);
+        let enforce = rule.def.mode == RuleMode::Enforce;
+        let mut admit = RuleAdmit {
+            rule: Arc::clone(&rule),
+            wait: Duration::ZERO,
+            statement_timeout: None,
+            lock_timeout: None,
+            would_refuse: None,
+            guard: None,
+        };
+        let violation = match &rule.def.action {
+            RuleAction::Reject => Some(RuleViolation::Blocked),
+            RuleAction::Throttle { on_exceed, .. } => {
+                let bucket = rule.bucket.as_ref();
+                let max_wait = match on_exceed {
+                    OnExceed::Queue if enforce => max_queue_wait,
+                    _ => Duration::ZERO,
+                };
+                match bucket.map(|b| b.reserve(now, max_wait)) {
+                    Some(Err(retry_after)) => Some(RuleViolation::RateLimited { retry_after }),
+                    Some(Ok(wait)) => {
+                        admit.wait = wait;
+                        None
+                    }
+                    None => None,
+                }
+            }
+            RuleAction::Concurrency { max_inflight } => {
+                let n = rule.in_flight.fetch_add(1, Ordering::AcqRel) + 1;
+                admit.guard = Some(RuleGuard {
+                    rule: Arc::clone(&rule),
+                });
+                (n > *max_inflight).then_some(RuleViolation::Concurrency {
+                    max_inflight: *max_inflight,
+                })
+            }
+            RuleAction::Timeout {
+                statement_timeout,
+                lock_timeout,
+            } => {
+                admit.statement_timeout = *statement_timeout;
+                admit.lock_timeout = *lock_timeout;
+                None
+            }
+        };
+        match violation {
+            Some(violation) if enforce => {
+                rule.refusals.fetch_add(1, Ordering::Relaxed);
+                // `admit` (and any CONCURRENCY guard in it) is dropped here.
+                RuleCheck::Refuse { rule, violation }
+            }
+            Some(violation) => {
+                rule.warned.fetch_add(1, Ordering::Relaxed);
+                admit.would_refuse = Some(violation);
+                RuleCheck::Admit(admit)
+            }
+            None => RuleCheck::Admit(admit),
+        }
+    }
+
+    /// The whole set as a JSON document for the rules file. Expiry is absolute unix ms, so a
+    /// reload keeps the remaining TTL; counters are not persisted.
+    pub fn to_json_bytes(&self) -> Result<Vec<u8>, RuleError> {
+        let now = Instant::now();
+        let mut rules: Vec<StoredRule> = self
+            .rules
+            .read()
+            .values()
+            .filter(|r| !r.is_expired(now))
+            .map(|r| StoredRule {
+                fingerprint: fingerprint_hex(r.fingerprint),
+                created_unix_ms: r.created_unix_ms,
+                expires_unix_ms: r.expires.map(|(_, ms)| ms),
+                rule: r.def.to_spec(),
+            })
+            .collect();
+        rules.sort_by(|a, b| a.fingerprint.cmp(&b.fingerprint));
+        serde_json::to_vec_pretty(&RuleFile { version: 1, rules })
+            .map_err(|e| RuleError::new("body", format!("cannot serialise rules: {e}")))
+    }
+
+    /// A rule set from a rules file. Rules whose expiry has passed are skipped; any invalid
+    /// entry fails the whole load (errors name it, e.g. `rules[2].max_qps`).
+    pub fn from_json_bytes(bytes: &[u8]) -> Result<Self, RuleError> {
+        let set = Self::new();
+        set.replace_from_json_bytes(bytes)?;
+        Ok(set)
+    }
+
+    /// Replace every rule with the file's contents, all or nothing. Returns the rule count.
+    pub fn replace_from_json_bytes(&self, bytes: &[u8]) -> Result<usize, RuleError> {
+        let file: RuleFile = serde_json::from_slice(bytes)
+            .map_err(|e| RuleError::new("body", format!("invalid rules file: {e}")))?;
+        if file.version != 1 {
+            return Err(RuleError::new(
+                "version",
+                format!("unsupported version {}", file.version),
+            ));
+        }
+        let (now, unix_now) = (Instant::now(), unix_ms_now());
+        let mut map = HashMap::with_capacity(file.rules.len());
+        for (i, stored) in file.rules.into_iter().enumerate() {
+            let path = format!("rules[{i}]");
+            let fp = parse_fingerprint(&stored.fingerprint).map_err(|e| e.within(&path))?;
+            let def = stored
+                .rule
+                .validate()
+                .map_err(|e| e.within(&format!("{path}.rule")))?;
+            let expires = match stored.expires_unix_ms {
+                None => None,
+                Some(ms) if ms <= unix_now => continue,
+                // Clamped so a hand-edited far-future expiry cannot overflow `Instant`.
+                Some(ms) => {
+                    let left = Duration::from_millis(ms - unix_now)
+                        .min(Duration::from_secs(MAX_TTL_SECONDS));
+                    Some((now + left, ms))
+                }
+            };
+            map.insert(
+                fp,
+                Arc::new(build_rule(fp, def, stored.created_unix_ms, expires, now)),
+            );
+        }
+        let n = map.len();
+        *self.rules.write() = map;
+        self.count.store(n, Ordering::Release);
+        Ok(n)
+    }
+}
+
+fn build_rule(
+    fp: u64,
+    def: RuleDef,
+    created_unix_ms: u64,
+    expires: Option<(Instant, u64)>,
+    now: Instant,
+) -> Rule {
+    let bucket = match &def.action {
+        RuleAction::Throttle { max_qps, burst, .. } => {
+            Some(TokenBucket::new(*max_qps, *burst, now))
+        }
+        _ => None,
+    };
+    Rule {
+        fingerprint: fp,
+        def,
+        created_unix_ms,
+        expires,
+        bucket,
+        in_flight: AtomicU32::new(0),
+        hits: AtomicU64::new(0),
+        refusals: AtomicU64::new(0),
+        warned: AtomicU64::new(0),
+    }
+}
+
+fn unix_ms_now() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(duration_ms)
+        .unwrap_or(0)
+}

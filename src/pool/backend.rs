@@ -1,0 +1,397 @@
+//! One server connection: connect, authenticate as the pool's user (SCRAM-SHA-256, md5,
+//! cleartext or trust), read the server's ParameterStatus and BackendKeyData, and carry the
+//! per-connection state the session layer needs (applied startup parameters, prepared
+//! statement cache, dirtiness).
+//!
+//! Defensive toward the server too: message lengths are checked against per-type limits, and
+//! the SCRAM iteration count the server asks for is capped.
+
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use bytes::{Buf, Bytes, BytesMut};
+use postgres_protocol::authentication::sasl::{ChannelBinding, ScramSha256};
+use postgres_protocol::message::frontend;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpStream;
+use tokio::time::Instant;
+
+use crate::protocol::error::{field_of, sqlstate_of};
+use crate::protocol::framing::{self, Direction};
+
+use super::prepared::PreparedCache;
+
+/// Highest SCRAM iteration count we will compute for a server (Postgres' default is 4096).
+const MAX_SCRAM_ITERATIONS: u32 = 100_000;
+
+/// Where and as whom to connect.
+#[derive(Clone)]
+pub struct ConnectParams {
+    pub host: String,
+    pub port: u16,
+    pub user: String,
+    pub password: Option<String>,
+    pub database: String,
+    pub connect_timeout: Duration,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum ConnectError {
+    #[error("{0}")]
+    Io(#[from] std::io::Error),
+    #[error("timed out after {0:?}")]
+    Timeout(Duration),
+    /// The server refused us with an ErrorResponse; the raw frame is forwarded to the client.
+    #[error("server error {code}: {message}")]
+    Server {
+        code: String,
+        message: String,
+        frame: Bytes,
+    },
+    #[error("authentication with the server failed: {0}")]
+    Auth(String),
+    #[error("protocol error from the server: {0}")]
+    Protocol(String),
+}
+
+/// A live, authenticated server connection.
+pub struct BackendConn {
+    pub stream: TcpStream,
+    pub addr: SocketAddr,
+    pub pid: i32,
+    pub secret: Vec<u8>,
+    /// ParameterStatus values reported at login.
+    pub server_params: Vec<(String, String)>,
+    /// Client startup parameters currently `SET` on this connection (sorted by name).
+    pub applied: Vec<(String, String)>,
+    /// Protocol-level statements prepared here under proxy-chosen names.
+    pub prepared: PreparedCache,
+    /// Session state a client left behind; reset (or discard) before the next client.
+    pub dirty: Dirt,
+    pub created: Instant,
+    pub expires: Instant,
+    pub idle_since: Instant,
+}
+
+/// What a client changed on this connection that must be undone before reuse.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct Dirt {
+    pub gucs: bool,
+    pub role: bool,
+    pub listen: bool,
+    pub advisory: bool,
+    pub cursors: bool,
+    pub sql_prepared: bool,
+    pub temp: bool,
+    /// Something we cannot reset reliably (e.g. LOAD): close the connection instead.
+    pub unresettable: bool,
+}
+
+impl Dirt {
+    pub fn any(&self) -> bool {
+        *self != Dirt::default()
+    }
+
+    /// SQL that returns a connection to a clean state, or `None` when it must be closed.
+    pub fn reset_sql(&self) -> Option<String> {
+        if self.unresettable {
+            return None;
+        }
+        let mut s = String::new();
+        if self.role {
+            s.push_str("RESET SESSION AUTHORIZATION;RESET ROLE;");
+        }
+        if self.gucs {
+            s.push_str("RESET ALL;");
+        }
+        if self.listen {
+            s.push_str("UNLISTEN *;");
+        }
+        if self.advisory {
+            s.push_str("SELECT pg_advisory_unlock_all();");
+        }
+        if self.cursors {
+            s.push_str("CLOSE ALL;");
+        }
+        if self.sql_prepared {
+            // Also drops the proxy's own statements; the caller clears its cache with it.
+            s.push_str("DEALLOCATE ALL;");
+        }
+        if self.temp {
+            s.push_str("DISCARD TEMP;");
+        }
+        Some(s)
+    }
+}
+
+impl BackendConn {
+    /// Opens and authenticates a connection, bounded by `p.connect_timeout` as a whole.
+    pub async fn connect(
+        p: &ConnectParams,
+        cache_size: usize,
+    ) -> Result<BackendConn, ConnectError> {
+        match tokio::time::timeout(p.connect_timeout, Self::connect_inner(p, cache_size)).await {
+            Ok(r) => r,
+            Err(_) => Err(ConnectError::Timeout(p.connect_timeout)),
+        }
+    }
+
+    async fn connect_inner(
+        p: &ConnectParams,
+        cache_size: usize,
+    ) -> Result<BackendConn, ConnectError> {
+        let mut stream = TcpStream::connect((p.host.as_str(), p.port)).await?;
+        stream.set_nodelay(true)?;
+        let sock = socket2::SockRef::from(&stream);
+        let ka = socket2::TcpKeepalive::new()
+            .with_time(Duration::from_secs(30))
+            .with_interval(Duration::from_secs(10));
+        sock.set_tcp_keepalive(&ka)?;
+        let addr = stream.peer_addr()?;
+
+        let mut out = BytesMut::new();
+        frontend::startup_message(
+            [("user", p.user.as_str()), ("database", p.database.as_str())],
+            &mut out,
+        )?;
+        stream.write_all(&out).await?;
+        out.clear();
+
+        let mut buf = BytesMut::with_capacity(1024);
+        let mut scram: Option<ScramSha256> = None;
+        let password = || {
+            p.password.as_deref().ok_or_else(|| {
+                ConnectError::Auth("the server wants a password and none is configured".into())
+            })
+        };
+        // Authentication.
+        loop {
+            let (tag, body) = read_message(&mut stream, &mut buf).await?;
+            match tag {
+                b'R' => {
+                    if body.len() < 4 {
+                        return Err(ConnectError::Protocol(
+                            "short authentication message".into(),
+                        ));
+                    }
+                    let code = i32::from_be_bytes([body[0], body[1], body[2], body[3]]);
+                    let data = &body[4..];
+                    match code {
+                        0 => break,
+                        3 => frontend::password_message(password()?.as_bytes(), &mut out)?,
+                        5 => {
+                            let salt: [u8; 4] = data
+                                .get(..4)
+                                .and_then(|s| s.try_into().ok())
+                                .ok_or_else(|| ConnectError::Protocol("short md5 salt".into()))?;
+                            let h = postgres_protocol::authentication::md5_hash(
+                                p.user.as_bytes(),
+                                password()?.as_bytes(),
+                                salt,
+                            );
+                            frontend::password_message(h.as_bytes(), &mut out)?;
+                        }
+                        10 => {
+                            let mechs: Vec<&[u8]> =
+                                data.split(|&b| b == 0).filter(|m| !m.is_empty()).collect();
+                            if !mechs.contains(&&b"SCRAM-SHA-256"[..]) {
+                                return Err(ConnectError::Auth(
+                                    "the server offers no SASL mechanism we support".into(),
+                                ));
+                            }
+                            let s = ScramSha256::new(
+                                password()?.as_bytes(),
+                                ChannelBinding::unsupported(),
+                            );
+                            frontend::sasl_initial_response(
+                                "SCRAM-SHA-256",
+                                s.message(),
+                                &mut out,
+                            )?;
+                            scram = Some(s);
+                        }
+                        11 => {
+                            let s = scram.as_mut().ok_or_else(|| {
+                                ConnectError::Protocol("SASLContinue without SASL".into())
+                            })?;
+                            check_server_first(data)?;
+                            s.update(data)
+                                .map_err(|e| ConnectError::Auth(e.to_string()))?;
+                            frontend::sasl_response(s.message(), &mut out)?;
+                        }
+                        12 => {
+                            let s = scram.as_mut().ok_or_else(|| {
+                                ConnectError::Protocol("SASLFinal without SASL".into())
+                            })?;
+                            s.finish(data)
+                                .map_err(|e| ConnectError::Auth(e.to_string()))?;
+                        }
+                        other => {
+                            return Err(ConnectError::Auth(format!(
+                                "unsupported authentication request {other}"
+                            )));
+                        }
+                    }
+                    if !out.is_empty() {
+                        stream.write_all(&out).await?;
+                        out.clear();
+                    }
+                }
+                b'E' => return Err(server_error(body)),
+                b'v' | b'N' => {}
+                t => {
+                    return Err(ConnectError::Protocol(format!(
+                        "unexpected message '{}' during authentication",
+                        char::from(t)
+                    )));
+                }
+            }
+        }
+        // Startup: parameters and key data until ReadyForQuery.
+        let mut server_params = Vec::new();
+        let mut pid = 0;
+        let mut secret = Vec::new();
+        loop {
+            let (tag, body) = read_message(&mut stream, &mut buf).await?;
+            match tag {
+                b'S' => {
+                    let mut parts = body.split(|&b| b == 0);
+                    if let (Some(n), Some(v)) = (parts.next(), parts.next()) {
+                        server_params.push((
+                            String::from_utf8_lossy(n).into_owned(),
+                            String::from_utf8_lossy(v).into_owned(),
+                        ));
+                    }
+                }
+                b'K' => {
+                    if body.len() < 8 {
+                        return Err(ConnectError::Protocol("short BackendKeyData".into()));
+                    }
+                    pid = i32::from_be_bytes([body[0], body[1], body[2], body[3]]);
+                    secret = body[4..].to_vec();
+                }
+                b'Z' => break,
+                b'E' => return Err(server_error(body)),
+                b'N' => {}
+                t => {
+                    return Err(ConnectError::Protocol(format!(
+                        "unexpected message '{}' during startup",
+                        char::from(t)
+                    )));
+                }
+            }
+        }
+        if !buf.is_empty() {
+            return Err(ConnectError::Protocol(
+                "unexpected bytes after ReadyForQuery".into(),
+            ));
+        }
+        let now = Instant::now();
+        Ok(BackendConn {
+            stream,
+            addr,
+            pid,
+            secret,
+            server_params,
+            applied: Vec::new(),
+            prepared: PreparedCache::new(cache_size),
+            dirty: Dirt::default(),
+            created: now,
+            expires: now + Duration::from_secs(3600),
+            idle_since: now,
+        })
+    }
+
+    /// True when the server has sent something (or closed) while the connection sat idle:
+    /// such a connection is not handed to a client.
+    pub fn has_pending_input(&self) -> bool {
+        let sock = socket2::SockRef::from(&self.stream);
+        let mut b = [std::mem::MaybeUninit::<u8>::uninit(); 1];
+        match sock.peek(&mut b) {
+            Ok(_) => true, // data, or 0 = EOF
+            Err(e) => e.kind() != std::io::ErrorKind::WouldBlock,
+        }
+    }
+
+    /// Runs one simple query and waits for ReadyForQuery; `Ok(status)` or the error.
+    pub async fn simple(&mut self, sql: &str) -> Result<u8, ConnectError> {
+        let mut out = BytesMut::new();
+        crate::protocol::messages::query(&mut out, sql);
+        self.stream.write_all(&out).await?;
+        let mut buf = BytesMut::new();
+        let mut err = None;
+        loop {
+            let (tag, body) = read_message(&mut self.stream, &mut buf).await?;
+            match tag {
+                b'E' => err = Some(server_error(body)),
+                b'Z' => {
+                    return match err {
+                        Some(e) => Err(e),
+                        None => Ok(body.first().copied().unwrap_or(b'I')),
+                    };
+                }
+                _ => {}
+            }
+        }
+    }
+}
+
+/// Rejects a SCRAM server-first message that asks for an absurd iteration count.
+fn check_server_first(data: &[u8]) -> Result<(), ConnectError> {
+    if data.len() > 4096 {
+        return Err(ConnectError::Auth(
+            "SCRAM server-first message too long".into(),
+        ));
+    }
+    let text = std::str::from_utf8(data)
+        .map_err(|_| ConnectError::Auth("SCRAM server-first message is not UTF-8".into()))?;
+    for attr in text.split(',') {
+        if let Some(i) = attr.strip_prefix("i=") {
+            match i.parse::<u32>() {
+                Ok(n) if (1..=MAX_SCRAM_ITERATIONS).contains(&n) => {}
+                _ => {
+                    return Err(ConnectError::Auth(format!(
+                        "server asked for {i} SCRAM iterations (cap {MAX_SCRAM_ITERATIONS})"
+                    )));
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
+fn server_error(body: Bytes) -> ConnectError {
+    let code = sqlstate_of(&body).unwrap_or("XX000").to_string();
+    let message = field_of(&body, b'M').unwrap_or("").to_string();
+    let mut frame = BytesMut::with_capacity(body.len() + 5);
+    crate::protocol::messages::raw(&mut frame, b'E', &[&body]);
+    ConnectError::Server {
+        code,
+        message,
+        frame: frame.freeze(),
+    }
+}
+
+/// Reads one whole backend message (used only during login and for proxy-run queries).
+pub async fn read_message(
+    stream: &mut TcpStream,
+    buf: &mut BytesMut,
+) -> Result<(u8, Bytes), ConnectError> {
+    loop {
+        match framing::complete(buf, Direction::Backend) {
+            Ok(Some(h)) => {
+                let mut frame = buf.split_to(h.total);
+                frame.advance(framing::HEADER_LEN);
+                return Ok((h.tag, frame.freeze()));
+            }
+            Ok(None) => {}
+            Err(e) => return Err(ConnectError::Protocol(e.to_string())),
+        }
+        if stream.read_buf(buf).await? == 0 {
+            return Err(ConnectError::Io(std::io::Error::new(
+                std::io::ErrorKind::UnexpectedEof,
+                "server closed the connection",
+            )));
+        }
+    }
+}

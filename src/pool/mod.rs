@@ -1,0 +1,436 @@
+//! Backend pools, one per (database, user): checkout with priority waiters and a deadline,
+//! return or discard through an RAII guard, health checks before reuse, connection lifetime
+//! with jitter, and a cap on concurrent connection attempts with full-jitter backoff while the
+//! database is failing — so the proxy never causes a reconnect storm of its own.
+//!
+//! Knows nothing of clients: sessions hand it a priority and a deadline, and get a [`Pooled`].
+
+pub mod backend;
+pub mod prepared;
+pub mod slots;
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::time::Duration;
+
+use parking_lot::Mutex;
+use tokio::sync::Semaphore;
+use tokio::time::Instant;
+
+use crate::config::{PoolConfig, PoolMode};
+use crate::protocol::PgError;
+
+pub use backend::{BackendConn, ConnectError, ConnectParams, Dirt};
+use slots::{SlotPermit, Slots};
+
+/// Why a checkout failed; each maps to the error the client sees.
+#[derive(Debug)]
+pub enum CheckoutError {
+    /// No slot became free before the deadline.
+    Timeout { waited: Duration },
+    /// Connecting failed (or we are backing off after failures).
+    Connect(Arc<ConnectError>),
+}
+
+/// Counters read by the admin API and metrics.
+#[derive(Default)]
+pub struct PoolStats {
+    pub connects: AtomicU64,
+    pub connect_failures: AtomicU64,
+    pub discards: AtomicU64,
+    pub resets: AtomicU64,
+    pub checkouts: AtomicU64,
+    pub checkout_timeouts: AtomicU64,
+    pub pinned_clients: AtomicUsize,
+}
+
+struct Backoff {
+    failures: u32,
+    /// Until this instant new attempts fail fast with the last error.
+    until: Option<Instant>,
+    last_error: Option<Arc<ConnectError>>,
+}
+
+pub struct Pool {
+    pub name: String,
+    pub database: String,
+    pub user: String,
+    pub cfg: PoolConfig,
+    connect: ConnectParams,
+    slots: Arc<Slots>,
+    idle: Mutex<Vec<BackendConn>>,
+    /// Open connections (idle + checked out).
+    open: AtomicUsize,
+    attempts: Semaphore,
+    backoff: Mutex<Backoff>,
+    /// ParameterStatus of the first successful login; sent to clients at their login.
+    server_params: Mutex<Option<Vec<(String, String)>>>,
+    /// (parameter, value as the client sent it) → value as the server reports it.
+    canonical: Mutex<HashMap<(String, String), String>>,
+    pub stats: PoolStats,
+}
+
+impl Pool {
+    pub fn new(database: &str, user: &str, cfg: PoolConfig, connect: ConnectParams) -> Arc<Pool> {
+        Arc::new(Pool {
+            name: format!("{database}/{user}"),
+            database: database.to_string(),
+            user: user.to_string(),
+            slots: Slots::new(cfg.size),
+            attempts: Semaphore::new(cfg.max_connect_attempts),
+            cfg,
+            connect,
+            idle: Mutex::new(Vec::new()),
+            open: AtomicUsize::new(0),
+            backoff: Mutex::new(Backoff {
+                failures: 0,
+                until: None,
+                last_error: None,
+            }),
+            server_params: Mutex::new(None),
+            canonical: Mutex::new(HashMap::new()),
+            stats: PoolStats::default(),
+        })
+    }
+
+    pub fn mode(&self) -> PoolMode {
+        self.cfg.mode
+    }
+
+    /// Borrows a connection: waits by `priority` (0 = critical … 3 = low) until `deadline`.
+    pub async fn checkout(
+        self: &Arc<Self>,
+        priority: usize,
+        deadline: Instant,
+    ) -> Result<Pooled, CheckoutError> {
+        let started = Instant::now();
+        let permit = self.slots.acquire(priority, deadline).await.map_err(|_| {
+            self.stats.checkout_timeouts.fetch_add(1, Ordering::Relaxed);
+            CheckoutError::Timeout {
+                waited: started.elapsed(),
+            }
+        })?;
+        self.stats.checkouts.fetch_add(1, Ordering::Relaxed);
+        loop {
+            let candidate = self.idle.lock().pop();
+            let Some(mut conn) = candidate else { break };
+            let now = Instant::now();
+            if conn.expires <= now || conn.has_pending_input() {
+                self.close(conn);
+                continue;
+            }
+            let idle_for = now.saturating_duration_since(conn.idle_since);
+            if idle_for >= Duration::from_millis(self.cfg.health_check_after_ms) {
+                let ok = matches!(
+                    tokio::time::timeout(Duration::from_secs(2), conn.simple(";")).await,
+                    Ok(Ok(b'I'))
+                );
+                if !ok {
+                    self.close(conn);
+                    continue;
+                }
+            }
+            return Ok(self.guard(conn, permit));
+        }
+        let conn = self.open_conn(deadline).await?;
+        Ok(self.guard(conn, permit))
+    }
+
+    fn guard(self: &Arc<Self>, conn: BackendConn, permit: SlotPermit) -> Pooled {
+        Pooled {
+            conn: Some(conn),
+            pool: self.clone(),
+            _permit: permit,
+        }
+    }
+
+    /// Opens a new connection, respecting the attempt cap and the failure backoff.
+    async fn open_conn(&self, deadline: Instant) -> Result<BackendConn, CheckoutError> {
+        {
+            let b = self.backoff.lock();
+            if let (Some(until), Some(e)) = (b.until, &b.last_error)
+                && Instant::now() < until
+            {
+                return Err(CheckoutError::Connect(e.clone()));
+            }
+        }
+        let _attempt = match tokio::time::timeout_at(deadline, self.attempts.acquire()).await {
+            Ok(Ok(p)) => p,
+            _ => {
+                return Err(CheckoutError::Timeout {
+                    waited: Duration::ZERO,
+                });
+            }
+        };
+        self.stats.connects.fetch_add(1, Ordering::Relaxed);
+        match BackendConn::connect(&self.connect, self.cfg.prepared_cache_size).await {
+            Ok(mut conn) => {
+                let life = Duration::from_millis(self.cfg.max_lifetime_ms);
+                let jitter = life.mul_f64(rand::random::<f64>() * 0.1);
+                conn.expires = conn.created + life - jitter;
+                self.open.fetch_add(1, Ordering::Relaxed);
+                {
+                    let mut sp = self.server_params.lock();
+                    if sp.is_none() {
+                        *sp = Some(conn.server_params.clone());
+                    }
+                }
+                let mut b = self.backoff.lock();
+                b.failures = 0;
+                b.until = None;
+                b.last_error = None;
+                Ok(conn)
+            }
+            Err(e) => {
+                self.stats.connect_failures.fetch_add(1, Ordering::Relaxed);
+                let e = Arc::new(e);
+                let mut b = self.backoff.lock();
+                b.failures = b.failures.saturating_add(1);
+                let wait = full_jitter(
+                    self.cfg.connect_backoff_base_ms,
+                    self.cfg.connect_backoff_cap_ms,
+                    b.failures,
+                );
+                b.until = Some(Instant::now() + Duration::from_millis(wait));
+                b.last_error = Some(e.clone());
+                tracing::warn!(pool = %self.name, error = %e, failures = b.failures, "backend connect failed");
+                Err(CheckoutError::Connect(e))
+            }
+        }
+    }
+
+    fn close(&self, conn: BackendConn) {
+        self.stats.discards.fetch_add(1, Ordering::Relaxed);
+        self.open.fetch_sub(1, Ordering::Relaxed);
+        drop(conn);
+    }
+
+    /// Puts a clean connection back (LIFO, so a hot few stay warm and the rest age out).
+    fn put_idle(&self, mut conn: BackendConn) {
+        if conn.expires <= Instant::now() {
+            self.close(conn);
+            return;
+        }
+        conn.idle_since = Instant::now();
+        self.idle.lock().push(conn);
+    }
+
+    /// ParameterStatus values from the server, once any connection has logged in.
+    pub fn server_params(&self) -> Option<Vec<(String, String)>> {
+        self.server_params.lock().clone()
+    }
+
+    pub fn canonical(&self, name: &str, value: &str) -> Option<String> {
+        self.canonical
+            .lock()
+            .get(&(name.to_string(), value.to_string()))
+            .cloned()
+    }
+
+    pub fn learn_canonical(&self, name: &str, value: &str, reported: &str) {
+        let mut c = self.canonical.lock();
+        if c.len() < 10_000 {
+            c.insert((name.to_string(), value.to_string()), reported.to_string());
+        }
+    }
+
+    /// Closes idle connections past `idle_timeout_ms` (above `min_idle`) and opens up to
+    /// `min_idle`. Called periodically by the app.
+    pub async fn maintain(self: &Arc<Self>) {
+        let idle_timeout = Duration::from_millis(self.cfg.idle_timeout_ms);
+        let now = Instant::now();
+        let stale: Vec<BackendConn> = {
+            let mut idle = self.idle.lock();
+            let keep = self.cfg.min_idle;
+            let mut stale = Vec::new();
+            let mut i = 0;
+            while i < idle.len() && idle.len() > keep {
+                let c = &idle[i];
+                if now.saturating_duration_since(c.idle_since) >= idle_timeout || c.expires <= now {
+                    stale.push(idle.remove(i));
+                } else {
+                    i += 1;
+                }
+            }
+            stale
+        };
+        for c in stale {
+            self.close(c);
+        }
+        let idle_now = self.idle.lock().len();
+        if idle_now < self.cfg.min_idle {
+            let deadline = Instant::now() + Duration::from_millis(100);
+            if let Ok(permit) = self.slots.acquire(3, deadline).await
+                && let Ok(conn) = self
+                    .open_conn(Instant::now() + self.connect.connect_timeout)
+                    .await
+            {
+                drop(self.guard(conn, permit).release());
+            }
+        }
+    }
+
+    pub fn snapshot(&self) -> PoolSnapshot {
+        let idle = self.idle.lock().len();
+        let open = self.open.load(Ordering::Relaxed);
+        PoolSnapshot {
+            name: self.name.clone(),
+            mode: match self.cfg.mode {
+                PoolMode::Transaction => "transaction",
+                PoolMode::Session => "session",
+            },
+            size: self.cfg.size,
+            open,
+            idle,
+            active: open.saturating_sub(idle),
+            waiting: self.slots.waiting(),
+            pinned: self.stats.pinned_clients.load(Ordering::Relaxed),
+            connects: self.stats.connects.load(Ordering::Relaxed),
+            connect_failures: self.stats.connect_failures.load(Ordering::Relaxed),
+            checkout_timeouts: self.stats.checkout_timeouts.load(Ordering::Relaxed),
+        }
+    }
+}
+
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct PoolSnapshot {
+    pub name: String,
+    pub mode: &'static str,
+    pub size: usize,
+    pub open: usize,
+    pub idle: usize,
+    pub active: usize,
+    pub waiting: usize,
+    pub pinned: usize,
+    pub connects: u64,
+    pub connect_failures: u64,
+    pub checkout_timeouts: u64,
+}
+
+/// `random(0, min(cap, base * 2^attempt))` in milliseconds.
+pub fn full_jitter(base_ms: u64, cap_ms: u64, attempt: u32) -> u64 {
+    let ceiling = base_ms
+        .saturating_mul(1u64 << attempt.min(20))
+        .min(cap_ms)
+        .max(1);
+    (rand::random::<f64>() * ceiling as f64) as u64
+}
+
+impl CheckoutError {
+    /// The error the client sees.
+    pub fn to_pg(&self, pool: &str) -> PgError {
+        match self {
+            CheckoutError::Timeout { waited } => {
+                PgError::checkout_timeout(pool, waited.as_millis(), full_jitter(50, 5_000, 3))
+            }
+            CheckoutError::Connect(e) => match &**e {
+                ConnectError::Server { code, message, .. } => {
+                    // Server refusals (e.g. 3D000 unknown database) keep their SQLSTATE.
+                    let code: &'static str = match code.as_str() {
+                        "3D000" => "3D000",
+                        "28P01" => "28P01",
+                        "28000" => "28000",
+                        "53300" => "53300",
+                        "57P03" => "57P03",
+                        _ => "08006",
+                    };
+                    PgError::error(code, message.clone())
+                }
+                other => PgError::backend_unavailable(other, full_jitter(100, 5_000, 2)),
+            },
+        }
+    }
+}
+
+/// A borrowed connection. Dropping it without [`Pooled::release`] closes the connection:
+/// anything that ends a session early can never hand a half-used connection to someone else.
+pub struct Pooled {
+    conn: Option<BackendConn>,
+    pool: Arc<Pool>,
+    _permit: SlotPermit,
+}
+
+impl Pooled {
+    pub fn conn(&mut self) -> &mut BackendConn {
+        // Only `release`/`discard` take the connection, and they consume `self`.
+        self.conn
+            .as_mut()
+            .expect("pooled connection present until release")
+    }
+
+    pub fn pool(&self) -> &Arc<Pool> {
+        &self.pool
+    }
+
+    /// Returns a connection that is idle (ReadyForQuery 'I', nothing outstanding) to the pool,
+    /// resetting whatever session state the client left on it first.
+    pub async fn release(mut self) {
+        let Some(mut conn) = self.conn.take() else {
+            return;
+        };
+        if conn.dirty.any() {
+            let Some(sql) = conn.dirty.reset_sql() else {
+                self.pool.close(conn);
+                return;
+            };
+            self.pool.stats.resets.fetch_add(1, Ordering::Relaxed);
+            let ok = matches!(
+                tokio::time::timeout(Duration::from_secs(5), conn.simple(&sql)).await,
+                Ok(Ok(b'I'))
+            );
+            if !ok {
+                self.pool.close(conn);
+                return;
+            }
+            if conn.dirty.sql_prepared {
+                conn.prepared.clear();
+            }
+            if conn.dirty.gucs {
+                // RESET ALL also undid the client startup parameters.
+                conn.applied.clear();
+            }
+            conn.dirty = Dirt::default();
+        }
+        self.pool.put_idle(conn);
+    }
+
+    /// Closes the connection instead of reusing it.
+    pub fn discard(mut self) {
+        if let Some(c) = self.conn.take() {
+            self.pool.close(c);
+        }
+    }
+}
+
+impl Drop for Pooled {
+    fn drop(&mut self) {
+        if let Some(c) = self.conn.take() {
+            self.pool.close(c);
+        }
+    }
+}
+
+/// All pools, created on first use of a (database, user).
+#[derive(Default)]
+pub struct Pools {
+    map: Mutex<HashMap<(String, String), Arc<Pool>>>,
+}
+
+impl Pools {
+    pub fn get_or_create(
+        &self,
+        database: &str,
+        user: &str,
+        make: impl FnOnce() -> Arc<Pool>,
+    ) -> Arc<Pool> {
+        let mut m = self.map.lock();
+        m.entry((database.to_string(), user.to_string()))
+            .or_insert_with(make)
+            .clone()
+    }
+
+    pub fn all(&self) -> Vec<Arc<Pool>> {
+        self.map.lock().values().cloned().collect()
+    }
+}

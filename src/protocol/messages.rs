@@ -1,0 +1,345 @@
+//! The message bodies the proxy reads (startup packet, Query, Parse, Bind, Describe, Close) and
+//! the messages it writes itself (authentication, ParameterStatus, BackendKeyData,
+//! ReadyForQuery, NegotiateProtocolVersion, injected Parse/Query/Close, rewritten Bind).
+//!
+//! Readers borrow from the frame and never allocate or re-encode client text: statement names
+//! and SQL stay raw bytes, because pgwire's decoders are lossy for non-UTF-8 encodings.
+
+use bytes::{BufMut, Bytes, BytesMut};
+use pgwire::messages::Message;
+use pgwire::messages::response::{ReadyForQuery, TransactionStatus};
+use pgwire::messages::startup::{
+    Authentication, BackendKeyData, NegotiateProtocolVersion, ParameterStatus, SecretKey,
+};
+
+use super::framing::STARTUP_LIMIT;
+
+pub const SSL_REQUEST_CODE: u32 = 80_877_103;
+pub const GSSENC_REQUEST_CODE: u32 = 80_877_104;
+pub const CANCEL_REQUEST_CODE: u32 = 80_877_102;
+/// Newest protocol minor version we speak (3.2: variable-length cancel keys).
+pub const NEWEST_MINOR: u16 = 2;
+
+/// The first packet of a connection.
+#[derive(Debug, PartialEq, Eq)]
+pub enum StartupPacket {
+    SslRequest,
+    GssEncRequest,
+    Cancel {
+        pid: i32,
+        secret: Vec<u8>,
+    },
+    Startup {
+        major: u16,
+        minor: u16,
+        params: Vec<(String, String)>,
+    },
+}
+
+/// Why a startup packet was refused (all map to FATAL 08P01).
+#[derive(Debug, PartialEq, Eq, thiserror::Error)]
+pub enum StartupError {
+    #[error("invalid length of startup packet")]
+    BadLength,
+    #[error("invalid startup packet layout: expected terminator as last byte")]
+    NoTerminator,
+    #[error("invalid startup packet: parameter without a value")]
+    OddPairs,
+    #[error("invalid startup packet: parameter names and values must be UTF-8")]
+    NotUtf8,
+    #[error("invalid cancel request length")]
+    BadCancel,
+}
+
+/// Validates the length word of a startup-phase packet (it includes itself).
+pub fn startup_len(len_word: [u8; 4]) -> Result<usize, StartupError> {
+    let len = i32::from_be_bytes(len_word);
+    if !(8..=STARTUP_LIMIT as i32).contains(&len) {
+        return Err(StartupError::BadLength);
+    }
+    Ok(len as usize)
+}
+
+/// Parses a startup-phase packet body (everything after the length word).
+pub fn parse_startup(body: &[u8]) -> Result<StartupPacket, StartupError> {
+    if body.len() < 4 {
+        return Err(StartupError::BadLength);
+    }
+    let code = u32::from_be_bytes([body[0], body[1], body[2], body[3]]);
+    let rest = &body[4..];
+    match code {
+        SSL_REQUEST_CODE if rest.is_empty() => Ok(StartupPacket::SslRequest),
+        GSSENC_REQUEST_CODE if rest.is_empty() => Ok(StartupPacket::GssEncRequest),
+        SSL_REQUEST_CODE | GSSENC_REQUEST_CODE => Err(StartupError::BadLength),
+        CANCEL_REQUEST_CODE => {
+            // 3.0 keys are 4 bytes; 3.2 allows up to 256.
+            if rest.len() < 8 || rest.len() > 4 + 256 {
+                return Err(StartupError::BadCancel);
+            }
+            let pid = i32::from_be_bytes([rest[0], rest[1], rest[2], rest[3]]);
+            Ok(StartupPacket::Cancel {
+                pid,
+                secret: rest[4..].to_vec(),
+            })
+        }
+        _ => {
+            let major = (code >> 16) as u16;
+            let minor = (code & 0xffff) as u16;
+            let mut params = Vec::new();
+            let mut buf = rest;
+            loop {
+                let (name, tail) = cstr(buf).ok_or(StartupError::NoTerminator)?;
+                if name.is_empty() {
+                    // The empty name is the list terminator and must be the last byte.
+                    if !tail.is_empty() {
+                        return Err(StartupError::NoTerminator);
+                    }
+                    break;
+                }
+                let (value, tail) = cstr(tail).ok_or(StartupError::OddPairs)?;
+                let name = std::str::from_utf8(name).map_err(|_| StartupError::NotUtf8)?;
+                let value = std::str::from_utf8(value).map_err(|_| StartupError::NotUtf8)?;
+                params.push((name.to_string(), value.to_string()));
+                buf = tail;
+            }
+            Ok(StartupPacket::Startup {
+                major,
+                minor,
+                params,
+            })
+        }
+    }
+}
+
+/// Reads a NUL-terminated string at the start of `buf`: (string, rest after the NUL).
+pub fn cstr(buf: &[u8]) -> Option<(&[u8], &[u8])> {
+    let end = buf.iter().position(|&b| b == 0)?;
+    Some((&buf[..end], &buf[end + 1..]))
+}
+
+/// Parse body: (statement name, query text, parameter-type section as raw bytes).
+pub fn parse_body(body: &[u8]) -> Option<(&[u8], &[u8], &[u8])> {
+    let (name, rest) = cstr(body)?;
+    let (query, types) = cstr(rest)?;
+    Some((name, query, types))
+}
+
+/// Bind body: (portal name, statement name, everything after the statement name).
+pub fn bind_body(body: &[u8]) -> Option<(&[u8], &[u8], &[u8])> {
+    let (portal, rest) = cstr(body)?;
+    let (stmt, tail) = cstr(rest)?;
+    Some((portal, stmt, tail))
+}
+
+/// Describe/Close body: ('S' or 'P', name).
+pub fn target_body(body: &[u8]) -> Option<(u8, &[u8])> {
+    let (&kind, rest) = body.split_first()?;
+    let (name, tail) = cstr(rest)?;
+    (tail.is_empty() && (kind == b'S' || kind == b'P')).then_some((kind, name))
+}
+
+/// Query body: the SQL text without its terminator.
+pub fn query_body(body: &[u8]) -> Option<&[u8]> {
+    let (q, tail) = cstr(body)?;
+    tail.is_empty().then_some(q)
+}
+
+fn begin(out: &mut BytesMut, tag: u8) -> usize {
+    out.put_u8(tag);
+    let at = out.len();
+    out.put_i32(0);
+    at
+}
+
+fn finish(out: &mut BytesMut, at: usize) {
+    let len = (out.len() - at) as i32;
+    out[at..at + 4].copy_from_slice(&len.to_be_bytes());
+}
+
+/// Writes a message built from raw parts: tag + parts concatenated.
+pub fn raw(out: &mut BytesMut, tag: u8, parts: &[&[u8]]) {
+    let at = begin(out, tag);
+    for p in parts {
+        out.put_slice(p);
+    }
+    finish(out, at);
+}
+
+/// Simple Query with proxy-generated SQL.
+pub fn query(out: &mut BytesMut, sql: &str) {
+    raw(out, b'Q', &[sql.as_bytes(), b"\0"]);
+}
+
+/// Parse under a proxy-chosen name; `query_and_types` is the client's raw query + NUL + types.
+pub fn parse_named(out: &mut BytesMut, name: &[u8], query: &[u8], types: &[u8]) {
+    raw(out, b'P', &[name, b"\0", query, b"\0", types]);
+}
+
+/// Bind rewritten to a proxy-chosen statement name; the rest is the client's bytes.
+pub fn bind_renamed(out: &mut BytesMut, portal: &[u8], stmt: &[u8], tail: &[u8]) {
+    raw(out, b'B', &[portal, b"\0", stmt, b"\0", tail]);
+}
+
+/// Describe or Close of a statement/portal.
+pub fn target(out: &mut BytesMut, tag: u8, kind: u8, name: &[u8]) {
+    raw(out, tag, &[&[kind], name, b"\0"]);
+}
+
+pub fn sync(out: &mut BytesMut) {
+    raw(out, b'S', &[]);
+}
+
+pub fn parse_complete(out: &mut BytesMut) {
+    raw(out, b'1', &[]);
+}
+
+pub fn close_complete(out: &mut BytesMut) {
+    raw(out, b'3', &[]);
+}
+
+fn put<M: Message>(out: &mut BytesMut, m: M) {
+    // Encoding into BytesMut cannot fail for these fixed-shape messages.
+    if m.encode(out).is_err() {
+        tracing::error!("failed to encode a protocol message");
+    }
+}
+
+pub fn auth_ok(out: &mut BytesMut) {
+    put(out, Authentication::Ok);
+}
+
+pub fn auth_sasl(out: &mut BytesMut) {
+    put(out, Authentication::SASL(vec!["SCRAM-SHA-256".to_string()]));
+}
+
+pub fn auth_sasl_continue(out: &mut BytesMut, data: &[u8]) {
+    put(
+        out,
+        Authentication::SASLContinue(Bytes::copy_from_slice(data)),
+    );
+}
+
+pub fn auth_sasl_final(out: &mut BytesMut, data: &[u8]) {
+    put(out, Authentication::SASLFinal(Bytes::copy_from_slice(data)));
+}
+
+pub fn auth_md5(out: &mut BytesMut, salt: [u8; 4]) {
+    put(out, Authentication::MD5Password(salt.to_vec()));
+}
+
+pub fn parameter_status(out: &mut BytesMut, name: &str, value: &str) {
+    put(
+        out,
+        ParameterStatus::new(name.to_string(), value.to_string()),
+    );
+}
+
+pub fn backend_key_data(out: &mut BytesMut, pid: i32, secret: &[u8]) {
+    let key = match <[u8; 4]>::try_from(secret) {
+        Ok(b) => SecretKey::I32(i32::from_be_bytes(b)),
+        Err(_) => SecretKey::Bytes(Bytes::copy_from_slice(secret)),
+    };
+    put(out, BackendKeyData::new(pid, key));
+}
+
+pub fn ready_for_query(out: &mut BytesMut, status: u8) {
+    let status = match status {
+        b'T' => TransactionStatus::Transaction,
+        b'E' => TransactionStatus::Error,
+        _ => TransactionStatus::Idle,
+    };
+    put(out, ReadyForQuery::new(status));
+}
+
+pub fn negotiate_protocol_version(out: &mut BytesMut, minor: u16, unsupported: Vec<String>) {
+    put(
+        out,
+        NegotiateProtocolVersion::new(minor.into(), unsupported),
+    );
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn startup_body(code: u32, kv: &[u8]) -> Vec<u8> {
+        let mut v = code.to_be_bytes().to_vec();
+        v.extend_from_slice(kv);
+        v
+    }
+
+    #[test]
+    fn parses_startup_params() {
+        let b = startup_body(196_608, b"user\0app\0database\0appdb\0\0");
+        assert_eq!(
+            parse_startup(&b),
+            Ok(StartupPacket::Startup {
+                major: 3,
+                minor: 0,
+                params: vec![
+                    ("user".into(), "app".into()),
+                    ("database".into(), "appdb".into())
+                ]
+            })
+        );
+    }
+
+    #[test]
+    fn rejects_malformed_startup() {
+        assert_eq!(
+            parse_startup(&startup_body(196_608, b"user\0app")),
+            Err(StartupError::OddPairs)
+        );
+        assert_eq!(
+            parse_startup(&startup_body(196_608, b"user\0\0")),
+            Err(StartupError::NoTerminator)
+        );
+        assert_eq!(
+            parse_startup(&startup_body(196_608, b"user\0")),
+            Err(StartupError::OddPairs)
+        );
+        assert_eq!(
+            parse_startup(&startup_body(196_608, b"user\0a\0\0x\0")),
+            Err(StartupError::NoTerminator)
+        );
+        assert!(startup_len((7i32).to_be_bytes()).is_err());
+        assert!(startup_len((10_001i32).to_be_bytes()).is_err());
+        assert!(startup_len((-1i32).to_be_bytes()).is_err());
+    }
+
+    #[test]
+    fn parses_cancel_with_long_key() {
+        let mut b = startup_body(CANCEL_REQUEST_CODE, &7i32.to_be_bytes());
+        b.extend_from_slice(&[9u8; 32]);
+        assert_eq!(
+            parse_startup(&b),
+            Ok(StartupPacket::Cancel {
+                pid: 7,
+                secret: vec![9; 32]
+            })
+        );
+    }
+
+    #[test]
+    fn reads_bodies_without_copying() {
+        assert_eq!(
+            parse_body(b"s1\0select 1\0\0\0"),
+            Some((&b"s1"[..], &b"select 1"[..], &b"\0\0"[..]))
+        );
+        assert_eq!(
+            bind_body(b"\0s1\0\0\0"),
+            Some((&b""[..], &b"s1"[..], &b"\0\0"[..]))
+        );
+        assert_eq!(target_body(b"Ss1\0"), Some((b'S', &b"s1"[..])));
+        assert_eq!(target_body(b"Xs1\0"), None);
+        assert_eq!(query_body(b"select 1\0"), Some(&b"select 1"[..]));
+    }
+
+    #[test]
+    fn rebuilt_bind_has_a_correct_length() {
+        let mut out = BytesMut::new();
+        bind_renamed(&mut out, b"", b"_pgsl_1", b"\0\0\0\0\0\0");
+        let len = i32::from_be_bytes([out[1], out[2], out[3], out[4]]) as usize;
+        assert_eq!(len + 1, out.len());
+    }
+}

@@ -1,0 +1,12 @@
+//! Wire protocol: header-only framing, the few message bodies the proxy reads, the messages it
+//! creates, and the SQLSTATE errors it sends.
+//!
+//! Owns byte layouts only; imports nothing else of ours. Client and server bytes are forwarded
+//! untouched — pgwire encodes only what the proxy itself says (errors, auth, ReadyForQuery).
+
+pub mod error;
+pub mod framing;
+pub mod messages;
+
+pub use error::PgError;
+pub use framing::{Direction, FrameError, FrameHeader};

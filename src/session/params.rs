@@ -1,0 +1,185 @@
+//! Client startup parameters (application_name, client_encoding, DateStyle, TimeZone,
+//! search_path, …): validation, the `options` string, and the SQL that makes a pooled backend
+//! carry exactly one client's parameters.
+//!
+//! Values are applied with `set_config(name, value, false)`, which parses them exactly as a
+//! startup packet would (list-valued GUCs such as search_path included).
+
+/// Startup keys that are not GUCs.
+const NOT_GUCS: &[&str] = &["user", "database", "options", "replication"];
+
+/// A GUC name we are willing to put into SQL unquoted.
+pub fn valid_guc_name(name: &str) -> bool {
+    let mut chars = name.chars();
+    matches!(chars.next(), Some(c) if c.is_ascii_alphabetic() || c == '_')
+        && name.len() <= 63
+        && chars.all(|c| c.is_ascii_alphanumeric() || c == '_' || c == '.')
+}
+
+/// Splits Postgres' `options` startup value into `name=value` settings (`-c a=b`, `--a=b`),
+/// honouring backslash-escaped spaces.
+pub fn parse_options(options: &str) -> Result<Vec<(String, String)>, String> {
+    let mut words = Vec::new();
+    let mut cur = String::new();
+    let mut chars = options.chars();
+    while let Some(c) = chars.next() {
+        match c {
+            '\\' => {
+                if let Some(n) = chars.next() {
+                    cur.push(n);
+                }
+            }
+            c if c.is_whitespace() => {
+                if !cur.is_empty() {
+                    words.push(std::mem::take(&mut cur));
+                }
+            }
+            c => cur.push(c),
+        }
+    }
+    if !cur.is_empty() {
+        words.push(cur);
+    }
+    let mut out = Vec::new();
+    let mut it = words.into_iter();
+    while let Some(w) = it.next() {
+        let setting = if w == "-c" {
+            it.next().ok_or("`-c` without a setting in options")?
+        } else if let Some(s) = w.strip_prefix("-c") {
+            s.to_string()
+        } else if let Some(s) = w.strip_prefix("--") {
+            s.to_string()
+        } else {
+            return Err(format!("unsupported option `{w}` in options"));
+        };
+        let (n, v) = setting
+            .split_once('=')
+            .ok_or_else(|| format!("option `{setting}` has no value"))?;
+        out.push((n.replace('-', "_"), v.to_string()));
+    }
+    Ok(out)
+}
+
+/// GUC settings as (name, value) pairs, sorted by name.
+pub type Settings = Vec<(String, String)>;
+
+/// From the raw startup parameters to the sorted, deduplicated GUC settings to apply.
+/// Returns the settings and the `_pq_.` protocol options we do not support.
+pub fn client_settings(raw: &[(String, String)]) -> Result<(Settings, Vec<String>), String> {
+    let mut settings: Vec<(String, String)> = Vec::new();
+    let mut unsupported = Vec::new();
+    for (k, v) in raw {
+        if k.starts_with("_pq_.") {
+            unsupported.push(k.clone());
+        } else if k == "options" {
+            settings.extend(parse_options(v)?);
+        } else if k == "replication" {
+            if !matches!(v.as_str(), "false" | "off" | "0" | "no") {
+                return Err("replication connections are not supported by pgsluice".into());
+            }
+        } else if !NOT_GUCS.contains(&k.as_str()) {
+            settings.push((k.clone(), v.clone()));
+        }
+    }
+    for (k, _) in settings.iter_mut() {
+        *k = k.to_ascii_lowercase();
+        if !valid_guc_name(k) {
+            return Err(format!("unrecognized configuration parameter \"{k}\""));
+        }
+    }
+    // Later occurrences win, like Postgres.
+    settings.reverse();
+    settings.sort_by(|a, b| a.0.cmp(&b.0));
+    settings.dedup_by(|later, earlier| later.0 == earlier.0);
+    Ok((settings, unsupported))
+}
+
+fn quote_literal(s: &str) -> String {
+    format!("'{}'", s.replace('\'', "''"))
+}
+
+/// SQL that turns a backend carrying `applied` into one carrying `desired` (both sorted), or
+/// `None` when they already match.
+pub fn apply_sql(applied: &[(String, String)], desired: &[(String, String)]) -> Option<String> {
+    if applied == desired {
+        return None;
+    }
+    let mut sql = String::new();
+    for (n, _) in applied {
+        if !desired.iter().any(|(d, _)| d == n) {
+            sql.push_str("RESET ");
+            sql.push_str(n);
+            sql.push(';');
+        }
+    }
+    let sets: Vec<String> = desired
+        .iter()
+        .filter(|d| !applied.contains(d))
+        .map(|(n, v)| {
+            format!(
+                "set_config({}, {}, false)",
+                quote_literal(n),
+                quote_literal(v)
+            )
+        })
+        .collect();
+    if !sets.is_empty() {
+        sql.push_str("SELECT ");
+        sql.push_str(&sets.join(", "));
+    }
+    Some(sql)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn kv(a: &str, b: &str) -> (String, String) {
+        (a.into(), b.into())
+    }
+
+    #[test]
+    fn options_and_dedup() {
+        let raw = vec![
+            kv("user", "app"),
+            kv("application_name", "x"),
+            kv(
+                "options",
+                "-c search_path=a,b --statement-timeout=5s -cwork_mem=4MB",
+            ),
+            kv("application_name", "y"),
+        ];
+        let (s, u) = client_settings(&raw).unwrap();
+        assert!(u.is_empty());
+        assert_eq!(
+            s,
+            vec![
+                kv("application_name", "y"),
+                kv("search_path", "a,b"),
+                kv("statement_timeout", "5s"),
+                kv("work_mem", "4MB")
+            ]
+        );
+    }
+
+    #[test]
+    fn rejects_bad_names_and_options() {
+        assert!(client_settings(&[kv("x; drop", "1")]).is_err());
+        assert!(client_settings(&[kv("options", "-c=")]).is_err());
+        assert!(client_settings(&[kv("options", "-c")]).is_err());
+        assert!(client_settings(&[kv("replication", "database")]).is_err());
+        let (_, u) = client_settings(&[kv("_pq_.foo", "1")]).unwrap();
+        assert_eq!(u, vec!["_pq_.foo".to_string()]);
+    }
+
+    #[test]
+    fn apply_sql_is_minimal_and_quoted() {
+        assert_eq!(apply_sql(&[], &[]), None);
+        let sql = apply_sql(
+            &[kv("a", "1"), kv("b", "2")],
+            &[kv("b", "2"), kv("c", "it's")],
+        )
+        .unwrap();
+        assert_eq!(sql, "RESET a;SELECT set_config('c', 'it''s', false)");
+    }
+}

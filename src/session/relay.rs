@@ -1,0 +1,635 @@
+//! The per-client forwarding loop after login.
+//!
+//! Client → backend: frames are parsed from the client buffer; Query/Parse/Bind/Describe/Close
+//! bodies are read to rename named statements to shared proxy names (`_pgsl_<hash>`, prepared
+//! lazily on whichever backend runs them) and everything is forwarded as the client's bytes.
+//! Backend → client: headers are scanned in place; DataRow and CopyData are streamed without
+//! being buffered whole; the [`Tracker`] decides what is forwarded, swallowed or answered by us.
+//! Writes are batched: one write per read on each side.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::{Bytes, BytesMut};
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
+use tokio::time::Instant;
+use xxhash_rust::xxh3::Xxh3;
+
+use crate::app::App;
+use crate::cancel;
+use crate::config::PoolMode;
+use crate::pool::prepared::server_name;
+use crate::pool::{Pool, Pooled};
+use crate::protocol::PgError;
+use crate::protocol::error::field_of;
+use crate::protocol::framing::{self, Direction};
+use crate::protocol::messages;
+
+use super::tracker::{Expect, Kind, Mode, Tracker};
+use super::{End, Login, client_alive, params, pool_mode, set_cancel_target};
+
+/// A client's named statement (protocol level).
+struct Stmt {
+    hash: u64,
+    query: Bytes,
+    types: Bytes,
+}
+
+pub struct Relay {
+    app: Arc<App>,
+    pool: Arc<Pool>,
+    login: Login,
+    cancel: Arc<cancel::Entry>,
+    mode: PoolMode,
+    /// Unparsed client bytes.
+    cbuf: BytesMut,
+    /// Unparsed backend bytes.
+    rbuf: BytesMut,
+    /// Pending writes to the client / the backend.
+    cout: BytesMut,
+    bout: BytesMut,
+    backend: Option<Pooled>,
+    t: Tracker,
+    stmts: HashMap<Bytes, Stmt>,
+    /// Body bytes of a client CopyData frame still to stream through.
+    client_pass: usize,
+    /// Body bytes of a backend DataRow/CopyData still to stream, and whether they go out.
+    backend_pass: usize,
+    backend_pass_fwd: bool,
+    /// After a refusal in an extended batch: drop client messages until Sync, like Postgres.
+    skip_to_sync: bool,
+    /// The backend sent a FATAL error; it is about to close.
+    backend_fatal: bool,
+}
+
+/// Reads from the borrowed backend, or waits forever when there is none.
+async fn read_backend(b: &mut Option<Pooled>, buf: &mut BytesMut) -> std::io::Result<usize> {
+    match b {
+        Some(b) => b.conn().stream.read_buf(buf).await,
+        None => std::future::pending().await,
+    }
+}
+
+enum Event {
+    Client(std::io::Result<usize>),
+    Backend(std::io::Result<usize>),
+}
+
+impl Relay {
+    pub fn new(
+        app: Arc<App>,
+        pool: Arc<Pool>,
+        login: Login,
+        cancel: Arc<cancel::Entry>,
+        cbuf: BytesMut,
+    ) -> Relay {
+        let mode = pool_mode(&pool);
+        Relay {
+            app,
+            pool,
+            login,
+            cancel,
+            mode,
+            cbuf,
+            rbuf: BytesMut::with_capacity(16 * 1024),
+            cout: BytesMut::with_capacity(16 * 1024),
+            bout: BytesMut::with_capacity(4 * 1024),
+            backend: None,
+            t: Tracker::default(),
+            stmts: HashMap::new(),
+            client_pass: 0,
+            backend_pass: 0,
+            backend_pass_fwd: true,
+            skip_to_sync: false,
+            backend_fatal: false,
+        }
+    }
+
+    pub async fn run<S: AsyncRead + AsyncWrite + Unpin>(mut self, client: &mut S) -> End {
+        let end = self.run_loop(client).await;
+        self.finish(&end).await;
+        end
+    }
+
+    async fn run_loop<S: AsyncRead + AsyncWrite + Unpin>(&mut self, client: &mut S) -> End {
+        if let Err(end) = self.on_client_data(client).await {
+            return end;
+        }
+        loop {
+            let ev = {
+                let (cbuf, rbuf, backend) = (&mut self.cbuf, &mut self.rbuf, &mut self.backend);
+                tokio::select! {
+                    r = client.read_buf(cbuf) => Event::Client(r),
+                    r = read_backend(backend, rbuf) => Event::Backend(r),
+                }
+            };
+            let r = match ev {
+                Event::Client(Ok(0)) | Event::Client(Err(_)) => return End::ClientClosed,
+                Event::Client(Ok(_)) => self.on_client_data(client).await,
+                Event::Backend(Ok(0)) | Event::Backend(Err(_)) => return self.backend_gone(),
+                Event::Backend(Ok(_)) => self.on_backend_data(client).await,
+            };
+            if let Err(end) = r {
+                return end;
+            }
+        }
+    }
+
+    // ---------------------------------------------------------------- client → backend
+
+    async fn on_client_data<S: AsyncRead + AsyncWrite + Unpin>(
+        &mut self,
+        client: &mut S,
+    ) -> Result<(), End> {
+        loop {
+            if self.client_pass > 0 {
+                let take = self.client_pass.min(self.cbuf.len());
+                if take == 0 {
+                    break;
+                }
+                let chunk = self.cbuf.split_to(take);
+                self.bout.extend_from_slice(&chunk);
+                self.client_pass -= take;
+                continue;
+            }
+            let h = match framing::header(&self.cbuf, Direction::Frontend) {
+                Ok(Some(h)) => h,
+                Ok(None) => break,
+                Err(e) => return Err(End::Error(PgError::protocol_violation(e.to_string()))),
+            };
+            if self.cbuf.len() < h.total {
+                // Stream big CopyData through instead of buffering it whole.
+                if h.tag == b'd' && self.t.copy_in && self.backend.is_some() && !self.skip_to_sync {
+                    let have = self.cbuf.len();
+                    let chunk = self.cbuf.split();
+                    self.bout.extend_from_slice(&chunk);
+                    self.client_pass = h.total - have;
+                }
+                break;
+            }
+            let frame = self.cbuf.split_to(h.total).freeze();
+            self.on_client_frame(h.tag, frame, client).await?;
+        }
+        self.flush_backend().await?;
+        self.t.answer_synthetic(&mut self.cout);
+        self.flush_client(client).await?;
+        self.maybe_release().await;
+        Ok(())
+    }
+
+    async fn on_client_frame<S: AsyncRead + AsyncWrite + Unpin>(
+        &mut self,
+        tag: u8,
+        frame: Bytes,
+        client: &mut S,
+    ) -> Result<(), End> {
+        let body = frame.slice(framing::HEADER_LEN..);
+        if self.skip_to_sync {
+            if tag == b'S' {
+                self.skip_to_sync = false;
+                messages::ready_for_query(&mut self.cout, self.t.txn);
+            } else if tag == b'X' {
+                return Err(End::Terminated);
+            }
+            return Ok(());
+        }
+        match tag {
+            b'X' => return Err(End::Terminated),
+            b'p' => {
+                return Err(End::Error(PgError::protocol_violation(
+                    "unexpected password message after authentication",
+                )));
+            }
+            b'd' | b'c' | b'f' => {
+                // Outside COPY these are ignored, as Postgres does.
+                if self.t.copy_in && self.backend.is_some() {
+                    self.bout.extend_from_slice(&frame);
+                }
+                return Ok(());
+            }
+            b'H' => {
+                if self.backend.is_some() {
+                    self.bout.extend_from_slice(&frame);
+                }
+                return Ok(());
+            }
+            _ => {}
+        }
+        if let Err(e) = self.ensure_backend(client).await {
+            return self.refuse(tag, e);
+        }
+        match tag {
+            b'Q' => {
+                self.t.push(Expect::new(Kind::Query, Mode::Forward));
+                self.bout.extend_from_slice(&frame);
+            }
+            b'F' => {
+                self.t.push(Expect::new(Kind::FunctionCall, Mode::Forward));
+                self.bout.extend_from_slice(&frame);
+            }
+            b'S' => {
+                self.t.push(Expect::new(Kind::Sync, Mode::Forward));
+                self.bout.extend_from_slice(&frame);
+            }
+            b'E' => {
+                self.t.push(Expect::new(Kind::Execute, Mode::Forward));
+                self.bout.extend_from_slice(&frame);
+            }
+            b'P' => self.on_parse(frame, &body)?,
+            b'B' => self.on_bind(frame, &body)?,
+            b'D' | b'C' => self.on_target(tag, frame, &body)?,
+            _ => {
+                return Err(End::Error(PgError::protocol_violation(format!(
+                    "invalid frontend message type {}",
+                    char::from(tag)
+                ))));
+            }
+        }
+        Ok(())
+    }
+
+    fn malformed(what: &str) -> End {
+        End::Error(PgError::protocol_violation(format!(
+            "malformed {what} message"
+        )))
+    }
+
+    fn on_parse(&mut self, frame: Bytes, body: &Bytes) -> Result<(), End> {
+        let (name, query, types) =
+            messages::parse_body(body).ok_or_else(|| Self::malformed("Parse"))?;
+        if name.is_empty() {
+            self.t.push(Expect::new(Kind::Parse, Mode::Forward));
+            self.bout.extend_from_slice(&frame);
+            return Ok(());
+        }
+        let mut h = Xxh3::new();
+        h.update(query);
+        h.update(&[0]);
+        h.update(types);
+        let hash = h.digest();
+        let stmt = Stmt {
+            hash,
+            query: body.slice_ref(query),
+            types: body.slice_ref(types),
+        };
+        // Redefining a name replaces it (drivers close before reuse; we stay lenient).
+        self.stmts.insert(body.slice_ref(name), stmt);
+        if self.backend_conn().prepared.touch(hash) {
+            self.t.push(Expect::new(Kind::Parse, Mode::Synthetic));
+        } else {
+            self.prepare_on_backend(hash, query, types, Mode::Forward);
+        }
+        Ok(())
+    }
+
+    /// Sends a Parse of statement `hash` under its proxy name (evicting the LRU one if full).
+    fn prepare_on_backend(&mut self, hash: u64, query: &[u8], types: &[u8], mode: Mode) {
+        if let Some(old) = self.backend_conn().prepared.insert(hash) {
+            messages::target(&mut self.bout, b'C', b'S', &server_name(old));
+            self.t.push(Expect::new(Kind::Close, Mode::Swallow));
+        }
+        messages::parse_named(&mut self.bout, &server_name(hash), query, types);
+        let mut e = Expect::new(Kind::Parse, mode);
+        e.stmt = Some(hash);
+        self.t.push(e);
+    }
+
+    /// Makes sure the client's statement `name` exists on this backend; returns its proxy name.
+    fn ensure_prepared(&mut self, name: &[u8]) -> Option<[u8; 22]> {
+        if name.is_empty() {
+            return None;
+        }
+        let (hash, query, types) = {
+            let s = self.stmts.get(name)?;
+            (s.hash, s.query.clone(), s.types.clone())
+        };
+        if !self.backend_conn().prepared.touch(hash) {
+            self.prepare_on_backend(hash, &query, &types, Mode::Swallow);
+        }
+        Some(server_name(hash))
+    }
+
+    fn on_bind(&mut self, frame: Bytes, body: &Bytes) -> Result<(), End> {
+        let (portal, stmt, tail) =
+            messages::bind_body(body).ok_or_else(|| Self::malformed("Bind"))?;
+        // An injected Parse (if any) goes before the Bind, and so does its expectation.
+        let server = self.ensure_prepared(stmt);
+        self.t.push(Expect::new(Kind::Bind, Mode::Forward));
+        match server {
+            Some(server) => messages::bind_renamed(&mut self.bout, portal, &server, tail),
+            // Unnamed, or unknown to us: Postgres gives the client the right error.
+            None => self.bout.extend_from_slice(&frame),
+        }
+        Ok(())
+    }
+
+    fn on_target(&mut self, tag: u8, frame: Bytes, body: &Bytes) -> Result<(), End> {
+        let (kind, name) =
+            messages::target_body(body).ok_or_else(|| Self::malformed("Describe/Close"))?;
+        match (tag, kind) {
+            (b'D', b'S') => {
+                let server = self.ensure_prepared(name);
+                self.t.push(Expect::new(Kind::DescribeStmt, Mode::Forward));
+                match server {
+                    Some(server) => messages::target(&mut self.bout, b'D', b'S', &server),
+                    None => self.bout.extend_from_slice(&frame),
+                }
+            }
+            (b'D', _) => {
+                self.t
+                    .push(Expect::new(Kind::DescribePortal, Mode::Forward));
+                self.bout.extend_from_slice(&frame);
+            }
+            (b'C', b'S') if !name.is_empty() => {
+                // The server statement stays cached for others; only the client's name goes.
+                self.stmts.remove(name);
+                self.t.push(Expect::new(Kind::Close, Mode::Synthetic));
+            }
+            _ => {
+                self.t.push(Expect::new(Kind::Close, Mode::Forward));
+                self.bout.extend_from_slice(&frame);
+            }
+        }
+        Ok(())
+    }
+
+    fn backend_conn(&mut self) -> &mut crate::pool::BackendConn {
+        // Callers run only after `ensure_backend` succeeded.
+        self.backend
+            .as_mut()
+            .expect("backend attached before statement handling")
+            .conn()
+    }
+
+    /// Borrows a backend if the client has none, watching the client while it waits.
+    async fn ensure_backend<S: AsyncRead + Unpin>(
+        &mut self,
+        client: &mut S,
+    ) -> Result<(), PgError> {
+        if self.backend.is_some() {
+            return Ok(());
+        }
+        let deadline = Instant::now() + Duration::from_millis(self.pool.cfg.checkout_timeout_ms);
+        let pool = self.pool.clone();
+        let checkout = pool.checkout(2, deadline);
+        tokio::pin!(checkout);
+        let res = loop {
+            tokio::select! {
+                r = &mut checkout => break r,
+                alive = client_alive(client, &mut self.cbuf) => {
+                    if !alive {
+                        return Err(PgError::fatal("08006", "client disconnected while waiting"));
+                    }
+                }
+            }
+        };
+        let mut b = res.map_err(|e| e.to_pg(&self.pool.name))?;
+        let conn = b.conn();
+        if let Some(sql) = params::apply_sql(&conn.applied, &self.login.settings) {
+            conn.applied = self.login.settings.clone();
+            messages::query(&mut self.bout, &sql);
+            self.t.push(Expect::new(Kind::Query, Mode::Swallow));
+        }
+        set_cancel_target(&self.cancel, Some(&mut b)).await;
+        self.backend = Some(b);
+        Ok(())
+    }
+
+    /// Answers a request we could not serve with an ErrorResponse, keeping protocol order.
+    fn refuse(&mut self, tag: u8, e: PgError) -> Result<(), End> {
+        if e.severity == crate::protocol::error::Severity::Fatal {
+            return Err(End::Error(e));
+        }
+        e.encode(&mut self.cout);
+        match tag {
+            b'Q' | b'F' => messages::ready_for_query(&mut self.cout, self.t.txn),
+            b'S' => messages::ready_for_query(&mut self.cout, self.t.txn),
+            _ => self.skip_to_sync = true,
+        }
+        Ok(())
+    }
+
+    // ---------------------------------------------------------------- backend → client
+
+    async fn on_backend_data<S: AsyncWrite + Unpin>(&mut self, client: &mut S) -> Result<(), End> {
+        loop {
+            if self.backend_pass > 0 {
+                let take = self.backend_pass.min(self.rbuf.len());
+                if take == 0 {
+                    break;
+                }
+                let chunk = self.rbuf.split_to(take);
+                if self.backend_pass_fwd {
+                    self.cout.extend_from_slice(&chunk);
+                }
+                self.backend_pass -= take;
+                continue;
+            }
+            self.t.answer_synthetic(&mut self.cout);
+            let h = match framing::header(&self.rbuf, Direction::Backend) {
+                Ok(Some(h)) => h,
+                Ok(None) => break,
+                Err(e) => {
+                    tracing::warn!(pool = %self.pool.name, error = %e, "protocol error from the server");
+                    return Err(End::Error(PgError::backend_lost()));
+                }
+            };
+            if self.rbuf.len() < h.total {
+                if matches!(h.tag, b'D' | b'd') {
+                    let step = self.t.on_backend(h.tag, None);
+                    let have = self.rbuf.len();
+                    let chunk = self.rbuf.split();
+                    if step.forward {
+                        self.cout.extend_from_slice(&chunk);
+                    }
+                    self.backend_pass = h.total - have;
+                    self.backend_pass_fwd = step.forward;
+                }
+                break;
+            }
+            let frame = self.rbuf.split_to(h.total);
+            let body = &frame[framing::HEADER_LEN..];
+            let step = self.t.on_backend(h.tag, body.first().copied());
+            if h.tag == b'E' && matches!(field_of(body, b'S'), Some("FATAL" | "PANIC")) {
+                self.backend_fatal = true;
+            }
+            if !step.not_prepared.is_empty() {
+                let conn = self.backend_conn();
+                for hash in step.not_prepared {
+                    conn.prepared.remove(hash);
+                }
+            }
+            if step.forward {
+                self.cout.extend_from_slice(&frame);
+            }
+            // Flush big batches early so a long result never piles up in memory.
+            if self.cout.len() >= 64 * 1024 {
+                self.flush_client(client).await?;
+            }
+        }
+        if self.backend_pass == 0 {
+            self.t.answer_synthetic(&mut self.cout);
+        }
+        self.flush_client(client).await?;
+        self.maybe_release().await;
+        Ok(())
+    }
+
+    async fn flush_client<S: AsyncWrite + Unpin>(&mut self, client: &mut S) -> Result<(), End> {
+        if self.cout.is_empty() {
+            return Ok(());
+        }
+        let r = client.write_all(&self.cout).await;
+        self.cout.clear();
+        r.map_err(|_| End::ClientClosed)
+    }
+
+    async fn flush_backend(&mut self) -> Result<(), End> {
+        if self.bout.is_empty() {
+            return Ok(());
+        }
+        let Some(b) = self.backend.as_mut() else {
+            self.bout.clear();
+            return Ok(());
+        };
+        let r = b.conn().stream.write_all(&self.bout).await;
+        self.bout.clear();
+        r.map_err(|_| self.backend_gone())
+    }
+
+    /// In transaction mode, returns the backend once it is idle with nothing owed.
+    async fn maybe_release(&mut self) {
+        if self.mode != PoolMode::Transaction
+            || self.backend.is_none()
+            || !self.t.idle()
+            || self.backend_pass != 0
+            || !self.rbuf.is_empty()
+            || !self.bout.is_empty()
+        {
+            return;
+        }
+        set_cancel_target(&self.cancel, None).await;
+        if let Some(b) = self.backend.take() {
+            b.release().await;
+        }
+    }
+
+    /// The backend closed or failed under us.
+    fn backend_gone(&mut self) -> End {
+        if let Some(b) = self.backend.take() {
+            b.discard();
+        }
+        if self.backend_fatal {
+            // Postgres already told the client why (e.g. 57P01); just close.
+            End::BackendLost
+        } else {
+            End::Error(PgError::backend_lost())
+        }
+    }
+
+    // ---------------------------------------------------------------- end of session
+
+    /// Gives the backend back (or closes it) after the client left.
+    async fn finish(&mut self, end: &End) {
+        let Some(b) = self.backend.take() else { return };
+        if matches!(end, End::BackendLost) {
+            b.discard();
+            return;
+        }
+        let cleanup = Cleanup {
+            pending_ready: self.t.pending_ready() + usize::from(self.t.sync_pending),
+            in_flight: self.t.in_flight(),
+            copy_in: self.t.copy_in,
+            sync_pending: self.t.sync_pending,
+            txn: self.t.txn,
+            skip: self.backend_pass,
+            buffered: std::mem::take(&mut self.rbuf),
+            session_mode: self.mode == PoolMode::Session,
+        };
+        let cancel = self.cancel.clone();
+        let _ = &self.app;
+        tokio::spawn(async move {
+            set_cancel_target(&cancel, None).await;
+            cleanup.run(b).await;
+        });
+    }
+}
+
+/// Returns a backend to a clean, idle state after its client vanished mid-work: cancel what
+/// runs, end COPY, drain owed replies, roll back, and only then pool it (else close it).
+struct Cleanup {
+    pending_ready: usize,
+    in_flight: bool,
+    copy_in: bool,
+    sync_pending: bool,
+    txn: u8,
+    skip: usize,
+    buffered: BytesMut,
+    session_mode: bool,
+}
+
+impl Cleanup {
+    async fn run(self, mut b: Pooled) {
+        let ok = tokio::time::timeout(Duration::from_secs(5), self.drain(&mut b)).await;
+        match ok {
+            Ok(Ok(())) => b.release().await,
+            _ => b.discard(),
+        }
+    }
+
+    async fn drain(&self, b: &mut Pooled) -> Result<(), ()> {
+        let conn = b.conn();
+        if self.in_flight && !self.copy_in {
+            let t = cancel::Target {
+                addr: conn.addr,
+                pid: conn.pid,
+                secret: conn.secret.clone(),
+            };
+            let _ = cancel::send(&t).await;
+        }
+        let mut out = BytesMut::new();
+        if self.copy_in {
+            messages::raw(&mut out, b'f', &[b"client disconnected\0"]);
+        }
+        if self.sync_pending {
+            messages::sync(&mut out);
+        }
+        if !out.is_empty() {
+            conn.stream.write_all(&out).await.map_err(|_| ())?;
+        }
+        // Skip the rest of a half-streamed message, then read whole messages.
+        let mut buf = self.buffered.clone();
+        let mut skip = self.skip;
+        while skip > 0 {
+            if buf.is_empty() && conn.stream.read_buf(&mut buf).await.map_err(|_| ())? == 0 {
+                return Err(());
+            }
+            let n = skip.min(buf.len());
+            let _ = buf.split_to(n);
+            skip -= n;
+        }
+        let mut txn = self.txn;
+        let mut owed = self.pending_ready;
+        while owed > 0 {
+            let (tag, body) = crate::pool::backend::read_message(&mut conn.stream, &mut buf)
+                .await
+                .map_err(|_| ())?;
+            if tag == b'Z' {
+                owed -= 1;
+                txn = body.first().copied().unwrap_or(b'I');
+            }
+        }
+        if txn != b'I' && !matches!(conn.simple("ROLLBACK").await, Ok(b'I')) {
+            return Err(());
+        }
+        if self.session_mode {
+            if !matches!(conn.simple("DISCARD ALL").await, Ok(b'I')) {
+                return Err(());
+            }
+            conn.prepared.clear();
+            conn.applied.clear();
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,296 @@
+//! Which replies the backend still owes, in order, and what to do with each: forward it,
+//! swallow it (a message the proxy injected), or answer it ourselves (a Parse or Close the
+//! proxy did not need to send).
+//!
+//! This is what makes statement renaming, injected SETs and synthetic replies safe under
+//! pipelining: every reply is matched to the request that caused it, Postgres' "skip until
+//! Sync after an error" is mirrored, and the backend is known to be idle only when nothing is
+//! owed. Pure bookkeeping, no I/O.
+
+use std::collections::VecDeque;
+
+use bytes::BytesMut;
+
+use crate::protocol::messages;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Kind {
+    Parse,
+    Bind,
+    DescribeStmt,
+    DescribePortal,
+    Execute,
+    Close,
+    Sync,
+    Query,
+    FunctionCall,
+}
+
+impl Kind {
+    /// Requests answered by ReadyForQuery.
+    pub fn ends_with_ready(self) -> bool {
+        matches!(self, Kind::Sync | Kind::Query | Kind::FunctionCall)
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Mode {
+    /// The client sent it; its replies go to the client.
+    Forward,
+    /// The proxy injected it; its replies are dropped (errors excepted, see `on_backend`).
+    Swallow,
+    /// Not sent to the backend; the proxy answers it when it reaches the head of the queue.
+    Synthetic,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Expect {
+    pub kind: Kind,
+    pub mode: Mode,
+    /// For a Parse of a proxy-named statement: its hash, forgotten again if the Parse fails.
+    pub stmt: Option<u64>,
+}
+
+impl Expect {
+    pub fn new(kind: Kind, mode: Mode) -> Self {
+        Expect {
+            kind,
+            mode,
+            stmt: None,
+        }
+    }
+}
+
+/// The decision for one backend message.
+#[derive(Debug, Default, PartialEq, Eq)]
+pub struct Step {
+    pub forward: bool,
+    /// Statements whose Parse failed (or was skipped after an error): not prepared here.
+    pub not_prepared: Vec<u64>,
+    /// The message was a ReadyForQuery for a request the proxy injected.
+    pub injected_done: bool,
+}
+
+#[derive(Debug)]
+pub struct Tracker {
+    q: VecDeque<Expect>,
+    /// Transaction status from the last ReadyForQuery.
+    pub txn: u8,
+    /// The backend is in COPY FROM STDIN and waits for the client's CopyData.
+    pub copy_in: bool,
+    /// Extended-protocol messages were sent since the last Sync.
+    pub sync_pending: bool,
+}
+
+impl Default for Tracker {
+    fn default() -> Self {
+        Tracker {
+            q: VecDeque::new(),
+            txn: b'I',
+            copy_in: false,
+            sync_pending: false,
+        }
+    }
+}
+
+impl Tracker {
+    pub fn push(&mut self, e: Expect) {
+        match e.kind {
+            Kind::Sync => self.sync_pending = false,
+            Kind::Query | Kind::FunctionCall => {}
+            _ => self.sync_pending = true,
+        }
+        self.q.push_back(e);
+    }
+
+    /// Nothing owed, no transaction, no COPY, no half-finished extended batch.
+    pub fn idle(&self) -> bool {
+        self.q.is_empty() && !self.sync_pending && self.txn == b'I' && !self.copy_in
+    }
+
+    /// Requests still waiting for replies.
+    pub fn in_flight(&self) -> bool {
+        !self.q.is_empty()
+    }
+
+    /// ReadyForQuery messages the backend still owes.
+    pub fn pending_ready(&self) -> usize {
+        self.q.iter().filter(|e| e.kind.ends_with_ready()).count()
+    }
+
+    /// Answers synthetic requests that reached the head of the queue.
+    pub fn answer_synthetic(&mut self, out: &mut BytesMut) {
+        while let Some(e) = self.q.front() {
+            if e.mode != Mode::Synthetic {
+                break;
+            }
+            match e.kind {
+                Kind::Parse => messages::parse_complete(out),
+                Kind::Close => messages::close_complete(out),
+                _ => {}
+            }
+            self.q.pop_front();
+        }
+    }
+
+    fn head(&self) -> Option<Expect> {
+        self.q.front().copied()
+    }
+
+    /// Accounts for one backend message of type `tag` (`first` = first body byte, for Z).
+    pub fn on_backend(&mut self, tag: u8, first: Option<u8>) -> Step {
+        let head = self.head();
+        let head_mode = head.map(|h| h.mode).unwrap_or(Mode::Forward);
+        let mut step = Step {
+            forward: head_mode != Mode::Swallow,
+            ..Step::default()
+        };
+        match tag {
+            b'Z' => {
+                self.txn = first.unwrap_or(b'I');
+                self.copy_in = false;
+                // Pop through the request this answers (guards against a desync).
+                while let Some(e) = self.q.pop_front() {
+                    if e.kind.ends_with_ready() {
+                        step.forward = e.mode != Mode::Swallow;
+                        step.injected_done = e.mode == Mode::Swallow;
+                        break;
+                    }
+                }
+            }
+            b'E' => {
+                self.copy_in = false;
+                match head {
+                    None => step.forward = true,
+                    Some(h) if h.kind.ends_with_ready() => {}
+                    Some(_) => {
+                        // Errors of injected Parses reach the client: its Bind fails with them.
+                        step.forward = true;
+                        while let Some(e) = self.q.front() {
+                            if e.kind == Kind::Sync {
+                                break;
+                            }
+                            if let Some(h) = e.stmt {
+                                step.not_prepared.push(h);
+                            }
+                            self.q.pop_front();
+                        }
+                    }
+                }
+            }
+            b'1' | b'2' | b'3' => {
+                if matches!(
+                    head.map(|h| h.kind),
+                    Some(Kind::Parse | Kind::Bind | Kind::Close)
+                ) {
+                    self.q.pop_front();
+                }
+            }
+            b'T' | b'n' => {
+                if matches!(
+                    head.map(|h| h.kind),
+                    Some(Kind::DescribeStmt | Kind::DescribePortal)
+                ) {
+                    self.q.pop_front();
+                }
+            }
+            b'C' | b'I' | b's' => {
+                if tag == b'C' {
+                    self.copy_in = false;
+                }
+                if head.map(|h| h.kind) == Some(Kind::Execute) {
+                    self.q.pop_front();
+                }
+            }
+            b'G' | b'W' => self.copy_in = true,
+            // Notifications belong to the client whatever it is waiting for.
+            b'A' => step.forward = true,
+            _ => {}
+        }
+        step
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn fwd(k: Kind) -> Expect {
+        Expect::new(k, Mode::Forward)
+    }
+
+    #[test]
+    fn extended_round_trip_ends_idle() {
+        let mut t = Tracker::default();
+        for k in [Kind::Parse, Kind::Bind, Kind::Execute, Kind::Sync] {
+            t.push(fwd(k));
+        }
+        assert!(!t.idle());
+        for tag in [b'1', b'2', b'D', b'C'] {
+            assert!(t.on_backend(tag, None).forward);
+        }
+        assert!(t.on_backend(b'Z', Some(b'I')).forward);
+        assert!(t.idle());
+    }
+
+    #[test]
+    fn error_skips_to_sync_and_drops_synthetic_replies() {
+        let mut t = Tracker::default();
+        let mut p = fwd(Kind::Parse);
+        p.stmt = Some(7);
+        t.push(p);
+        t.push(Expect::new(Kind::Parse, Mode::Synthetic));
+        t.push(fwd(Kind::Bind));
+        t.push(fwd(Kind::Sync));
+        let s = t.on_backend(b'E', None);
+        assert!(s.forward);
+        assert_eq!(s.not_prepared, vec![7]);
+        let mut out = BytesMut::new();
+        t.answer_synthetic(&mut out);
+        assert!(out.is_empty());
+        t.on_backend(b'Z', Some(b'I'));
+        assert!(t.idle());
+    }
+
+    #[test]
+    fn synthetic_answers_come_in_order() {
+        let mut t = Tracker::default();
+        t.push(fwd(Kind::Bind));
+        t.push(Expect::new(Kind::Close, Mode::Synthetic));
+        t.push(fwd(Kind::Sync));
+        let mut out = BytesMut::new();
+        t.answer_synthetic(&mut out);
+        assert!(out.is_empty(), "the Bind reply comes first");
+        t.on_backend(b'2', None);
+        t.answer_synthetic(&mut out);
+        assert_eq!(&out[..], b"3\0\0\0\x04");
+    }
+
+    #[test]
+    fn injected_query_is_swallowed_but_errors_in_client_queries_are_not() {
+        let mut t = Tracker::default();
+        t.push(Expect::new(Kind::Query, Mode::Swallow));
+        t.push(fwd(Kind::Query));
+        assert!(!t.on_backend(b'S', None).forward);
+        assert!(!t.on_backend(b'C', None).forward);
+        let z = t.on_backend(b'Z', Some(b'I'));
+        assert!(!z.forward && z.injected_done);
+        assert!(t.on_backend(b'E', None).forward);
+        assert!(t.on_backend(b'Z', Some(b'I')).forward);
+        assert!(t.idle());
+    }
+
+    #[test]
+    fn transaction_and_copy_keep_it_busy() {
+        let mut t = Tracker::default();
+        t.push(fwd(Kind::Query));
+        t.on_backend(b'Z', Some(b'T'));
+        assert!(!t.idle());
+        t.push(fwd(Kind::Query));
+        t.on_backend(b'G', None);
+        assert!(t.copy_in);
+        t.on_backend(b'C', None);
+        t.on_backend(b'Z', Some(b'I'));
+        assert!(t.idle());
+    }
+}
