@@ -10,7 +10,10 @@ use tokio_util::sync::CancellationToken;
 
 use crate::auth::Credentials;
 use crate::cancel;
-use crate::config::Config;
+use crate::config::{self as cfgmod, Config};
+use crate::policy::breaker::BreakerConfig;
+use crate::policy::rules::RuleSet;
+use crate::policy::{CallerPolicy, Policy, Priority};
 use crate::pool::{ConnectParams, Pool, Pools};
 use crate::protocol::PgError;
 
@@ -20,6 +23,8 @@ pub struct App {
     pub pools: Pools,
     pub cancels: Arc<cancel::Registry>,
     pub stats: AppStats,
+    /// Admission control: caller limits, rate buckets, breaker, runtime fingerprint rules.
+    pub policy: Policy,
     /// Fired on shutdown: stop accepting, finish in-flight work.
     pub shutdown: CancellationToken,
 }
@@ -33,16 +38,34 @@ pub struct AppStats {
 }
 
 impl App {
-    pub fn new(config: Config) -> Arc<App> {
+    /// Builds the app; `rules` are the runtime rules loaded from the rules file (if any).
+    pub fn new(config: Config, rules: Arc<RuleSet>) -> Result<Arc<App>, String> {
         let creds = Credentials::from_config(&config);
-        Arc::new(App {
+        let (callers, breaker) = policy_inputs(&config);
+        let policy = Policy::with_rules(callers, breaker, rules)
+            .map_err(|e| format!("callers[{}].{}: {}", e.index, e.field, e.message))?;
+        Ok(Arc::new(App {
+            policy,
             config: ArcSwap::from_pointee(config),
             creds: ArcSwap::from_pointee(creds),
             pools: Pools::default(),
             cancels: Arc::new(cancel::Registry::default()),
             stats: AppStats::default(),
             shutdown: CancellationToken::new(),
-        })
+        }))
+    }
+
+    /// Swaps in a new configuration: credentials, caller limits and breaker settings.
+    /// Validation already happened; if the policy refuses it, nothing changes.
+    pub fn reload(&self, config: Config) -> Result<(), String> {
+        let (callers, breaker) = policy_inputs(&config);
+        self.policy
+            .reconfigure(callers, breaker)
+            .map_err(|e| format!("callers[{}].{}: {}", e.index, e.field, e.message))?;
+        self.creds
+            .store(Arc::new(Credentials::from_config(&config)));
+        self.config.store(Arc::new(config));
+        Ok(())
     }
 
     /// The pool for a logged-in (database, user), created on first use.
@@ -84,4 +107,46 @@ impl App {
             }
         }
     }
+}
+
+/// The caller table (config order, `default` last) and breaker settings for the policy.
+pub fn policy_inputs(cfg: &Config) -> (Vec<CallerPolicy>, BreakerConfig) {
+    let g = &cfg.global_defaults;
+    let prio = |p: cfgmod::Priority| match p {
+        cfgmod::Priority::Critical => Priority::Critical,
+        cfgmod::Priority::High => Priority::High,
+        cfgmod::Priority::Normal => Priority::Normal,
+        cfgmod::Priority::Low => Priority::Low,
+    };
+    let mut callers: Vec<CallerPolicy> = cfg
+        .callers
+        .iter()
+        .map(|c| CallerPolicy {
+            name: c.name.clone(),
+            max_concurrency: c.max_concurrency.unwrap_or(g.max_concurrency),
+            queue_depth: c.queue_depth.unwrap_or(g.queue_depth),
+            queue_timeout: Duration::from_millis(c.queue_timeout_ms.unwrap_or(g.queue_timeout_ms)),
+            priority: prio(c.priority),
+            max_qps: c.max_qps,
+            burst: c.burst,
+        })
+        .collect();
+    callers.push(CallerPolicy {
+        name: "default".into(),
+        max_concurrency: g.max_concurrency,
+        queue_depth: g.queue_depth,
+        queue_timeout: Duration::from_millis(g.queue_timeout_ms),
+        priority: Priority::Normal,
+        max_qps: None,
+        burst: None,
+    });
+    let b = &g.circuit_breaker;
+    let breaker = BreakerConfig {
+        consecutive_errors: b.consecutive_errors,
+        max_inflight_threshold: b.max_inflight_threshold,
+        db_cpu_threshold_percent: b.db_cpu_threshold_percent,
+        open: Duration::from_millis(b.open_ms),
+        half_open_max_probes: 1,
+    };
+    (callers, breaker)
 }

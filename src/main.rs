@@ -9,8 +9,8 @@ use clap::{Parser, Subcommand};
 use tokio::signal::unix::{SignalKind, signal};
 
 use pgsluice::app::App;
-use pgsluice::auth::Credentials;
 use pgsluice::config::{Config, ConfigError, LogFormat, Overrides, PoolMode};
+use pgsluice::policy::rules::RuleSet;
 
 #[derive(Parser, Debug)]
 #[command(name = "pgsluice", version, about = "PostgreSQL traffic-control proxy")]
@@ -127,7 +127,8 @@ fn init_tracing(config: &Config, json: bool) {
 async fn run(cli: Cli, config: Config) -> anyhow::Result<()> {
     let listener = tokio::net::TcpListener::bind(config.listen).await?;
     let admin = tokio::net::TcpListener::bind(config.admin.listen).await?;
-    let app = App::new(config);
+    let rules = load_rules(&config)?;
+    let app = App::new(config, rules).map_err(anyhow::Error::msg)?;
     // The harness and scripts read these two lines to learn the chosen ports.
     println!("pgsluice listening on {}", listener.local_addr()?);
     println!("pgsluice admin listening on {}", admin.local_addr()?);
@@ -149,6 +150,20 @@ async fn run(cli: Cli, config: Config) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// Runtime rules persisted by the admin API, if a rules file is configured and exists.
+fn load_rules(config: &Config) -> anyhow::Result<Arc<RuleSet>> {
+    let Some(path) = &config.admin.rules_file else {
+        return Ok(Arc::new(RuleSet::new()));
+    };
+    match std::fs::read(path) {
+        Ok(bytes) => RuleSet::from_json_bytes(&bytes)
+            .map(Arc::new)
+            .map_err(|e| anyhow::anyhow!("rules file {path}: {e}")),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(Arc::new(RuleSet::new())),
+        Err(e) => Err(anyhow::anyhow!("rules file {path}: {e}")),
+    }
+}
+
 /// SIGTERM/SIGINT: graceful stop (a second one exits at once). SIGHUP: reload.
 async fn signals(app: Arc<App>, cli: Cli) {
     let (Ok(mut term), Ok(mut int), Ok(mut hup)) = (
@@ -165,11 +180,10 @@ async fn signals(app: Arc<App>, cli: Cli) {
             _ = int.recv() => {}
             _ = hup.recv() => {
                 match load(&cli) {
-                    Ok(c) => {
-                        app.creds.store(Arc::new(Credentials::from_config(&c)));
-                        app.config.store(Arc::new(c));
-                        tracing::info!("configuration reloaded");
-                    }
+                    Ok(c) => match app.reload(c) {
+                        Ok(()) => tracing::info!("configuration reloaded"),
+                        Err(e) => tracing::error!(error = %e, "reload rejected; keeping the running configuration"),
+                    },
                     Err(errs) => {
                         for e in errs {
                             tracing::error!(error = %e, "reload rejected; keeping the running configuration");
