@@ -10,6 +10,7 @@ use tokio_util::sync::CancellationToken;
 
 use crate::auth::Credentials;
 use crate::cancel;
+use crate::classify::{Classifier, DEFAULT_MAX_TEXT_BYTES};
 use crate::config::{self as cfgmod, Config};
 use crate::policy::breaker::BreakerConfig;
 use crate::policy::rules::RuleSet;
@@ -25,6 +26,8 @@ pub struct App {
     pub stats: AppStats,
     /// Admission control: caller limits, rate buckets, breaker, runtime fingerprint rules.
     pub policy: Policy,
+    /// Statement fingerprints, kinds and session effects, cached by text.
+    pub classifier: Classifier,
     /// Fired on shutdown: stop accepting, finish in-flight work.
     pub shutdown: CancellationToken,
 }
@@ -46,6 +49,7 @@ impl App {
             .map_err(|e| format!("callers[{}].{}: {}", e.index, e.field, e.message))?;
         Ok(Arc::new(App {
             policy,
+            classifier: Classifier::new(10_000, DEFAULT_MAX_TEXT_BYTES),
             config: ArcSwap::from_pointee(config),
             creds: ArcSwap::from_pointee(creds),
             pools: Pools::default(),

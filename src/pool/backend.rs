@@ -92,6 +92,17 @@ impl Dirt {
         *self != Dirt::default()
     }
 
+    pub fn merge(&mut self, o: Dirt) {
+        self.gucs |= o.gucs;
+        self.role |= o.role;
+        self.listen |= o.listen;
+        self.advisory |= o.advisory;
+        self.cursors |= o.cursors;
+        self.sql_prepared |= o.sql_prepared;
+        self.temp |= o.temp;
+        self.unresettable |= o.unresettable;
+    }
+
     /// SQL that returns a connection to a clean state, or `None` when it must be closed.
     pub fn reset_sql(&self) -> Option<String> {
         if self.unresettable {

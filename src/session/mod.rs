@@ -10,6 +10,7 @@
 mod handshake;
 pub mod params;
 mod relay;
+mod state;
 mod tracker;
 
 use std::net::SocketAddr;

@@ -112,9 +112,17 @@ pub fn apply_sql(applied: &[(String, String)], desired: &[(String, String)]) -> 
             sql.push(';');
         }
     }
-    let sets: Vec<String> = desired
-        .iter()
-        .filter(|d| !applied.contains(d))
+    // SET SESSION AUTHORIZATION resets the role, so it goes first and role second.
+    let rank = |n: &str| match n {
+        "session_authorization" => 0,
+        "role" => 1,
+        _ => 2,
+    };
+    let mut todo: Vec<&(String, String)> =
+        desired.iter().filter(|d| !applied.contains(d)).collect();
+    todo.sort_by_key(|(n, _)| rank(n));
+    let sets: Vec<String> = todo
+        .into_iter()
         .map(|(n, v)| {
             format!(
                 "set_config({}, {}, false)",
@@ -170,6 +178,25 @@ mod tests {
         assert!(client_settings(&[kv("replication", "database")]).is_err());
         let (_, u) = client_settings(&[kv("_pq_.foo", "1")]).unwrap();
         assert_eq!(u, vec!["_pq_.foo".to_string()]);
+    }
+
+    #[test]
+    fn identity_settings_go_first() {
+        let sql = apply_sql(
+            &[],
+            &[
+                kv("a", "1"),
+                kv("role", "r"),
+                kv("session_authorization", "s"),
+            ],
+        )
+        .unwrap();
+        let (sa, role, a) = (
+            sql.find("'session_authorization'"),
+            sql.find("'role'"),
+            sql.find("'a'"),
+        );
+        assert!(sa < role && role < a, "{sql}");
     }
 
     #[test]

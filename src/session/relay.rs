@@ -9,6 +9,7 @@
 
 use std::collections::HashMap;
 use std::sync::Arc;
+use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 use bytes::{Bytes, BytesMut};
@@ -18,6 +19,7 @@ use xxhash_rust::xxh3::Xxh3;
 
 use crate::app::App;
 use crate::cancel;
+use crate::classify::Classified;
 use crate::config::PoolMode;
 use crate::pool::prepared::server_name;
 use crate::pool::{Pool, Pooled};
@@ -26,6 +28,7 @@ use crate::protocol::error::field_of;
 use crate::protocol::framing::{self, Direction};
 use crate::protocol::messages;
 
+use super::state;
 use super::tracker::{Expect, Kind, Mode, Tracker};
 use super::{End, Login, client_alive, params, pool_mode, set_cancel_target};
 
@@ -34,6 +37,7 @@ struct Stmt {
     hash: u64,
     query: Bytes,
     types: Bytes,
+    class: Arc<Classified>,
 }
 
 pub struct Relay {
@@ -61,6 +65,13 @@ pub struct Relay {
     skip_to_sync: bool,
     /// The backend sent a FATAL error; it is about to close.
     backend_fatal: bool,
+    /// Session state we cannot track keeps this client on its backend until it leaves.
+    pinned: bool,
+    /// Re-read the backend's session settings once the current transaction ends.
+    capture_needed: bool,
+    captured: Vec<(String, String)>,
+    /// Classification of the unnamed prepared statement.
+    unnamed_class: Option<Arc<Classified>>,
 }
 
 /// Reads from the borrowed backend, or waits forever when there is none.
@@ -103,6 +114,10 @@ impl Relay {
             backend_pass_fwd: true,
             skip_to_sync: false,
             backend_fatal: false,
+            pinned: false,
+            capture_needed: false,
+            captured: Vec::new(),
+            unnamed_class: None,
         }
     }
 
@@ -174,8 +189,7 @@ impl Relay {
         self.flush_backend().await?;
         self.t.answer_synthetic(&mut self.cout);
         self.flush_client(client).await?;
-        self.maybe_release().await;
-        Ok(())
+        self.maybe_release().await
     }
 
     async fn on_client_frame<S: AsyncRead + AsyncWrite + Unpin>(
@@ -221,6 +235,11 @@ impl Relay {
         }
         match tag {
             b'Q' => {
+                let sql = messages::query_body(&body).ok_or_else(|| Self::malformed("Query"))?;
+                let class = self.classify(sql);
+                if let Err(e) = self.apply_effects(&class) {
+                    return self.refuse_statement(tag, e);
+                }
                 self.t.push(Expect::new(Kind::Query, Mode::Forward));
                 self.bout.extend_from_slice(&frame);
             }
@@ -258,7 +277,9 @@ impl Relay {
     fn on_parse(&mut self, frame: Bytes, body: &Bytes) -> Result<(), End> {
         let (name, query, types) =
             messages::parse_body(body).ok_or_else(|| Self::malformed("Parse"))?;
+        let class = self.classify(query);
         if name.is_empty() {
+            self.unnamed_class = Some(class);
             self.t.push(Expect::new(Kind::Parse, Mode::Forward));
             self.bout.extend_from_slice(&frame);
             return Ok(());
@@ -272,6 +293,7 @@ impl Relay {
             hash,
             query: body.slice_ref(query),
             types: body.slice_ref(types),
+            class,
         };
         // Redefining a name replaces it (drivers close before reuse; we stay lenient).
         self.stmts.insert(body.slice_ref(name), stmt);
@@ -313,6 +335,16 @@ impl Relay {
     fn on_bind(&mut self, frame: Bytes, body: &Bytes) -> Result<(), End> {
         let (portal, stmt, tail) =
             messages::bind_body(body).ok_or_else(|| Self::malformed("Bind"))?;
+        let class = if stmt.is_empty() {
+            self.unnamed_class.clone()
+        } else {
+            self.stmts.get(stmt).map(|s| s.class.clone())
+        };
+        if let Some(class) = class
+            && let Err(e) = self.apply_effects(&class)
+        {
+            return self.refuse_statement(b'B', e);
+        }
         // An injected Parse (if any) goes before the Bind, and so does its expectation.
         let server = self.ensure_prepared(stmt);
         self.t.push(Expect::new(Kind::Bind, Mode::Forward));
@@ -350,6 +382,71 @@ impl Relay {
                 self.t.push(Expect::new(Kind::Close, Mode::Forward));
                 self.bout.extend_from_slice(&frame);
             }
+        }
+        Ok(())
+    }
+
+    /// Fingerprint, kind and session effects of a statement text (cached by text).
+    fn classify(&self, sql: &[u8]) -> Arc<Classified> {
+        match std::str::from_utf8(sql) {
+            Ok(s) => self.app.classifier.classify(s),
+            // Non-UTF-8 client encodings: classify a lossy copy; the bytes sent stay the client's.
+            Err(_) => self.app.classifier.classify(&String::from_utf8_lossy(sql)),
+        }
+    }
+
+    /// Applies a statement's session-state effects: pin, capture, cleanup marks, or refusal.
+    fn apply_effects(&mut self, c: &Classified) -> Result<(), PgError> {
+        if c.effects.is_empty() {
+            return Ok(());
+        }
+        let a = if self.mode == PoolMode::Transaction {
+            state::assess(c, self.pool.cfg.session_state)
+        } else {
+            // Session mode: the client owns the backend; only our statement cache cares.
+            state::Assessment {
+                forget_prepared: state::assess(c, self.pool.cfg.session_state).forget_prepared,
+                ..Default::default()
+            }
+        };
+        if let Some(e) = a.reject {
+            return Err(e);
+        }
+        let conn = self.backend_conn();
+        conn.dirty.merge(a.dirt);
+        if a.forget_prepared {
+            conn.prepared.clear();
+        }
+        if a.pin && !self.pinned {
+            self.pinned = true;
+            self.pool
+                .stats
+                .pinned_clients
+                .fetch_add(1, Ordering::Relaxed);
+            tracing::debug!(pool = %self.pool.name, statement = %c.normalized, "client pinned to its backend");
+        }
+        self.capture_needed |= a.capture;
+        Ok(())
+    }
+
+    /// Refuses one statement. Inside a transaction block the refusal is raised *by Postgres*
+    /// (an injected `DO … RAISE`), so the transaction aborts exactly as for any error there;
+    /// otherwise it is answered by the proxy and nothing reaches the database.
+    fn refuse_statement(&mut self, tag: u8, e: PgError) -> Result<(), End> {
+        if self.backend.is_none() || self.t.txn == b'I' {
+            return self.refuse(tag, e);
+        }
+        let sql = raise_sql(&e);
+        if tag == b'Q' {
+            messages::query(&mut self.bout, &sql);
+            self.t.push(Expect::new(Kind::Query, Mode::Forward));
+        } else {
+            messages::parse_named(&mut self.bout, b"", sql.as_bytes(), b"\0\0");
+            self.t.push(Expect::new(Kind::Parse, Mode::Swallow));
+            messages::bind_renamed(&mut self.bout, b"", b"", b"\0\0\0\0\0\0");
+            self.t.push(Expect::new(Kind::Bind, Mode::Swallow));
+            messages::raw(&mut self.bout, b'E', &[b"\0", &0i32.to_be_bytes()]);
+            self.t.push(Expect::new(Kind::Execute, Mode::Swallow));
         }
         Ok(())
     }
@@ -436,7 +533,7 @@ impl Relay {
                 }
             };
             if self.rbuf.len() < h.total {
-                if matches!(h.tag, b'D' | b'd') {
+                if matches!(h.tag, b'D' | b'd') && !self.t.capturing() {
                     let step = self.t.on_backend(h.tag, None);
                     let have = self.rbuf.len();
                     let chunk = self.rbuf.split();
@@ -460,6 +557,20 @@ impl Relay {
                     conn.prepared.remove(hash);
                 }
             }
+            if step.capture_row
+                && let Some(kv) = state::capture_row(body)
+            {
+                self.captured.push(kv);
+            }
+            if step.injected_error {
+                self.injected_failed(body);
+            }
+            if step.capture_done {
+                let mut captured = std::mem::take(&mut self.captured);
+                captured.sort();
+                self.backend_conn().applied = captured.clone();
+                self.login.settings = captured;
+            }
             if step.forward {
                 self.cout.extend_from_slice(&frame);
             }
@@ -472,8 +583,21 @@ impl Relay {
             self.t.answer_synthetic(&mut self.cout);
         }
         self.flush_client(client).await?;
-        self.maybe_release().await;
-        Ok(())
+        self.maybe_release().await
+    }
+
+    /// A query the proxy injected (settings re-apply or capture) failed: tell the client as
+    /// a warning, and never reuse this backend, whose session state is now uncertain.
+    fn injected_failed(&mut self, body: &[u8]) {
+        let msg = field_of(body, b'M').unwrap_or("unknown error");
+        PgError::error(
+            "01000",
+            format!(
+                "pgsluice: could not re-apply session settings on the server connection: {msg}"
+            ),
+        )
+        .encode_notice(&mut self.cout);
+        self.backend_conn().dirty.unresettable = true;
     }
 
     async fn flush_client<S: AsyncWrite + Unpin>(&mut self, client: &mut S) -> Result<(), End> {
@@ -498,21 +622,31 @@ impl Relay {
         r.map_err(|_| self.backend_gone())
     }
 
-    /// In transaction mode, returns the backend once it is idle with nothing owed.
-    async fn maybe_release(&mut self) {
+    /// In transaction mode, returns the backend once it is idle with nothing owed (after
+    /// reading back its session settings if the client changed them).
+    async fn maybe_release(&mut self) -> Result<(), End> {
         if self.mode != PoolMode::Transaction
+            || self.pinned
             || self.backend.is_none()
             || !self.t.idle()
             || self.backend_pass != 0
             || !self.rbuf.is_empty()
             || !self.bout.is_empty()
         {
-            return;
+            return Ok(());
+        }
+        if self.capture_needed {
+            self.capture_needed = false;
+            self.captured.clear();
+            messages::query(&mut self.bout, &state::capture_sql(&self.pool.user));
+            self.t.push(Expect::new(Kind::Query, Mode::Capture));
+            return self.flush_backend().await;
         }
         set_cancel_target(&self.cancel, None).await;
         if let Some(b) = self.backend.take() {
             b.release().await;
         }
+        Ok(())
     }
 
     /// The backend closed or failed under us.
@@ -532,6 +666,12 @@ impl Relay {
 
     /// Gives the backend back (or closes it) after the client left.
     async fn finish(&mut self, end: &End) {
+        if self.pinned {
+            self.pool
+                .stats
+                .pinned_clients
+                .fetch_sub(1, Ordering::Relaxed);
+        }
         let Some(b) = self.backend.take() else { return };
         if matches!(end, End::BackendLost) {
             b.discard();
@@ -632,4 +772,22 @@ impl Cleanup {
         }
         Ok(())
     }
+}
+
+/// `DO` block raising `e` inside Postgres (used for refusals within a transaction block).
+fn raise_sql(e: &PgError) -> String {
+    let lit = |s: &str| format!("'{}'", s.replace('\'', "''").replace("$pgsl$", ""));
+    let mut sql = format!(
+        "DO $pgsl$BEGIN RAISE EXCEPTION USING ERRCODE = {}, MESSAGE = {}",
+        lit(e.code),
+        lit(&e.message)
+    );
+    if let Some(d) = &e.detail {
+        sql.push_str(&format!(", DETAIL = {}", lit(d)));
+    }
+    if let Some(h) = &e.hint {
+        sql.push_str(&format!(", HINT = {}", lit(h)));
+    }
+    sql.push_str("; END$pgsl$");
+    sql
 }

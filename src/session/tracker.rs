@@ -41,6 +41,8 @@ pub enum Mode {
     Swallow,
     /// Not sent to the backend; the proxy answers it when it reaches the head of the queue.
     Synthetic,
+    /// The proxy's own query whose rows it reads (the session-settings capture).
+    Capture,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -69,6 +71,12 @@ pub struct Step {
     pub not_prepared: Vec<u64>,
     /// The message was a ReadyForQuery for a request the proxy injected.
     pub injected_done: bool,
+    /// A DataRow of the capture query.
+    pub capture_row: bool,
+    /// The ReadyForQuery ending the capture query.
+    pub capture_done: bool,
+    /// An error of a query the proxy injected (reported to the client as a warning).
+    pub injected_error: bool,
 }
 
 #[derive(Debug)]
@@ -133,6 +141,11 @@ impl Tracker {
         }
     }
 
+    /// The head request is the capture query (its rows are read whole, not streamed).
+    pub fn capturing(&self) -> bool {
+        self.q.front().is_some_and(|e| e.mode == Mode::Capture)
+    }
+
     fn head(&self) -> Option<Expect> {
         self.q.front().copied()
     }
@@ -141,8 +154,9 @@ impl Tracker {
     pub fn on_backend(&mut self, tag: u8, first: Option<u8>) -> Step {
         let head = self.head();
         let head_mode = head.map(|h| h.mode).unwrap_or(Mode::Forward);
+        let hidden = matches!(head_mode, Mode::Swallow | Mode::Capture);
         let mut step = Step {
-            forward: head_mode != Mode::Swallow,
+            forward: !hidden,
             ..Step::default()
         };
         match tag {
@@ -152,8 +166,10 @@ impl Tracker {
                 // Pop through the request this answers (guards against a desync).
                 while let Some(e) = self.q.pop_front() {
                     if e.kind.ends_with_ready() {
-                        step.forward = e.mode != Mode::Swallow;
-                        step.injected_done = e.mode == Mode::Swallow;
+                        let hidden = matches!(e.mode, Mode::Swallow | Mode::Capture);
+                        step.forward = !hidden;
+                        step.injected_done = hidden;
+                        step.capture_done = e.mode == Mode::Capture;
                         break;
                     }
                 }
@@ -162,7 +178,7 @@ impl Tracker {
                 self.copy_in = false;
                 match head {
                     None => step.forward = true,
-                    Some(h) if h.kind.ends_with_ready() => {}
+                    Some(h) if h.kind.ends_with_ready() => step.injected_error = hidden,
                     Some(_) => {
                         // Errors of injected Parses reach the client: its Bind fails with them.
                         step.forward = true;
@@ -203,6 +219,7 @@ impl Tracker {
                 }
             }
             b'G' | b'W' => self.copy_in = true,
+            b'D' => step.capture_row = head_mode == Mode::Capture,
             // Notifications belong to the client whatever it is waiting for.
             b'A' => step.forward = true,
             _ => {}

@@ -1,0 +1,429 @@
+//! Caller identity: which configured caller a statement belongs to.
+//!
+//! Owns: `CallerRule`, `Cidr`, and `CallerMatcher::resolve`, which turns (comment tags,
+//! `application_name`, user, client address) into a bounded `CallerId`. Tag *parsing* lives in
+//! `tags.rs`. This file must not read config files or SQL text, and `resolve` must not
+//! allocate: it runs for every statement.
+//!
+//! Resolution (DESIGN §4): a rule matches when every field it sets matches (all listed tags
+//! present with equal values, `application_name` equal, user equal, address inside the CIDR).
+//! Each rule is filed under the most specific field it sets — tags, then application_name,
+//! then user, then client_cidr — and the tiers are tried in that order, rules in config order
+//! within a tier. So the first tag rule that matches wins over any application_name rule, even
+//! one earlier in the file; a rule `{tags: [service: billing], user: app}` is a tag rule that
+//! additionally requires the user. A rule that sets no field never matches (config validation
+//! should reject it). Unmatched traffic is the `default` caller, id `rules.len()`.
+//! Tag keys compare ASCII-case-insensitively (extraction lowercases them); values, names and
+//! users compare exactly. IPv4-mapped IPv6 client addresses match IPv4 networks.
+
+use std::fmt;
+use std::net::IpAddr;
+use std::str::FromStr;
+
+/// Index into the matcher's rules; `rules.len()` is the default caller.
+pub type CallerId = u16;
+
+/// Name of the caller that unmatched traffic gets.
+pub const DEFAULT_CALLER_NAME: &str = "default";
+
+/// One configured caller and its match conditions.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CallerRule {
+    pub name: String,
+    pub tags: Vec<(String, String)>,
+    pub application_name: Option<String>,
+    pub user: Option<String>,
+    pub client_cidr: Option<Cidr>,
+}
+
+/// An IPv4 or IPv6 network. Host bits in the input are masked off (`10.1.2.3/8` is
+/// `10.0.0.0/8`); a bare address is a single host.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Cidr {
+    network: IpAddr,
+    prefix: u8,
+}
+
+/// Why a CIDR string was rejected.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CidrError {
+    input: String,
+    reason: String,
+}
+
+impl fmt::Display for CidrError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "invalid CIDR `{}`: {}", self.input, self.reason)
+    }
+}
+
+impl std::error::Error for CidrError {}
+
+impl FromStr for Cidr {
+    type Err = CidrError;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        let err = |reason: String| CidrError {
+            input: s.to_owned(),
+            reason,
+        };
+        let (addr, prefix) = match s.trim().split_once('/') {
+            Some((a, p)) => (a, Some(p)),
+            None => (s.trim(), None),
+        };
+        let ip: IpAddr = addr
+            .parse()
+            .map_err(|_| err(format!("`{addr}` is not an IPv4 or IPv6 address")))?;
+        let max = if ip.is_ipv4() { 32 } else { 128 };
+        let prefix = match prefix {
+            None => max,
+            Some(p) => p.parse::<u8>().map_err(|_| {
+                err(format!(
+                    "prefix length `{p}` is not a number from 0 to {max}"
+                ))
+            })?,
+        };
+        if prefix > max {
+            let family = if ip.is_ipv4() { "IPv4" } else { "IPv6" };
+            return Err(err(format!(
+                "prefix length {prefix} is longer than {max} bits for {family}"
+            )));
+        }
+        Ok(Cidr {
+            network: mask(ip, prefix),
+            prefix,
+        })
+    }
+}
+
+fn mask(ip: IpAddr, prefix: u8) -> IpAddr {
+    match ip {
+        IpAddr::V4(v4) => {
+            let m = u32::MAX.checked_shl(32 - u32::from(prefix)).unwrap_or(0);
+            IpAddr::V4((u32::from(v4) & m).into())
+        }
+        IpAddr::V6(v6) => {
+            let m = u128::MAX.checked_shl(128 - u32::from(prefix)).unwrap_or(0);
+            IpAddr::V6((u128::from(v6) & m).into())
+        }
+    }
+}
+
+impl Cidr {
+    pub fn network(&self) -> IpAddr {
+        self.network
+    }
+
+    pub fn prefix_len(&self) -> u8 {
+        self.prefix
+    }
+
+    pub fn contains(&self, ip: IpAddr) -> bool {
+        let ip = match (self.network, ip) {
+            (IpAddr::V4(_), IpAddr::V6(v6)) => match v6.to_ipv4_mapped() {
+                Some(v4) => IpAddr::V4(v4),
+                None => return false,
+            },
+            _ => ip,
+        };
+        match (self.network, ip) {
+            (IpAddr::V4(_), IpAddr::V4(_)) | (IpAddr::V6(_), IpAddr::V6(_)) => {
+                mask(ip, self.prefix) == self.network
+            }
+            _ => false,
+        }
+    }
+}
+
+impl fmt::Display for Cidr {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}/{}", self.network, self.prefix)
+    }
+}
+
+impl serde::Serialize for Cidr {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.collect_str(self)
+    }
+}
+
+impl<'de> serde::Deserialize<'de> for Cidr {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let s = String::deserialize(d)?;
+        s.parse().map_err(serde::de::Error::custom)
+    }
+}
+
+/// The most specific field a rule sets; tiers are tried in this order.
+#[derive(Clone, Copy)]
+enum Tier {
+    Tags = 0,
+    Application = 1,
+    User = 2,
+    Address = 3,
+}
+
+/// Resolves statements to callers. Build once per config; `resolve` is allocation-free.
+#[derive(Debug, Clone)]
+pub struct CallerMatcher {
+    rules: Vec<CallerRule>,
+    /// Rule indices per tier, in config order.
+    tiers: [Vec<CallerId>; 4],
+}
+
+impl CallerMatcher {
+    /// At most `CallerId::MAX - 1` rules are used (the last id is the default); config
+    /// validation should bound the list far below that.
+    pub fn new(mut rules: Vec<CallerRule>) -> Self {
+        rules.truncate(usize::from(CallerId::MAX - 1));
+        let mut tiers: [Vec<CallerId>; 4] = Default::default();
+        for (i, rule) in rules.iter_mut().enumerate() {
+            for (k, _) in &mut rule.tags {
+                k.make_ascii_lowercase();
+            }
+            let tier = if !rule.tags.is_empty() {
+                Tier::Tags
+            } else if rule.application_name.is_some() {
+                Tier::Application
+            } else if rule.user.is_some() {
+                Tier::User
+            } else if rule.client_cidr.is_some() {
+                Tier::Address
+            } else {
+                continue;
+            };
+            // `i` < CallerId::MAX by the truncate above.
+            tiers[tier as usize].push(CallerId::try_from(i).unwrap_or(CallerId::MAX));
+        }
+        CallerMatcher { rules, tiers }
+    }
+
+    pub fn resolve(
+        &self,
+        tags: &[(String, String)],
+        application_name: Option<&str>,
+        user: &str,
+        addr: Option<IpAddr>,
+    ) -> CallerId {
+        let tiers = [
+            !tags.is_empty(),
+            application_name.is_some(),
+            true,
+            addr.is_some(),
+        ];
+        for (tier, ids) in self.tiers.iter().enumerate() {
+            if !tiers[tier] {
+                continue;
+            }
+            for &id in ids {
+                if let Some(rule) = self.rules.get(usize::from(id))
+                    && matches(rule, tags, application_name, user, addr)
+                {
+                    return id;
+                }
+            }
+        }
+        self.default_id()
+    }
+
+    /// Caller name; `"default"` for the default id (and any out-of-range id).
+    pub fn name(&self, id: CallerId) -> &str {
+        self.rules
+            .get(usize::from(id))
+            .map_or(DEFAULT_CALLER_NAME, |r| r.name.as_str())
+    }
+
+    /// Number of callers including the default.
+    pub fn len(&self) -> usize {
+        self.rules.len() + 1
+    }
+
+    /// Never true: the default caller always exists.
+    pub fn is_empty(&self) -> bool {
+        false
+    }
+
+    pub fn default_id(&self) -> CallerId {
+        CallerId::try_from(self.rules.len()).unwrap_or(CallerId::MAX)
+    }
+
+    /// Id of the first rule with this name; the default id for `"default"`.
+    pub fn id_of(&self, name: &str) -> Option<CallerId> {
+        match self.rules.iter().position(|r| r.name == name) {
+            Some(i) => CallerId::try_from(i).ok(),
+            None if name == DEFAULT_CALLER_NAME => Some(self.default_id()),
+            None => None,
+        }
+    }
+
+    pub fn rules(&self) -> &[CallerRule] {
+        &self.rules
+    }
+}
+
+fn matches(
+    rule: &CallerRule,
+    tags: &[(String, String)],
+    application_name: Option<&str>,
+    user: &str,
+    addr: Option<IpAddr>,
+) -> bool {
+    rule.tags
+        .iter()
+        .all(|(k, v)| tags.iter().any(|(tk, tv)| tk == k && tv == v))
+        && rule
+            .application_name
+            .as_deref()
+            .is_none_or(|a| application_name == Some(a))
+        && rule.user.as_deref().is_none_or(|u| u == user)
+        && rule
+            .client_cidr
+            .is_none_or(|c| addr.is_some_and(|ip| c.contains(ip)))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn rule(name: &str) -> CallerRule {
+        CallerRule {
+            name: name.to_owned(),
+            tags: Vec::new(),
+            application_name: None,
+            user: None,
+            client_cidr: None,
+        }
+    }
+
+    fn t(k: &str, v: &str) -> (String, String) {
+        (k.to_owned(), v.to_owned())
+    }
+
+    fn ip(s: &str) -> IpAddr {
+        s.parse().unwrap_or(IpAddr::V4(0.into()))
+    }
+
+    #[test]
+    fn cidr_parse_and_contains() {
+        let c: Cidr = "10.1.2.3/8".parse().unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(c.to_string(), "10.0.0.0/8");
+        assert!(c.contains(ip("10.200.0.1")));
+        assert!(!c.contains(ip("11.0.0.1")));
+        assert!(c.contains(ip("::ffff:10.9.9.9")));
+        assert!(!c.contains(ip("::1")));
+        let host: Cidr = "192.168.1.5".parse().unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(host.prefix_len(), 32);
+        assert!(host.contains(ip("192.168.1.5")) && !host.contains(ip("192.168.1.6")));
+        let v6: Cidr = "fd00::/8".parse().unwrap_or_else(|e| panic!("{e}"));
+        assert!(v6.contains(ip("fd12::1")) && !v6.contains(ip("fe80::1")));
+        let all: Cidr = "0.0.0.0/0".parse().unwrap_or_else(|e| panic!("{e}"));
+        assert!(all.contains(ip("1.2.3.4")));
+        for (bad, msg) in [
+            (
+                "10.0.0.0/33",
+                "prefix length 33 is longer than 32 bits for IPv4",
+            ),
+            (
+                "::/129",
+                "prefix length 129 is longer than 128 bits for IPv6",
+            ),
+            ("10.0.0/8", "is not an IPv4 or IPv6 address"),
+            ("10.0.0.0/x", "is not a number"),
+            ("", "is not an IPv4 or IPv6 address"),
+        ] {
+            match bad.parse::<Cidr>() {
+                Ok(c) => panic!("{bad} parsed as {c}"),
+                Err(e) => assert!(e.to_string().contains(msg), "{e}"),
+            }
+        }
+    }
+
+    #[test]
+    fn resolution_order_is_tags_app_user_address_default() {
+        let cidr: Cidr = "10.0.0.0/8".parse().unwrap_or_else(|e| panic!("{e}"));
+        let rules = vec![
+            CallerRule {
+                client_cidr: Some(cidr),
+                ..rule("by_addr")
+            },
+            CallerRule {
+                user: Some("app".into()),
+                ..rule("by_user")
+            },
+            CallerRule {
+                application_name: Some("psql".into()),
+                ..rule("by_app")
+            },
+            CallerRule {
+                tags: vec![t("Service", "billing")],
+                ..rule("billing")
+            },
+            CallerRule {
+                tags: vec![t("service", "billing"), t("route", "/pay")],
+                user: Some("app".into()),
+                ..rule("billing_pay")
+            },
+            rule("matches_nothing"),
+        ];
+        let m = CallerMatcher::new(rules);
+        assert_eq!(m.len(), 7);
+        let name =
+            |tags: &[(String, String)], app, user, addr| m.name(m.resolve(tags, app, user, addr));
+        let billing = [t("service", "billing"), t("route", "/pay")];
+        // First tag rule in config order wins, even over a more specific later one.
+        assert_eq!(
+            name(&billing, Some("psql"), "app", Some(ip("10.0.0.1"))),
+            "billing"
+        );
+        // Tag beats application_name, which beats user, which beats address.
+        assert_eq!(
+            name(
+                &[t("service", "other")],
+                Some("psql"),
+                "app",
+                Some(ip("10.0.0.1"))
+            ),
+            "by_app"
+        );
+        assert_eq!(
+            name(&[], Some("other"), "app", Some(ip("10.0.0.1"))),
+            "by_user"
+        );
+        assert_eq!(name(&[], None, "someone", Some(ip("10.0.0.1"))), "by_addr");
+        assert_eq!(
+            name(&[], None, "someone", Some(ip("::ffff:10.0.0.1"))),
+            "by_addr"
+        );
+        assert_eq!(
+            name(&[], None, "someone", Some(ip("192.168.0.1"))),
+            "default"
+        );
+        assert_eq!(name(&[], None, "someone", None), "default");
+        assert_eq!(m.resolve(&[], None, "x", None), m.default_id());
+        assert_eq!(m.id_of("default"), Some(6));
+        assert_eq!(m.id_of("by_app"), Some(2));
+        assert_eq!(m.name(999), "default");
+    }
+
+    #[test]
+    fn multi_field_rule_needs_all_fields() {
+        let m = CallerMatcher::new(vec![
+            CallerRule {
+                tags: vec![t("service", "billing")],
+                user: Some("app".into()),
+                ..rule("billing_app")
+            },
+            CallerRule {
+                tags: vec![t("service", "billing")],
+                ..rule("billing")
+            },
+        ]);
+        let tags = [t("service", "billing")];
+        assert_eq!(m.name(m.resolve(&tags, None, "app", None)), "billing_app");
+        assert_eq!(m.name(m.resolve(&tags, None, "other", None)), "billing");
+        assert_eq!(
+            m.name(m.resolve(&[t("service", "Billing")], None, "app", None)),
+            "default"
+        );
+    }
+}

@@ -1,0 +1,754 @@
+//! Per-fingerprint statistics: the proxy's own `pg_stat_statements`.
+//!
+//! Owns: counting calls, errors, refusals (by reason), rows and client-observed time per
+//! fingerprint, with a latency histogram for p50/p95/p99 and a per-caller breakdown, in
+//! bounded memory. It takes the fingerprint as a `u64` and formats the hex itself; it imports
+//! no other pgsluice module, does no I/O and never holds a lock across an `.await` (the API is
+//! synchronous; each call takes one short shard lock).
+//!
+//! Bounded memory — space-saving top-K with an "other" row:
+//! - At most `capacity` fingerprints are tracked (split evenly over up to 16 shards by
+//!   fingerprint, each a `parking_lot::Mutex`), plus one aggregate "other" row.
+//! - Every entry has an eviction *priority*: its client-observed time in µs (at least 1 per
+//!   call, so cheap-but-frequent and refused statements count too) plus the priority it
+//!   inherited. When a new fingerprint arrives at a full shard, the entry with the lowest
+//!   priority is evicted, its statistics are merged into "other" (so totals are conserved),
+//!   and the newcomer inherits the evicted priority. This is the space-saving algorithm:
+//!   any fingerprint whose true weight exceeds total/K is guaranteed to stay tracked, and a
+//!   newcomer is not immediately evicted by the next one-off statement. Reported numbers are
+//!   always the entry's own (counted since it was admitted), never the inherited priority.
+//! - The minimum is found through a lazy min-heap (priorities only grow, so stale heap items
+//!   are refreshed when popped): O(log K) amortized per eviction.
+//! - Per entry, at most `MAX_CALLERS` callers and `MAX_REASONS` refusal reasons are kept
+//!   apart; the rest are summed under "other".
+//!
+//! Times: `elapsed` is what the client waited through the proxy (queue wait included), for
+//! every outcome, refusals included. The histogram has 4 log-spaced buckets per doubling from
+//! 1 µs to ~67 s (longer times land in the last bucket); a quantile is the geometric middle of
+//! its bucket clamped to the observed min/max, so it is within ~9% of the true value.
+
+use std::cmp::Reverse;
+use std::collections::hash_map::HashMap;
+use std::collections::{BTreeMap, BinaryHeap};
+use std::fmt;
+use std::str::FromStr;
+use std::sync::Arc;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use parking_lot::Mutex;
+
+/// Default number of tracked fingerprints.
+pub const DEFAULT_CAPACITY: usize = 1000;
+/// Callers kept apart per fingerprint; the rest are summed under `OTHER`.
+pub const MAX_CALLERS: usize = 64;
+/// Refusal reasons kept apart per fingerprint; the rest are summed under `OTHER`.
+pub const MAX_REASONS: usize = 32;
+/// Name of the aggregate row / bucket.
+pub const OTHER: &str = "other";
+
+const MAX_SHARDS: usize = 16;
+const SUB_BUCKETS: u32 = 4;
+const BUCKETS: usize = 26 * SUB_BUCKETS as usize;
+
+/// How a statement ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Outcome {
+    Ok { rows: u64 },
+    Error,
+    Refused(&'static str),
+}
+
+/// Ordering for `FingerprintStats::top`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SortKey {
+    TotalTime,
+    Calls,
+    Errors,
+    Refusals,
+}
+
+/// An unknown `sort=` value.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct UnknownSortKey(pub String);
+
+impl fmt::Display for UnknownSortKey {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "unknown sort key `{}`: expected one of total_time, calls, errors, refusals",
+            self.0
+        )
+    }
+}
+
+impl std::error::Error for UnknownSortKey {}
+
+impl FromStr for SortKey {
+    type Err = UnknownSortKey;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s {
+            "total_time" => Ok(SortKey::TotalTime),
+            "calls" => Ok(SortKey::Calls),
+            "errors" => Ok(SortKey::Errors),
+            "refusals" => Ok(SortKey::Refusals),
+            other => Err(UnknownSortKey(other.to_owned())),
+        }
+    }
+}
+
+/// Per-caller share of one fingerprint.
+#[derive(Debug, Clone, Default, PartialEq, serde::Serialize)]
+pub struct CallerBreakdown {
+    pub calls: u64,
+    pub errors: u64,
+    pub refusals: u64,
+    pub total_ms: f64,
+}
+
+/// One row of the top-K table; `fingerprint` is 16 hex digits, or `"other"` for the
+/// aggregate of everything not tracked.
+#[derive(Debug, Clone, PartialEq, serde::Serialize)]
+pub struct FingerprintSnapshot {
+    pub fingerprint: String,
+    pub normalized: String,
+    pub kind: String,
+    pub calls: u64,
+    pub errors: u64,
+    pub refusals: u64,
+    pub refusals_by_reason: BTreeMap<String, u64>,
+    pub rows: u64,
+    pub total_ms: f64,
+    pub mean_ms: f64,
+    pub min_ms: f64,
+    pub max_ms: f64,
+    pub p50_ms: f64,
+    pub p95_ms: f64,
+    pub p99_ms: f64,
+    pub first_seen_unix_ms: u64,
+    pub last_seen_unix_ms: u64,
+    pub by_caller: BTreeMap<String, CallerBreakdown>,
+}
+
+fn bucket(us: u64) -> usize {
+    let v = us.max(1);
+    let e = 63 - v.leading_zeros();
+    let sub = if e >= 2 {
+        (v >> (e - 2)) & 3
+    } else {
+        (v << (2 - e)) & 3
+    };
+    // `e * 4 + sub` ≤ 255; clamp to the last bucket.
+    ((e * SUB_BUCKETS) as usize + sub as usize).min(BUCKETS - 1)
+}
+
+/// Lower bound of bucket `i` in µs.
+fn bucket_floor_us(i: usize) -> f64 {
+    let e = i / SUB_BUCKETS as usize;
+    let sub = i % SUB_BUCKETS as usize;
+    (4 + sub) as f64 * 2f64.powi(e as i32) / 4.0
+}
+
+#[derive(Debug, Clone, Default)]
+struct CallerAgg {
+    calls: u64,
+    errors: u64,
+    refusals: u64,
+    total_ns: u64,
+}
+
+impl CallerAgg {
+    fn add(&mut self, o: &CallerAgg) {
+        self.calls += o.calls;
+        self.errors += o.errors;
+        self.refusals += o.refusals;
+        self.total_ns = self.total_ns.saturating_add(o.total_ns);
+    }
+
+    fn breakdown(&self) -> CallerBreakdown {
+        CallerBreakdown {
+            calls: self.calls,
+            errors: self.errors,
+            refusals: self.refusals,
+            total_ms: ns_to_ms(self.total_ns),
+        }
+    }
+}
+
+fn ns_to_ms(ns: u64) -> f64 {
+    ns as f64 / 1e6
+}
+
+/// Statistics of one fingerprint (or of "other").
+#[derive(Debug, Clone)]
+struct Agg {
+    calls: u64,
+    errors: u64,
+    refusals: u64,
+    reasons: Vec<(&'static str, u64)>,
+    rows: u64,
+    total_ns: u64,
+    min_ns: u64,
+    max_ns: u64,
+    hist: Box<[u64; BUCKETS]>,
+    first_ms: u64,
+    last_ms: u64,
+    callers: Vec<(Box<str>, CallerAgg)>,
+}
+
+impl Agg {
+    fn new(now_ms: u64) -> Self {
+        Agg {
+            calls: 0,
+            errors: 0,
+            refusals: 0,
+            reasons: Vec::new(),
+            rows: 0,
+            total_ns: 0,
+            min_ns: u64::MAX,
+            max_ns: 0,
+            hist: Box::new([0; BUCKETS]),
+            first_ms: now_ms,
+            last_ms: now_ms,
+            callers: Vec::new(),
+        }
+    }
+
+    fn caller_mut(&mut self, name: &str) -> &mut CallerAgg {
+        let pos = match self.callers.iter().position(|(n, _)| &**n == name) {
+            Some(p) => p,
+            None if self.callers.len() < MAX_CALLERS => {
+                self.callers.push((name.into(), CallerAgg::default()));
+                self.callers.len() - 1
+            }
+            None => match self.callers.iter().position(|(n, _)| &**n == OTHER) {
+                Some(p) => p,
+                None => {
+                    self.callers.push((OTHER.into(), CallerAgg::default()));
+                    self.callers.len() - 1
+                }
+            },
+        };
+        &mut self.callers[pos].1
+    }
+
+    fn add_reason(&mut self, reason: &'static str, n: u64) {
+        if let Some(r) = self.reasons.iter_mut().find(|(r, _)| *r == reason) {
+            r.1 += n;
+        } else if self.reasons.len() < MAX_REASONS {
+            self.reasons.push((reason, n));
+        } else {
+            self.add_reason(OTHER, n);
+        }
+    }
+
+    fn record(&mut self, caller: &str, ns: u64, outcome: Outcome, now_ms: u64) {
+        self.calls += 1;
+        self.total_ns = self.total_ns.saturating_add(ns);
+        self.min_ns = self.min_ns.min(ns);
+        self.max_ns = self.max_ns.max(ns);
+        self.hist[bucket(ns / 1000)] += 1;
+        self.first_ms = self.first_ms.min(now_ms);
+        self.last_ms = self.last_ms.max(now_ms);
+        let c = self.caller_mut(caller);
+        c.calls += 1;
+        c.total_ns = c.total_ns.saturating_add(ns);
+        match outcome {
+            Outcome::Ok { rows } => self.rows = self.rows.saturating_add(rows),
+            Outcome::Error => {
+                c.errors += 1;
+                self.errors += 1;
+            }
+            Outcome::Refused(reason) => {
+                c.refusals += 1;
+                self.refusals += 1;
+                self.add_reason(reason, 1);
+            }
+        }
+    }
+
+    fn merge(&mut self, o: &Agg) {
+        self.calls += o.calls;
+        self.errors += o.errors;
+        self.refusals += o.refusals;
+        for &(r, n) in &o.reasons {
+            self.add_reason(r, n);
+        }
+        self.rows = self.rows.saturating_add(o.rows);
+        self.total_ns = self.total_ns.saturating_add(o.total_ns);
+        self.min_ns = self.min_ns.min(o.min_ns);
+        self.max_ns = self.max_ns.max(o.max_ns);
+        for (a, b) in self.hist.iter_mut().zip(o.hist.iter()) {
+            *a += b;
+        }
+        self.first_ms = self.first_ms.min(o.first_ms);
+        self.last_ms = self.last_ms.max(o.last_ms);
+        for (name, c) in &o.callers {
+            self.caller_mut(name).add(c);
+        }
+    }
+
+    fn quantile_ms(&self, q: f64) -> f64 {
+        let count: u64 = self.hist.iter().sum();
+        if count == 0 {
+            return 0.0;
+        }
+        let rank = ((q * count as f64).ceil() as u64).clamp(1, count);
+        let mut seen = 0;
+        let mut idx = BUCKETS - 1;
+        for (i, n) in self.hist.iter().enumerate() {
+            seen += n;
+            if seen >= rank {
+                idx = i;
+                break;
+            }
+        }
+        let mid_us = (bucket_floor_us(idx) * bucket_floor_us(idx + 1)).sqrt();
+        let ms = mid_us / 1000.0;
+        ms.clamp(
+            ns_to_ms(self.min_ns.min(self.max_ns)),
+            ns_to_ms(self.max_ns),
+        )
+    }
+
+    fn sort_value(&self, sort: SortKey, caller: Option<&str>) -> Option<u64> {
+        let (calls, errors, refusals, total_ns) = match caller {
+            None => (self.calls, self.errors, self.refusals, self.total_ns),
+            Some(name) => {
+                let (_, c) = self.callers.iter().find(|(n, _)| &**n == name)?;
+                (c.calls, c.errors, c.refusals, c.total_ns)
+            }
+        };
+        Some(match sort {
+            SortKey::TotalTime => total_ns,
+            SortKey::Calls => calls,
+            SortKey::Errors => errors,
+            SortKey::Refusals => refusals,
+        })
+    }
+
+    fn snapshot(&self, fingerprint: String, normalized: &str, kind: &str) -> FingerprintSnapshot {
+        let calls = self.calls.max(1) as f64;
+        FingerprintSnapshot {
+            fingerprint,
+            normalized: normalized.to_owned(),
+            kind: kind.to_owned(),
+            calls: self.calls,
+            errors: self.errors,
+            refusals: self.refusals,
+            refusals_by_reason: self
+                .reasons
+                .iter()
+                .map(|&(r, n)| (r.to_owned(), n))
+                .collect(),
+            rows: self.rows,
+            total_ms: ns_to_ms(self.total_ns),
+            mean_ms: ns_to_ms(self.total_ns) / calls,
+            min_ms: if self.calls == 0 {
+                0.0
+            } else {
+                ns_to_ms(self.min_ns)
+            },
+            max_ms: ns_to_ms(self.max_ns),
+            p50_ms: self.quantile_ms(0.50),
+            p95_ms: self.quantile_ms(0.95),
+            p99_ms: self.quantile_ms(0.99),
+            first_seen_unix_ms: self.first_ms,
+            last_seen_unix_ms: self.last_ms,
+            by_caller: self
+                .callers
+                .iter()
+                .map(|(n, c)| (n.to_string(), c.breakdown()))
+                .collect(),
+        }
+    }
+}
+
+#[derive(Debug)]
+struct Entry {
+    normalized: Arc<str>,
+    kind: &'static str,
+    /// Space-saving eviction weight (inherited + own µs); never reported.
+    priority: u64,
+    agg: Agg,
+}
+
+#[derive(Debug, Default)]
+struct Shard {
+    map: HashMap<u64, Entry>,
+    /// (priority when pushed, fingerprint); exactly one item per tracked entry.
+    heap: BinaryHeap<Reverse<(u64, u64)>>,
+    capacity: usize,
+    other: Option<Agg>,
+}
+
+impl Shard {
+    /// Evicts the lowest-priority entry into "other" and returns its priority.
+    fn evict_min(&mut self, now_ms: u64) -> u64 {
+        while let Some(Reverse((prio, fp))) = self.heap.pop() {
+            let current = match self.map.get(&fp) {
+                Some(e) => e.priority,
+                None => continue,
+            };
+            if current != prio {
+                self.heap.push(Reverse((current, fp)));
+                continue;
+            }
+            if let Some(e) = self.map.remove(&fp) {
+                self.other
+                    .get_or_insert_with(|| Agg::new(now_ms))
+                    .merge(&e.agg);
+            }
+            return prio;
+        }
+        0
+    }
+}
+
+/// Thread-safe per-fingerprint statistics with bounded memory.
+#[derive(Debug)]
+pub struct FingerprintStats {
+    shards: Box<[Mutex<Shard>]>,
+}
+
+fn unix_ms() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
+}
+
+impl FingerprintStats {
+    /// Tracks at most `capacity` fingerprints (plus the "other" row).
+    pub fn new(capacity: usize) -> Self {
+        let n = (capacity / 64).clamp(1, MAX_SHARDS);
+        let shards = (0..n)
+            .map(|i| {
+                Mutex::new(Shard {
+                    capacity: capacity / n + usize::from(i < capacity % n),
+                    ..Shard::default()
+                })
+            })
+            .collect();
+        FingerprintStats { shards }
+    }
+
+    fn shard(&self, fingerprint: u64) -> &Mutex<Shard> {
+        // Fingerprints are xxh3 output: the high bits are as uniform as any.
+        let i = ((fingerprint >> 32) as usize) % self.shards.len();
+        &self.shards[i]
+    }
+
+    pub fn record(
+        &self,
+        fingerprint: u64,
+        normalized: &Arc<str>,
+        kind: &'static str,
+        caller: &str,
+        elapsed: Duration,
+        outcome: Outcome,
+    ) {
+        let ns = u64::try_from(elapsed.as_nanos()).unwrap_or(u64::MAX);
+        let weight = (ns / 1000).max(1);
+        let now_ms = unix_ms();
+        let mut s = self.shard(fingerprint).lock();
+        if let Some(e) = s.map.get_mut(&fingerprint) {
+            e.agg.record(caller, ns, outcome, now_ms);
+            e.priority = e.priority.saturating_add(weight);
+            return;
+        }
+        if s.capacity == 0 {
+            s.other
+                .get_or_insert_with(|| Agg::new(now_ms))
+                .record(caller, ns, outcome, now_ms);
+            return;
+        }
+        let floor = if s.map.len() >= s.capacity {
+            s.evict_min(now_ms)
+        } else {
+            0
+        };
+        let mut agg = Agg::new(now_ms);
+        agg.record(caller, ns, outcome, now_ms);
+        let priority = floor.saturating_add(weight);
+        s.map.insert(
+            fingerprint,
+            Entry {
+                normalized: Arc::clone(normalized),
+                kind,
+                priority,
+                agg,
+            },
+        );
+        s.heap.push(Reverse((priority, fingerprint)));
+    }
+
+    /// The `limit` largest rows by `sort` (ties by fingerprint), the "other" row included
+    /// when it ranks. With `caller`, only rows that caller contributed to, ranked by that
+    /// caller's share; the numbers in each row stay the row's totals.
+    pub fn top(
+        &self,
+        sort: SortKey,
+        limit: usize,
+        caller: Option<&str>,
+    ) -> Vec<FingerprintSnapshot> {
+        let mut rows: Vec<(u64, FingerprintSnapshot)> = Vec::new();
+        let mut other: Option<Agg> = None;
+        for shard in self.shards.iter() {
+            let s = shard.lock();
+            let mut keyed: Vec<(u64, u64)> = s
+                .map
+                .iter()
+                .filter_map(|(&fp, e)| e.agg.sort_value(sort, caller).map(|v| (v, fp)))
+                .collect();
+            keyed.sort_unstable_by(|a, b| b.0.cmp(&a.0).then(a.1.cmp(&b.1)));
+            keyed.truncate(limit);
+            for (v, fp) in keyed {
+                if let Some(e) = s.map.get(&fp) {
+                    rows.push((
+                        v,
+                        e.agg.snapshot(format!("{fp:016x}"), &e.normalized, e.kind),
+                    ));
+                }
+            }
+            if let Some(o) = &s.other {
+                other.get_or_insert_with(|| Agg::new(o.first_ms)).merge(o);
+            }
+        }
+        if let Some(o) = other
+            && let Some(v) = o.sort_value(sort, caller)
+        {
+            rows.push((
+                v,
+                o.snapshot(OTHER.to_owned(), "(fingerprints not tracked)", OTHER),
+            ));
+        }
+        rows.sort_by(|a, b| {
+            b.0.cmp(&a.0)
+                .then_with(|| a.1.fingerprint.cmp(&b.1.fingerprint))
+        });
+        rows.truncate(limit);
+        rows.into_iter().map(|(_, r)| r).collect()
+    }
+
+    /// Tracked fingerprints, plus one if the "other" row is non-empty.
+    pub fn len(&self) -> usize {
+        let mut tracked = 0;
+        let mut other = false;
+        for shard in self.shards.iter() {
+            let s = shard.lock();
+            tracked += s.map.len();
+            other |= s.other.is_some();
+        }
+        tracked + usize::from(other)
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Forgets everything (like `pg_stat_statements_reset()`).
+    pub fn reset(&self) {
+        for shard in self.shards.iter() {
+            let mut s = shard.lock();
+            s.map.clear();
+            s.heap.clear();
+            s.other = None;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn text(s: &str) -> Arc<str> {
+        Arc::from(s)
+    }
+
+    #[test]
+    fn sort_key_parse() {
+        assert_eq!("total_time".parse::<SortKey>(), Ok(SortKey::TotalTime));
+        assert_eq!("refusals".parse::<SortKey>(), Ok(SortKey::Refusals));
+        let err = "p99".parse::<SortKey>().err().map(|e| e.to_string());
+        assert_eq!(
+            err.as_deref(),
+            Some("unknown sort key `p99`: expected one of total_time, calls, errors, refusals")
+        );
+    }
+
+    #[test]
+    fn buckets_are_monotonic_and_quantiles_close() {
+        let mut last = 0;
+        for us in [
+            0u64,
+            1,
+            2,
+            3,
+            4,
+            5,
+            7,
+            8,
+            100,
+            1000,
+            65_000,
+            1_000_000,
+            60_000_000,
+            u64::MAX,
+        ] {
+            let b = bucket(us);
+            assert!(b >= last && b < BUCKETS, "{us} -> {b}");
+            last = b;
+            if (1..60_000_000).contains(&us) {
+                let (lo, hi) = (bucket_floor_us(b), bucket_floor_us(b + 1));
+                assert!(lo <= us as f64 && (us as f64) < hi, "{us}: {lo}..{hi}");
+            }
+        }
+        let st = FingerprintStats::new(10);
+        let t = text("SELECT ?");
+        for ms in 1..=100u64 {
+            st.record(
+                1,
+                &t,
+                "read",
+                "a",
+                Duration::from_millis(ms),
+                Outcome::Ok { rows: 1 },
+            );
+        }
+        let r = &st.top(SortKey::Calls, 1, None)[0];
+        assert_eq!((r.calls, r.rows), (100, 100));
+        assert!((r.p50_ms - 50.0).abs() / 50.0 < 0.1, "{}", r.p50_ms);
+        assert!((r.p95_ms - 95.0).abs() / 95.0 < 0.1, "{}", r.p95_ms);
+        assert!((r.p99_ms - 99.0).abs() / 99.0 < 0.1, "{}", r.p99_ms);
+        assert!((r.mean_ms - 50.5).abs() < 1e-9);
+        assert_eq!((r.min_ms, r.max_ms), (1.0, 100.0));
+    }
+
+    #[test]
+    fn outcomes_reasons_and_callers() {
+        let st = FingerprintStats::new(100);
+        let t = text("UPDATE t SET x = ?");
+        let d = Duration::from_micros(500);
+        st.record(7, &t, "write", "billing", d, Outcome::Ok { rows: 3 });
+        st.record(7, &t, "write", "billing", d, Outcome::Error);
+        st.record(7, &t, "write", "web", d, Outcome::Refused("caller_limit"));
+        st.record(7, &t, "write", "web", d, Outcome::Refused("rule"));
+        st.record(7, &t, "write", "web", d, Outcome::Refused("rule"));
+        for i in 0..100 {
+            st.record(7, &t, "write", &format!("c{i}"), d, Outcome::Ok { rows: 0 });
+        }
+        let r = &st.top(SortKey::TotalTime, 10, None)[0];
+        assert_eq!(r.fingerprint, "0000000000000007");
+        assert_eq!((r.calls, r.errors, r.refusals, r.rows), (105, 1, 3, 3));
+        assert_eq!(r.refusals_by_reason.get("rule"), Some(&2));
+        assert_eq!(r.by_caller.len(), MAX_CALLERS + 1);
+        assert_eq!(r.by_caller["web"].refusals, 3);
+        assert_eq!(r.by_caller[OTHER].calls, 100 - (MAX_CALLERS as u64 - 2));
+        assert!(r.last_seen_unix_ms >= r.first_seen_unix_ms && r.first_seen_unix_ms > 0);
+        assert_eq!(st.top(SortKey::Refusals, 10, Some("web")).len(), 1);
+        assert!(st.top(SortKey::Calls, 10, Some("nobody")).is_empty());
+        is_serialize(r);
+    }
+
+    fn is_serialize<T: serde::Serialize>(_: &T) {}
+
+    #[test]
+    fn top_sorts_and_filters() {
+        let st = FingerprintStats::new(100);
+        let t = text("SELECT ?");
+        for fp in 1..=5u64 {
+            for _ in 0..fp {
+                st.record(
+                    fp,
+                    &t,
+                    "read",
+                    "a",
+                    Duration::from_millis(6 - fp),
+                    Outcome::Ok { rows: 0 },
+                );
+            }
+        }
+        let by_calls: Vec<_> = st
+            .top(SortKey::Calls, 3, None)
+            .into_iter()
+            .map(|r| r.calls)
+            .collect();
+        assert_eq!(by_calls, vec![5, 4, 3]);
+        let by_time = st.top(SortKey::TotalTime, 1, None);
+        assert_eq!(by_time[0].fingerprint, "0000000000000003"); // 3 × 3 ms = 9 ms
+        assert_eq!(st.len(), 5);
+        st.reset();
+        assert!(st.is_empty());
+    }
+
+    #[test]
+    fn heavy_hitters_survive_and_totals_are_conserved() {
+        let st = FingerprintStats::new(64);
+        let t = text("q");
+        let mut total_calls = 0u64;
+        for i in 0..20_000u64 {
+            // fingerprint 1 is heavy; the rest are one-offs
+            st.record(
+                1 << 40,
+                &t,
+                "read",
+                "a",
+                Duration::from_millis(5),
+                Outcome::Ok { rows: 0 },
+            );
+            st.record(
+                i.wrapping_mul(0x9E37_79B9_7F4A_7C15),
+                &t,
+                "read",
+                "a",
+                Duration::from_micros(10),
+                Outcome::Ok { rows: 0 },
+            );
+            total_calls += 2;
+        }
+        let rows = st.top(SortKey::TotalTime, 1000, None);
+        assert!(rows.len() <= 65);
+        assert_eq!(rows[0].fingerprint, format!("{:016x}", 1u64 << 40));
+        assert_eq!(rows[0].calls, 20_000);
+        assert_eq!(rows.iter().map(|r| r.calls).sum::<u64>(), total_calls);
+        assert!(rows.iter().any(|r| r.fingerprint == OTHER));
+    }
+
+    #[test]
+    fn memory_bounded_under_a_million_distinct_fingerprints() {
+        let st = FingerprintStats::new(DEFAULT_CAPACITY);
+        let t = text("SELECT ?");
+        let d = Duration::from_micros(100);
+        for i in 0..1_000_000u64 {
+            let fp = i.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ (i >> 7);
+            st.record(fp, &t, "read", "default", d, Outcome::Ok { rows: 1 });
+        }
+        assert!(st.len() <= DEFAULT_CAPACITY + 1, "{}", st.len());
+        for shard in st.shards.iter() {
+            let s = shard.lock();
+            assert_eq!(s.heap.len(), s.map.len());
+            assert!(s.map.len() <= s.capacity);
+        }
+        let calls: u64 = st
+            .top(SortKey::Calls, usize::MAX, None)
+            .iter()
+            .map(|r| r.calls)
+            .sum();
+        assert_eq!(calls, 1_000_000);
+    }
+
+    #[test]
+    fn zero_capacity_goes_to_other() {
+        let st = FingerprintStats::new(0);
+        st.record(
+            1,
+            &text("x"),
+            "read",
+            "a",
+            Duration::ZERO,
+            Outcome::Ok { rows: 0 },
+        );
+        assert_eq!(st.len(), 1);
+        assert_eq!(st.top(SortKey::Calls, 5, None)[0].fingerprint, OTHER);
+    }
+}

@@ -1,0 +1,214 @@
+//! Session state in transaction mode: what a statement's session-level effects mean for the
+//! client and the backend it borrows.
+//!
+//! - Trackable (`SET`, `RESET`, `set_config(.., false)`, `DISCARD ALL`): after the transaction
+//!   ends, the proxy reads the backend's session-level settings (`pg_settings.source =
+//!   'session'`) and makes them the client's settings, re-applied on every backend it borrows.
+//!   Reading them from Postgres gives its rollback semantics for free.
+//! - Not trackable (LISTEN, session advisory locks, WITH HOLD cursors, temp tables, SQL
+//!   PREPARE, LOAD): the client is pinned to its backend for the rest of its session and the
+//!   backend is marked for the matching cleanup before reuse.
+//! - `session_state: pin` pins on any effect; `reject` refuses them with 0A000.
+//!
+//! Pure decisions; the relay applies them.
+
+use crate::classify::{Classified, SessionEffect};
+use crate::config::SessionStateMode;
+use crate::pool::Dirt;
+use crate::protocol::PgError;
+
+/// Reads every session-level setting of a backend (the proxy's capture query). `role` and
+/// `session_authorization` are hidden from `pg_settings`, so they are read explicitly;
+/// `login_user` is the pool's user, whose own identity is not a setting.
+pub fn capture_sql(login_user: &str) -> String {
+    let user = login_user.replace('\'', "''");
+    format!(
+        "SELECT name, current_setting(name) FROM pg_settings WHERE source = 'session' \
+         AND name NOT IN ('transaction_isolation', 'transaction_read_only', \
+         'transaction_deferrable') \
+         UNION ALL SELECT 'role', current_setting('role') WHERE current_setting('role') <> 'none' \
+         UNION ALL SELECT 'session_authorization', session_user::text \
+         WHERE session_user::text <> '{user}'"
+    )
+}
+
+#[derive(Debug, Default, PartialEq, Eq)]
+pub struct Assessment {
+    /// Refuse the statement (reject mode).
+    pub reject: Option<PgError>,
+    /// Pin the client to this backend for the rest of its session.
+    pub pin: bool,
+    /// Cleanup the backend will need before another client gets it.
+    pub dirt: Dirt,
+    /// Re-read the backend's settings when the transaction ends.
+    pub capture: bool,
+    /// Our protocol-level statements on this backend are gone (DEALLOCATE ALL, DISCARD ALL).
+    pub forget_prepared: bool,
+}
+
+/// What to do about `c`'s effects under `mode` (transaction pooling).
+pub fn assess(c: &Classified, mode: SessionStateMode) -> Assessment {
+    let mut a = Assessment::default();
+    if c.effects.is_empty() {
+        return a;
+    }
+    let mut untrackable = None;
+    let mut trackable = None;
+    for e in &c.effects {
+        match e {
+            SessionEffect::Set { local: true, .. } => {}
+            SessionEffect::Set { name, .. } => {
+                if name == "role" || name == "session_authorization" {
+                    a.dirt.role = true;
+                }
+                a.dirt.gucs = true;
+                a.capture = true;
+                trackable.get_or_insert("SET");
+            }
+            SessionEffect::Reset { .. } | SessionEffect::SetConfigSession => {
+                a.dirt.gucs = true;
+                a.capture = true;
+                trackable.get_or_insert("SET");
+            }
+            SessionEffect::Discard { all: true } => {
+                a.capture = true;
+                a.forget_prepared = true;
+            }
+            SessionEffect::Deallocate => {
+                let t = c.normalized.to_ascii_lowercase();
+                if t.contains("deallocate all") || t.contains("deallocate prepare all") {
+                    a.forget_prepared = true;
+                }
+            }
+            SessionEffect::Listen => {
+                a.dirt.listen = true;
+                untrackable.get_or_insert("LISTEN");
+            }
+            SessionEffect::AdvisoryLock => {
+                a.dirt.advisory = true;
+                untrackable.get_or_insert("session-level advisory lock");
+            }
+            SessionEffect::DeclareWithHold => {
+                a.dirt.cursors = true;
+                untrackable.get_or_insert("DECLARE ... WITH HOLD");
+            }
+            SessionEffect::CreateTemp => {
+                a.dirt.temp = true;
+                untrackable.get_or_insert("temporary object");
+            }
+            SessionEffect::Prepare => {
+                a.dirt.sql_prepared = true;
+                untrackable.get_or_insert("SQL PREPARE");
+            }
+            SessionEffect::Load => {
+                a.dirt.unresettable = true;
+                untrackable.get_or_insert("LOAD");
+            }
+            SessionEffect::Unlisten
+            | SessionEffect::AdvisoryUnlock
+            | SessionEffect::CloseCursor
+            | SessionEffect::Discard { all: false } => {}
+        }
+    }
+    let what = untrackable.or(trackable);
+    let tracked = matches!(mode, SessionStateMode::Track) && untrackable.is_none();
+    match (mode, untrackable, what) {
+        (SessionStateMode::Reject, _, Some(what)) => {
+            a.reject = Some(session_state_error(what, &c.normalized));
+        }
+        (SessionStateMode::Pin, _, Some(_)) | (SessionStateMode::Track, Some(_), _) => {
+            a.pin = true;
+            a.capture = false;
+        }
+        _ => {}
+    }
+    if tracked {
+        // Settings are captured and re-applied; no reset needed beyond the usual diff.
+        a.dirt.gucs = false;
+        a.dirt.role = false;
+    }
+    a
+}
+
+fn session_state_error(what: &str, stmt: &str) -> PgError {
+    let mut shown: String = stmt.chars().take(200).collect();
+    if shown.len() < stmt.len() {
+        shown.push('…');
+    }
+    PgError::error(
+        "0A000",
+        format!("pgsluice: ERR_SESSION_STATE: {what} is not supported in transaction pooling mode"),
+    )
+    .with_detail(format!("statement: {shown}"))
+    .with_hint("use a session-mode pool for this client, or set pool.session_state to track or pin")
+}
+
+/// Parses one DataRow of the capture query: (name, value).
+pub fn capture_row(body: &[u8]) -> Option<(String, String)> {
+    let cols = i16::from_be_bytes([*body.first()?, *body.get(1)?]);
+    if cols != 2 {
+        return None;
+    }
+    let mut rest = &body[2..];
+    let mut out = Vec::with_capacity(2);
+    for _ in 0..2 {
+        if rest.len() < 4 {
+            return None;
+        }
+        let n = i32::from_be_bytes([rest[0], rest[1], rest[2], rest[3]]);
+        rest = &rest[4..];
+        if n < 0 || rest.len() < n as usize {
+            return None;
+        }
+        out.push(String::from_utf8_lossy(&rest[..n as usize]).into_owned());
+        rest = &rest[n as usize..];
+    }
+    let value = out.pop()?;
+    let name = out.pop()?;
+    Some((name, value))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::classify::Classifier;
+
+    fn assess_sql(sql: &str, mode: SessionStateMode) -> Assessment {
+        let c = Classifier::new(16, 64 * 1024).classify(sql);
+        assess(&c, mode)
+    }
+
+    #[test]
+    fn set_is_tracked_listen_pins_reject_refuses() {
+        let a = assess_sql("SET search_path TO evil", SessionStateMode::Track);
+        assert!(a.capture && !a.pin && a.reject.is_none());
+        let a = assess_sql("SET LOCAL statement_timeout = 5", SessionStateMode::Track);
+        assert_eq!(a, Assessment::default());
+        let a = assess_sql("LISTEN jobs", SessionStateMode::Track);
+        assert!(a.pin && a.dirt.listen && !a.capture);
+        let a = assess_sql("select pg_advisory_lock(1)", SessionStateMode::Track);
+        assert!(a.pin && a.dirt.advisory);
+        let a = assess_sql("SET ROLE other", SessionStateMode::Pin);
+        assert!(a.pin && a.dirt.role);
+        let a = assess_sql("LISTEN jobs", SessionStateMode::Reject);
+        let e = a.reject.unwrap();
+        assert_eq!(e.code, "0A000");
+        assert!(e.message.contains("ERR_SESSION_STATE") && e.message.contains("LISTEN"));
+        let a = assess_sql("DEALLOCATE ALL", SessionStateMode::Track);
+        assert!(a.forget_prepared);
+        let a = assess_sql("SELECT 1", SessionStateMode::Reject);
+        assert_eq!(a, Assessment::default());
+    }
+
+    #[test]
+    fn capture_rows_parse() {
+        let mut b = vec![0, 2];
+        for s in ["search_path", "evil"] {
+            b.extend_from_slice(&(s.len() as i32).to_be_bytes());
+            b.extend_from_slice(s.as_bytes());
+        }
+        assert_eq!(capture_row(&b), Some(("search_path".into(), "evil".into())));
+        assert_eq!(capture_row(&b[..5]), None);
+        assert_eq!(capture_row(&[0, 1]), None);
+    }
+}
