@@ -10,8 +10,9 @@ use tokio_util::sync::CancellationToken;
 
 use crate::auth::Credentials;
 use crate::cancel;
-use crate::classify::{Classifier, DEFAULT_MAX_TEXT_BYTES};
+use crate::classify::{CallerMatcher, CallerRule, Classifier, DEFAULT_MAX_TEXT_BYTES};
 use crate::config::{self as cfgmod, Config};
+use crate::observe::stats::FingerprintStats;
 use crate::policy::breaker::BreakerConfig;
 use crate::policy::rules::RuleSet;
 use crate::policy::{CallerPolicy, Policy, Priority};
@@ -28,6 +29,10 @@ pub struct App {
     pub policy: Policy,
     /// Statement fingerprints, kinds and session effects, cached by text.
     pub classifier: Classifier,
+    /// Who is calling: config callers in order, `default` last (ids match the policy's).
+    pub callers: ArcSwap<CallerMatcher>,
+    /// Per-fingerprint statistics (top-K by total time, the rest aggregated).
+    pub fp_stats: FingerprintStats,
     /// Fired on shutdown: stop accepting, finish in-flight work.
     pub shutdown: CancellationToken,
 }
@@ -50,6 +55,8 @@ impl App {
         Ok(Arc::new(App {
             policy,
             classifier: Classifier::new(10_000, DEFAULT_MAX_TEXT_BYTES),
+            callers: ArcSwap::from_pointee(caller_matcher(&config)),
+            fp_stats: FingerprintStats::new(1_000),
             config: ArcSwap::from_pointee(config),
             creds: ArcSwap::from_pointee(creds),
             pools: Pools::default(),
@@ -153,4 +160,69 @@ pub fn policy_inputs(cfg: &Config) -> (Vec<CallerPolicy>, BreakerConfig) {
         half_open_max_probes: 1,
     };
     (callers, breaker)
+}
+
+/// Caller matching rules from config (validated, so CIDRs parse).
+pub fn caller_matcher(cfg: &Config) -> CallerMatcher {
+    CallerMatcher::new(
+        cfg.callers
+            .iter()
+            .map(|c| CallerRule {
+                name: c.name.clone(),
+                tags: c
+                    .matcher
+                    .tag
+                    .iter()
+                    .map(|(k, v)| (k.clone(), v.clone()))
+                    .collect(),
+                application_name: c.matcher.application_name.clone(),
+                user: c.matcher.user.clone(),
+                client_cidr: c
+                    .matcher
+                    .client_cidr
+                    .as_deref()
+                    .and_then(|s| s.parse().ok()),
+            })
+            .collect(),
+    )
+}
+
+/// Statement timeout for a caller and statement kind (`None` = leave the server's setting).
+pub fn statement_timeout(cfg: &Config, caller: u16, kind: &str) -> Option<Duration> {
+    let pick = |t: &cfgmod::KindTimeouts| match t {
+        cfgmod::KindTimeouts::All(ms) => Some(*ms),
+        cfgmod::KindTimeouts::PerKind {
+            read,
+            write,
+            ddl,
+            other,
+        } => match kind {
+            "read" | "locking_read" => *read,
+            "write" => *write,
+            "ddl" => *ddl,
+            _ => *other,
+        },
+    };
+    cfg.callers
+        .get(usize::from(caller))
+        .and_then(|c| c.statement_timeout_ms.as_ref())
+        .and_then(pick)
+        .or_else(|| {
+            cfg.global_defaults
+                .statement_timeout_ms
+                .as_ref()
+                .and_then(pick)
+        })
+        .filter(|ms| *ms > 0)
+        .map(Duration::from_millis)
+}
+
+/// Lock timeout for a caller (`None` = leave the server's setting).
+pub fn lock_timeout(cfg: &Config, caller: u16) -> Option<Duration> {
+    cfg.callers
+        .get(usize::from(caller))
+        .and_then(|c| c.lock_timeout_ms)
+        .or(cfg.global_defaults.lock_timeout_ms)
+        .filter(|ms| *ms > 0)
+        .map(Duration::from_millis)
 }

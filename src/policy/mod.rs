@@ -171,6 +171,16 @@ impl Admission {
     }
 }
 
+/// A statement admitted by the rules inside an already admitted unit.
+#[derive(Debug, Default)]
+pub struct StatementAdmission {
+    pub statement_timeout_override: Option<Duration>,
+    pub lock_timeout_override: Option<Duration>,
+    /// Warn-mode notices to send to the client.
+    pub warnings: Vec<String>,
+    _rule_guard: Option<RuleGuard>,
+}
+
 /// Refusals of one caller, by reason.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize)]
 pub struct RefusalCounts {
@@ -376,6 +386,49 @@ impl Policy {
             _rule_guard: rule_guard,
             ticket,
         })
+    }
+
+    /// Rules only, for a statement inside a unit that already holds an [`Admission`] (a
+    /// transaction on a borrowed backend): the caller's concurrency is already counted.
+    pub async fn check_statement(&self, req: &AdmitRequest) -> Result<StatementAdmission, Refusal> {
+        let (id, caller) = self.caller(req.caller);
+        let policy = &caller.policy;
+        match self
+            .rules
+            .check(req.fingerprint, &policy.name, req.now, policy.queue_timeout)
+        {
+            RuleCheck::NoRule => Ok(StatementAdmission::default()),
+            RuleCheck::Refuse { rule, violation } => {
+                let reason = rule_reason(req.fingerprint, rule.def(), &violation);
+                Err(self.refuse(id, &caller, reason, req.fingerprint, req.now))
+            }
+            RuleCheck::Admit(a) => {
+                let mut warnings = Vec::new();
+                if let Some(v) = &a.would_refuse {
+                    warnings.push(rule_reason(req.fingerprint, a.rule.def(), v).warning());
+                }
+                if !a.wait.is_zero() {
+                    tokio::time::sleep_until(req.now + a.wait).await;
+                }
+                Ok(StatementAdmission {
+                    statement_timeout_override: a.statement_timeout,
+                    lock_timeout_override: a.lock_timeout,
+                    warnings,
+                    _rule_guard: a.guard,
+                })
+            }
+        }
+    }
+
+    /// The priority of caller `id` (unknown ids are the default caller).
+    pub fn priority(&self, id: u16) -> Priority {
+        self.caller(id).1.policy.priority
+    }
+
+    /// Statement and lock timeout defaults are resolved by the caller of the policy; this is
+    /// the caller's name for logs and metrics.
+    pub fn caller_name(&self, id: u16) -> String {
+        self.caller(id).1.policy.name.clone()
     }
 
     /// Outcome of a statement that reached the backend: `false` for backend faults only

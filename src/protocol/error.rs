@@ -159,6 +159,42 @@ fn strip_nul(s: &str) -> String {
     s.replace('\0', "")
 }
 
+/// Rebuilds an ErrorResponse body with its error position (`P`) moved `shift` characters to
+/// the left (dropped if it would point before the client's text).
+pub fn shift_position(body: &[u8], shift: u32) -> Vec<u8> {
+    let mut out = Vec::with_capacity(body.len());
+    let mut rest = body;
+    while let Some((&code, tail)) = rest.split_first() {
+        if code == 0 {
+            break;
+        }
+        let Some(end) = tail.iter().position(|&b| b == 0) else {
+            break;
+        };
+        let value = &tail[..end];
+        rest = &tail[end + 1..];
+        if code == b'P' {
+            let pos = std::str::from_utf8(value)
+                .ok()
+                .and_then(|v| v.parse::<u64>().ok());
+            if let Some(p) = pos
+                .and_then(|p| p.checked_sub(u64::from(shift)))
+                .filter(|p| *p >= 1)
+            {
+                out.push(b'P');
+                out.extend_from_slice(p.to_string().as_bytes());
+                out.push(0);
+            }
+            continue;
+        }
+        out.push(code);
+        out.extend_from_slice(value);
+        out.push(0);
+    }
+    out.push(0);
+    out
+}
+
 /// Reads the SQLSTATE (`C` field) of an ErrorResponse body, if present.
 pub fn sqlstate_of(body: &[u8]) -> Option<&str> {
     field_of(body, b'C')
@@ -198,6 +234,15 @@ mod tests {
             field_of(body, b'M'),
             Some("password authentication failed for user \"bob\"")
         );
+    }
+
+    #[test]
+    fn positions_shift_left() {
+        let body = b"SERROR\0C42601\0P40\0Msyntax\0\0";
+        let out = shift_position(body, 30);
+        assert_eq!(field_of(&out, b'P'), Some("10"));
+        assert_eq!(field_of(&out, b'M'), Some("syntax"));
+        assert_eq!(field_of(&shift_position(body, 45), b'P'), None);
     }
 
     #[test]

@@ -85,7 +85,7 @@ where
         return;
     }
     tracing::debug!(%peer, user = %login.user, db = %login.database, "client logged in");
-    let relay = Relay::new(app.clone(), pool, login, reg.entry.clone(), buf);
+    let relay = Relay::new(app.clone(), pool, login, reg.entry.clone(), buf, peer);
     let end = relay.run(&mut stream).await;
     match &end {
         End::Error(e) => {

@@ -21,6 +21,7 @@ use crate::app::App;
 use crate::cancel;
 use crate::classify::Classified;
 use crate::config::PoolMode;
+use crate::policy::{Admission, StatementAdmission};
 use crate::pool::prepared::server_name;
 use crate::pool::{Pool, Pooled};
 use crate::protocol::PgError;
@@ -39,6 +40,10 @@ struct Stmt {
     types: Bytes,
     class: Arc<Classified>,
 }
+
+mod admission;
+
+use admission::Timeouts;
 
 pub struct Relay {
     app: Arc<App>,
@@ -72,6 +77,25 @@ pub struct Relay {
     captured: Vec<(String, String)>,
     /// Classification of the unnamed prepared statement.
     unnamed_class: Option<Arc<Classified>>,
+    /// Client address, for caller matching by CIDR.
+    peer_ip: Option<std::net::IpAddr>,
+    /// Admission of the current unit (caller permit held while the backend is).
+    admission: Option<Admission>,
+    /// Rule admissions of later statements in the unit (CONCURRENCY slots).
+    stmt_admissions: Vec<StatementAdmission>,
+    unit_caller: u16,
+    /// A backend fault (connection error, timeout) happened in this unit: tell the breaker.
+    unit_fault: bool,
+    /// The batch was admitted at its first Parse: (fingerprint, timeouts) for its Bind.
+    opened_by_parse: Option<(u64, Timeouts)>,
+    /// Statements awaiting completion, for statistics.
+    pending: Vec<admission::StmtRecord>,
+    /// Client ReadyForQuery-bearing requests sent / replies seen.
+    ready_sent: u64,
+    ready_seen: u64,
+    /// Rows and errors of the current request, from CommandComplete / ErrorResponse.
+    rows: u64,
+    errored: bool,
 }
 
 /// Reads from the borrowed backend, or waits forever when there is none.
@@ -94,6 +118,7 @@ impl Relay {
         login: Login,
         cancel: Arc<cancel::Entry>,
         cbuf: BytesMut,
+        peer: std::net::SocketAddr,
     ) -> Relay {
         let mode = pool_mode(&pool);
         Relay {
@@ -118,6 +143,17 @@ impl Relay {
             capture_needed: false,
             captured: Vec::new(),
             unnamed_class: None,
+            peer_ip: Some(peer.ip()),
+            admission: None,
+            stmt_admissions: Vec::new(),
+            unit_caller: 0,
+            unit_fault: false,
+            opened_by_parse: None,
+            pending: Vec::new(),
+            ready_sent: 0,
+            ready_seen: 0,
+            rows: 0,
+            errored: false,
         }
     }
 
@@ -230,33 +266,28 @@ impl Relay {
             }
             _ => {}
         }
+        match tag {
+            b'Q' => return self.on_query(frame, &body, client).await,
+            b'P' => return self.on_parse(frame, &body, client).await,
+            b'B' => return self.on_bind(frame, &body, client).await,
+            _ => {}
+        }
         if let Err(e) = self.ensure_backend(client).await {
             return self.refuse(tag, e);
         }
         match tag {
-            b'Q' => {
-                let sql = messages::query_body(&body).ok_or_else(|| Self::malformed("Query"))?;
-                let class = self.classify(sql);
-                if let Err(e) = self.apply_effects(&class) {
-                    return self.refuse_statement(tag, e);
-                }
-                self.t.push(Expect::new(Kind::Query, Mode::Forward));
-                self.bout.extend_from_slice(&frame);
-            }
             b'F' => {
-                self.t.push(Expect::new(Kind::FunctionCall, Mode::Forward));
+                self.expect_ready(Expect::new(Kind::FunctionCall, Mode::Forward));
                 self.bout.extend_from_slice(&frame);
             }
             b'S' => {
-                self.t.push(Expect::new(Kind::Sync, Mode::Forward));
+                self.expect_ready(Expect::new(Kind::Sync, Mode::Forward));
                 self.bout.extend_from_slice(&frame);
             }
             b'E' => {
                 self.t.push(Expect::new(Kind::Execute, Mode::Forward));
                 self.bout.extend_from_slice(&frame);
             }
-            b'P' => self.on_parse(frame, &body)?,
-            b'B' => self.on_bind(frame, &body)?,
             b'D' | b'C' => self.on_target(tag, frame, &body)?,
             _ => {
                 return Err(End::Error(PgError::protocol_violation(format!(
@@ -274,10 +305,64 @@ impl Relay {
         )))
     }
 
-    fn on_parse(&mut self, frame: Bytes, body: &Bytes) -> Result<(), End> {
+    /// A client ReadyForQuery-bearing request (Query, Sync, FunctionCall).
+    fn expect_ready(&mut self, e: Expect) {
+        self.ready_sent += 1;
+        self.t.push(e);
+    }
+
+    async fn on_query<S: AsyncRead + AsyncWrite + Unpin>(
+        &mut self,
+        frame: Bytes,
+        body: &Bytes,
+        client: &mut S,
+    ) -> Result<(), End> {
+        let sql = messages::query_body(body).ok_or_else(|| Self::malformed("Query"))?;
+        let class = self.classify(sql);
+        let timeouts = match self.admit(&class, client).await {
+            Ok(t) => t,
+            Err(e) => return self.refuse_statement(b'Q', e),
+        };
+        if let Err(e) = self.ensure_backend(client).await {
+            return self.refuse(b'Q', e);
+        }
+        if let Err(e) = self.apply_effects(&class) {
+            return self.refuse_statement(b'Q', e);
+        }
+        let prefix = self.inject_timeouts(timeouts, class.kind, true);
+        let mut e = Expect::new(Kind::Query, Mode::Forward);
+        match prefix {
+            Some(p) => {
+                e.skip_complete = p.matches(';').count().min(255) as u8;
+                e.pos_shift = p.chars().count() as u32;
+                messages::raw(&mut self.bout, b'Q', &[p.as_bytes(), sql, b"\0"]);
+            }
+            None => self.bout.extend_from_slice(&frame),
+        }
+        self.expect_ready(e);
+        self.track_statement(class, self.ready_sent);
+        Ok(())
+    }
+
+    async fn on_parse<S: AsyncRead + AsyncWrite + Unpin>(
+        &mut self,
+        frame: Bytes,
+        body: &Bytes,
+        client: &mut S,
+    ) -> Result<(), End> {
         let (name, query, types) =
             messages::parse_body(body).ok_or_else(|| Self::malformed("Parse"))?;
         let class = self.classify(query);
+        if self.admission.is_none() && self.backend.is_none() {
+            // A batch that starts with a Parse is admitted here, with that statement.
+            match self.admit(&class, client).await {
+                Ok(t) => self.opened_by_parse = Some((class.fingerprint, t)),
+                Err(e) => return self.refuse_statement(b'P', e),
+            }
+        }
+        if let Err(e) = self.ensure_backend(client).await {
+            return self.refuse(b'P', e);
+        }
         if name.is_empty() {
             self.unnamed_class = Some(class);
             self.t.push(Expect::new(Kind::Parse, Mode::Forward));
@@ -332,7 +417,12 @@ impl Relay {
         Some(server_name(hash))
     }
 
-    fn on_bind(&mut self, frame: Bytes, body: &Bytes) -> Result<(), End> {
+    async fn on_bind<S: AsyncRead + AsyncWrite + Unpin>(
+        &mut self,
+        frame: Bytes,
+        body: &Bytes,
+        client: &mut S,
+    ) -> Result<(), End> {
         let (portal, stmt, tail) =
             messages::bind_body(body).ok_or_else(|| Self::malformed("Bind"))?;
         let class = if stmt.is_empty() {
@@ -340,10 +430,26 @@ impl Relay {
         } else {
             self.stmts.get(stmt).map(|s| s.class.clone())
         };
-        if let Some(class) = class
-            && let Err(e) = self.apply_effects(&class)
-        {
-            return self.refuse_statement(b'B', e);
+        let mut timeouts = Timeouts::default();
+        if let Some(class) = &class {
+            timeouts = match self.opened_by_parse.take() {
+                // Already admitted at the Parse that opened this batch.
+                Some((fp, t)) if fp == class.fingerprint => t,
+                _ => match self.admit(class, client).await {
+                    Ok(t) => t,
+                    Err(e) => return self.refuse_statement(b'B', e),
+                },
+            };
+        }
+        if let Err(e) = self.ensure_backend(client).await {
+            return self.refuse(b'B', e);
+        }
+        if let Some(class) = &class {
+            if let Err(e) = self.apply_effects(class) {
+                return self.refuse_statement(b'B', e);
+            }
+            self.inject_timeouts(timeouts, class.kind, false);
+            self.track_statement(class.clone(), self.ready_sent + 1);
         }
         // An injected Parse (if any) goes before the Bind, and so does its expectation.
         let server = self.ensure_prepared(stmt);
@@ -433,13 +539,13 @@ impl Relay {
     /// (an injected `DO … RAISE`), so the transaction aborts exactly as for any error there;
     /// otherwise it is answered by the proxy and nothing reaches the database.
     fn refuse_statement(&mut self, tag: u8, e: PgError) -> Result<(), End> {
-        if self.backend.is_none() || self.t.txn == b'I' {
+        if self.backend.is_none() || (self.t.txn == b'I' && !self.t.in_flight()) {
             return self.refuse(tag, e);
         }
         let sql = raise_sql(&e);
         if tag == b'Q' {
             messages::query(&mut self.bout, &sql);
-            self.t.push(Expect::new(Kind::Query, Mode::Forward));
+            self.expect_ready(Expect::new(Kind::Query, Mode::Forward));
         } else {
             messages::parse_named(&mut self.bout, b"", sql.as_bytes(), b"\0\0");
             self.t.push(Expect::new(Kind::Parse, Mode::Swallow));
@@ -469,7 +575,8 @@ impl Relay {
         }
         let deadline = Instant::now() + Duration::from_millis(self.pool.cfg.checkout_timeout_ms);
         let pool = self.pool.clone();
-        let checkout = pool.checkout(2, deadline);
+        let priority = self.app.policy.priority(self.unit_caller) as usize;
+        let checkout = pool.checkout(priority, deadline);
         tokio::pin!(checkout);
         let res = loop {
             tokio::select! {
@@ -565,6 +672,21 @@ impl Relay {
             if step.injected_error {
                 self.injected_failed(body);
             }
+            if step.forward {
+                match h.tag {
+                    b'Z' => self.statements_done(),
+                    b'C' => self.rows += rows_of(body),
+                    b'E' => {
+                        self.errored = true;
+                        if crate::protocol::error::sqlstate_of(body)
+                            .is_some_and(admission::is_backend_fault)
+                        {
+                            self.unit_fault = true;
+                        }
+                    }
+                    _ => {}
+                }
+            }
             if step.capture_done {
                 let mut captured = std::mem::take(&mut self.captured);
                 captured.sort();
@@ -572,7 +694,12 @@ impl Relay {
                 self.login.settings = captured;
             }
             if step.forward {
-                self.cout.extend_from_slice(&frame);
+                if h.tag == b'E' && step.pos_shift > 0 {
+                    let fixed = crate::protocol::error::shift_position(body, step.pos_shift);
+                    messages::raw(&mut self.cout, b'E', &[&fixed]);
+                } else {
+                    self.cout.extend_from_slice(&frame);
+                }
             }
             // Flush big batches early so a long result never piles up in memory.
             if self.cout.len() >= 64 * 1024 {
@@ -625,22 +752,29 @@ impl Relay {
     /// In transaction mode, returns the backend once it is idle with nothing owed (after
     /// reading back its session settings if the client changed them).
     async fn maybe_release(&mut self) -> Result<(), End> {
-        if self.mode != PoolMode::Transaction
-            || self.pinned
-            || self.backend.is_none()
-            || !self.t.idle()
-            || self.backend_pass != 0
-            || !self.rbuf.is_empty()
-            || !self.bout.is_empty()
-        {
+        let quiet = self.t.idle()
+            && self.backend_pass == 0
+            && self.rbuf.is_empty()
+            && self.bout.is_empty()
+            && !self.skip_to_sync;
+        if !quiet {
             return Ok(());
         }
-        if self.capture_needed {
+        if self.backend.is_none() {
+            self.end_unit();
+            return Ok(());
+        }
+        let pooled = self.mode == PoolMode::Transaction && !self.pinned;
+        if pooled && self.capture_needed {
             self.capture_needed = false;
             self.captured.clear();
             messages::query(&mut self.bout, &state::capture_sql(&self.pool.user));
             self.t.push(Expect::new(Kind::Query, Mode::Capture));
             return self.flush_backend().await;
+        }
+        self.end_unit();
+        if !pooled {
+            return Ok(());
         }
         set_cancel_target(&self.cancel, None).await;
         if let Some(b) = self.backend.take() {
@@ -654,6 +788,8 @@ impl Relay {
         if let Some(b) = self.backend.take() {
             b.discard();
         }
+        self.unit_fault = true;
+        self.end_unit();
         if self.backend_fatal {
             // Postgres already told the client why (e.g. 57P01); just close.
             End::BackendLost
@@ -790,4 +926,14 @@ fn raise_sql(e: &PgError) -> String {
     }
     sql.push_str("; END$pgsl$");
     sql
+}
+
+/// Rows reported by a CommandComplete tag (`SELECT 5`, `INSERT 0 3`, `UPDATE 2`).
+fn rows_of(body: &[u8]) -> u64 {
+    let tag = body.strip_suffix(b"\0").unwrap_or(body);
+    tag.rsplit(|&b| b == b' ')
+        .next()
+        .and_then(|n| std::str::from_utf8(n).ok())
+        .and_then(|n| n.parse().ok())
+        .unwrap_or(0)
 }

@@ -51,6 +51,10 @@ pub struct Expect {
     pub mode: Mode,
     /// For a Parse of a proxy-named statement: its hash, forgotten again if the Parse fails.
     pub stmt: Option<u64>,
+    /// For a Query we prefixed with `SET LOCAL`s: their CommandCompletes to drop…
+    pub skip_complete: u8,
+    /// …and how many characters to take off error positions.
+    pub pos_shift: u32,
 }
 
 impl Expect {
@@ -59,6 +63,8 @@ impl Expect {
             kind,
             mode,
             stmt: None,
+            skip_complete: 0,
+            pos_shift: 0,
         }
     }
 }
@@ -77,6 +83,8 @@ pub struct Step {
     pub capture_done: bool,
     /// An error of a query the proxy injected (reported to the client as a warning).
     pub injected_error: bool,
+    /// Error positions in this ErrorResponse are off by this many characters.
+    pub pos_shift: u32,
 }
 
 #[derive(Debug)]
@@ -178,7 +186,10 @@ impl Tracker {
                 self.copy_in = false;
                 match head {
                     None => step.forward = true,
-                    Some(h) if h.kind.ends_with_ready() => step.injected_error = hidden,
+                    Some(h) if h.kind.ends_with_ready() => {
+                        step.injected_error = hidden;
+                        step.pos_shift = h.pos_shift;
+                    }
                     Some(_) => {
                         // Errors of injected Parses reach the client: its Bind fails with them.
                         step.forward = true;
@@ -213,6 +224,13 @@ impl Tracker {
             b'C' | b'I' | b's' => {
                 if tag == b'C' {
                     self.copy_in = false;
+                    if let Some(h) = self.q.front_mut()
+                        && h.kind == Kind::Query
+                        && h.skip_complete > 0
+                    {
+                        h.skip_complete -= 1;
+                        step.forward = false;
+                    }
                 }
                 if head.map(|h| h.kind) == Some(Kind::Execute) {
                     self.q.pop_front();

@@ -1,0 +1,285 @@
+//! Admission inside the relay: who is calling, what the policy says, which timeouts the
+//! statement runs with, and the per-statement bookkeeping for statistics.
+//!
+//! A *unit* is the span during which the client holds a backend (one transaction in
+//! transaction mode, one request batch in session mode). The first statement of a unit goes
+//! through full admission (rules, caller rate and concurrency with its queue, breaker), whose
+//! RAII permit is held until the unit ends — so a caller's concurrency is the number of
+//! backends it holds. Later statements of the unit are checked against the fingerprint rules.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::BytesMut;
+use tokio::io::AsyncRead;
+use tokio::time::Instant;
+
+use crate::app;
+use crate::classify::{Classified, StmtKind};
+use crate::observe::stats::Outcome;
+use crate::policy::{AdmitRequest, Refusal};
+use crate::protocol::PgError;
+use crate::protocol::messages;
+
+use super::super::client_alive;
+use super::super::tracker::{Expect, Kind, Mode};
+use super::Relay;
+
+/// A statement waiting for its completion, for per-fingerprint statistics.
+pub(super) struct StmtRecord {
+    class: Arc<Classified>,
+    caller: u16,
+    start: Instant,
+    /// Completed by the client ReadyForQuery with this sequence number.
+    ready_seq: u64,
+}
+
+/// Timeouts a statement must run with.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub(super) struct Timeouts {
+    pub statement: Option<Duration>,
+    pub lock: Option<Duration>,
+}
+
+impl Timeouts {
+    fn is_empty(&self) -> bool {
+        self.statement.is_none() && self.lock.is_none()
+    }
+}
+
+fn refusal_error(r: &Refusal) -> PgError {
+    PgError::error(r.sqlstate, r.message.clone())
+        .with_detail(r.detail.clone())
+        .with_hint(r.hint())
+}
+
+/// SQLSTATEs that say the backend (not the client's SQL) is in trouble: they feed the breaker.
+pub(super) fn is_backend_fault(code: &str) -> bool {
+    code.starts_with("08")
+        || code.starts_with("53")
+        || code.starts_with("57P")
+        || code.starts_with("58")
+        || code.starts_with("XX")
+        || code == "57014"
+}
+
+impl Relay {
+    /// Resolves the caller of a statement: its comment tags first, then the session's
+    /// application_name, user and address.
+    fn resolve_caller(&self, class: &Classified) -> u16 {
+        self.app.callers.load().resolve(
+            &class.tags,
+            self.login.application_name(),
+            &self.login.user,
+            self.peer_ip,
+        )
+    }
+
+    /// Admits one statement (at Query, or at Bind/Parse for the extended protocol).
+    /// `Ok` carries the timeouts it must run with; `Err` is the refusal to send.
+    pub(super) async fn admit<S: AsyncRead + Unpin>(
+        &mut self,
+        class: &Arc<Classified>,
+        client: &mut S,
+    ) -> Result<Timeouts, PgError> {
+        let caller = self.resolve_caller(class);
+        let req = AdmitRequest {
+            caller,
+            fingerprint: class.fingerprint,
+            now: Instant::now(),
+        };
+        let app = self.app.clone();
+        let (statement_override, lock_override, warnings) = if self.admission.is_none() {
+            let fut = app.policy.admit(&req);
+            tokio::pin!(fut);
+            let r = loop {
+                tokio::select! {
+                    r = &mut fut => break r,
+                    alive = client_alive(client, &mut self.cbuf) => {
+                        if !alive {
+                            return Err(PgError::fatal("08006", "client disconnected while queued"));
+                        }
+                    }
+                }
+            };
+            match r {
+                Ok(mut a) => {
+                    let w = std::mem::take(&mut a.warnings);
+                    let o = (a.statement_timeout_override, a.lock_timeout_override);
+                    self.unit_caller = caller;
+                    self.admission = Some(a);
+                    (o.0, o.1, w)
+                }
+                Err(r) => return Err(self.refused(class, caller, &r)),
+            }
+        } else {
+            match app.policy.check_statement(&req).await {
+                Ok(mut a) => {
+                    let w = std::mem::take(&mut a.warnings);
+                    let o = (a.statement_timeout_override, a.lock_timeout_override);
+                    self.stmt_admissions.push(a);
+                    (o.0, o.1, w)
+                }
+                Err(r) => return Err(self.refused(class, caller, &r)),
+            }
+        };
+        for w in warnings {
+            PgError::error("01000", w).encode_notice(&mut self.cout);
+        }
+        let cfg = app.config.load();
+        Ok(Timeouts {
+            statement: statement_override
+                .or_else(|| app::statement_timeout(&cfg, caller, class.kind.as_str())),
+            lock: lock_override.or_else(|| app::lock_timeout(&cfg, caller)),
+        })
+    }
+
+    fn refused(&self, class: &Arc<Classified>, caller: u16, r: &Refusal) -> PgError {
+        let names = self.app.callers.load();
+        self.app.fp_stats.record(
+            class.fingerprint,
+            &class.normalized,
+            class.kind.as_str(),
+            names.name(caller),
+            Duration::ZERO,
+            Outcome::Refused(r.kind.reason()),
+        );
+        refusal_error(r)
+    }
+
+    /// Remembers a statement sent to the backend, to time it when its ReadyForQuery comes.
+    pub(super) fn track_statement(&mut self, class: Arc<Classified>, ready_seq: u64) {
+        if self.pending.len() < 4096 {
+            self.pending.push(StmtRecord {
+                caller: self.resolve_caller(&class),
+                class,
+                start: Instant::now(),
+                ready_seq,
+            });
+        }
+    }
+
+    /// A client ReadyForQuery arrived: records the statements it completes.
+    pub(super) fn statements_done(&mut self) {
+        self.ready_seen += 1;
+        let seen = self.ready_seen;
+        let done = self
+            .pending
+            .iter()
+            .take_while(|r| r.ready_seq <= seen)
+            .count();
+        if done == 0 {
+            self.rows = 0;
+            self.errored = false;
+            return;
+        }
+        let now = Instant::now();
+        let names = self.app.callers.load();
+        let n = done;
+        for (i, r) in self.pending.drain(..done).enumerate() {
+            let outcome = if self.errored {
+                Outcome::Error
+            } else {
+                // Rows go to the last statement of the group (CommandComplete counts).
+                Outcome::Ok {
+                    rows: if i + 1 == n { self.rows } else { 0 },
+                }
+            };
+            self.app.fp_stats.record(
+                r.class.fingerprint,
+                &r.class.normalized,
+                r.class.kind.as_str(),
+                names.name(r.caller),
+                now.saturating_duration_since(r.start),
+                outcome,
+            );
+        }
+        self.rows = 0;
+        self.errored = false;
+    }
+
+    /// The unit is over (backend idle): give back the caller's permit, tell the breaker.
+    pub(super) fn end_unit(&mut self) {
+        if self.admission.take().is_some() {
+            self.app.policy.record_backend_result(!self.unit_fault);
+        }
+        self.stmt_admissions.clear();
+        self.unit_fault = false;
+    }
+
+    /// Injects `timeouts` for the next statement so they apply inside its transaction.
+    /// Simple protocol, outside a transaction block: returns the prefix to put in front of
+    /// the client's query text (they then share one implicit transaction). Inside a block:
+    /// a separate swallowed `SET LOCAL`. Extended protocol: a swallowed `set_config(.., true)`
+    /// through a proxy-named statement and portal, which leaves the client's unnamed
+    /// statement and portal alone.
+    pub(super) fn inject_timeouts(
+        &mut self,
+        t: Timeouts,
+        kind: StmtKind,
+        simple: bool,
+    ) -> Option<String> {
+        if t.is_empty()
+            || !matches!(
+                kind,
+                StmtKind::Read | StmtKind::LockingRead | StmtKind::Write
+            )
+            || self.t.txn == b'E'
+        {
+            return None;
+        }
+        let ms = |d: Duration| format!("{}ms", d.as_millis());
+        if simple {
+            let mut sql = String::new();
+            if let Some(d) = t.statement {
+                sql.push_str(&format!("SET LOCAL statement_timeout = '{}';", ms(d)));
+            }
+            if let Some(d) = t.lock {
+                sql.push_str(&format!("SET LOCAL lock_timeout = '{}';", ms(d)));
+            }
+            if self.t.txn == b'I' {
+                return Some(sql);
+            }
+            messages::query(&mut self.bout, &sql);
+            self.t.push(Expect::new(Kind::Query, Mode::Swallow));
+            return None;
+        }
+        let sql = b"SELECT set_config('statement_timeout', coalesce($1, current_setting('statement_timeout')), true), set_config('lock_timeout', coalesce($2, current_setting('lock_timeout')), true)";
+        let hash = xxhash_rust::xxh3::xxh3_64(sql);
+        let name = crate::pool::prepared::server_name(hash);
+        const STMT: &[u8] = b"_pgsl_timeouts";
+        let conn = self.backend_conn();
+        if !conn.prepared.touch(hash) {
+            if let Some(old) = conn.prepared.insert(hash) {
+                let old = crate::pool::prepared::server_name(old);
+                messages::target(&mut self.bout, b'C', b'S', &old);
+                self.t.push(Expect::new(Kind::Close, Mode::Swallow));
+            }
+            messages::parse_named(&mut self.bout, &name, sql, b"\0\0");
+            let mut e = Expect::new(Kind::Parse, Mode::Swallow);
+            e.stmt = Some(hash);
+            self.t.push(e);
+        }
+        let mut tail = BytesMut::new();
+        tail.extend_from_slice(&0i16.to_be_bytes()); // parameter formats: all text
+        tail.extend_from_slice(&2i16.to_be_bytes());
+        for v in [t.statement, t.lock] {
+            match v {
+                Some(d) => {
+                    let s = ms(d);
+                    tail.extend_from_slice(&(s.len() as i32).to_be_bytes());
+                    tail.extend_from_slice(s.as_bytes());
+                }
+                None => tail.extend_from_slice(&(-1i32).to_be_bytes()),
+            }
+        }
+        tail.extend_from_slice(&0i16.to_be_bytes()); // result formats: all text
+        messages::bind_renamed(&mut self.bout, STMT, &name, &tail);
+        self.t.push(Expect::new(Kind::Bind, Mode::Swallow));
+        messages::raw(&mut self.bout, b'E', &[STMT, b"\0", &0i32.to_be_bytes()]);
+        self.t.push(Expect::new(Kind::Execute, Mode::Swallow));
+        messages::target(&mut self.bout, b'C', b'P', STMT);
+        self.t.push(Expect::new(Kind::Close, Mode::Swallow));
+        None
+    }
+}
