@@ -475,6 +475,87 @@ mod tests {
         assert!(a.normalized.ends_with('…'));
     }
 
+    /// Deterministic mini-fuzz: SQL-ish fragments and raw characters in random order never
+    /// panic, through both lexers, and the same text always gives the same answer.
+    #[test]
+    fn random_inputs_never_panic() {
+        const PIECES: &[&str] = &[
+            "select",
+            "SET",
+            "in",
+            "values",
+            "array",
+            "explain",
+            "with",
+            "as",
+            "for",
+            "update",
+            "set_config",
+            "pg_advisory_lock",
+            "(",
+            ")",
+            "[",
+            "]",
+            ",",
+            ";",
+            ".",
+            "::",
+            "'",
+            "\"",
+            "$",
+            "$$",
+            "$1",
+            "$a$",
+            "e'",
+            "u&'",
+            "/*",
+            "*/",
+            "--",
+            "\n",
+            " ",
+            "-",
+            "+",
+            "=",
+            "<>",
+            "1",
+            "1.5e3",
+            ".5",
+            "é",
+            "→",
+            "\\",
+            "?",
+            "::int",
+            "x",
+            "true",
+            "false",
+            "/*service:a*/",
+            "into",
+            "temp",
+            "@>",
+            "#",
+            "\u{0}",
+        ];
+        let mut state = 0x2545_F491_4F6C_DD1Du64;
+        let mut next = || {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            state
+        };
+        for _ in 0..3000 {
+            let len = (next() % 24) as usize;
+            let sql: String = (0..len)
+                .map(|_| PIECES[(next() % PIECES.len() as u64) as usize])
+                .collect();
+            let a = analyze(&sql, DEFAULT_MAX_TEXT_BYTES);
+            let b = analyze(&sql, sql.len().saturating_sub(1).max(1));
+            let c = analyze(&sql, 3);
+            assert_eq!(a, analyze(&sql, DEFAULT_MAX_TEXT_BYTES), "{sql:?}");
+            assert!(a.normalized.len() <= DISPLAY_MAX_BYTES + 4);
+            let _ = (b, c);
+        }
+    }
+
     #[test]
     fn tags_from_leading_and_trailing_comments() {
         let c = analyze(

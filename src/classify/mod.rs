@@ -2,8 +2,8 @@
 //!
 //! Owns the per-statement analysis that policy and observability key on: the fingerprint
 //! (`fingerprint.rs`, lexing via sqlparser's tokenizer or `scan.rs`, shaping in
-//! `normalize.rs`), the statement kind and session effects (`kind.rs`), comment tags
-//! (`tags.rs`) and caller resolution (`caller.rs`). It knows nothing of sockets, sessions,
+//! `normalize.rs`), the statement kind (`kind.rs`), session effects (`effects.rs`), comment
+//! tags (`tags.rs`) and caller resolution (`caller.rs`). It knows nothing of sockets, sessions,
 //! config files or policy, and imports no other pgsluice module.
 //!
 //! `Classifier` caches one `Arc<Classified>` per distinct statement text:
@@ -30,6 +30,7 @@ use quick_cache::Weighter;
 use quick_cache::sync::Cache;
 
 pub mod caller;
+pub mod effects;
 pub mod fingerprint;
 pub mod kind;
 mod normalize;
@@ -37,10 +38,11 @@ mod scan;
 pub mod tags;
 
 pub use caller::{CallerId, CallerMatcher, CallerRule, Cidr, CidrError, DEFAULT_CALLER_NAME};
+pub use effects::SessionEffect;
 pub use fingerprint::{
     DEFAULT_MAX_TEXT_BYTES, analyze, fingerprint, fingerprint_hex, parse_fingerprint_hex,
 };
-pub use kind::{SessionEffect, StmtKind};
+pub use kind::StmtKind;
 pub use tags::extract_tags;
 
 /// Everything the proxy needs to know about one statement string.

@@ -248,8 +248,37 @@ const DISPLAY_KEYWORDS: &[&str] = &[
     "with",
 ];
 
+/// A word of at most 16 bytes packed big-endian and zero-padded: integer order equals the
+/// strings' byte order, so the sorted keyword list packs into a sorted table and a lookup is a
+/// handful of integer compares instead of string compares (this runs for every word).
+const fn pack(word: &[u8]) -> u128 {
+    let mut v = 0u128;
+    let mut i = 0;
+    while i < 16 {
+        v <<= 8;
+        if i < word.len() {
+            v |= word[i] as u128;
+        }
+        i += 1;
+    }
+    v
+}
+
+const PACKED_KEYWORDS: [u128; DISPLAY_KEYWORDS.len()] = {
+    let mut out = [0u128; DISPLAY_KEYWORDS.len()];
+    let mut i = 0;
+    while i < out.len() {
+        out[i] = pack(DISPLAY_KEYWORDS[i].as_bytes());
+        i += 1;
+    }
+    out
+};
+
 pub(crate) fn is_display_keyword(word: &str) -> bool {
-    DISPLAY_KEYWORDS.binary_search(&word).is_ok()
+    word.len() <= 16
+        && PACKED_KEYWORDS
+            .binary_search(&pack(word.as_bytes()))
+            .is_ok()
 }
 
 /// Collects canonical tokens. Feed it with the `push_*` methods, then read `toks()`, `render`.
@@ -676,6 +705,24 @@ mod tests {
                 .all(|w| w.bytes().all(|b| b.is_ascii_lowercase()))
         );
         assert!(SIGN_CONTEXT_WORDS.windows(2).all(|w| w[0] < w[1]));
+        assert!(PACKED_KEYWORDS.windows(2).all(|w| w[0] < w[1]));
+        assert!(
+            DISPLAY_KEYWORDS
+                .iter()
+                .all(|w| w.len() <= 16 && is_display_keyword(w))
+        );
+        for w in [
+            "id",
+            "status",
+            "name",
+            "users",
+            "selects",
+            "a",
+            "",
+            "transactions",
+        ] {
+            assert!(!is_display_keyword(w), "{w}");
+        }
     }
 
     #[test]
