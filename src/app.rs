@@ -10,7 +10,7 @@ use tokio_util::sync::CancellationToken;
 
 use crate::auth::Credentials;
 use crate::cancel;
-use crate::classify::{CallerMatcher, CallerRule, Classifier, DEFAULT_MAX_TEXT_BYTES};
+use crate::classify::{CallerMatcher, CallerRule, Classified, Classifier, StmtKind};
 use crate::config::{self as cfgmod, Config};
 use crate::observe::stats::FingerprintStats;
 use crate::policy::breaker::BreakerConfig;
@@ -29,12 +29,16 @@ pub struct App {
     pub policy: Policy,
     /// Statement fingerprints, kinds and session effects, cached by text.
     pub classifier: Classifier,
+    /// What `classify.enabled: false` reports for every statement.
+    pub unclassified: Arc<Classified>,
     /// Who is calling: config callers in order, `default` last (ids match the policy's).
     pub callers: ArcSwap<CallerMatcher>,
     /// Per-fingerprint statistics (top-K by total time, the rest aggregated).
     pub fp_stats: FingerprintStats,
     /// Fired on shutdown: stop accepting, finish in-flight work.
     pub shutdown: CancellationToken,
+    /// Fired when the shutdown grace period is over: cancel what still runs.
+    pub force: CancellationToken,
 }
 
 #[derive(Default)]
@@ -54,15 +58,27 @@ impl App {
             .map_err(|e| format!("callers[{}].{}: {}", e.index, e.field, e.message))?;
         Ok(Arc::new(App {
             policy,
-            classifier: Classifier::new(10_000, DEFAULT_MAX_TEXT_BYTES),
+            classifier: Classifier::new(
+                config.classify.cache_entries,
+                config.classify.max_text_bytes,
+            ),
+            unclassified: Arc::new(Classified {
+                fingerprint: 0,
+                normalized: Arc::from(""),
+                kind: StmtKind::Other,
+                effects: Vec::new(),
+                tags: Vec::new(),
+                oversized: false,
+            }),
             callers: ArcSwap::from_pointee(caller_matcher(&config)),
-            fp_stats: FingerprintStats::new(1_000),
+            fp_stats: FingerprintStats::new(config.classify.stats_capacity),
             config: ArcSwap::from_pointee(config),
             creds: ArcSwap::from_pointee(creds),
             pools: Pools::default(),
             cancels: Arc::new(cancel::Registry::default()),
             stats: AppStats::default(),
             shutdown: CancellationToken::new(),
+            force: CancellationToken::new(),
         }))
     }
 

@@ -29,6 +29,7 @@ pub struct Config {
     pub limits: LimitsConfig,
     pub callers: Vec<CallerConfig>,
     pub global_defaults: GlobalDefaults,
+    pub classify: ClassifyConfig,
     pub log: LogConfig,
 }
 
@@ -44,6 +45,7 @@ impl Default for Config {
             limits: LimitsConfig::default(),
             callers: Vec::new(),
             global_defaults: GlobalDefaults::default(),
+            classify: ClassifyConfig::default(),
             log: LogConfig::default(),
         }
     }
@@ -306,9 +308,11 @@ pub struct GlobalDefaults {
 impl Default for GlobalDefaults {
     fn default() -> Self {
         GlobalDefaults {
-            max_concurrency: 120,
-            queue_depth: 1_000,
-            queue_timeout_ms: 300,
+            // Without configured limits pgsluice is a plain pooler: the pool's checkout
+            // timeout is what bounds waiting.
+            max_concurrency: 10_000,
+            queue_depth: 10_000,
+            queue_timeout_ms: 5_000,
             statement_timeout_ms: None,
             lock_timeout_ms: None,
             circuit_breaker: BreakerConfig::default(),
@@ -336,6 +340,31 @@ impl Default for BreakerConfig {
             probe_interval_ms: 1_000,
             consecutive_errors: 5,
             open_ms: 5_000,
+        }
+    }
+}
+
+/// Statement classification (fingerprint, kind, tags, session effects).
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct ClassifyConfig {
+    /// Off: no fingerprints, tags or session-state handling (for A/B measurements only).
+    pub enabled: bool,
+    /// Distinct statement texts kept in the classification cache.
+    pub cache_entries: usize,
+    /// Texts longer than this are read by the cheaper byte scanner.
+    pub max_text_bytes: usize,
+    /// Fingerprints kept with full statistics (the rest are aggregated as "other").
+    pub stats_capacity: usize,
+}
+
+impl Default for ClassifyConfig {
+    fn default() -> Self {
+        ClassifyConfig {
+            enabled: true,
+            cache_entries: 10_000,
+            max_text_bytes: 64 * 1024,
+            stats_capacity: 1_000,
         }
     }
 }

@@ -321,6 +321,12 @@ impl Config {
                 p.add(format!("callers[{i}].match.client_cidr"), e);
             }
         }
+        if self.classify.max_text_bytes == 0 {
+            p.add("classify.max_text_bytes".into(), "must be > 0");
+        }
+        if self.classify.stats_capacity == 0 {
+            p.add("classify.stats_capacity".into(), "must be > 0");
+        }
         let b = &self.global_defaults.circuit_breaker;
         if let Some(t) = b.db_cpu_threshold_percent
             && !(0.0..=100.0).contains(&t)

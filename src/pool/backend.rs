@@ -66,6 +66,8 @@ pub struct BackendConn {
     pub applied: Vec<(String, String)>,
     /// Protocol-level statements prepared here under proxy-chosen names.
     pub prepared: PreparedCache,
+    /// Statements Postgres refused to reuse (result type changed): closed before re-Parse.
+    pub stale: Vec<u64>,
     /// Session state a client left behind; reset (or discard) before the next client.
     pub dirty: Dirt,
     pub created: Instant,
@@ -306,6 +308,7 @@ impl BackendConn {
             server_params,
             applied: Vec::new(),
             prepared: PreparedCache::new(cache_size),
+            stale: Vec::new(),
             dirty: Dirt::default(),
             created: now,
             expires: now + Duration::from_secs(3600),

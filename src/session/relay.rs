@@ -42,6 +42,7 @@ struct Stmt {
 }
 
 mod admission;
+mod retry;
 
 use admission::Timeouts;
 
@@ -75,8 +76,16 @@ pub struct Relay {
     /// Re-read the backend's session settings once the current transaction ends.
     capture_needed: bool,
     captured: Vec<(String, String)>,
+    /// A batch kept for one replay after 0A000 "cached plan must not change result type".
+    retry: Option<retry::Retry>,
+    /// The proxy's own deadline for the running statement (its statement_timeout + grace).
+    backstop: Option<Instant>,
+    /// Graceful shutdown: leave at the next point between transactions.
+    draining: bool,
     /// Classification of the unnamed prepared statement.
     unnamed_class: Option<Arc<Classified>>,
+    /// `classify.enabled` when the session started.
+    classify_on: bool,
     /// Client address, for caller matching by CIDR.
     peer_ip: Option<std::net::IpAddr>,
     /// Admission of the current unit (caller permit held while the backend is).
@@ -109,6 +118,19 @@ async fn read_backend(b: &mut Option<Pooled>, buf: &mut BytesMut) -> std::io::Re
 enum Event {
     Client(std::io::Result<usize>),
     Backend(std::io::Result<usize>),
+    /// The proxy's own deadline for a statement passed: cancel it on the server.
+    Backstop,
+    /// Graceful shutdown began: finish the current transaction, then leave.
+    Shutdown,
+    /// The shutdown grace period is over: cancel what runs and leave now.
+    Force,
+}
+
+async fn sleep_until_opt(t: Option<Instant>) {
+    match t {
+        Some(t) => tokio::time::sleep_until(t).await,
+        None => std::future::pending().await,
+    }
 }
 
 impl Relay {
@@ -121,6 +143,7 @@ impl Relay {
         peer: std::net::SocketAddr,
     ) -> Relay {
         let mode = pool_mode(&pool);
+        let classify_on = app.config.load().classify.enabled;
         Relay {
             app,
             pool,
@@ -143,7 +166,11 @@ impl Relay {
             capture_needed: false,
             captured: Vec::new(),
             unnamed_class: None,
+            retry: None,
+            backstop: None,
+            draining: false,
             peer_ip: Some(peer.ip()),
+            classify_on,
             admission: None,
             stmt_admissions: Vec::new(),
             unit_caller: 0,
@@ -168,11 +195,16 @@ impl Relay {
             return end;
         }
         loop {
+            let app = self.app.clone();
+            let (backstop, draining) = (self.backstop, self.draining);
             let ev = {
                 let (cbuf, rbuf, backend) = (&mut self.cbuf, &mut self.rbuf, &mut self.backend);
                 tokio::select! {
                     r = client.read_buf(cbuf) => Event::Client(r),
                     r = read_backend(backend, rbuf) => Event::Backend(r),
+                    _ = sleep_until_opt(backstop) => Event::Backstop,
+                    _ = app.shutdown.cancelled(), if !draining => Event::Shutdown,
+                    _ = app.force.cancelled(), if draining => Event::Force,
                 }
             };
             let r = match ev {
@@ -180,6 +212,21 @@ impl Relay {
                 Event::Client(Ok(_)) => self.on_client_data(client).await,
                 Event::Backend(Ok(0)) | Event::Backend(Err(_)) => return self.backend_gone(),
                 Event::Backend(Ok(_)) => self.on_backend_data(client).await,
+                Event::Backstop => {
+                    self.backstop = None;
+                    self.cancel_backend_query(
+                        "statement ran past its timeout and the proxy's backstop",
+                    );
+                    Ok(())
+                }
+                Event::Shutdown => {
+                    self.draining = true;
+                    self.maybe_release().await
+                }
+                Event::Force => {
+                    self.cancel_backend_query("shutdown grace period over");
+                    return End::Error(PgError::shutting_down());
+                }
             };
             if let Err(end) = r {
                 return end;
@@ -266,6 +313,7 @@ impl Relay {
             }
             _ => {}
         }
+        self.retry_record(tag, &frame);
         match tag {
             b'Q' => return self.on_query(frame, &body, client).await,
             b'P' => return self.on_parse(frame, &body, client).await,
@@ -330,6 +378,7 @@ impl Relay {
             return self.refuse_statement(b'Q', e);
         }
         let prefix = self.inject_timeouts(timeouts, class.kind, true);
+        self.arm_backstop(timeouts);
         let mut e = Expect::new(Kind::Query, Mode::Forward);
         match prefix {
             Some(p) => {
@@ -392,6 +441,12 @@ impl Relay {
 
     /// Sends a Parse of statement `hash` under its proxy name (evicting the LRU one if full).
     fn prepare_on_backend(&mut self, hash: u64, query: &[u8], types: &[u8], mode: Mode) {
+        let conn = self.backend_conn();
+        if let Some(i) = conn.stale.iter().position(|h| *h == hash) {
+            conn.stale.swap_remove(i);
+            messages::target(&mut self.bout, b'C', b'S', &server_name(hash));
+            self.t.push(Expect::new(Kind::Close, Mode::Swallow));
+        }
         if let Some(old) = self.backend_conn().prepared.insert(hash) {
             messages::target(&mut self.bout, b'C', b'S', &server_name(old));
             self.t.push(Expect::new(Kind::Close, Mode::Swallow));
@@ -449,11 +504,17 @@ impl Relay {
                 return self.refuse_statement(b'B', e);
             }
             self.inject_timeouts(timeouts, class.kind, false);
+            self.arm_backstop(timeouts);
             self.track_statement(class.clone(), self.ready_sent + 1);
+        }
+        if let Some(hash) = self.stmts.get(stmt).map(|s| s.hash) {
+            self.retry_start(hash, &frame);
         }
         // An injected Parse (if any) goes before the Bind, and so does its expectation.
         let server = self.ensure_prepared(stmt);
-        self.t.push(Expect::new(Kind::Bind, Mode::Forward));
+        let mut e = Expect::new(Kind::Bind, Mode::Forward);
+        e.target = self.stmts.get(stmt).map(|s| s.hash);
+        self.t.push(e);
         match server {
             Some(server) => messages::bind_renamed(&mut self.bout, portal, &server, tail),
             // Unnamed, or unknown to us: Postgres gives the client the right error.
@@ -468,7 +529,9 @@ impl Relay {
         match (tag, kind) {
             (b'D', b'S') => {
                 let server = self.ensure_prepared(name);
-                self.t.push(Expect::new(Kind::DescribeStmt, Mode::Forward));
+                let mut e = Expect::new(Kind::DescribeStmt, Mode::Forward);
+                e.target = self.stmts.get(name).map(|s| s.hash);
+                self.t.push(e);
                 match server {
                     Some(server) => messages::target(&mut self.bout, b'D', b'S', &server),
                     None => self.bout.extend_from_slice(&frame),
@@ -494,6 +557,9 @@ impl Relay {
 
     /// Fingerprint, kind and session effects of a statement text (cached by text).
     fn classify(&self, sql: &[u8]) -> Arc<Classified> {
+        if !self.classify_on {
+            return self.app.unclassified.clone();
+        }
         match std::str::from_utf8(sql) {
             Ok(s) => self.app.classifier.classify(s),
             // Non-UTF-8 client encodings: classify a lossy copy; the bytes sent stay the client's.
@@ -654,7 +720,18 @@ impl Relay {
             }
             let frame = self.rbuf.split_to(h.total);
             let body = &frame[framing::HEADER_LEN..];
+            if h.tag == b'E' {
+                self.note_stale_plan(body);
+            }
+            let swallow = self.retry.is_some() && self.retry_filter(h.tag, body);
             let step = self.t.on_backend(h.tag, body.first().copied());
+            if swallow {
+                if h.tag == b'Z' {
+                    self.retry_replay();
+                    self.flush_backend().await?;
+                }
+                continue;
+            }
             if h.tag == b'E' && matches!(field_of(body, b'S'), Some("FATAL" | "PANIC")) {
                 self.backend_fatal = true;
             }
@@ -713,6 +790,21 @@ impl Relay {
         self.maybe_release().await
     }
 
+    /// Postgres refused a cached statement whose result type changed: forget it here, so the
+    /// next use closes and re-prepares it.
+    fn note_stale_plan(&mut self, body: &[u8]) {
+        let stale = crate::protocol::error::sqlstate_of(body) == Some("0A000")
+            && field_of(body, b'M')
+                .is_some_and(|m| m.contains("cached plan must not change result type"));
+        if let (true, Some(hash)) = (stale, self.t.head_target()) {
+            let conn = self.backend_conn();
+            conn.prepared.remove(hash);
+            if !conn.stale.contains(&hash) {
+                conn.stale.push(hash);
+            }
+        }
+    }
+
     /// A query the proxy injected (settings re-apply or capture) failed: tell the client as
     /// a warning, and never reuse this backend, whose session state is now uncertain.
     fn injected_failed(&mut self, body: &[u8]) {
@@ -762,7 +854,7 @@ impl Relay {
         }
         if self.backend.is_none() {
             self.end_unit();
-            return Ok(());
+            return self.leave_if_draining();
         }
         let pooled = self.mode == PoolMode::Transaction && !self.pinned;
         if pooled && self.capture_needed {
@@ -774,13 +866,42 @@ impl Relay {
         }
         self.end_unit();
         if !pooled {
-            return Ok(());
+            return self.leave_if_draining();
         }
         set_cancel_target(&self.cancel, None).await;
         if let Some(b) = self.backend.take() {
             b.release().await;
         }
-        Ok(())
+        self.leave_if_draining()
+    }
+
+    /// During a graceful shutdown a client leaves as soon as it is between transactions.
+    fn leave_if_draining(&self) -> Result<(), End> {
+        if self.draining {
+            Err(End::Error(PgError::shutting_down()))
+        } else {
+            Ok(())
+        }
+    }
+
+    /// Sends a CancelRequest for whatever runs on our backend (no-op when nothing does).
+    fn cancel_backend_query(&mut self, why: &'static str) {
+        if !self.t.in_flight() {
+            return;
+        }
+        let Some(b) = self.backend.as_mut() else {
+            return;
+        };
+        let c = b.conn();
+        let t = cancel::Target {
+            addr: c.addr,
+            pid: c.pid,
+            secret: c.secret.clone(),
+        };
+        tracing::warn!(pool = %self.pool.name, pid = c.pid, why, "cancelling the server query");
+        tokio::spawn(async move {
+            let _ = tokio::time::timeout(Duration::from_secs(5), cancel::send(&t)).await;
+        });
     }
 
     /// The backend closed or failed under us.

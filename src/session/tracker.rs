@@ -51,6 +51,8 @@ pub struct Expect {
     pub mode: Mode,
     /// For a Parse of a proxy-named statement: its hash, forgotten again if the Parse fails.
     pub stmt: Option<u64>,
+    /// For a Bind/Describe of a proxy-named statement: its hash (invalidated on 0A000).
+    pub target: Option<u64>,
     /// For a Query we prefixed with `SET LOCAL`s: their CommandCompletes to drop…
     pub skip_complete: u8,
     /// …and how many characters to take off error positions.
@@ -63,6 +65,7 @@ impl Expect {
             kind,
             mode,
             stmt: None,
+            target: None,
             skip_complete: 0,
             pos_shift: 0,
         }
@@ -154,6 +157,11 @@ impl Tracker {
         self.q.front().is_some_and(|e| e.mode == Mode::Capture)
     }
 
+    /// The proxy-named statement the oldest outstanding request uses, if any.
+    pub fn head_target(&self) -> Option<u64> {
+        self.q.front().and_then(|e| e.target)
+    }
+
     fn head(&self) -> Option<Expect> {
         self.q.front().copied()
     }
@@ -236,7 +244,21 @@ impl Tracker {
                     self.q.pop_front();
                 }
             }
-            b'G' | b'W' => self.copy_in = true,
+            b'G' | b'W' => {
+                self.copy_in = true;
+                // Postgres ignores Sync and Flush while in COPY FROM STDIN: Syncs the client
+                // pipelined behind the Execute that started the copy get no ReadyForQuery.
+                if head.map(|h| h.kind) == Some(Kind::Execute) {
+                    let mut i = 1;
+                    while i < self.q.len() {
+                        if self.q[i].kind == Kind::Sync && self.q[i].mode == Mode::Forward {
+                            self.q.remove(i);
+                        } else {
+                            i += 1;
+                        }
+                    }
+                }
+            }
             b'D' => step.capture_row = head_mode == Mode::Capture,
             // Notifications belong to the client whatever it is waiting for.
             b'A' => step.forward = true,
@@ -312,6 +334,20 @@ mod tests {
         assert!(!z.forward && z.injected_done);
         assert!(t.on_backend(b'E', None).forward);
         assert!(t.on_backend(b'Z', Some(b'I')).forward);
+        assert!(t.idle());
+    }
+
+    #[test]
+    fn syncs_pipelined_into_copy_in_are_ignored() {
+        let mut t = Tracker::default();
+        for k in [Kind::Bind, Kind::Execute, Kind::Sync] {
+            t.push(fwd(k));
+        }
+        t.on_backend(b'2', None);
+        t.on_backend(b'G', None);
+        t.push(fwd(Kind::Sync));
+        t.on_backend(b'C', None);
+        t.on_backend(b'Z', Some(b'I'));
         assert!(t.idle());
     }
 

@@ -198,8 +198,18 @@ impl Relay {
         self.errored = false;
     }
 
+    /// Arms the proxy's own deadline for a statement with a statement timeout: if Postgres
+    /// has not stopped it a second after the timeout, the relay sends a real cancel.
+    pub(super) fn arm_backstop(&mut self, t: Timeouts) {
+        if let Some(d) = t.statement {
+            let at = Instant::now() + d + Duration::from_secs(1);
+            self.backstop = Some(self.backstop.map_or(at, |b| b.max(at)));
+        }
+    }
+
     /// The unit is over (backend idle): give back the caller's permit, tell the breaker.
     pub(super) fn end_unit(&mut self) {
+        self.backstop = None;
         if self.admission.take().is_some() {
             self.app.policy.record_backend_result(!self.unit_fault);
         }

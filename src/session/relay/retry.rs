@@ -1,0 +1,157 @@
+//! Transparent re-prepare after DDL: Postgres answers a cached statement whose result type
+//! changed with 0A000 "cached plan must not change result type". When that happens to a batch
+//! that started with the Bind of a named statement outside a transaction block (so nothing
+//! ran and nothing is aborted), the proxy hides the error, re-prepares the statement and
+//! replays the batch once — but only when the batch itself carries a Describe, so the client
+//! learns the new row shape along with the rows. A driver relying on a description from an
+//! earlier round trip (tokio-postgres, pgx) gets the 0A000 as Postgres sends it, because rows
+//! of a shape it did not ask for would be worse than the error.
+
+use bytes::Bytes;
+
+use crate::protocol::error::{field_of, sqlstate_of};
+use crate::protocol::framing;
+use crate::protocol::messages;
+
+use super::super::tracker::{Expect, Kind, Mode};
+use super::Relay;
+
+/// Most bytes of a batch we keep for a replay.
+const MAX_RETRY_BYTES: usize = 64 * 1024;
+
+/// A batch recorded for one possible replay.
+#[derive(Default)]
+pub(super) struct Retry {
+    /// Client frames from the Bind through the Sync.
+    frames: Vec<Bytes>,
+    bytes: usize,
+    /// Recording until the Sync.
+    recording: bool,
+    /// The error arrived: swallow replies until the batch's ReadyForQuery, then replay.
+    armed: bool,
+    /// Rows or other results already reached the client: no replay.
+    spoiled: bool,
+    /// The statement to re-prepare.
+    hash: u64,
+}
+
+impl Relay {
+    /// A Bind of a named statement opening a fresh batch: start recording.
+    pub(super) fn retry_start(&mut self, hash: u64, frame: &Bytes) {
+        if self.t.txn != b'I' || self.t.in_flight() {
+            self.retry = None;
+            return;
+        }
+        self.retry = Some(Retry {
+            frames: vec![frame.clone()],
+            bytes: frame.len(),
+            recording: true,
+            hash,
+            ..Retry::default()
+        });
+    }
+
+    /// Records a client frame of the batch (only Describe/Execute/Flush/Sync qualify).
+    pub(super) fn retry_record(&mut self, tag: u8, frame: &Bytes) {
+        let Some(r) = self.retry.as_mut() else { return };
+        if !r.recording {
+            return;
+        }
+        if !matches!(tag, b'D' | b'E' | b'H' | b'S') || r.bytes + frame.len() > MAX_RETRY_BYTES {
+            self.retry = None;
+            return;
+        }
+        r.bytes += frame.len();
+        r.frames.push(frame.clone());
+        if tag == b'S' {
+            r.recording = false;
+        }
+    }
+
+    /// Looks at a backend message for the retry: `true` = swallow it.
+    pub(super) fn retry_filter(&mut self, tag: u8, body: &[u8]) -> bool {
+        let Some(r) = self.retry.as_mut() else {
+            return false;
+        };
+        if r.armed {
+            return true;
+        }
+        match tag {
+            b'E' if !r.spoiled
+                && !r.recording
+                && r.frames.iter().any(|f| f.first() == Some(&b'D'))
+                && sqlstate_of(body) == Some("0A000")
+                && field_of(body, b'M')
+                    .is_some_and(|m| m.contains("cached plan must not change result type")) =>
+            {
+                r.armed = true;
+                true
+            }
+            b'1' | b'2' | b'3' | b'N' | b'S' => false,
+            b'Z' => {
+                self.retry = None;
+                false
+            }
+            _ => {
+                r.spoiled = true;
+                false
+            }
+        }
+    }
+
+    /// The swallowed batch is over: re-prepare the statement and send the batch again.
+    pub(super) fn retry_replay(&mut self) {
+        let Some(r) = self.retry.take() else { return };
+        tracing::debug!(statement = %format_args!("{:016x}", r.hash), "re-preparing after a result type change");
+        // `note_stale_plan` already forgot the statement; make sure, then re-prepare below.
+        let conn = self.backend_conn();
+        conn.prepared.remove(r.hash);
+        if !conn.stale.contains(&r.hash) {
+            conn.stale.push(r.hash);
+        }
+        for f in r.frames {
+            let tag = f[0];
+            let body = f.slice(framing::HEADER_LEN..);
+            match tag {
+                b'B' => {
+                    let Some((portal, stmt, tail)) = messages::bind_body(&body) else {
+                        continue;
+                    };
+                    let server = self.ensure_prepared(stmt);
+                    self.t.push(Expect::new(Kind::Bind, Mode::Forward));
+                    match server {
+                        Some(s) => messages::bind_renamed(&mut self.bout, portal, &s, tail),
+                        None => self.bout.extend_from_slice(&f),
+                    }
+                }
+                b'D' => {
+                    let Some((kind, name)) = messages::target_body(&body) else {
+                        continue;
+                    };
+                    if kind == b'S' {
+                        let server = self.ensure_prepared(name);
+                        self.t.push(Expect::new(Kind::DescribeStmt, Mode::Forward));
+                        match server {
+                            Some(s) => messages::target(&mut self.bout, b'D', b'S', &s),
+                            None => self.bout.extend_from_slice(&f),
+                        }
+                    } else {
+                        self.t
+                            .push(Expect::new(Kind::DescribePortal, Mode::Forward));
+                        self.bout.extend_from_slice(&f);
+                    }
+                }
+                b'E' => {
+                    self.t.push(Expect::new(Kind::Execute, Mode::Forward));
+                    self.bout.extend_from_slice(&f);
+                }
+                b'S' => {
+                    // The original Sync's ReadyForQuery was swallowed: same count.
+                    self.t.push(Expect::new(Kind::Sync, Mode::Forward));
+                    self.bout.extend_from_slice(&f);
+                }
+                _ => self.bout.extend_from_slice(&f),
+            }
+        }
+    }
+}

@@ -1,0 +1,407 @@
+//! Spawning `pgsluice` in front of a test cluster, and connecting real clients to it.
+//!
+//! The proxy is started with `--listen 127.0.0.1:0 --admin-listen 127.0.0.1:0 --backend
+//! postgres://app:secret@127.0.0.1:PGPORT/appdb --pool-size N --pool-mode MODE [--config F]`
+//! and reports its ports on stdout (`pgsluice listening on ADDR`, `pgsluice admin listening on
+//! ADDR`). Its stderr (the logs) is forwarded line by line to the test's stderr, which the test
+//! runner shows for failing tests, and the tail is kept for startup-failure messages.
+//!
+//! With `PGSLUICE_TEST_DIRECT=1` no proxy is spawned: [`Proxy::start`] returns a handle whose
+//! address is PostgreSQL's own. That mode exists to validate the tests themselves against the
+//! reference behaviour; tests skip (and say so) the assertions that only a pooler can satisfy.
+
+use std::io::{BufRead, BufReader};
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::sync::mpsc;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use tokio::sync::mpsc as tokio_mpsc;
+use tokio::task::JoinHandle;
+use tokio_postgres::{AsyncMessage, Client, Config, NoTls};
+
+use super::pg::{APP_DB, APP_PASSWORD, APP_USER, Cluster};
+use super::{Watchdog, direct_mode, within};
+
+/// How long the proxy may take to print its listening line.
+const STARTUP_TIMEOUT: Duration = Duration::from_secs(20);
+/// How long any single client connect may take.
+pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(15);
+/// How many stderr lines to keep for failure messages.
+const STDERR_TAIL_LINES: usize = 200;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum PoolMode {
+    Transaction,
+    Session,
+}
+
+impl PoolMode {
+    fn as_arg(self) -> &'static str {
+        match self {
+            PoolMode::Transaction => "transaction",
+            PoolMode::Session => "session",
+        }
+    }
+}
+
+/// How to start the proxy. `ProxyOptions::pool(10)` is transaction mode with 10 backends.
+#[derive(Clone, Debug)]
+pub struct ProxyOptions {
+    pub pool_size: usize,
+    pub pool_mode: PoolMode,
+    pub config: Option<PathBuf>,
+    pub extra_args: Vec<String>,
+}
+
+impl ProxyOptions {
+    pub fn pool(pool_size: usize) -> ProxyOptions {
+        ProxyOptions {
+            pool_size,
+            pool_mode: PoolMode::Transaction,
+            config: None,
+            extra_args: Vec::new(),
+        }
+    }
+
+    pub fn session(mut self) -> ProxyOptions {
+        self.pool_mode = PoolMode::Session;
+        self
+    }
+
+    pub fn config_file(mut self, path: impl Into<PathBuf>) -> ProxyOptions {
+        self.config = Some(path.into());
+        self
+    }
+
+    pub fn arg(mut self, arg: impl Into<String>) -> ProxyOptions {
+        self.extra_args.push(arg.into());
+        self
+    }
+}
+
+/// A running proxy (or, in direct mode, a stand-in pointing at PostgreSQL). Killed on drop.
+pub struct Proxy {
+    child: Option<Child>,
+    addr: SocketAddr,
+    admin_addr: Arc<Mutex<Option<SocketAddr>>>,
+    options: ProxyOptions,
+    stderr_tail: Arc<Mutex<Vec<String>>>,
+    watchdog: Option<Watchdog>,
+}
+
+impl Proxy {
+    /// Starts the proxy in front of `cluster` and waits until it listens; panics (with the
+    /// proxy's stderr) if it does not within 20 s.
+    pub fn start(cluster: &Cluster, options: ProxyOptions) -> Proxy {
+        if direct_mode() {
+            eprintln!(
+                "PGSLUICE_TEST_DIRECT=1: clients connect to PostgreSQL at {} directly",
+                cluster.addr()
+            );
+            return Proxy {
+                child: None,
+                addr: cluster.addr(),
+                admin_addr: Arc::new(Mutex::new(None)),
+                options,
+                stderr_tail: Arc::new(Mutex::new(Vec::new())),
+                watchdog: None,
+            };
+        }
+        let backend = format!(
+            "postgres://{APP_USER}:{APP_PASSWORD}@127.0.0.1:{}/{APP_DB}",
+            cluster.port()
+        );
+        let mut cmd = Command::new(env!("CARGO_BIN_EXE_pgsluice"));
+        cmd.args([
+            "--listen",
+            "127.0.0.1:0",
+            "--admin-listen",
+            "127.0.0.1:0",
+            "--backend",
+            &backend,
+        ])
+        .args([
+            "--pool-size",
+            &options.pool_size.to_string(),
+            "--pool-mode",
+            options.pool_mode.as_arg(),
+        ]);
+        if let Some(config) = &options.config {
+            cmd.arg("--config").arg(config);
+        }
+        cmd.args(&options.extra_args)
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped());
+        let shown = format!("{cmd:?}");
+        let mut child = cmd
+            .spawn()
+            .unwrap_or_else(|e| panic!("cannot spawn {shown}: {e}"));
+        let watchdog = Watchdog::spawn(
+            "kill -KILL \"$ARG1\"",
+            &[child.id().to_string().as_ref()],
+            None,
+        );
+
+        let stderr_tail = Arc::new(Mutex::new(Vec::new()));
+        let stderr = child.stderr.take().expect("piped stderr");
+        let tail = Arc::clone(&stderr_tail);
+        std::thread::spawn(move || {
+            for line in BufReader::new(stderr).lines() {
+                let Ok(line) = line else { break };
+                eprintln!("[pgsluice] {line}");
+                let mut tail = tail.lock().expect("stderr tail lock");
+                if tail.len() == STDERR_TAIL_LINES {
+                    tail.remove(0);
+                }
+                tail.push(line);
+            }
+        });
+
+        let admin_addr = Arc::new(Mutex::new(None));
+        let (listening_tx, listening_rx) = mpsc::channel();
+        let stdout = child.stdout.take().expect("piped stdout");
+        let admin = Arc::clone(&admin_addr);
+        std::thread::spawn(move || {
+            for line in BufReader::new(stdout).lines() {
+                let Ok(line) = line else { break };
+                eprintln!("[pgsluice stdout] {line}");
+                if let Some(rest) = line.trim().strip_prefix("pgsluice admin listening on ") {
+                    *admin.lock().expect("admin addr lock") = rest.trim().parse().ok();
+                } else if let Some(rest) = line.trim().strip_prefix("pgsluice listening on ") {
+                    let _ = listening_tx.send(rest.trim().to_string());
+                }
+            }
+        });
+
+        let deadline = Instant::now() + STARTUP_TIMEOUT;
+        let addr = loop {
+            match listening_rx.recv_timeout(Duration::from_millis(50)) {
+                Ok(text) => match text.parse::<SocketAddr>() {
+                    Ok(addr) => break addr,
+                    Err(e) => {
+                        let _ = child.kill();
+                        panic!(
+                            "pgsluice printed an unparsable listen address {text:?}: {e}\n{}",
+                            tail_text(&stderr_tail)
+                        );
+                    }
+                },
+                Err(mpsc::RecvTimeoutError::Timeout) => {}
+                Err(mpsc::RecvTimeoutError::Disconnected) => {
+                    // stdout closed without the line: the process is exiting or closed stdout.
+                    std::thread::sleep(Duration::from_millis(200));
+                }
+            }
+            if let Some(status) = child.try_wait().expect("try_wait pgsluice") {
+                std::thread::sleep(Duration::from_millis(100)); // let the stderr thread finish
+                panic!(
+                    "pgsluice exited ({status}) before printing `pgsluice listening on ADDR`\n\
+                     command: {shown}\n--- pgsluice stderr (tail) ---\n{}",
+                    tail_text(&stderr_tail)
+                );
+            }
+            if Instant::now() >= deadline {
+                let _ = child.kill();
+                let _ = child.wait();
+                panic!(
+                    "pgsluice did not print `pgsluice listening on ADDR` within {STARTUP_TIMEOUT:?}\n\
+                     command: {shown}\n--- pgsluice stderr (tail) ---\n{}",
+                    tail_text(&stderr_tail)
+                );
+            }
+        };
+        Proxy {
+            child: Some(child),
+            addr,
+            admin_addr,
+            options,
+            stderr_tail,
+            watchdog: Some(watchdog),
+        }
+    }
+
+    /// True when no proxy runs and clients talk to PostgreSQL directly.
+    pub fn is_direct(&self) -> bool {
+        self.child.is_none()
+    }
+
+    pub fn addr(&self) -> SocketAddr {
+        self.addr
+    }
+
+    /// The admin listener's address, if the proxy printed it.
+    pub fn admin_addr(&self) -> Option<SocketAddr> {
+        *self.admin_addr.lock().expect("admin addr lock")
+    }
+
+    pub fn pool_size(&self) -> usize {
+        self.options.pool_size
+    }
+
+    pub fn pid(&self) -> Option<u32> {
+        self.child.as_ref().map(Child::id)
+    }
+
+    /// The proxy's recent stderr lines, for assertion messages.
+    pub fn stderr_tail(&self) -> String {
+        tail_text(&self.stderr_tail)
+    }
+
+    /// A libpq-style connection string to the proxy.
+    pub fn connect_str(&self, user: &str, password: &str, db: &str) -> String {
+        format!(
+            "host={} port={} user={user} password={password} dbname={db} connect_timeout=10",
+            self.addr.ip(),
+            self.addr.port()
+        )
+    }
+
+    /// A tokio-postgres config for the proxy; tweak it (application_name, …) before connecting.
+    pub fn config(&self, user: &str, password: &str, db: &str) -> Config {
+        let mut config = Config::new();
+        config
+            .host(self.addr.ip().to_string())
+            .port(self.addr.port())
+            .user(user)
+            .password(password)
+            .dbname(db)
+            .connect_timeout(Duration::from_secs(10));
+        config
+    }
+
+    /// The standard application login (`app`/`secret`, database `appdb`).
+    pub fn app_config(&self) -> Config {
+        self.config(APP_USER, APP_PASSWORD, APP_DB)
+    }
+
+    /// Connects as `app` to `appdb`; the connection task runs detached until the client drops.
+    pub async fn client(&self) -> Client {
+        self.client_with(&self.app_config()).await.0
+    }
+
+    /// Connects with `config`, panicking on failure; returns the connection task's handle
+    /// (abort it to make the client vanish without a Terminate message).
+    pub async fn client_with(&self, config: &Config) -> (Client, JoinHandle<()>) {
+        self.try_client_with(config)
+            .await
+            .unwrap_or_else(|e| panic!("connect to {} failed: {e:?}", self.addr))
+    }
+
+    /// Like [`Proxy::client_with`] but returns the connect error (for auth tests).
+    pub async fn try_client_with(
+        &self,
+        config: &Config,
+    ) -> Result<(Client, JoinHandle<()>), tokio_postgres::Error> {
+        let (client, connection) = within(
+            CONNECT_TIMEOUT,
+            "connecting a client",
+            config.connect(NoTls),
+        )
+        .await?;
+        let task = tokio::spawn(async move {
+            // Connection errors are expected in fault tests; the client side sees them.
+            let _ = connection.await;
+        });
+        Ok((client, task))
+    }
+
+    /// Connects with `config` and forwards the connection's asynchronous messages (notices,
+    /// notifications) to the returned channel; the plain connection future drops them.
+    pub async fn client_with_messages(
+        &self,
+        config: &Config,
+    ) -> (
+        Client,
+        tokio_mpsc::UnboundedReceiver<AsyncMessage>,
+        JoinHandle<()>,
+    ) {
+        let (client, mut connection) = within(
+            CONNECT_TIMEOUT,
+            "connecting a client",
+            config.connect(NoTls),
+        )
+        .await
+        .unwrap_or_else(|e| panic!("connect to {} failed: {e:?}", self.addr));
+        let (tx, rx) = tokio_mpsc::unbounded_channel();
+        let task = tokio::spawn(async move {
+            while let Some(Ok(message)) =
+                std::future::poll_fn(|cx| connection.poll_message(cx)).await
+            {
+                // A dropped receiver is fine: keep driving the connection for the client.
+                let _ = tx.send(message);
+            }
+        });
+        (client, rx, task)
+    }
+
+    /// The universal oracle of TESTS.md: a fresh client can connect and `SELECT 1`.
+    pub async fn assert_healthy(&self) {
+        let client = self.client().await;
+        let rows = within(
+            Duration::from_secs(10),
+            "SELECT 1 on a fresh client",
+            client.simple_query("SELECT 1"),
+        )
+        .await
+        .unwrap_or_else(|e| {
+            panic!(
+                "a fresh client cannot SELECT 1: {e:?}\n{}",
+                self.stderr_tail()
+            )
+        });
+        assert!(
+            rows.iter().any(
+                |m| matches!(m, tokio_postgres::SimpleQueryMessage::Row(r) if r.get(0) == Some("1"))
+            ),
+            "SELECT 1 on a fresh client returned no row 1"
+        );
+    }
+
+    /// A client tool (`psql`, `pgbench`) aimed at the proxy through libpq environment variables.
+    pub fn tool_command(&self, bin: &str, user: &str, password: &str, db: &str) -> Command {
+        Cluster::tool_command(bin, self.addr, user, password, db)
+    }
+
+    /// Sends SIGTERM (graceful shutdown) to the proxy. No-op in direct mode.
+    pub fn sigterm(&self) {
+        if let Some(pid) = self.pid() {
+            let _ = Command::new("kill")
+                .arg("-TERM")
+                .arg(pid.to_string())
+                .status();
+        }
+    }
+
+    /// Waits up to `limit` for the proxy to exit; `None` if it is still running (or direct).
+    pub fn wait_exit(&mut self, limit: Duration) -> Option<ExitStatus> {
+        let child = self.child.as_mut()?;
+        let deadline = Instant::now() + limit;
+        loop {
+            if let Some(status) = child.try_wait().expect("try_wait pgsluice") {
+                return Some(status);
+            }
+            if Instant::now() >= deadline {
+                return None;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+}
+
+impl Drop for Proxy {
+    fn drop(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+        drop(self.watchdog.take());
+    }
+}
+
+fn tail_text(tail: &Mutex<Vec<String>>) -> String {
+    tail.lock().map(|t| t.join("\n")).unwrap_or_default()
+}
