@@ -24,6 +24,7 @@ pub mod config;
 pub mod observe;
 pub mod policy;
 pub mod pool;
+pub mod probe;
 pub mod protocol;
 pub mod server;
 pub mod session;

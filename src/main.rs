@@ -145,6 +145,7 @@ async fn run(cli: Cli, config: Config) -> anyhow::Result<()> {
         }
     });
     tokio::spawn(app.clone().maintain());
+    tokio::spawn(pgsluice::probe::run(app.clone()));
     tokio::spawn(signals(app.clone(), cli));
     pgsluice::server::serve(app, listener).await;
     Ok(())
