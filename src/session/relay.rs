@@ -93,6 +93,8 @@ pub struct Relay {
     /// Rule admissions of later statements in the unit (CONCURRENCY slots).
     stmt_admissions: Vec<StatementAdmission>,
     unit_caller: u16,
+    /// Caller of the statement admitted last (statistics attribution).
+    last_caller: u16,
     /// A backend fault (connection error, timeout) happened in this unit: tell the breaker.
     unit_fault: bool,
     /// The batch was admitted at its first Parse: (fingerprint, timeouts) for its Bind.
@@ -174,6 +176,7 @@ impl Relay {
             admission: None,
             stmt_admissions: Vec::new(),
             unit_caller: 0,
+            last_caller: 0,
             unit_fault: false,
             opened_by_parse: None,
             pending: Vec::new(),

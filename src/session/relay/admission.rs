@@ -83,6 +83,7 @@ impl Relay {
         client: &mut S,
     ) -> Result<Timeouts, PgError> {
         let caller = self.resolve_caller(class);
+        self.last_caller = caller;
         let req = AdmitRequest {
             caller,
             fingerprint: class.fingerprint,
@@ -147,11 +148,12 @@ impl Relay {
         refusal_error(r)
     }
 
-    /// Remembers a statement sent to the backend, to time it when its ReadyForQuery comes.
+    /// Remembers a statement sent to the backend, to time it when its ReadyForQuery comes
+    /// (attributed to the caller its admission resolved).
     pub(super) fn track_statement(&mut self, class: Arc<Classified>, ready_seq: u64) {
         if self.pending.len() < 4096 {
             self.pending.push(StmtRecord {
-                caller: self.resolve_caller(&class),
+                caller: self.last_caller,
                 class,
                 start: Instant::now(),
                 ready_seq,
@@ -210,6 +212,7 @@ impl Relay {
     /// The unit is over (backend idle): give back the caller's permit, tell the breaker.
     pub(super) fn end_unit(&mut self) {
         self.backstop = None;
+        self.opened_by_parse = None;
         if self.admission.take().is_some() {
             self.app.policy.record_backend_result(!self.unit_fault);
         }
