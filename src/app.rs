@@ -1,8 +1,8 @@
 //! Shared state of a running proxy: the config snapshot, credentials, pools, cancel keys and
 //! counters. Sessions and the admin API read it; reload swaps the snapshot atomically.
 
-use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, AtomicUsize};
+use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
 use arc_swap::ArcSwap;
@@ -12,6 +12,7 @@ use crate::auth::Credentials;
 use crate::cancel;
 use crate::classify::{CallerMatcher, CallerRule, Classified, Classifier, StmtKind};
 use crate::config::{self as cfgmod, Config};
+use crate::observe::metrics::Metrics;
 use crate::observe::stats::FingerprintStats;
 use crate::policy::breaker::BreakerConfig;
 use crate::policy::rules::RuleSet;
@@ -35,11 +36,20 @@ pub struct App {
     pub callers: ArcSwap<CallerMatcher>,
     /// Per-fingerprint statistics (top-K by total time, the rest aggregated).
     pub fp_stats: FingerprintStats,
+    /// Prometheus metrics; per-caller handles follow the caller table across reloads.
+    pub metrics: Metrics,
+    /// What `POST /v1/reload` runs: main sets it to the same re-read as SIGHUP. Unset in
+    /// tests and embedders, where the endpoint answers 503.
+    pub reloader: OnceLock<Reloader>,
     /// Fired on shutdown: stop accepting, finish in-flight work.
     pub shutdown: CancellationToken,
     /// Fired when the shutdown grace period is over: cancel what still runs.
     pub force: CancellationToken,
 }
+
+/// Re-reads the configuration source and applies it with [`App::reload`]; `Err` lists the
+/// problems (the running configuration stays).
+pub type Reloader = Arc<dyn Fn() -> Result<(), Vec<String>> + Send + Sync>;
 
 #[derive(Default)]
 pub struct AppStats {
@@ -54,9 +64,16 @@ impl App {
     pub fn new(config: Config, rules: Arc<RuleSet>) -> Result<Arc<App>, String> {
         let creds = Credentials::from_config(&config);
         let (callers, breaker) = policy_inputs(&config);
+        let metrics = Metrics::new(&caller_names(&callers));
         let policy = Policy::with_rules(callers, breaker, rules)
             .map_err(|e| format!("callers[{}].{}: {}", e.index, e.field, e.message))?;
+        let observer = metrics.clone();
+        policy.set_transition_observer(Some(Arc::new(move |t| {
+            observer.breaker_transition(t.to.as_str());
+        })));
         Ok(Arc::new(App {
+            metrics,
+            reloader: OnceLock::new(),
             policy,
             classifier: Classifier::new(
                 config.classify.cache_entries,
@@ -86,9 +103,11 @@ impl App {
     /// Validation already happened; if the policy refuses it, nothing changes.
     pub fn reload(&self, config: Config) -> Result<(), String> {
         let (callers, breaker) = policy_inputs(&config);
+        let names = caller_names(&callers);
         self.policy
             .reconfigure(callers, breaker)
             .map_err(|e| format!("callers[{}].{}: {}", e.index, e.field, e.message))?;
+        self.metrics.set_callers(&names);
         self.creds
             .store(Arc::new(Credentials::from_config(&config)));
         self.config.store(Arc::new(config));
@@ -134,6 +153,10 @@ impl App {
             }
         }
     }
+}
+
+fn caller_names(callers: &[CallerPolicy]) -> Vec<String> {
+    callers.iter().map(|c| c.name.clone()).collect()
 }
 
 /// The caller table (config order, `default` last) and breaker settings for the policy.

@@ -12,7 +12,8 @@
 //! cancel    proxy-issued cancel keys → the backend currently running the client's query
 //! auth      SCRAM/md5 secrets for both sides
 //! config    YAML config, validation with field and line
-//! admin     HTTP API on its own port
+//! observe   per-fingerprint statistics, Prometheus metrics
+//! admin     HTTP API on its own port (rules, stats, /metrics); cli: its terminal client
 //! ```
 
 pub mod admin;
@@ -20,6 +21,7 @@ pub mod app;
 pub mod auth;
 pub mod cancel;
 pub mod classify;
+pub mod cli;
 pub mod config;
 pub mod observe;
 pub mod policy;

@@ -1,14 +1,16 @@
-//! `pgsluice` command line: run the proxy, or check a config file.
+//! `pgsluice` command line: run the proxy, check a config file, or talk to a running proxy's
+//! admin API (`rules`, `top`).
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::process::ExitCode;
-use std::sync::Arc;
+use std::sync::{Arc, Weak};
 
 use clap::{Parser, Subcommand};
 use tokio::signal::unix::{SignalKind, signal};
 
 use pgsluice::app::App;
+use pgsluice::cli::AdminCmd;
 use pgsluice::config::{Config, ConfigError, LogFormat, Overrides, PoolMode};
 use pgsluice::policy::rules::RuleSet;
 
@@ -45,6 +47,8 @@ struct Cli {
 enum Cmd {
     /// Validate a configuration file and print precise errors, without starting.
     CheckConfig { file: PathBuf },
+    #[command(flatten)]
+    Admin(AdminCmd),
 }
 
 fn print_errors(errs: &[ConfigError], file: Option<&PathBuf>) {
@@ -71,7 +75,7 @@ fn load(cli: &Cli) -> Result<Config, Vec<ConfigError>> {
 }
 
 fn main() -> ExitCode {
-    let cli = Cli::parse();
+    let mut cli = Cli::parse();
     if let Some(Cmd::CheckConfig { file }) = &cli.cmd {
         return match Config::load(file) {
             Ok(_) => {
@@ -83,6 +87,10 @@ fn main() -> ExitCode {
                 ExitCode::from(1)
             }
         };
+    }
+    // Only `Admin` or nothing is left, so taking it loses nothing.
+    if let Some(Cmd::Admin(cmd)) = cli.cmd.take() {
+        return run_client(cmd);
     }
     let config = match load(&cli) {
         Ok(c) => c,
@@ -111,6 +119,35 @@ fn main() -> ExitCode {
     }
 }
 
+/// `pgsluice rules …` / `pgsluice top`: one request to the admin API, on a small runtime.
+fn run_client(cmd: AdminCmd) -> ExitCode {
+    let rt = match tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("cannot start the runtime: {e}");
+            return ExitCode::from(1);
+        }
+    };
+    match rt.block_on(pgsluice::cli::run(cmd)) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("pgsluice: {e:#}");
+            ExitCode::from(1)
+        }
+    }
+}
+
+/// Re-read the config source (file + command-line overrides) and apply it: SIGHUP and
+/// `POST /v1/reload`. On error the running configuration stays.
+fn reload(app: &App, cli: &Cli) -> Result<(), Vec<String>> {
+    let config =
+        load(cli).map_err(|errs| errs.iter().map(|e| e.to_string()).collect::<Vec<_>>())?;
+    app.reload(config).map_err(|e| vec![e])
+}
+
 fn init_tracing(config: &Config, json: bool) {
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(&config.log.level));
@@ -134,6 +171,15 @@ async fn run(cli: Cli, config: Config) -> anyhow::Result<()> {
     println!("pgsluice admin listening on {}", admin.local_addr()?);
     tracing::info!(addr = %listener.local_addr()?, "pgsluice listening");
 
+    let cli = Arc::new(cli);
+    let weak: Weak<App> = Arc::downgrade(&app);
+    let source = Arc::clone(&cli);
+    let reloader: pgsluice::app::Reloader = Arc::new(move || match weak.upgrade() {
+        Some(app) => reload(&app, &source),
+        None => Err(vec!["shutting down".to_owned()]),
+    });
+    // Set once, right after App::new, so this cannot fail.
+    let _ = app.reloader.set(reloader);
     let router = pgsluice::admin::router(app.clone());
     let token = app.shutdown.clone();
     tokio::spawn(async move {
@@ -166,7 +212,7 @@ fn load_rules(config: &Config) -> anyhow::Result<Arc<RuleSet>> {
 }
 
 /// SIGTERM/SIGINT: graceful stop (a second one exits at once). SIGHUP: reload.
-async fn signals(app: Arc<App>, cli: Cli) {
+async fn signals(app: Arc<App>, cli: Arc<Cli>) {
     let (Ok(mut term), Ok(mut int), Ok(mut hup)) = (
         signal(SignalKind::terminate()),
         signal(SignalKind::interrupt()),
@@ -180,11 +226,8 @@ async fn signals(app: Arc<App>, cli: Cli) {
             _ = term.recv() => {}
             _ = int.recv() => {}
             _ = hup.recv() => {
-                match load(&cli) {
-                    Ok(c) => match app.reload(c) {
-                        Ok(()) => tracing::info!("configuration reloaded"),
-                        Err(e) => tracing::error!(error = %e, "reload rejected; keeping the running configuration"),
-                    },
+                match reload(&app, &cli) {
+                    Ok(()) => tracing::info!("configuration reloaded"),
                     Err(errs) => {
                         for e in errs {
                             tracing::error!(error = %e, "reload rejected; keeping the running configuration");

@@ -38,7 +38,9 @@ pub async fn run(app: Arc<App>) {
                 }
             }
             if let Some(c) = conn.as_mut() {
-                match tokio::time::timeout(interval.max(Duration::from_secs(1)), scalar(c, &sql)).await {
+                match tokio::time::timeout(interval.max(Duration::from_secs(1)), scalar(c, &sql))
+                    .await
+                {
                     Ok(Ok(Some(v))) => app.policy.on_probe(v),
                     Ok(Ok(None)) => tracing::warn!("breaker probe returned no number"),
                     Ok(Err(e)) => {

@@ -1,29 +1,138 @@
-//! The admin HTTP API (axum, its own port): health and pool state so far.
+//! The admin HTTP API (axum, its own port, default `127.0.0.1:9930`; DESIGN §7).
 //!
-//! `router(app)` is built apart from serving so tests can call it without a socket.
+//! [`router`] builds the service apart from serving it, so tests call it with
+//! `tower::ServiceExt::oneshot` and no socket. Endpoints (documented in `docs/openapi.json`,
+//! served at `/v1/openapi.json`):
+//!
+//! ```text
+//! open   GET  /healthz  /readyz  /v1/openapi.json
+//! read   GET  /metrics  /v1/rules  /v1/rules/fingerprint/{hash}  /v1/fingerprints
+//!             /v1/callers  /v1/pools  /v1/breaker
+//! write  PUT|DELETE /v1/rules/fingerprint/{hash}   POST /v1/reload
+//! ```
+//!
+//! Layout: [`auth`] decides who may call what (by method, so new endpoints are protected by
+//! default) and enforces JSON on mutations; [`error`] is the one error type every failure
+//! goes through, plus the extractors that name the bad field; [`rules`] owns rule mutations
+//! and their persistence; [`read`] the stats, `/metrics` and reload. Bodies are capped at
+//! [`error::MAX_BODY_BYTES`]; GET handlers refuse query parameters they do not define, so a
+//! GET can never be mistaken for a mutation.
+//!
+//! What it must not do: hold a lock across a socket write, block the runtime on file I/O
+//! (persistence and reload run on the blocking pool), or put secrets in any response.
+
+pub mod auth;
+pub mod error;
+pub mod read;
+pub mod rules;
 
 use std::sync::Arc;
 
-use axum::extract::State;
-use axum::routing::get;
-use axum::{Json, Router};
+use axum::Json;
+use axum::Router;
+use axum::extract::{DefaultBodyLimit, State};
+use axum::http::{StatusCode, header};
+use axum::response::IntoResponse;
+use axum::routing::{get, post};
+use serde::Serialize;
 
+use self::auth::EnvTokens;
+use self::error::{ApiError, MAX_BODY_BYTES, NoQuery};
 use crate::app::App;
-use crate::pool::PoolSnapshot;
 
-pub fn router(app: Arc<App>) -> Router {
-    Router::new()
-        .route("/healthz", get(healthz))
-        .route("/v1/pools", get(pools))
-        .with_state(app)
+/// The hand-written OpenAPI 3.0 document, kept in the repository.
+pub const OPENAPI_JSON: &str = include_str!("../../docs/openapi.json");
+
+/// Shared by every handler.
+pub struct AdminState {
+    pub app: Arc<App>,
+    /// Token fallbacks from the environment (the config wins).
+    env: EnvTokens,
+    /// Serialises rule mutations and purges; holds the bytes last written to the rules file.
+    rules_file: tokio::sync::Mutex<Option<Vec<u8>>>,
 }
 
+/// The admin API over `app`, with token fallbacks read from the environment now. Inside a
+/// tokio runtime it also starts the expired-rule purge ([`rules::purge_loop`]), which stops
+/// when `app.shutdown` fires.
+pub fn router(app: Arc<App>) -> Router {
+    router_with_env(app, EnvTokens::from_env())
+}
+
+/// As [`router`], with explicit environment tokens (tests use this to stay independent of
+/// the process environment).
+pub fn router_with_env(app: Arc<App>, env: EnvTokens) -> Router {
+    let written = app.policy.rules().to_json_bytes().ok();
+    let st = Arc::new(AdminState {
+        app,
+        env,
+        rules_file: tokio::sync::Mutex::new(written),
+    });
+    if let Ok(rt) = tokio::runtime::Handle::try_current() {
+        rt.spawn(rules::purge_loop(Arc::clone(&st)));
+    }
+    Router::new()
+        .route("/healthz", get(healthz))
+        .route("/readyz", get(readyz))
+        .route("/v1/openapi.json", get(openapi))
+        .route("/metrics", get(read::metrics))
+        .route("/v1/rules", get(rules::list))
+        .route(
+            "/v1/rules/fingerprint/{hash}",
+            get(rules::get).put(rules::put).delete(rules::delete),
+        )
+        .route("/v1/fingerprints", get(read::fingerprints))
+        .route("/v1/callers", get(read::callers))
+        .route("/v1/pools", get(read::pools))
+        .route("/v1/breaker", get(read::breaker))
+        .route("/v1/reload", post(read::reload))
+        .fallback(not_found)
+        .method_not_allowed_fallback(method_not_allowed)
+        .layer(axum::middleware::from_fn_with_state(
+            Arc::clone(&st),
+            auth::guard,
+        ))
+        .layer(DefaultBodyLimit::max(MAX_BODY_BYTES))
+        .with_state(st)
+}
+
+/// Liveness: the process answers.
 async fn healthz() -> &'static str {
     "ok\n"
 }
 
-async fn pools(State(app): State<Arc<App>>) -> Json<Vec<PoolSnapshot>> {
-    let mut v: Vec<PoolSnapshot> = app.pools.all().iter().map(|p| p.snapshot()).collect();
-    v.sort_by(|a, b| a.name.cmp(&b.name));
-    Json(v)
+#[derive(Serialize)]
+struct Ready {
+    ready: bool,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    reason: Option<&'static str>,
+}
+
+/// Readiness: 200 while serving, 503 once shutdown has begun (so load balancers drain us).
+async fn readyz(State(st): State<Arc<AdminState>>, _: NoQuery) -> impl IntoResponse {
+    if st.app.shutdown.is_cancelled() {
+        let body = Ready {
+            ready: false,
+            reason: Some("shutting down"),
+        };
+        (StatusCode::SERVICE_UNAVAILABLE, Json(body))
+    } else {
+        let body = Ready {
+            ready: true,
+            reason: None,
+        };
+        (StatusCode::OK, Json(body))
+    }
+}
+
+async fn openapi(_: NoQuery) -> impl IntoResponse {
+    ([(header::CONTENT_TYPE, "application/json")], OPENAPI_JSON)
+}
+
+async fn not_found() -> ApiError {
+    ApiError::NotFound("no such endpoint; see /v1/openapi.json".into())
+}
+
+async fn method_not_allowed() -> ApiError {
+    ApiError::MethodNotAllowed
 }

@@ -150,6 +150,8 @@ pub struct AdmitRequest {
 /// released; dropping it gives back the caller slot, the rule slot and the breaker ticket.
 #[derive(Debug)]
 pub struct Admission {
+    /// The runtime rule that matched (metrics label), if any.
+    pub rule_action: Option<&'static str>,
     pub caller: u16,
     /// From a TIMEOUT rule. `Some(ZERO)` means "no timeout" (Postgres reads 0 that way).
     pub statement_timeout_override: Option<Duration>,
@@ -174,6 +176,8 @@ impl Admission {
 /// A statement admitted by the rules inside an already admitted unit.
 #[derive(Debug, Default)]
 pub struct StatementAdmission {
+    /// The runtime rule that matched (metrics label), if any.
+    pub rule_action: Option<&'static str>,
     pub statement_timeout_override: Option<Duration>,
     pub lock_timeout_override: Option<Duration>,
     /// Warn-mode notices to send to the client.
@@ -297,6 +301,7 @@ impl Policy {
         let mut waited = false;
         let mut warnings = Vec::new();
         let (mut statement_timeout, mut lock_timeout, mut rule_guard) = (None, None, None);
+        let mut rule_action = None;
 
         // 1. Fingerprint rules.
         match self
@@ -306,7 +311,9 @@ impl Policy {
             RuleCheck::NoRule => {}
             RuleCheck::Refuse { rule, violation } => {
                 let reason = rule_reason(req.fingerprint, rule.def(), &violation);
-                return Err(self.refuse(id, &caller, reason, req.fingerprint, now));
+                let mut r = self.refuse(id, &caller, reason, req.fingerprint, now);
+                r.rule_action = Some(rule.def().action.name());
+                return Err(r);
             }
             RuleCheck::Admit(a) => {
                 if let Some(v) = &a.would_refuse {
@@ -315,6 +322,7 @@ impl Policy {
                 statement_timeout = a.statement_timeout;
                 lock_timeout = a.lock_timeout;
                 rule_guard = a.guard;
+                rule_action = Some(a.rule.def().action.name());
                 if !a.wait.is_zero() {
                     tokio::time::sleep_until(now + a.wait).await;
                     now = Instant::now();
@@ -374,6 +382,7 @@ impl Policy {
         caller.stats.admitted.fetch_add(1, Ordering::Relaxed);
         Ok(Admission {
             caller: id,
+            rule_action,
             statement_timeout_override: statement_timeout,
             lock_timeout_override: lock_timeout,
             warnings,
@@ -400,7 +409,9 @@ impl Policy {
             RuleCheck::NoRule => Ok(StatementAdmission::default()),
             RuleCheck::Refuse { rule, violation } => {
                 let reason = rule_reason(req.fingerprint, rule.def(), &violation);
-                Err(self.refuse(id, &caller, reason, req.fingerprint, req.now))
+                let mut r = self.refuse(id, &caller, reason, req.fingerprint, req.now);
+                r.rule_action = Some(rule.def().action.name());
+                Err(r)
             }
             RuleCheck::Admit(a) => {
                 let mut warnings = Vec::new();
@@ -411,6 +422,7 @@ impl Policy {
                     tokio::time::sleep_until(req.now + a.wait).await;
                 }
                 Ok(StatementAdmission {
+                    rule_action: Some(a.rule.def().action.name()),
                     statement_timeout_override: a.statement_timeout,
                     lock_timeout_override: a.lock_timeout,
                     warnings,

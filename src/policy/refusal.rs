@@ -113,6 +113,8 @@ pub struct Refusal {
     /// Caller id the statement was classified as.
     pub caller: u16,
     pub fingerprint: u64,
+    /// The runtime rule's action when a fingerprint rule refused (metrics label).
+    pub rule_action: Option<&'static str>,
 }
 
 impl Refusal {
@@ -150,6 +152,7 @@ impl Reason {
             retry_after_ms,
             caller,
             fingerprint,
+            rule_action: None,
         }
     }
 

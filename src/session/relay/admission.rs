@@ -107,6 +107,10 @@ impl Relay {
                 Ok(mut a) => {
                     let w = std::mem::take(&mut a.warnings);
                     let o = (a.statement_timeout_override, a.lock_timeout_override);
+                    app.metrics.queue_wait(caller, a.queue_wait);
+                    if let Some(action) = a.rule_action {
+                        app.metrics.rule_hit(action, false);
+                    }
                     self.unit_caller = caller;
                     self.admission = Some(a);
                     (o.0, o.1, w)
@@ -118,6 +122,9 @@ impl Relay {
                 Ok(mut a) => {
                     let w = std::mem::take(&mut a.warnings);
                     let o = (a.statement_timeout_override, a.lock_timeout_override);
+                    if let Some(action) = a.rule_action {
+                        app.metrics.rule_hit(action, false);
+                    }
                     self.stmt_admissions.push(a);
                     (o.0, o.1, w)
                 }
@@ -136,6 +143,10 @@ impl Relay {
     }
 
     fn refused(&self, class: &Arc<Classified>, caller: u16, r: &Refusal) -> PgError {
+        self.app.metrics.refusal(caller, r.kind.reason());
+        if let Some(action) = r.rule_action {
+            self.app.metrics.rule_hit(action, true);
+        }
         let names = self.app.callers.load();
         self.app.fp_stats.record(
             class.fingerprint,
@@ -179,6 +190,8 @@ impl Relay {
         let names = self.app.callers.load();
         let n = done;
         for (i, r) in self.pending.drain(..done).enumerate() {
+            let elapsed = now.saturating_duration_since(r.start);
+            self.app.metrics.query(r.caller, elapsed, !self.errored);
             let outcome = if self.errored {
                 Outcome::Error
             } else {
@@ -192,7 +205,7 @@ impl Relay {
                 &r.class.normalized,
                 r.class.kind.as_str(),
                 names.name(r.caller),
-                now.saturating_duration_since(r.start),
+                elapsed,
                 outcome,
             );
         }

@@ -1,0 +1,225 @@
+//! Read endpoints (`/v1/fingerprints`, `/v1/callers`, `/v1/pools`, `/v1/breaker`,
+//! `/metrics`) and `POST /v1/reload`.
+//!
+//! These only read app state; none of them changes anything (reload aside, which runs the
+//! process's reloader, the same code as SIGHUP). `/metrics` turns app state into a plain
+//! [`Scrape`] for `observe::metrics`, so that module never needs to know about the app.
+
+use std::sync::Arc;
+
+use axum::Json;
+use axum::extract::{Query, State};
+use axum::http::{Uri, header};
+use axum::response::IntoResponse;
+use serde::Serialize;
+
+use super::AdminState;
+use super::error::{ApiError, NoQuery, truncate};
+use crate::observe::metrics::{
+    BREAKER_CLOSED, BREAKER_HALF_OPEN, BREAKER_OPEN, CallerSample, PoolSample, Scrape,
+};
+use crate::observe::stats::{FingerprintSnapshot, SortKey};
+use crate::policy::CallerSnapshot;
+use crate::policy::breaker::{BreakerSnapshot, BreakerState};
+use crate::pool::PoolSnapshot;
+
+/// Default and largest `limit` of `GET /v1/fingerprints`.
+pub const DEFAULT_LIMIT: usize = 50;
+pub const MAX_LIMIT: usize = 1000;
+
+#[derive(Serialize)]
+struct Fingerprints {
+    sort: String,
+    limit: usize,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    caller: Option<String>,
+    /// Fingerprints with their own statistics (plus one if the "other" row is non-empty).
+    tracked: usize,
+    fingerprints: Vec<FingerprintSnapshot>,
+}
+
+/// `GET /v1/fingerprints?sort=total_time|calls|errors|refusals&limit=N&caller=X`.
+pub async fn fingerprints(
+    State(st): State<Arc<AdminState>>,
+    uri: Uri,
+) -> Result<Json<impl Serialize>, ApiError> {
+    let Query(params) = Query::<Vec<(String, String)>>::try_from_uri(&uri)
+        .map_err(|_| ApiError::bad_request("query", "malformed query string"))?;
+    let (mut sort, mut limit, mut caller) = ("total_time".to_owned(), DEFAULT_LIMIT, None);
+    for (k, v) in params {
+        match k.as_str() {
+            "sort" => sort = v,
+            "limit" => {
+                limit = v
+                    .parse::<usize>()
+                    .ok()
+                    .filter(|n| (1..=MAX_LIMIT).contains(n))
+                    .ok_or_else(|| {
+                        ApiError::bad_request(
+                            "limit",
+                            format!("must be an integer between 1 and {MAX_LIMIT}"),
+                        )
+                    })?;
+            }
+            "caller" => caller = Some(v),
+            other => {
+                return Err(ApiError::bad_request(
+                    "query",
+                    format!(
+                        "unknown query parameter {:?}; expected sort, limit or caller",
+                        truncate(other, 64)
+                    ),
+                ));
+            }
+        }
+    }
+    let key: SortKey = sort.parse().map_err(|_| {
+        ApiError::bad_request(
+            "sort",
+            format!(
+                "unknown sort key {:?}; expected total_time, calls, errors or refusals",
+                truncate(&sort, 64)
+            ),
+        )
+    })?;
+    let fingerprints = st.app.fp_stats.top(key, limit, caller.as_deref());
+    Ok(Json(Fingerprints {
+        sort,
+        limit,
+        caller,
+        tracked: st.app.fp_stats.len(),
+        fingerprints,
+    }))
+}
+
+#[derive(Serialize)]
+struct Callers {
+    callers: Vec<CallerSnapshot>,
+}
+
+/// `GET /v1/callers`: limits, in flight, queued, admitted and refusals per caller.
+pub async fn callers(State(st): State<Arc<AdminState>>, _: NoQuery) -> Json<impl Serialize> {
+    Json(Callers {
+        callers: st.app.policy.callers(),
+    })
+}
+
+#[derive(Serialize)]
+struct Pools {
+    pools: Vec<PoolSnapshot>,
+}
+
+fn pool_snapshots(st: &AdminState) -> Vec<PoolSnapshot> {
+    let mut v: Vec<PoolSnapshot> = st.app.pools.all().iter().map(|p| p.snapshot()).collect();
+    v.sort_by(|a, b| a.name.cmp(&b.name));
+    v
+}
+
+/// `GET /v1/pools`: active, idle, waiting, pinned, connects per (database, user) pool.
+pub async fn pools(State(st): State<Arc<AdminState>>, _: NoQuery) -> Json<impl Serialize> {
+    Json(Pools {
+        pools: pool_snapshots(&st),
+    })
+}
+
+/// `GET /v1/breaker`.
+pub async fn breaker(State(st): State<Arc<AdminState>>, _: NoQuery) -> Json<BreakerSnapshot> {
+    Json(st.app.policy.breaker())
+}
+
+/// `GET /metrics`: Prometheus text format.
+pub async fn metrics(State(st): State<Arc<AdminState>>, _: NoQuery) -> impl IntoResponse {
+    let text = st.app.metrics.render_with(&scrape(&st));
+    (
+        [(
+            header::CONTENT_TYPE,
+            "text/plain; version=0.0.4; charset=utf-8",
+        )],
+        text,
+    )
+}
+
+fn scrape(st: &AdminState) -> Scrape {
+    use std::sync::atomic::Ordering::Relaxed;
+    let app = &st.app;
+    let breaker = app.policy.breaker();
+    let u = |n: usize| u64::try_from(n).unwrap_or(u64::MAX);
+    Scrape {
+        pools: pool_snapshots(st)
+            .into_iter()
+            .map(|p| PoolSample {
+                size: u(p.size),
+                active: u(p.active),
+                idle: u(p.idle),
+                waiting: u(p.waiting),
+                pinned: u(p.pinned),
+                connect_attempts: p.connects,
+                connect_failures: p.connect_failures,
+                checkout_timeouts: p.checkout_timeouts,
+                name: p.name,
+            })
+            .collect(),
+        callers: app
+            .policy
+            .callers()
+            .into_iter()
+            .map(|c| CallerSample {
+                in_flight: c.in_flight.into(),
+                queued: c.queued.into(),
+                admitted: c.admitted,
+                name: c.name,
+            })
+            .collect(),
+        client_connections: u(app.stats.clients.load(Relaxed)),
+        client_connections_accepted: app.stats.clients_total.load(Relaxed),
+        handshakes_in_progress: u(app.stats.handshakes.load(Relaxed)),
+        client_errors: app.stats.client_errors.load(Relaxed),
+        breaker_state: match breaker.state {
+            BreakerState::Closed => BREAKER_CLOSED,
+            BreakerState::HalfOpen => BREAKER_HALF_OPEN,
+            BreakerState::Open => BREAKER_OPEN,
+        },
+        breaker_trips: vec![
+            ("consecutive_errors", breaker.trips.consecutive_errors),
+            ("inflight", breaker.trips.inflight),
+            ("probe", breaker.trips.probe),
+            ("trial_failed", breaker.trips.trial_failed),
+        ],
+        in_flight: breaker.in_flight.into(),
+        cancels_sent: app.cancels.sent.load(Relaxed),
+        cancels_ignored: app.cancels.ignored.load(Relaxed),
+        rules: u(app.policy.rules().len()),
+        fingerprints_tracked: u(app.fp_stats.len()),
+    }
+}
+
+#[derive(Serialize)]
+struct Reloaded {
+    reloaded: bool,
+}
+
+/// `POST /v1/reload`: what SIGHUP does. 400 with the config errors (old config kept).
+pub async fn reload(
+    State(st): State<Arc<AdminState>>,
+    _: NoQuery,
+) -> Result<Json<impl Serialize>, ApiError> {
+    let Some(reloader) = st.app.reloader.get().cloned() else {
+        return Err(ApiError::Unavailable(
+            "this process has no configuration source to reload".into(),
+        ));
+    };
+    // Reading and validating the file is blocking work.
+    let result = tokio::task::spawn_blocking(move || reloader())
+        .await
+        .map_err(|e| ApiError::Internal(format!("reload task failed: {e}")))?;
+    match result {
+        Ok(()) => {
+            tracing::info!("configuration reloaded (admin API)");
+            Ok(Json(Reloaded { reloaded: true }))
+        }
+        Err(errs) => {
+            tracing::error!(errors = ?errs, "reload rejected; keeping the running configuration");
+            Err(ApiError::InvalidConfig(errs))
+        }
+    }
+}

@@ -1,0 +1,251 @@
+//! `/v1/rules`: runtime fingerprint rules over HTTP, persisted to `admin.rules_file`.
+//!
+//! Nothing is applied on a partial failure. A mutation is staged first: the current rules
+//! are copied into a scratch `RuleSet` (through the persisted form), the change is applied
+//! there, the result is written to the rules file (temp file in the same directory, fsync,
+//! rename, fsync of the directory), and only then is the same change applied to the live
+//! set. If validation or the write fails, the live set was never touched (500 for a failed
+//! write). Mutations and purges are serialised by one async mutex that also remembers the
+//! bytes last written, so the file always holds a state the live set went through.
+//!
+//! [`purge_loop`] runs every [`PURGE_INTERVAL`]: it removes expired rules from memory and
+//! rewrites the file whenever the live set's persisted form differs from what was last
+//! written. That drops expired rules from the file, retries a write that failed, and
+//! replaces the staged creation/expiry stamps with the live ones (they differ by the
+//! microseconds between the staged and the live `put`). Expired rules are invisible to the
+//! API and the hot path at once. Without a `rules_file`, rules live in memory only and
+//! responses say `"persisted": false`.
+
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::Json;
+use axum::extract::State;
+use axum::http::StatusCode;
+use axum::response::{IntoResponse, Response};
+use serde::Serialize;
+use tokio::time::Instant;
+
+use super::AdminState;
+use super::error::{ApiError, Fingerprint, JsonBody, NoQuery};
+use crate::policy::rules::{RuleInfo, RuleSet, RuleSpec, fingerprint_hex};
+
+/// How often expired rules are removed and the file rewritten.
+pub const PURGE_INTERVAL: Duration = Duration::from_secs(2);
+
+#[derive(Serialize)]
+struct RuleList {
+    rules: Vec<RuleInfo>,
+}
+
+#[derive(Serialize)]
+struct StoredRule {
+    #[serde(flatten)]
+    rule: RuleInfo,
+    /// False when no `admin.rules_file` is configured (the rule is lost on restart).
+    persisted: bool,
+}
+
+#[derive(Serialize)]
+struct Deleted {
+    deleted: String,
+    persisted: bool,
+}
+
+/// `GET /v1/rules`: live rules with counters and expiry, ordered by fingerprint.
+pub async fn list(State(st): State<Arc<AdminState>>, _: NoQuery) -> Json<impl Serialize> {
+    Json(RuleList {
+        rules: st.app.policy.rules().list(Instant::now()),
+    })
+}
+
+/// `GET /v1/rules/fingerprint/{hash}`.
+pub async fn get(
+    State(st): State<Arc<AdminState>>,
+    Fingerprint(fp): Fingerprint,
+    _: NoQuery,
+) -> Result<Json<RuleInfo>, ApiError> {
+    st.app
+        .policy
+        .rules()
+        .get(fp)
+        .map(|r| Json(r.info(Instant::now())))
+        .ok_or_else(|| no_rule(fp))
+}
+
+/// `PUT /v1/rules/fingerprint/{hash}`: 201 when created, 200 when replaced.
+pub async fn put(
+    State(st): State<Arc<AdminState>>,
+    Fingerprint(fp): Fingerprint,
+    _: NoQuery,
+    JsonBody(body): JsonBody,
+) -> Result<Response, ApiError> {
+    let spec = RuleSpec::from_json(&body)?;
+    spec.validate()?;
+    let live = st.app.policy.rules();
+    let mut written = st.rules_file.lock().await;
+    let existed = live.get(fp).is_some();
+    let persisted = st
+        .persist_staged(&mut written, |staged| {
+            staged.put(fp, spec.clone()).map(drop)
+        })
+        .await?;
+    let rule = live.put(fp, spec)?;
+    tracing::info!(
+        fingerprint = %fingerprint_hex(fp),
+        action = rule.def().action.name(),
+        "admin API: rule stored"
+    );
+    let status = if existed {
+        StatusCode::OK
+    } else {
+        StatusCode::CREATED
+    };
+    let body = StoredRule {
+        rule: rule.info(Instant::now()),
+        persisted,
+    };
+    Ok((status, Json(body)).into_response())
+}
+
+/// `DELETE /v1/rules/fingerprint/{hash}`: 404 when there is no live rule.
+pub async fn delete(
+    State(st): State<Arc<AdminState>>,
+    Fingerprint(fp): Fingerprint,
+    _: NoQuery,
+) -> Result<Json<impl Serialize>, ApiError> {
+    let live = st.app.policy.rules();
+    let mut written = st.rules_file.lock().await;
+    if live.get(fp).is_none() {
+        return Err(no_rule(fp));
+    }
+    let persisted = st
+        .persist_staged(&mut written, |staged| {
+            staged.delete(fp);
+            Ok(())
+        })
+        .await?;
+    live.delete(fp);
+    tracing::info!(fingerprint = %fingerprint_hex(fp), "admin API: rule deleted");
+    Ok(Json(Deleted {
+        deleted: fingerprint_hex(fp),
+        persisted,
+    }))
+}
+
+fn no_rule(fp: u64) -> ApiError {
+    ApiError::NotFound(format!("no rule for fingerprint {}", fingerprint_hex(fp)))
+}
+
+impl AdminState {
+    /// Applies `change` to a copy of the live rules and writes the copy to the rules file.
+    /// Returns whether a file was written. `written` is the guard of `rules_file`.
+    async fn persist_staged(
+        &self,
+        written: &mut Option<Vec<u8>>,
+        change: impl FnOnce(&RuleSet) -> Result<(), crate::policy::rules::RuleError>,
+    ) -> Result<bool, ApiError> {
+        let Some(path) = self.rules_path() else {
+            return Ok(false);
+        };
+        let live = self.app.policy.rules();
+        let current = live.to_json_bytes().map_err(internal)?;
+        let staged = RuleSet::from_json_bytes(&current).map_err(internal)?;
+        change(&staged)?;
+        let bytes = staged.to_json_bytes().map_err(internal)?;
+        write_file(path, bytes.clone()).await?;
+        *written = Some(bytes);
+        Ok(true)
+    }
+
+    fn rules_path(&self) -> Option<PathBuf> {
+        self.app
+            .config
+            .load()
+            .admin
+            .rules_file
+            .as_ref()
+            .map(PathBuf::from)
+    }
+}
+
+fn internal(e: impl std::fmt::Display) -> ApiError {
+    tracing::error!(error = %e, "admin API: rules");
+    ApiError::Internal(format!("rules could not be prepared: {e}"))
+}
+
+async fn write_file(path: PathBuf, bytes: Vec<u8>) -> Result<(), ApiError> {
+    let shown = path.display().to_string();
+    let result = tokio::task::spawn_blocking(move || write_atomic(&path, &bytes))
+        .await
+        .map_err(|e| std::io::Error::other(e.to_string()))
+        .and_then(|r| r);
+    result.map_err(|e| {
+        tracing::error!(file = %shown, error = %e, "admin API: cannot persist rules; change not applied");
+        ApiError::Internal(format!(
+            "cannot write the rules file ({e}); the change was not applied"
+        ))
+    })
+}
+
+/// Write `bytes` to `path` so that readers see the old or the new file, never a mix: a temp
+/// file in the same directory, fsync, rename over `path`, fsync of the directory.
+pub fn write_atomic(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
+    let dir = match path.parent() {
+        Some(d) if !d.as_os_str().is_empty() => d.to_path_buf(),
+        _ => PathBuf::from("."),
+    };
+    let name = path
+        .file_name()
+        .ok_or_else(|| std::io::Error::other("rules_file has no file name"))?;
+    let mut tmp_name = std::ffi::OsString::from(".");
+    tmp_name.push(name);
+    tmp_name.push(format!(".tmp.{}", std::process::id()));
+    let tmp = dir.join(tmp_name);
+    let result = (|| {
+        let mut f = std::fs::File::create(&tmp)?;
+        f.write_all(bytes)?;
+        f.sync_all()?;
+        std::fs::rename(&tmp, path)?;
+        std::fs::File::open(&dir)?.sync_all()
+    })();
+    if result.is_err() {
+        // Best effort: the temp file may not exist if creating it was what failed.
+        let _ = std::fs::remove_file(&tmp);
+    }
+    result
+}
+
+/// Every [`PURGE_INTERVAL`] until shutdown: drops expired rules and brings the rules file in
+/// line with the live set (see the module doc). A failed write is logged and retried.
+pub async fn purge_loop(st: Arc<AdminState>) {
+    let mut tick = tokio::time::interval(PURGE_INTERVAL);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tokio::select! {
+            _ = tick.tick() => {}
+            _ = st.app.shutdown.cancelled() => return,
+        }
+        let live = st.app.policy.rules();
+        let mut written = st.rules_file.lock().await;
+        let gone = live.purge_expired(Instant::now());
+        if gone > 0 {
+            tracing::info!(count = gone, "expired rules removed");
+        }
+        let Some(path) = st.rules_path() else {
+            continue;
+        };
+        let bytes = match live.to_json_bytes() {
+            Ok(b) => b,
+            Err(e) => {
+                tracing::error!(error = %e, "cannot serialise rules");
+                continue;
+            }
+        };
+        if written.as_ref() != Some(&bytes) && write_file(path, bytes.clone()).await.is_ok() {
+            *written = Some(bytes);
+        }
+    }
+}

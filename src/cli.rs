@@ -1,0 +1,614 @@
+//! `pgsluice rules …` and `pgsluice top`: a terminal client for a running proxy's admin API.
+//!
+//! Owns the clap subcommands and a deliberately tiny HTTP/1.1 client (one request per TCP
+//! connection, `Connection: close`, plain HTTP to the admin port, which binds to loopback by
+//! default) so the binary needs no HTTP client crate. It validates nothing itself: rules go
+//! to the server as JSON and its field-level errors are printed as they come back, so there
+//! is one source of truth for what a valid rule is.
+
+use std::fmt::Write as _;
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use anyhow::{Context, anyhow, bail};
+use clap::{Args, Subcommand};
+use serde_json::Value;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpStream;
+
+use crate::policy::rules::RuleSpec;
+
+/// Whole exchange (connect, send, read the answer).
+const TIMEOUT: Duration = Duration::from_secs(10);
+/// Largest response read (a full `top --limit 1000` is well under this).
+const MAX_RESPONSE: usize = 32 * 1024 * 1024;
+
+/// Where the admin API is and how to authenticate; accepted before or after the subcommand.
+#[derive(Args, Debug, Clone)]
+pub struct AdminConn {
+    /// Admin API address.
+    #[arg(long, global = true, default_value = "127.0.0.1:9930")]
+    pub admin: SocketAddr,
+    /// Bearer token (write token for changes; read or write token for listings).
+    #[arg(
+        long,
+        global = true,
+        env = "PGSLUICE_ADMIN_TOKEN",
+        hide_env_values = true
+    )]
+    pub token: Option<String>,
+}
+
+/// Client subcommands; `main` flattens them next to its own.
+#[derive(Subcommand, Debug)]
+pub enum AdminCmd {
+    /// Runtime fingerprint rules of a running proxy.
+    Rules {
+        #[command(flatten)]
+        conn: AdminConn,
+        #[command(subcommand)]
+        cmd: RulesCmd,
+    },
+    /// Top query fingerprints of a running proxy.
+    Top {
+        #[command(flatten)]
+        conn: AdminConn,
+        /// total_time, calls, errors or refusals.
+        #[arg(long, default_value = "total_time")]
+        sort: String,
+        #[arg(long, default_value_t = 20)]
+        limit: usize,
+        /// Only fingerprints this caller ran.
+        #[arg(long)]
+        caller: Option<String>,
+        /// Print the API's JSON instead of a table.
+        #[arg(long)]
+        json: bool,
+    },
+}
+
+#[derive(Subcommand, Debug)]
+pub enum RulesCmd {
+    /// List rules with their counters and expiry.
+    List {
+        /// Print the API's JSON instead of a table.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Show one rule.
+    Get { hash: String },
+    /// Create or replace the rule for a fingerprint (16 hex digits).
+    Put(Box<PutArgs>),
+    /// Delete the rule for a fingerprint.
+    Delete { hash: String },
+}
+
+#[derive(Args, Debug)]
+#[command(allow_negative_numbers = true)]
+pub struct PutArgs {
+    /// Fingerprint, 16 hex digits (see `pgsluice top`).
+    pub hash: String,
+    /// The whole rule as a JSON object, instead of the flags below.
+    #[arg(long, conflicts_with = "action")]
+    pub json: Option<String>,
+    /// REJECT, THROTTLE, CONCURRENCY or TIMEOUT.
+    #[arg(long)]
+    pub action: Option<String>,
+    /// THROTTLE: statements per second.
+    #[arg(long)]
+    pub max_qps: Option<f64>,
+    /// THROTTLE: bucket size (default: one second's worth).
+    #[arg(long)]
+    pub burst: Option<u32>,
+    /// THROTTLE: REJECT (default) or QUEUE up to the caller's queue timeout.
+    #[arg(long = "on-exceed")]
+    pub action_on_exceed: Option<String>,
+    /// CONCURRENCY: statements of this pattern in flight at once.
+    #[arg(long)]
+    pub max_inflight: Option<u32>,
+    /// TIMEOUT: statement_timeout in milliseconds (0 = none).
+    #[arg(long)]
+    pub statement_timeout_ms: Option<u64>,
+    /// TIMEOUT: lock_timeout in milliseconds (0 = none).
+    #[arg(long)]
+    pub lock_timeout_ms: Option<u64>,
+    /// Text the refused client sees.
+    #[arg(long)]
+    pub error_message: Option<String>,
+    /// Remove the rule after this many seconds.
+    #[arg(long, alias = "ttl")]
+    pub ttl_seconds: Option<u64>,
+    /// Apply only to this caller (repeatable).
+    #[arg(long = "caller")]
+    pub callers: Vec<String>,
+    /// enforce (default) or warn (NOTICE only, count what would be refused).
+    #[arg(long)]
+    pub mode: Option<String>,
+    /// Free text for the next person on call.
+    #[arg(long)]
+    pub note: Option<String>,
+}
+
+impl PutArgs {
+    fn body(&self) -> anyhow::Result<Vec<u8>> {
+        if let Some(j) = &self.json {
+            return Ok(j.as_bytes().to_vec());
+        }
+        if self.action.is_none() {
+            bail!("give --action (REJECT, THROTTLE, CONCURRENCY or TIMEOUT) or --json");
+        }
+        let spec = RuleSpec {
+            action: self.action.clone(),
+            max_qps: self.max_qps,
+            burst: self.burst,
+            action_on_exceed: self.action_on_exceed.clone(),
+            max_inflight: self.max_inflight,
+            statement_timeout_ms: self.statement_timeout_ms,
+            lock_timeout_ms: self.lock_timeout_ms,
+            error_message: self.error_message.clone(),
+            ttl_seconds: self.ttl_seconds,
+            callers: (!self.callers.is_empty()).then(|| self.callers.clone()),
+            mode: self.mode.clone(),
+            note: self.note.clone(),
+        };
+        Ok(serde_json::to_vec(&spec)?)
+    }
+}
+
+/// Runs one client subcommand, printing to stdout.
+pub async fn run(cmd: AdminCmd) -> anyhow::Result<()> {
+    match cmd {
+        AdminCmd::Rules { conn, cmd } => {
+            let c = Client::new(conn);
+            match cmd {
+                RulesCmd::List { json } => {
+                    let v = c.call("GET", "/v1/rules", None).await?;
+                    if json {
+                        emit(&pretty(&v)?)?;
+                    } else {
+                        emit(&rules_table(&v))?;
+                    }
+                }
+                RulesCmd::Get { hash } => {
+                    let v = c.call("GET", &rule_path(&hash), None).await?;
+                    emit(&pretty(&v)?)?;
+                }
+                RulesCmd::Put(args) => {
+                    let body = args.body()?;
+                    let v = c.call("PUT", &rule_path(&args.hash), Some(&body)).await?;
+                    emit(&pretty(&v)?)?;
+                    if v.get("persisted") == Some(&Value::Bool(false)) {
+                        eprintln!(
+                            "note: no admin.rules_file configured; the rule is lost on restart"
+                        );
+                    }
+                }
+                RulesCmd::Delete { hash } => {
+                    c.call("DELETE", &rule_path(&hash), None).await?;
+                    emit(&format!("deleted rule {hash}\n"))?;
+                }
+            }
+        }
+        AdminCmd::Top {
+            conn,
+            sort,
+            limit,
+            caller,
+            json,
+        } => {
+            let c = Client::new(conn);
+            let mut path = format!(
+                "/v1/fingerprints?sort={}&limit={limit}",
+                percent_encode(&sort)
+            );
+            if let Some(caller) = caller {
+                let _ = write!(path, "&caller={}", percent_encode(&caller));
+            }
+            let v = c.call("GET", &path, None).await?;
+            if json {
+                emit(&pretty(&v)?)?;
+            } else {
+                emit(&top_table(&v))?;
+            }
+        }
+    }
+    Ok(())
+}
+
+fn pretty(v: &Value) -> anyhow::Result<String> {
+    Ok(serde_json::to_string_pretty(v)? + "\n")
+}
+
+/// Writes to stdout; a closed pipe (`pgsluice top | head`) ends output quietly.
+fn emit(text: &str) -> anyhow::Result<()> {
+    use std::io::Write;
+    let mut out = std::io::stdout().lock();
+    match out.write_all(text.as_bytes()).and_then(|()| out.flush()) {
+        Err(e) if e.kind() == std::io::ErrorKind::BrokenPipe => Ok(()),
+        r => r.map_err(Into::into),
+    }
+}
+
+fn rule_path(hash: &str) -> String {
+    format!("/v1/rules/fingerprint/{}", percent_encode(hash))
+}
+
+/// Percent-encodes everything but unreserved characters (RFC 3986).
+fn percent_encode(s: &str) -> String {
+    let mut out = String::with_capacity(s.len());
+    for b in s.bytes() {
+        if b.is_ascii_alphanumeric() || b"-._~".contains(&b) {
+            out.push(char::from(b));
+        } else {
+            let _ = write!(out, "%{b:02X}");
+        }
+    }
+    out
+}
+
+struct Client {
+    addr: SocketAddr,
+    token: Option<String>,
+}
+
+impl Client {
+    fn new(conn: AdminConn) -> Self {
+        Client {
+            addr: conn.admin,
+            token: conn.token.filter(|t| !t.is_empty()),
+        }
+    }
+
+    /// One request; a JSON answer on 2xx, else an error carrying the server's message.
+    async fn call(&self, method: &str, path: &str, body: Option<&[u8]>) -> anyhow::Result<Value> {
+        let (status, bytes) = tokio::time::timeout(TIMEOUT, self.exchange(method, path, body))
+            .await
+            .map_err(|_| {
+                anyhow!(
+                    "admin API at {} did not answer within {TIMEOUT:?}",
+                    self.addr
+                )
+            })??;
+        let v: Value = if bytes.is_empty() {
+            Value::Null
+        } else {
+            serde_json::from_slice(&bytes)
+                .unwrap_or_else(|_| Value::String(String::from_utf8_lossy(&bytes).into_owned()))
+        };
+        if (200..300).contains(&status) {
+            return Ok(v);
+        }
+        let field = |k: &str| v.get(k).and_then(Value::as_str);
+        let mut msg = format!("HTTP {status}");
+        if let Some(e) = field("error") {
+            let _ = write!(msg, ": {e}");
+        }
+        if let Some(f) = field("field") {
+            let _ = write!(msg, ": {f}");
+        }
+        match field("message") {
+            Some(m) => {
+                let _ = write!(msg, ": {m}");
+            }
+            None if v.is_string() => {
+                let _ = write!(msg, ": {}", v.as_str().unwrap_or_default());
+            }
+            None => {}
+        }
+        if let Some(errs) = v.get("errors").and_then(Value::as_array) {
+            for e in errs {
+                let _ = write!(msg, "\n  {}", e.as_str().unwrap_or_default());
+            }
+        }
+        if status == 401 && self.token.is_none() {
+            msg.push_str("\n(no token given: use --token or PGSLUICE_ADMIN_TOKEN)");
+        }
+        Err(anyhow!(msg))
+    }
+
+    async fn exchange(
+        &self,
+        method: &str,
+        path: &str,
+        body: Option<&[u8]>,
+    ) -> anyhow::Result<(u16, Vec<u8>)> {
+        let mut s = TcpStream::connect(self.addr)
+            .await
+            .with_context(|| format!("cannot connect to the admin API at {}", self.addr))?;
+        let mut req = format!(
+            "{method} {path} HTTP/1.1\r\nHost: {}\r\nConnection: close\r\nAccept: application/json\r\n",
+            self.addr
+        );
+        if let Some(t) = &self.token {
+            let _ = write!(req, "Authorization: Bearer {t}\r\n");
+        }
+        if let Some(b) = body {
+            let _ = write!(
+                req,
+                "Content-Type: application/json\r\nContent-Length: {}\r\n",
+                b.len()
+            );
+        }
+        req.push_str("\r\n");
+        s.write_all(req.as_bytes()).await?;
+        if let Some(b) = body {
+            s.write_all(b).await?;
+        }
+        let mut raw = Vec::new();
+        (&mut s)
+            .take(u64::try_from(MAX_RESPONSE).unwrap_or(u64::MAX))
+            .read_to_end(&mut raw)
+            .await?;
+        parse_response(&raw)
+    }
+}
+
+/// Status and body of an HTTP/1.1 response read to EOF (length-delimited or chunked).
+fn parse_response(raw: &[u8]) -> anyhow::Result<(u16, Vec<u8>)> {
+    let end = raw
+        .windows(4)
+        .position(|w| w == b"\r\n\r\n")
+        .ok_or_else(|| anyhow!("malformed HTTP response (no end of headers)"))?;
+    let head = std::str::from_utf8(&raw[..end]).context("malformed HTTP response headers")?;
+    let rest = &raw[end + 4..];
+    let mut lines = head.split("\r\n");
+    let status: u16 = lines
+        .next()
+        .and_then(|l| l.split(' ').nth(1))
+        .and_then(|c| c.parse().ok())
+        .ok_or_else(|| anyhow!("malformed HTTP status line"))?;
+    let (mut chunked, mut length) = (false, None);
+    for l in lines {
+        let Some((k, v)) = l.split_once(':') else {
+            continue;
+        };
+        let (k, v) = (k.trim(), v.trim());
+        if k.eq_ignore_ascii_case("transfer-encoding") && v.eq_ignore_ascii_case("chunked") {
+            chunked = true;
+        } else if k.eq_ignore_ascii_case("content-length") {
+            length = v.parse::<usize>().ok();
+        }
+    }
+    let body = if chunked {
+        dechunk(rest)?
+    } else {
+        let n = length.unwrap_or(rest.len()).min(rest.len());
+        rest[..n].to_vec()
+    };
+    Ok((status, body))
+}
+
+fn dechunk(mut b: &[u8]) -> anyhow::Result<Vec<u8>> {
+    let mut out = Vec::new();
+    loop {
+        let eol = b
+            .windows(2)
+            .position(|w| w == b"\r\n")
+            .ok_or_else(|| anyhow!("malformed chunked body"))?;
+        let size_text = std::str::from_utf8(&b[..eol])?;
+        let size_text = size_text.split(';').next().unwrap_or_default().trim();
+        let size = usize::from_str_radix(size_text, 16).context("malformed chunk size")?;
+        b = &b[eol + 2..];
+        if size == 0 {
+            return Ok(out);
+        }
+        if b.len() < size + 2 {
+            bail!("truncated chunked body");
+        }
+        out.extend_from_slice(&b[..size]);
+        b = &b[size + 2..];
+    }
+}
+
+/// Left-aligned columns, two spaces apart.
+fn table(header: &[&str], rows: &[Vec<String>]) -> String {
+    let mut widths: Vec<usize> = header.iter().map(|h| h.chars().count()).collect();
+    for r in rows {
+        for (w, cell) in widths.iter_mut().zip(r) {
+            *w = (*w).max(cell.chars().count());
+        }
+    }
+    let mut out = String::new();
+    let mut line = |cells: &mut dyn Iterator<Item = &str>| {
+        let mut l = String::new();
+        for (i, c) in cells.enumerate() {
+            let _ = write!(l, "{c:<w$}  ", w = widths.get(i).copied().unwrap_or(0));
+        }
+        out.push_str(l.trim_end());
+        out.push('\n');
+    };
+    line(&mut header.iter().copied());
+    for r in rows {
+        line(&mut r.iter().map(String::as_str));
+    }
+    out
+}
+
+fn num(v: &Value, k: &str) -> String {
+    match v.get(k) {
+        Some(Value::Number(n)) => n.to_string(),
+        _ => "-".to_owned(),
+    }
+}
+
+fn ms(v: &Value, k: &str) -> String {
+    v.get(k)
+        .and_then(Value::as_f64)
+        .map_or_else(|| "-".to_owned(), |f| format!("{f:.2}"))
+}
+
+fn text(v: &Value, k: &str) -> String {
+    v.get(k).and_then(Value::as_str).unwrap_or("-").to_owned()
+}
+
+/// What the rule limits, in a few words.
+fn rule_limit(r: &Value) -> String {
+    match r.get("action").and_then(Value::as_str).unwrap_or_default() {
+        "THROTTLE" => format!(
+            "{}/s burst {} then {}",
+            num(r, "max_qps"),
+            num(r, "burst"),
+            text(r, "action_on_exceed")
+        ),
+        "CONCURRENCY" => format!("{} in flight", num(r, "max_inflight")),
+        "TIMEOUT" => format!(
+            "statement {} ms, lock {} ms",
+            num(r, "statement_timeout_ms"),
+            num(r, "lock_timeout_ms")
+        ),
+        _ => "-".to_owned(),
+    }
+}
+
+fn rules_table(v: &Value) -> String {
+    let rules = v
+        .get("rules")
+        .and_then(Value::as_array)
+        .cloned()
+        .unwrap_or_default();
+    if rules.is_empty() {
+        return "no rules\n".to_owned();
+    }
+    let rows: Vec<Vec<String>> = rules
+        .iter()
+        .map(|r| {
+            let callers = r.get("callers").and_then(Value::as_array).map_or_else(
+                || "*".to_owned(),
+                |c| {
+                    c.iter()
+                        .filter_map(Value::as_str)
+                        .collect::<Vec<_>>()
+                        .join(",")
+                },
+            );
+            let expires = r.get("expires_in_ms").and_then(Value::as_u64).map_or_else(
+                || "never".to_owned(),
+                |ms| format!("{}s", ms.div_ceil(1000)),
+            );
+            vec![
+                text(r, "fingerprint"),
+                text(r, "action"),
+                text(r, "mode"),
+                rule_limit(r),
+                callers,
+                num(r, "hits"),
+                num(r, "refusals"),
+                num(r, "warned"),
+                expires,
+                text(r, "note"),
+            ]
+        })
+        .collect();
+    table(
+        &[
+            "FINGERPRINT",
+            "ACTION",
+            "MODE",
+            "LIMIT",
+            "CALLERS",
+            "HITS",
+            "REFUSED",
+            "WARNED",
+            "EXPIRES",
+            "NOTE",
+        ],
+        &rows,
+    )
+}
+
+/// Whitespace collapsed, cut to `max` characters.
+fn one_line(s: &str, max: usize) -> String {
+    let flat = s.split_whitespace().collect::<Vec<_>>().join(" ");
+    if flat.chars().count() <= max {
+        return flat;
+    }
+    let mut cut: String = flat.chars().take(max.saturating_sub(1)).collect();
+    cut.push('…');
+    cut
+}
+
+fn top_table(v: &Value) -> String {
+    let rows = v
+        .get("fingerprints")
+        .and_then(Value::as_array)
+        .cloned()
+        .unwrap_or_default();
+    if rows.is_empty() {
+        return "no fingerprints recorded yet\n".to_owned();
+    }
+    let rows: Vec<Vec<String>> = rows
+        .iter()
+        .map(|f| {
+            vec![
+                text(f, "fingerprint"),
+                num(f, "calls"),
+                num(f, "errors"),
+                num(f, "refusals"),
+                ms(f, "total_ms"),
+                ms(f, "mean_ms"),
+                ms(f, "p99_ms"),
+                one_line(&text(f, "normalized"), 80),
+            ]
+        })
+        .collect();
+    table(
+        &[
+            "FINGERPRINT",
+            "CALLS",
+            "ERRORS",
+            "REFUSED",
+            "TOTAL_MS",
+            "MEAN_MS",
+            "P99_MS",
+            "QUERY",
+        ],
+        &rows,
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_length_and_chunked_responses() {
+        let r = b"HTTP/1.1 201 Created\r\ncontent-length: 2\r\n\r\n{}";
+        assert_eq!(parse_response(r).unwrap(), (201, b"{}".to_vec()));
+        let r = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n3\r\nabc\r\n2;x=y\r\nde\r\n0\r\n\r\n";
+        assert_eq!(parse_response(r).unwrap(), (200, b"abcde".to_vec()));
+        assert!(parse_response(b"HTTP/1.1 200 OK\r\n").is_err());
+    }
+
+    #[test]
+    fn put_flags_become_a_rule_body() {
+        let args = PutArgs {
+            hash: "00000000000000ff".into(),
+            json: None,
+            action: Some("THROTTLE".into()),
+            max_qps: Some(2.0),
+            burst: None,
+            action_on_exceed: None,
+            max_inflight: None,
+            statement_timeout_ms: None,
+            lock_timeout_ms: None,
+            error_message: None,
+            ttl_seconds: Some(60),
+            callers: vec!["app".into()],
+            mode: None,
+            note: None,
+        };
+        let v: Value = serde_json::from_slice(&args.body().unwrap()).unwrap();
+        assert_eq!(
+            v,
+            serde_json::json!({"action":"THROTTLE","max_qps":2.0,"ttl_seconds":60,"callers":["app"]})
+        );
+    }
+
+    #[test]
+    fn tables_and_encoding() {
+        assert_eq!(percent_encode("a b/é"), "a%20b%2F%C3%A9");
+        let t = table(&["A", "BB"], &[vec!["xyz".into(), "1".into()]]);
+        assert_eq!(t, "A    BB\nxyz  1\n");
+        assert_eq!(one_line("select  1\n from t", 8), "select …");
+    }
+}

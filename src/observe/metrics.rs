@@ -1,0 +1,732 @@
+//! Prometheus metrics: one typed [`Metrics`] struct over a private `prometheus::Registry`.
+//!
+//! Owns the metric names, their label sets and the text exposition. It imports nothing else
+//! of ours: sessions report events through the typed methods, and the admin `/metrics`
+//! handler hands over a plain-data [`Scrape`] of app state (pools, callers, breaker, …) that
+//! is written into gauges and counters just before rendering.
+//!
+//! Rules it keeps:
+//! * Names are `pgsluice_*` with the unit in the name (`_seconds`, `_total`, `_connections`).
+//! * Labels come only from bounded sets: caller names from the config (plus `default`),
+//!   refusal reasons, rule actions and breaker states (all `&'static str` chosen by our code),
+//!   pool names (capped at [`MAX_POOL_SERIES`], the rest summed into `pool="other"`). Never
+//!   SQL, fingerprints or client-chosen strings: per-fingerprint detail lives in the admin
+//!   API (`GET /v1/fingerprints`); here there is only `pgsluice_fingerprints_tracked`.
+//! * The hot path never calls `with_label_values`: per-caller handles (query counters,
+//!   histograms, refusal counters for every known reason) are resolved once, kept in a `Vec`
+//!   indexed by caller id and swapped with arc-swap on reload. An id past the end is the last
+//!   entry, `default`, as in the policy. A reason or action outside the known lists still
+//!   works (bounded: they are `&'static str`) but takes the slower labelled lookup.
+//! * Counters whose source of truth is an atomic elsewhere (backend connects, cancels, …) are
+//!   real Prometheus counters set at scrape time; scrapes are serialised so two concurrent
+//!   scrapes cannot observe each other's half-written values.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use arc_swap::ArcSwap;
+use parking_lot::Mutex;
+use prometheus::core::Collector;
+use prometheus::{
+    Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge, IntGaugeVec, Opts,
+    Registry, TextEncoder,
+};
+
+/// Refusal reasons with pre-resolved per-caller counters (the policy's `RefusalKind` labels).
+pub const KNOWN_REASONS: [&str; 6] = [
+    "caller_limit",
+    "queue_timeout",
+    "rate_limited",
+    "query_blocked",
+    "circuit_open",
+    "query_concurrency",
+];
+/// Rule actions with pre-resolved hit counters.
+pub const KNOWN_ACTIONS: [&str; 4] = ["REJECT", "THROTTLE", "CONCURRENCY", "TIMEOUT"];
+/// Breaker states with pre-resolved transition counters.
+pub const KNOWN_BREAKER_STATES: [&str; 3] = ["closed", "open", "half_open"];
+/// Pools labelled individually; beyond this they are summed under `pool="other"` (pools are
+/// per (database, user), and a logged-in client chooses the database name).
+pub const MAX_POOL_SERIES: usize = 64;
+/// Values of `pgsluice_breaker_state`.
+pub const BREAKER_CLOSED: i64 = 0;
+pub const BREAKER_HALF_OPEN: i64 = 1;
+pub const BREAKER_OPEN: i64 = 2;
+
+const QUERY_BUCKETS: [f64; 16] = [
+    0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
+    60.0,
+];
+const QUEUE_BUCKETS: [f64; 13] = [
+    0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
+];
+
+/// One pool at scrape time.
+#[derive(Debug, Clone, Default)]
+pub struct PoolSample {
+    pub name: String,
+    pub size: u64,
+    pub active: u64,
+    pub idle: u64,
+    pub waiting: u64,
+    pub pinned: u64,
+    pub connect_attempts: u64,
+    pub connect_failures: u64,
+    pub checkout_timeouts: u64,
+}
+
+/// One caller at scrape time.
+#[derive(Debug, Clone, Default)]
+pub struct CallerSample {
+    pub name: String,
+    pub in_flight: u64,
+    pub queued: u64,
+    pub admitted: u64,
+}
+
+/// App state read by the `/metrics` handler, written into the scrape-time series.
+#[derive(Debug, Clone, Default)]
+pub struct Scrape {
+    pub pools: Vec<PoolSample>,
+    pub callers: Vec<CallerSample>,
+    pub client_connections: u64,
+    pub client_connections_accepted: u64,
+    pub handshakes_in_progress: u64,
+    pub client_errors: u64,
+    /// [`BREAKER_CLOSED`], [`BREAKER_HALF_OPEN`] or [`BREAKER_OPEN`].
+    pub breaker_state: i64,
+    /// Trips so far by reason (bounded set of `&'static str`).
+    pub breaker_trips: Vec<(&'static str, u64)>,
+    /// Statements holding a breaker ticket, proxy-wide.
+    pub in_flight: u64,
+    pub cancels_sent: u64,
+    pub cancels_ignored: u64,
+    pub rules: u64,
+    pub fingerprints_tracked: u64,
+}
+
+/// All metrics of one process. Cheap to clone (shared inside), so the breaker's transition
+/// observer can hold its own handle.
+#[derive(Clone)]
+pub struct Metrics {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    registry: Registry,
+    queries: IntCounterVec,
+    query_duration: HistogramVec,
+    queue_wait: HistogramVec,
+    refusals: IntCounterVec,
+    rule_hits: IntCounterVec,
+    /// `[action][refused as usize]`, in [`KNOWN_ACTIONS`] order.
+    rule_hit_handles: Vec<[IntCounter; 2]>,
+    breaker_transitions: IntCounterVec,
+    /// In [`KNOWN_BREAKER_STATES`] order.
+    transition_handles: Vec<IntCounter>,
+    /// Index = caller id; never empty (the last entry is `default`).
+    callers: ArcSwap<Vec<CallerHandles>>,
+    /// Serialises `set_callers` so two reloads cannot interleave their series cleanup.
+    callers_lock: Mutex<()>,
+    /// Scrape-time series; the lock is held from writing them to the end of encoding.
+    scrape: Mutex<ScrapeSeries>,
+}
+
+/// Pre-resolved handles of one caller.
+struct CallerHandles {
+    name: String,
+    ok: IntCounter,
+    error: IntCounter,
+    duration: Histogram,
+    queue_wait: Histogram,
+    /// In [`KNOWN_REASONS`] order.
+    refusals: Vec<IntCounter>,
+}
+
+struct ScrapeSeries {
+    pool_connections: IntGaugeVec,
+    pool_max_connections: IntGaugeVec,
+    pool_waiting: IntGaugeVec,
+    pool_pinned: IntGaugeVec,
+    connect_attempts: IntCounterVec,
+    connect_failures: IntCounterVec,
+    checkout_timeouts: IntCounterVec,
+    clients: IntGauge,
+    clients_accepted: IntCounter,
+    handshakes: IntGauge,
+    client_errors: IntCounter,
+    breaker_state: IntGauge,
+    breaker_trips: IntCounterVec,
+    in_flight: IntGauge,
+    cancels: IntCounterVec,
+    caller_in_flight: IntGaugeVec,
+    caller_queued: IntGaugeVec,
+    caller_admitted: IntCounterVec,
+    rules: IntGauge,
+    fingerprints_tracked: IntGauge,
+}
+
+/// Registers a collector. Names, help texts and label names are constants of this file, so
+/// failure is a programming error caught by the unit test, never something input can reach.
+fn reg<C: Collector + Clone + 'static>(r: &Registry, c: prometheus::Result<C>) -> C {
+    let c = c.expect("static metric definition is valid");
+    r.register(Box::new(c.clone()))
+        .expect("metric names are unique");
+    c
+}
+
+fn counter_vec(r: &Registry, name: &str, help: &str, labels: &[&str]) -> IntCounterVec {
+    reg(r, IntCounterVec::new(Opts::new(name, help), labels))
+}
+
+fn gauge_vec(r: &Registry, name: &str, help: &str, labels: &[&str]) -> IntGaugeVec {
+    reg(r, IntGaugeVec::new(Opts::new(name, help), labels))
+}
+
+fn histogram_vec(r: &Registry, name: &str, help: &str, buckets: &[f64]) -> HistogramVec {
+    let opts = HistogramOpts::new(name, help).buckets(buckets.to_vec());
+    reg(r, HistogramVec::new(opts, &["caller"]))
+}
+
+/// Sets a scrape-time counter to `v` (the scrape lock is held, so nobody sees the reset).
+fn set_counter(c: &IntCounter, v: u64) {
+    c.reset();
+    c.inc_by(v);
+}
+
+fn gauge_value(v: u64) -> i64 {
+    i64::try_from(v).unwrap_or(i64::MAX)
+}
+
+impl Metrics {
+    /// Index = caller id, last = `default` (appended when `caller_names` lacks it at the end).
+    pub fn new(caller_names: &[String]) -> Metrics {
+        let r = Registry::new();
+        let queries = counter_vec(
+            &r,
+            "pgsluice_queries_total",
+            "Statements that reached the backend, by caller and outcome (ok, error).",
+            &["caller", "outcome"],
+        );
+        let query_duration = histogram_vec(
+            &r,
+            "pgsluice_query_duration_seconds",
+            "Client-observed statement time through the proxy, queue wait included.",
+            &QUERY_BUCKETS,
+        );
+        let queue_wait = histogram_vec(
+            &r,
+            "pgsluice_queue_wait_seconds",
+            "Time admitted statements waited for a caller slot or a THROTTLE token.",
+            &QUEUE_BUCKETS,
+        );
+        let refusals = counter_vec(
+            &r,
+            "pgsluice_refusals_total",
+            "Statements refused before reaching Postgres, by caller and reason.",
+            &["caller", "reason"],
+        );
+        let rule_hits = counter_vec(
+            &r,
+            "pgsluice_rule_hits_total",
+            "Statements matched by a fingerprint rule, by action and outcome (admitted, refused).",
+            &["action", "outcome"],
+        );
+        let rule_hit_handles = KNOWN_ACTIONS
+            .iter()
+            .map(|a| {
+                [
+                    rule_hits.with_label_values(&[*a, "admitted"]),
+                    rule_hits.with_label_values(&[*a, "refused"]),
+                ]
+            })
+            .collect();
+        let breaker_transitions = counter_vec(
+            &r,
+            "pgsluice_breaker_transitions_total",
+            "Circuit breaker state changes, by the state entered.",
+            &["to"],
+        );
+        let transition_handles = KNOWN_BREAKER_STATES
+            .iter()
+            .map(|s| breaker_transitions.with_label_values(&[*s]))
+            .collect();
+        let scrape = ScrapeSeries::register(&r);
+        let inner = Inner {
+            registry: r,
+            queries,
+            query_duration,
+            queue_wait,
+            refusals,
+            rule_hits,
+            rule_hit_handles,
+            breaker_transitions,
+            transition_handles,
+            callers: ArcSwap::from_pointee(Vec::new()),
+            callers_lock: Mutex::new(()),
+            scrape: Mutex::new(scrape),
+        };
+        let m = Metrics {
+            inner: Arc::new(inner),
+        };
+        m.set_callers(caller_names);
+        m
+    }
+
+    /// Swaps in the caller table after a reload. Series of callers that are gone are removed
+    /// (so the label set stays the configured one); the rest keep counting.
+    pub fn set_callers(&self, caller_names: &[String]) {
+        let i = &self.inner;
+        let _serial = i.callers_lock.lock();
+        let mut names: Vec<String> = caller_names.to_vec();
+        if names.last().map(String::as_str) != Some("default") {
+            names.push("default".to_owned());
+        }
+        let table: Vec<CallerHandles> = names
+            .iter()
+            .map(|n| CallerHandles {
+                name: n.clone(),
+                ok: i.queries.with_label_values(&[n.as_str(), "ok"]),
+                error: i.queries.with_label_values(&[n.as_str(), "error"]),
+                duration: i.query_duration.with_label_values(&[n.as_str()]),
+                queue_wait: i.queue_wait.with_label_values(&[n.as_str()]),
+                refusals: KNOWN_REASONS
+                    .iter()
+                    .map(|r| i.refusals.with_label_values(&[n.as_str(), *r]))
+                    .collect(),
+            })
+            .collect();
+        let old = i.callers.swap(Arc::new(table));
+        for gone in old.iter().filter(|h| !names.contains(&h.name)) {
+            let n = gone.name.as_str();
+            // Removal of a series that was never created only returns an error: ignored.
+            let _ = i.queries.remove_label_values(&[n, "ok"]);
+            let _ = i.queries.remove_label_values(&[n, "error"]);
+            let _ = i.query_duration.remove_label_values(&[n]);
+            let _ = i.queue_wait.remove_label_values(&[n]);
+            for r in KNOWN_REASONS {
+                let _ = i.refusals.remove_label_values(&[n, r]);
+            }
+        }
+    }
+
+    /// Runs `f` with the caller's handles; unknown ids are the last entry (`default`).
+    fn with_caller(&self, caller: u16, f: impl FnOnce(&CallerHandles)) {
+        let table = self.inner.callers.load();
+        if let Some(h) = table.get(usize::from(caller)).or_else(|| table.last()) {
+            f(h);
+        }
+    }
+
+    /// A statement that reached the backend finished: `pgsluice_queries_total{caller,outcome}`
+    /// and `pgsluice_query_duration_seconds{caller}`.
+    pub fn query(&self, caller: u16, elapsed: Duration, ok: bool) {
+        self.with_caller(caller, |h| {
+            if ok { &h.ok } else { &h.error }.inc();
+            h.duration.observe(elapsed.as_secs_f64());
+        });
+    }
+
+    /// An admitted statement waited this long: `pgsluice_queue_wait_seconds{caller}`.
+    pub fn queue_wait(&self, caller: u16, waited: Duration) {
+        self.with_caller(caller, |h| h.queue_wait.observe(waited.as_secs_f64()));
+    }
+
+    /// A statement was refused: `pgsluice_refusals_total{caller,reason}`.
+    pub fn refusal(&self, caller: u16, reason: &'static str) {
+        self.with_caller(caller, |h| {
+            match KNOWN_REASONS.iter().position(|r| *r == reason) {
+                Some(i) => h.refusals[i].inc(),
+                None => self
+                    .inner
+                    .refusals
+                    .with_label_values(&[h.name.as_str(), reason])
+                    .inc(),
+            }
+        });
+    }
+
+    /// A fingerprint rule matched: `pgsluice_rule_hits_total{action,outcome}`.
+    pub fn rule_hit(&self, action: &'static str, refused: bool) {
+        let i = &self.inner;
+        match KNOWN_ACTIONS.iter().position(|a| *a == action) {
+            Some(a) => i.rule_hit_handles[a][usize::from(refused)].inc(),
+            None => {
+                let outcome = if refused { "refused" } else { "admitted" };
+                i.rule_hits.with_label_values(&[action, outcome]).inc();
+            }
+        }
+    }
+
+    /// The breaker entered state `to`: `pgsluice_breaker_transitions_total{to}`.
+    pub fn breaker_transition(&self, to: &'static str) {
+        let i = &self.inner;
+        match KNOWN_BREAKER_STATES.iter().position(|s| *s == to) {
+            Some(s) => i.transition_handles[s].inc(),
+            None => i.breaker_transitions.with_label_values(&[to]).inc(),
+        }
+    }
+
+    /// Text exposition of everything, scrape-time series as last set.
+    pub fn render(&self) -> String {
+        let _scrape = self.inner.scrape.lock();
+        self.encode()
+    }
+
+    /// Writes `scrape` into the scrape-time series and renders, as one step.
+    pub fn render_with(&self, scrape: &Scrape) -> String {
+        let series = self.inner.scrape.lock();
+        series.set(scrape);
+        self.encode()
+    }
+
+    fn encode(&self) -> String {
+        let families = self.inner.registry.gather();
+        let mut out = String::with_capacity(16 * 1024);
+        match TextEncoder::new().encode_utf8(&families, &mut out) {
+            Ok(()) => out,
+            Err(e) => format!("# pgsluice: metrics encoding failed: {e}\n"),
+        }
+    }
+}
+
+impl ScrapeSeries {
+    fn register(r: &Registry) -> Self {
+        let gauge = |name: &str, help: &str| reg(r, IntGauge::new(name, help));
+        let counter = |name: &str, help: &str| reg(r, IntCounter::new(name, help));
+        ScrapeSeries {
+            pool_connections: gauge_vec(
+                r,
+                "pgsluice_pool_connections",
+                "Backend connections by pool and state (active, idle).",
+                &["pool", "state"],
+            ),
+            pool_max_connections: gauge_vec(
+                r,
+                "pgsluice_pool_max_connections",
+                "Configured backend connections per pool (pool size).",
+                &["pool"],
+            ),
+            pool_waiting: gauge_vec(
+                r,
+                "pgsluice_pool_waiting_clients",
+                "Clients waiting for a backend connection.",
+                &["pool"],
+            ),
+            pool_pinned: gauge_vec(
+                r,
+                "pgsluice_pool_pinned_clients",
+                "Clients pinned to one backend connection (session state).",
+                &["pool"],
+            ),
+            connect_attempts: counter_vec(
+                r,
+                "pgsluice_backend_connect_attempts_total",
+                "Backend connection attempts.",
+                &["pool"],
+            ),
+            connect_failures: counter_vec(
+                r,
+                "pgsluice_backend_connect_failures_total",
+                "Backend connection attempts that failed.",
+                &["pool"],
+            ),
+            checkout_timeouts: counter_vec(
+                r,
+                "pgsluice_pool_checkout_timeouts_total",
+                "Clients that gave up waiting for a backend connection.",
+                &["pool"],
+            ),
+            clients: gauge(
+                "pgsluice_client_connections",
+                "Client connections currently open.",
+            ),
+            clients_accepted: counter(
+                "pgsluice_client_connections_accepted_total",
+                "Client connections accepted since start.",
+            ),
+            handshakes: gauge(
+                "pgsluice_client_handshakes",
+                "Client handshakes (startup and authentication) in progress.",
+            ),
+            client_errors: counter(
+                "pgsluice_client_errors_total",
+                "Client connections that ended with a protocol or I/O error.",
+            ),
+            breaker_state: gauge(
+                "pgsluice_breaker_state",
+                "Circuit breaker state: 0 closed, 1 half-open, 2 open.",
+            ),
+            breaker_trips: counter_vec(
+                r,
+                "pgsluice_breaker_trips_total",
+                "Times the circuit breaker opened, by reason.",
+                &["reason"],
+            ),
+            in_flight: gauge(
+                "pgsluice_in_flight_statements",
+                "Admitted statements not yet finished, proxy-wide.",
+            ),
+            cancels: counter_vec(
+                r,
+                "pgsluice_cancels_total",
+                "Client cancel requests, by outcome (sent to a backend, ignored).",
+                &["outcome"],
+            ),
+            caller_in_flight: gauge_vec(
+                r,
+                "pgsluice_caller_in_flight_statements",
+                "Statements holding a caller concurrency slot.",
+                &["caller"],
+            ),
+            caller_queued: gauge_vec(
+                r,
+                "pgsluice_caller_queued_statements",
+                "Statements waiting for a caller concurrency slot.",
+                &["caller"],
+            ),
+            caller_admitted: counter_vec(
+                r,
+                "pgsluice_caller_admitted_total",
+                "Statements admitted by the policy, by caller.",
+                &["caller"],
+            ),
+            rules: gauge("pgsluice_rules", "Runtime fingerprint rules installed."),
+            fingerprints_tracked: gauge(
+                "pgsluice_fingerprints_tracked",
+                "Fingerprints with their own statistics (see GET /v1/fingerprints).",
+            ),
+        }
+    }
+
+    fn set(&self, s: &Scrape) {
+        // Dropping every labelled child first removes pools and callers that are gone.
+        self.pool_connections.reset();
+        self.pool_max_connections.reset();
+        self.pool_waiting.reset();
+        self.pool_pinned.reset();
+        self.connect_attempts.reset();
+        self.connect_failures.reset();
+        self.checkout_timeouts.reset();
+        for p in capped_pools(&s.pools) {
+            let l = [p.name.as_str()];
+            let conn = |state: &str, v: u64| {
+                self.pool_connections
+                    .with_label_values(&[p.name.as_str(), state])
+                    .set(gauge_value(v));
+            };
+            conn("active", p.active);
+            conn("idle", p.idle);
+            self.pool_max_connections
+                .with_label_values(&l)
+                .set(gauge_value(p.size));
+            self.pool_waiting
+                .with_label_values(&l)
+                .set(gauge_value(p.waiting));
+            self.pool_pinned
+                .with_label_values(&l)
+                .set(gauge_value(p.pinned));
+            set_counter(
+                &self.connect_attempts.with_label_values(&l),
+                p.connect_attempts,
+            );
+            set_counter(
+                &self.connect_failures.with_label_values(&l),
+                p.connect_failures,
+            );
+            set_counter(
+                &self.checkout_timeouts.with_label_values(&l),
+                p.checkout_timeouts,
+            );
+        }
+        self.clients.set(gauge_value(s.client_connections));
+        set_counter(&self.clients_accepted, s.client_connections_accepted);
+        self.handshakes.set(gauge_value(s.handshakes_in_progress));
+        set_counter(&self.client_errors, s.client_errors);
+        self.breaker_state.set(s.breaker_state);
+        for (reason, n) in &s.breaker_trips {
+            set_counter(&self.breaker_trips.with_label_values(&[*reason]), *n);
+        }
+        self.in_flight.set(gauge_value(s.in_flight));
+        set_counter(&self.cancels.with_label_values(&["sent"]), s.cancels_sent);
+        set_counter(
+            &self.cancels.with_label_values(&["ignored"]),
+            s.cancels_ignored,
+        );
+        self.caller_in_flight.reset();
+        self.caller_queued.reset();
+        self.caller_admitted.reset();
+        for c in &s.callers {
+            let l = [c.name.as_str()];
+            self.caller_in_flight
+                .with_label_values(&l)
+                .set(gauge_value(c.in_flight));
+            self.caller_queued
+                .with_label_values(&l)
+                .set(gauge_value(c.queued));
+            set_counter(&self.caller_admitted.with_label_values(&l), c.admitted);
+        }
+        self.rules.set(gauge_value(s.rules));
+        self.fingerprints_tracked
+            .set(gauge_value(s.fingerprints_tracked));
+    }
+}
+
+/// The first [`MAX_POOL_SERIES`]` - 1` pools by name, then one `other` summing the rest.
+fn capped_pools(pools: &[PoolSample]) -> Vec<PoolSample> {
+    let mut sorted: Vec<&PoolSample> = pools.iter().collect();
+    sorted.sort_by(|a, b| a.name.cmp(&b.name));
+    if sorted.len() <= MAX_POOL_SERIES {
+        return sorted.into_iter().cloned().collect();
+    }
+    let (kept, rest) = sorted.split_at(MAX_POOL_SERIES - 1);
+    let mut other = PoolSample {
+        name: "other".to_owned(),
+        ..PoolSample::default()
+    };
+    for p in rest {
+        other.size += p.size;
+        other.active += p.active;
+        other.idle += p.idle;
+        other.waiting += p.waiting;
+        other.pinned += p.pinned;
+        other.connect_attempts += p.connect_attempts;
+        other.connect_failures += p.connect_failures;
+        other.checkout_timeouts += p.checkout_timeouts;
+    }
+    kept.iter()
+        .map(|p| (*p).clone())
+        .chain(std::iter::once(other))
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn names(v: &[&str]) -> Vec<String> {
+        v.iter().map(|s| (*s).to_owned()).collect()
+    }
+
+    fn sample(text: &str, prefix: &str) -> Option<f64> {
+        text.lines()
+            .find(|l| l.starts_with(prefix))
+            .and_then(|l| l.rsplit(' ').next())
+            .and_then(|v| v.parse().ok())
+    }
+
+    #[test]
+    fn unknown_caller_id_counts_as_default() {
+        let m = Metrics::new(&names(&["app", "default"]));
+        m.query(0, Duration::from_millis(3), true);
+        m.query(999, Duration::from_millis(3), false);
+        m.refusal(999, "rate_limited");
+        let t = m.render();
+        assert_eq!(
+            sample(&t, r#"pgsluice_queries_total{caller="app",outcome="ok"}"#),
+            Some(1.0)
+        );
+        assert_eq!(
+            sample(
+                &t,
+                r#"pgsluice_queries_total{caller="default",outcome="error"}"#
+            ),
+            Some(1.0)
+        );
+        assert_eq!(
+            sample(
+                &t,
+                r#"pgsluice_refusals_total{caller="default",reason="rate_limited"}"#
+            ),
+            Some(1.0)
+        );
+    }
+
+    #[test]
+    fn default_is_appended_and_removed_callers_disappear() {
+        let m = Metrics::new(&names(&["a", "b"]));
+        m.query(1, Duration::ZERO, true);
+        m.set_callers(&names(&["b", "default"]));
+        m.query(0, Duration::ZERO, true);
+        let t = m.render();
+        assert!(!t.contains(r#"caller="a""#), "{t}");
+        assert_eq!(
+            sample(&t, r#"pgsluice_queries_total{caller="b",outcome="ok"}"#),
+            Some(2.0)
+        );
+        assert!(t.contains(r#"caller="default""#));
+    }
+
+    #[test]
+    fn unknown_labels_take_the_slow_path() {
+        let m = Metrics::new(&[]);
+        m.refusal(0, "client_limit");
+        m.rule_hit("SOMETHING", true);
+        m.rule_hit("THROTTLE", false);
+        m.breaker_transition("open");
+        let t = m.render();
+        assert!(t.contains(r#"reason="client_limit""#));
+        assert_eq!(
+            sample(
+                &t,
+                r#"pgsluice_rule_hits_total{action="THROTTLE",outcome="admitted"}"#
+            ),
+            Some(1.0)
+        );
+        assert_eq!(
+            sample(&t, r#"pgsluice_breaker_transitions_total{to="open"}"#),
+            Some(1.0)
+        );
+    }
+
+    #[test]
+    fn scrape_series_are_set_and_stale_pools_dropped() {
+        let m = Metrics::new(&[]);
+        let mut s = Scrape {
+            pools: vec![PoolSample {
+                name: "db/u".into(),
+                active: 3,
+                connect_attempts: 7,
+                ..PoolSample::default()
+            }],
+            cancels_sent: 2,
+            ..Scrape::default()
+        };
+        let t = m.render_with(&s);
+        assert_eq!(
+            sample(
+                &t,
+                r#"pgsluice_pool_connections{pool="db/u",state="active"}"#
+            ),
+            Some(3.0)
+        );
+        assert_eq!(
+            sample(
+                &t,
+                r#"pgsluice_backend_connect_attempts_total{pool="db/u"}"#
+            ),
+            Some(7.0)
+        );
+        assert_eq!(
+            sample(&t, r#"pgsluice_cancels_total{outcome="sent"}"#),
+            Some(2.0)
+        );
+        s.pools.clear();
+        assert!(!m.render_with(&s).contains("db/u"));
+    }
+
+    #[test]
+    fn pools_beyond_the_cap_are_summed_into_other() {
+        let pools: Vec<PoolSample> = (0..MAX_POOL_SERIES + 10)
+            .map(|i| PoolSample {
+                name: format!("db{i:03}/u"),
+                waiting: 1,
+                ..PoolSample::default()
+            })
+            .collect();
+        let capped = capped_pools(&pools);
+        assert_eq!(capped.len(), MAX_POOL_SERIES);
+        let other = capped.last().map(|p| (p.name.as_str(), p.waiting));
+        assert_eq!(other, Some(("other", 11)));
+    }
+}
