@@ -454,17 +454,12 @@ fn strip_position(msg: &str) -> String {
     }
 }
 
-/// Fingerprint as shown everywhere: 16 lowercase hex digits.
-pub fn fingerprint_hex(fp: u64) -> String {
-    format!("{fp:016x}")
-}
+pub use crate::classify::fingerprint_hex;
 
 /// Parse a fingerprint from a URL or file: exactly 16 hex digits (either case).
 pub fn parse_fingerprint(s: &str) -> Result<u64, RuleError> {
-    if s.len() != 16 || !s.bytes().all(|b| b.is_ascii_hexdigit()) {
-        return Err(RuleError::new("fingerprint", "must be 16 hex digits"));
-    }
-    u64::from_str_radix(s, 16).map_err(|e| RuleError::new("fingerprint", e.to_string()))
+    crate::classify::parse_fingerprint_hex(s)
+        .ok_or_else(|| RuleError::new("fingerprint", "must be 16 hex digits"))
 }
 
 pub(super) fn duration_ms(d: Duration) -> u64 {
