@@ -320,6 +320,29 @@ EOF
 promtool test rules "${WORK}/alerts_test.yml"
 ok "promtool test rules: each of the 7 alerts fires on synthetic series, healthy series stay quiet"
 
+# The dashboard's and the docs' PromQL, with Grafana's variables filled in, as recording rules:
+# `promtool check rules` parses every expression.
+python3 - "${WORK}/queries.yml" <<'PY'
+import json, re, sys
+import yaml
+d = json.load(open("config/grafana/dashboards/pgsluice.json"))
+exprs = [t["expr"] for p in d["panels"] for t in p.get("targets", [])]
+docs = open("docs/OPERATIONS.md").read()
+for block in re.findall(r"```promql\n(.*?)```", docs, re.S):
+    for line in block.splitlines():
+        line = re.sub(r"\s+#.*$", "", line).strip()
+        if line:
+            exprs.append(line)
+def fill(e):
+    e = e.replace("$__rate_interval", "1m")
+    return re.sub(r"\$(instance|caller|pool)\b", ".*", e)
+rules = [{"record": f"pgsluice_check:query{i}", "expr": fill(e)} for i, e in enumerate(exprs)]
+yaml.safe_dump({"groups": [{"name": "dashboard-and-docs", "rules": rules}]}, open(sys.argv[1], "w"))
+print(f"  {len(rules)} expressions")
+PY
+promtool check rules "${WORK}/queries.yml" >/dev/null
+ok "every PromQL expression of the dashboard and docs/OPERATIONS.md parses (promtool)"
+
 section "metric names and configuration keys vs the code"
 python3 - <<'PY'
 import json, os, re, sys

@@ -110,6 +110,7 @@ impl App {
         self.metrics.set_callers(&names);
         self.creds
             .store(Arc::new(Credentials::from_config(&config)));
+        self.callers.store(Arc::new(caller_matcher(&config)));
         self.config.store(Arc::new(config));
         Ok(())
     }

@@ -657,7 +657,13 @@ impl Relay {
                 }
             }
         };
-        let mut b = res.map_err(|e| e.to_pg(&self.pool.name))?;
+        let mut b = res.map_err(|e| {
+            // A database that cannot be reached is a backend fault: it feeds the breaker.
+            if matches!(e, crate::pool::CheckoutError::Connect(_)) {
+                self.unit_fault = true;
+            }
+            e.to_pg(&self.pool.name)
+        })?;
         let conn = b.conn();
         if let Some(sql) = params::apply_sql(&conn.applied, &self.login.settings) {
             conn.applied = self.login.settings.clone();
