@@ -183,6 +183,7 @@ pub struct StatementAdmission {
     /// Warn-mode notices to send to the client.
     pub warnings: Vec<String>,
     _rule_guard: Option<RuleGuard>,
+    _ticket: Option<BreakerTicket>,
 }
 
 /// Refusals of one caller, by reason.
@@ -402,34 +403,66 @@ impl Policy {
     pub async fn check_statement(&self, req: &AdmitRequest) -> Result<StatementAdmission, Refusal> {
         let (id, caller) = self.caller(req.caller);
         let policy = &caller.policy;
+        let mut now = req.now;
+        let mut admission = StatementAdmission::default();
+        // 1. Fingerprint rules.
         match self
             .rules
-            .check(req.fingerprint, &policy.name, req.now, policy.queue_timeout)
+            .check(req.fingerprint, &policy.name, now, policy.queue_timeout)
         {
-            RuleCheck::NoRule => Ok(StatementAdmission::default()),
+            RuleCheck::NoRule => {}
             RuleCheck::Refuse { rule, violation } => {
                 let reason = rule_reason(req.fingerprint, rule.def(), &violation);
-                let mut r = self.refuse(id, &caller, reason, req.fingerprint, req.now);
+                let mut r = self.refuse(id, &caller, reason, req.fingerprint, now);
                 r.rule_action = Some(rule.def().action.name());
-                Err(r)
+                return Err(r);
             }
             RuleCheck::Admit(a) => {
-                let mut warnings = Vec::new();
                 if let Some(v) = &a.would_refuse {
-                    warnings.push(rule_reason(req.fingerprint, a.rule.def(), v).warning());
+                    admission
+                        .warnings
+                        .push(rule_reason(req.fingerprint, a.rule.def(), v).warning());
                 }
                 if !a.wait.is_zero() {
-                    tokio::time::sleep_until(req.now + a.wait).await;
+                    tokio::time::sleep_until(now + a.wait).await;
+                    now = Instant::now();
                 }
-                Ok(StatementAdmission {
-                    rule_action: Some(a.rule.def().action.name()),
-                    statement_timeout_override: a.statement_timeout,
-                    lock_timeout_override: a.lock_timeout,
-                    warnings,
-                    _rule_guard: a.guard,
-                })
+                admission.rule_action = Some(a.rule.def().action.name());
+                admission.statement_timeout_override = a.statement_timeout;
+                admission.lock_timeout_override = a.lock_timeout;
+                admission._rule_guard = a.guard;
             }
         }
+        // 2. Caller rate: every statement takes a token, pipelined or not. (Concurrency is
+        //    already counted: the unit holds its backend and its caller slot.)
+        if let Some(bucket) = &caller.bucket
+            && let Err(wait) = bucket.try_take(now)
+        {
+            let what = format!("caller {} is over max_qps={}", policy.name, bucket.rate());
+            let detail = format!(
+                "limit: caller {} max_qps={}, burst={}",
+                policy.name,
+                bucket.rate(),
+                bucket.burst()
+            );
+            let reason = Reason::new(RefusalKind::RateLimited, what, detail, wait);
+            return Err(self.refuse(id, &caller, reason, req.fingerprint, now));
+        }
+        // 3. Circuit breaker.
+        match self.breaker.allow(policy.priority, now) {
+            Ok(ticket) => admission._ticket = Some(ticket),
+            Err(shed) => {
+                let reason = self.circuit_reason(policy, &shed);
+                return Err(self.refuse(id, &caller, reason, req.fingerprint, now));
+            }
+        }
+        caller.stats.admitted.fetch_add(1, Ordering::Relaxed);
+        Ok(admission)
+    }
+
+    /// How long caller `id` may wait for a slot (also bounds its wait for a backend).
+    pub fn queue_timeout(&self, id: u16) -> Duration {
+        self.caller(id).1.policy.queue_timeout
     }
 
     /// The priority of caller `id` (unknown ids are the default caller).

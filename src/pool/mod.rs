@@ -28,7 +28,7 @@ use slots::{SlotPermit, Slots};
 #[derive(Debug)]
 pub enum CheckoutError {
     /// No slot became free before the deadline.
-    Timeout { waited: Duration },
+    Timeout { waited: Duration, limit: Duration },
     /// Connecting failed (or we are backing off after failures).
     Connect(Arc<ConnectError>),
 }
@@ -109,6 +109,7 @@ impl Pool {
             self.stats.checkout_timeouts.fetch_add(1, Ordering::Relaxed);
             CheckoutError::Timeout {
                 waited: started.elapsed(),
+                limit: deadline.saturating_duration_since(started),
             }
         })?;
         self.stats.checkouts.fetch_add(1, Ordering::Relaxed);
@@ -160,6 +161,7 @@ impl Pool {
             _ => {
                 return Err(CheckoutError::Timeout {
                     waited: Duration::ZERO,
+                    limit: Duration::ZERO,
                 });
             }
         };
@@ -321,9 +323,13 @@ impl CheckoutError {
     /// The error the client sees.
     pub fn to_pg(&self, pool: &str) -> PgError {
         match self {
-            CheckoutError::Timeout { waited } => {
-                PgError::checkout_timeout(pool, waited.as_millis(), full_jitter(50, 5_000, 3))
-            }
+            CheckoutError::Timeout { waited, limit } => PgError::checkout_timeout(
+                pool,
+                waited.as_millis(),
+                // The deadline was taken a moment before the wait started: round up.
+                limit.as_micros().div_ceil(1000),
+                full_jitter(50, 5_000, 3),
+            ),
             CheckoutError::Connect(e) => match &**e {
                 ConnectError::Server { code, message, .. } => {
                     // Server refusals (e.g. 3D000 unknown database) keep their SQLSTATE.

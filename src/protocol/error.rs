@@ -79,14 +79,19 @@ impl PgError {
     }
 
     /// Waited longer than the pool's checkout timeout for a backend connection.
-    pub fn checkout_timeout(pool: &str, waited_ms: u128, retry_after_ms: u64) -> Self {
+    pub fn checkout_timeout(
+        pool: &str,
+        waited_ms: u128,
+        limit_ms: u128,
+        retry_after_ms: u64,
+    ) -> Self {
         Self::error(
             "53300",
             format!(
                 "pgsluice: ERR_QUEUE_TIMEOUT: no backend connection of pool {pool} became free within {waited_ms} ms"
             ),
         )
-        .with_detail(format!("pool {pool} checkout_timeout_ms={waited_ms}"))
+        .with_detail(format!("limit: pool {pool} checkout wait of {limit_ms} ms (pool.checkout_timeout_ms or the caller's queue_timeout_ms, whichever is shorter)"))
         .with_hint(format!("retry_after_ms={retry_after_ms}"))
     }
 

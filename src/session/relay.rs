@@ -95,8 +95,9 @@ pub struct Relay {
     unit_caller: u16,
     /// Caller of the statement admitted last (statistics attribution).
     last_caller: u16,
-    /// A backend fault (connection error, timeout) happened in this unit: tell the breaker.
-    unit_fault: bool,
+    /// The current request hit a backend fault (connection error, timeout): the breaker
+    /// hears about it with the request's statements.
+    fault: bool,
     /// The batch was admitted at its first Parse: (fingerprint, timeouts) for its Bind.
     opened_by_parse: Option<(u64, Timeouts)>,
     /// Statements awaiting completion, for statistics.
@@ -177,7 +178,7 @@ impl Relay {
             stmt_admissions: Vec::new(),
             unit_caller: 0,
             last_caller: 0,
-            unit_fault: false,
+            fault: false,
             opened_by_parse: None,
             pending: Vec::new(),
             ready_sent: 0,
@@ -380,12 +381,12 @@ impl Relay {
         if let Err(e) = self.apply_effects(&class) {
             return self.refuse_statement(b'Q', e);
         }
-        let prefix = self.inject_timeouts(timeouts, class.kind, true);
-        self.arm_backstop(timeouts);
+        let prefix = self.inject_timeouts(timeouts, &class, true);
         let mut e = Expect::new(Kind::Query, Mode::Forward);
         match prefix {
             Some(p) => {
-                e.skip_complete = p.matches(';').count().min(255) as u8;
+                // One injected statement: its RowDescription, DataRow and CommandComplete.
+                e.skip_complete = 1;
                 e.pos_shift = p.chars().count() as u32;
                 messages::raw(&mut self.bout, b'Q', &[p.as_bytes(), sql, b"\0"]);
             }
@@ -506,8 +507,7 @@ impl Relay {
             if let Err(e) = self.apply_effects(class) {
                 return self.refuse_statement(b'B', e);
             }
-            self.inject_timeouts(timeouts, class.kind, false);
-            self.arm_backstop(timeouts);
+            self.inject_timeouts(timeouts, class, false);
             self.track_statement(class.clone(), self.ready_sent + 1);
         }
         if let Some(hash) = self.stmts.get(stmt).map(|s| s.hash) {
@@ -642,7 +642,11 @@ impl Relay {
         if self.backend.is_some() {
             return Ok(());
         }
-        let deadline = Instant::now() + Duration::from_millis(self.pool.cfg.checkout_timeout_ms);
+        // Each waiter has its own deadline: the pool's checkout timeout, or the caller's queue
+        // timeout when that is shorter.
+        let wait = Duration::from_millis(self.pool.cfg.checkout_timeout_ms)
+            .min(self.app.policy.queue_timeout(self.unit_caller));
+        let deadline = Instant::now() + wait;
         let pool = self.pool.clone();
         let priority = self.app.policy.priority(self.unit_caller) as usize;
         let checkout = pool.checkout(priority, deadline);
@@ -660,7 +664,7 @@ impl Relay {
         let mut b = res.map_err(|e| {
             // A database that cannot be reached is a backend fault: it feeds the breaker.
             if matches!(e, crate::pool::CheckoutError::Connect(_)) {
-                self.unit_fault = true;
+                self.app.policy.record_backend_result(false);
             }
             e.to_pg(&self.pool.name)
         })?;
@@ -767,7 +771,7 @@ impl Relay {
                         if crate::protocol::error::sqlstate_of(body)
                             .is_some_and(admission::is_backend_fault)
                         {
-                            self.unit_fault = true;
+                            self.fault = true;
                         }
                     }
                     _ => {}
@@ -918,7 +922,9 @@ impl Relay {
         if let Some(b) = self.backend.take() {
             b.discard();
         }
-        self.unit_fault = true;
+        if self.t.in_flight() {
+            self.app.policy.record_backend_result(false);
+        }
         self.end_unit();
         if self.backend_fatal {
             // Postgres already told the client why (e.g. 57P01); just close.

@@ -53,7 +53,7 @@ pub struct Expect {
     pub stmt: Option<u64>,
     /// For a Bind/Describe of a proxy-named statement: its hash (invalidated on 0A000).
     pub target: Option<u64>,
-    /// For a Query we prefixed with `SET LOCAL`s: their CommandCompletes to drop…
+    /// For a Query we prefixed with the timeouts statement: its results to drop…
     pub skip_complete: u8,
     /// …and how many characters to take off error positions.
     pub pos_shift: u32,
@@ -157,6 +157,13 @@ impl Tracker {
         self.q.front().is_some_and(|e| e.mode == Mode::Capture)
     }
 
+    /// The head is a Query whose injected leading statement's result is still to be dropped.
+    fn skipping_injected_result(&self) -> bool {
+        self.q
+            .front()
+            .is_some_and(|h| h.kind == Kind::Query && h.skip_complete > 0)
+    }
+
     /// The proxy-named statement the oldest outstanding request uses, if any.
     pub fn head_target(&self) -> Option<u64> {
         self.q.front().and_then(|e| e.target)
@@ -221,6 +228,7 @@ impl Tracker {
                     self.q.pop_front();
                 }
             }
+            b'T' | b'D' if self.skipping_injected_result() => step.forward = false,
             b'T' | b'n' => {
                 if matches!(
                     head.map(|h| h.kind),

@@ -10,7 +10,6 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use bytes::BytesMut;
 use tokio::io::AsyncRead;
 use tokio::time::Instant;
 
@@ -184,6 +183,7 @@ impl Relay {
         if done == 0 {
             self.rows = 0;
             self.errored = false;
+            self.fault = false;
             return;
         }
         let now = Instant::now();
@@ -192,6 +192,8 @@ impl Relay {
         for (i, r) in self.pending.drain(..done).enumerate() {
             let elapsed = now.saturating_duration_since(r.start);
             self.app.metrics.query(r.caller, elapsed, !self.errored);
+            // Every statement that reached the backend tells the breaker how it went.
+            self.app.policy.record_backend_result(!self.fault);
             let outcome = if self.errored {
                 Outcome::Error
             } else {
@@ -211,6 +213,7 @@ impl Relay {
         }
         self.rows = 0;
         self.errored = false;
+        self.fault = false;
     }
 
     /// Arms the proxy's own deadline for a statement with a statement timeout: if Postgres
@@ -222,15 +225,12 @@ impl Relay {
         }
     }
 
-    /// The unit is over (backend idle): give back the caller's permit, tell the breaker.
+    /// The unit is over (backend idle): give back the caller's permit and rule slots.
     pub(super) fn end_unit(&mut self) {
         self.backstop = None;
         self.opened_by_parse = None;
-        if self.admission.take().is_some() {
-            self.app.policy.record_backend_result(!self.unit_fault);
-        }
+        self.admission = None;
         self.stmt_admissions.clear();
-        self.unit_fault = false;
     }
 
     /// Injects `timeouts` for the next statement so they apply inside its transaction.
@@ -242,38 +242,33 @@ impl Relay {
     pub(super) fn inject_timeouts(
         &mut self,
         t: Timeouts,
-        kind: StmtKind,
+        class: &Classified,
         simple: bool,
     ) -> Option<String> {
         if t.is_empty()
             || !matches!(
-                kind,
+                class.kind,
                 StmtKind::Read | StmtKind::LockingRead | StmtKind::Write
             )
+            // SHOW reports settings: it must see the client's, not ours.
+            || class.normalized.get(..4).is_some_and(|w| w.eq_ignore_ascii_case("show"))
             || self.t.txn == b'E'
         {
             return None;
         }
-        let ms = |d: Duration| format!("{}ms", d.as_millis());
+        self.arm_backstop(t);
+        let sql = timeout_sql(t);
         if simple {
-            let mut sql = String::new();
-            if let Some(d) = t.statement {
-                sql.push_str(&format!("SET LOCAL statement_timeout = '{}';", ms(d)));
-            }
-            if let Some(d) = t.lock {
-                sql.push_str(&format!("SET LOCAL lock_timeout = '{}';", ms(d)));
-            }
             if self.t.txn == b'I' {
-                return Some(sql);
+                return Some(format!("{sql};"));
             }
             messages::query(&mut self.bout, &sql);
             self.t.push(Expect::new(Kind::Query, Mode::Swallow));
             return None;
         }
-        let sql = b"SELECT set_config('statement_timeout', coalesce($1, current_setting('statement_timeout')), true), set_config('lock_timeout', coalesce($2, current_setting('lock_timeout')), true)";
-        let hash = xxhash_rust::xxh3::xxh3_64(sql);
+        let hash = xxhash_rust::xxh3::xxh3_64(sql.as_bytes());
         let name = crate::pool::prepared::server_name(hash);
-        const STMT: &[u8] = b"_pgsl_timeouts";
+        const PORTAL: &[u8] = b"_pgsl_timeouts";
         let conn = self.backend_conn();
         if !conn.prepared.touch(hash) {
             if let Some(old) = conn.prepared.insert(hash) {
@@ -281,31 +276,38 @@ impl Relay {
                 messages::target(&mut self.bout, b'C', b'S', &old);
                 self.t.push(Expect::new(Kind::Close, Mode::Swallow));
             }
-            messages::parse_named(&mut self.bout, &name, sql, b"\0\0");
+            messages::parse_named(&mut self.bout, &name, sql.as_bytes(), b"\0\0");
             let mut e = Expect::new(Kind::Parse, Mode::Swallow);
             e.stmt = Some(hash);
             self.t.push(e);
         }
-        let mut tail = BytesMut::new();
-        tail.extend_from_slice(&0i16.to_be_bytes()); // parameter formats: all text
-        tail.extend_from_slice(&2i16.to_be_bytes());
-        for v in [t.statement, t.lock] {
-            match v {
-                Some(d) => {
-                    let s = ms(d);
-                    tail.extend_from_slice(&(s.len() as i32).to_be_bytes());
-                    tail.extend_from_slice(s.as_bytes());
-                }
-                None => tail.extend_from_slice(&(-1i32).to_be_bytes()),
-            }
-        }
-        tail.extend_from_slice(&0i16.to_be_bytes()); // result formats: all text
-        messages::bind_renamed(&mut self.bout, STMT, &name, &tail);
+        // No parameters, text results.
+        messages::bind_renamed(&mut self.bout, PORTAL, &name, b"\0\0\0\0\0\0");
         self.t.push(Expect::new(Kind::Bind, Mode::Swallow));
-        messages::raw(&mut self.bout, b'E', &[STMT, b"\0", &0i32.to_be_bytes()]);
+        messages::raw(&mut self.bout, b'E', &[PORTAL, b"\0", &0i32.to_be_bytes()]);
         self.t.push(Expect::new(Kind::Execute, Mode::Swallow));
-        messages::target(&mut self.bout, b'C', b'P', STMT);
+        messages::target(&mut self.bout, b'C', b'P', PORTAL);
         self.t.push(Expect::new(Kind::Close, Mode::Swallow));
         None
     }
+}
+
+/// `SELECT set_config(..)` that makes each budget in `t` the statement's setting for this
+/// transaction only — unless the client's own setting is stricter (non-zero and shorter), in
+/// which case that stays: a caller's budget is a ceiling. Decided by Postgres from the live
+/// setting, so it is right even while the proxy's copy of the client's settings is stale.
+fn timeout_sql(t: Timeouts) -> String {
+    let one = |name: &str, d: Duration| {
+        let budget = format!("'{}ms'", d.as_millis());
+        format!(
+            "set_config('{name}', CASE WHEN current_setting('{name}')::interval > interval '0' \
+             AND current_setting('{name}')::interval < {budget}::interval \
+             THEN current_setting('{name}') ELSE {budget} END, true)"
+        )
+    };
+    let parts: Vec<String> = [("statement_timeout", t.statement), ("lock_timeout", t.lock)]
+        .into_iter()
+        .filter_map(|(n, d)| d.map(|d| one(n, d)))
+        .collect();
+    format!("SELECT {}", parts.join(", "))
 }
