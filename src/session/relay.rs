@@ -113,7 +113,12 @@ pub struct Relay {
 /// Reads from the borrowed backend, or waits forever when there is none.
 async fn read_backend(b: &mut Option<Pooled>, buf: &mut BytesMut) -> std::io::Result<usize> {
     match b {
-        Some(b) => b.conn().stream.read_buf(buf).await,
+        Some(b) => {
+            if buf.capacity() - buf.len() < 4096 {
+                buf.reserve(16 * 1024);
+            }
+            b.conn().stream.read_buf(buf).await
+        }
         None => std::future::pending().await,
     }
 }
@@ -154,9 +159,10 @@ impl Relay {
             cancel,
             mode,
             cbuf,
-            rbuf: BytesMut::with_capacity(16 * 1024),
-            cout: BytesMut::with_capacity(16 * 1024),
-            bout: BytesMut::with_capacity(4 * 1024),
+            // Buffers grow on first use: an idle client costs little more than its socket.
+            rbuf: BytesMut::new(),
+            cout: BytesMut::new(),
+            bout: BytesMut::new(),
             backend: None,
             t: Tracker::default(),
             stmts: HashMap::new(),

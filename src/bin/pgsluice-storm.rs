@@ -1,0 +1,385 @@
+//! `pgsluice-storm`: drives a target (direct Postgres, PgBouncer or pgsluice) with load
+//! scenarios and reports what the database and its callers went through.
+//!
+//! Scenarios: `reconnect-storm` (N clients arrive within 500 ms and flush queued writes,
+//! retrying naively or with full-jitter backoff), `noisy-neighbour` (an analytics flood next
+//! to a steady critical billing caller), `steady` (read/write mix) and `idle` (hold N
+//! logged-in connections, for memory measurements). Output: per-caller throughput and
+//! latency, refusals and errors by reason, the most backend connections seen (with
+//! `--monitor`) on stdout; progress on stderr; optionally a CSV time series, an SVG chart and
+//! a `key value` summary for scripts. See `storm/mod.rs` for the module map.
+
+mod storm;
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::Duration;
+
+use clap::{Parser, ValueEnum};
+use tokio_util::sync::CancellationToken;
+
+use storm::client::{self, Retry, RetryMode};
+use storm::record::Recorder;
+use storm::scenarios::{self, Ctx, Phase, Sql};
+use storm::{chart, monitor, report};
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+enum Scenario {
+    /// N clients connect within --ramp-ms and each flushes --writes INSERTs.
+    ReconnectStorm,
+    /// Analytics floods with --analytics-conns connections while billing runs at a steady rate.
+    NoisyNeighbour,
+    /// Read/write mix on --clients connections.
+    Steady,
+    /// Hold --clients logged-in idle connections for --hold-secs.
+    Idle,
+}
+
+#[derive(Parser, Debug)]
+#[command(
+    name = "pgsluice-storm",
+    version,
+    about = "Load and storm scenarios against Postgres, PgBouncer or pgsluice"
+)]
+struct Cli {
+    /// Where the load goes: postgres://USER:PASSWORD@HOST:PORT/DB.
+    #[arg(long)]
+    target: String,
+    #[arg(long, value_enum)]
+    scenario: Scenario,
+    /// A direct connection to the database (superuser): counts the target user's backends
+    /// in pg_stat_activity every --monitor-ms.
+    #[arg(long)]
+    monitor: Option<String>,
+    #[arg(long, default_value_t = 100)]
+    monitor_ms: u64,
+    /// Clients [default: reconnect-storm 5000, steady 16, idle 10000].
+    #[arg(long)]
+    clients: Option<u64>,
+    /// Reconnect storm: writes each client flushes.
+    #[arg(long, default_value_t = 5)]
+    writes: u64,
+    /// Reconnect storm: seconds a client keeps its connection after flushing its writes,
+    /// as an application's connection pool would.
+    #[arg(long, default_value_t = 5.0)]
+    linger_secs: f64,
+    /// Reconnect storm: window in which all clients arrive.
+    #[arg(long, default_value_t = 500)]
+    ramp_ms: u64,
+    /// What a client does after a failure.
+    #[arg(long, value_enum, default_value = "backoff")]
+    retry: RetryMode,
+    /// Backoff: sleep = random(0, min(cap, base·2^attempt)) unless the proxy hints.
+    #[arg(long, default_value_t = 10)]
+    backoff_base_ms: u64,
+    #[arg(long, default_value_t = 2_000)]
+    backoff_cap_ms: u64,
+    /// Storm and noisy neighbour: seconds of billing alone before the load starts (after one
+    /// second of warm-up that is reported apart, so connecting and cold caches do not count
+    /// as "calm").
+    #[arg(long, default_value_t = 3.0)]
+    calm_secs: f64,
+    /// Steady and noisy neighbour: how long the load runs; reconnect storm: the deadline
+    /// after which unflushed writes are abandoned.
+    #[arg(long, default_value_t = 20.0)]
+    duration_secs: f64,
+    /// Critical caller (`/*service:billing*/`): connections and total statements per second.
+    #[arg(long, default_value_t = 4)]
+    billing_conns: u64,
+    #[arg(long, default_value_t = 100.0)]
+    billing_rate: f64,
+    /// Noisy neighbour: closed-loop analytics connections.
+    #[arg(long, default_value_t = 32)]
+    analytics_conns: u64,
+    /// Steady: percentage of reads.
+    #[arg(long, default_value_t = 90, value_parser = clap::value_parser!(u8).range(0..=100))]
+    read_pct: u8,
+    /// Steady: total statements per second (default: closed loop, as fast as it goes).
+    #[arg(long)]
+    rate: Option<f64>,
+    /// Idle: seconds to hold the connections once all are open.
+    #[arg(long, default_value_t = 10)]
+    hold_secs: u64,
+    /// Idle: handshakes in flight at once.
+    #[arg(long, default_value_t = 200)]
+    connect_concurrency: usize,
+    /// Idle: file written (with the number held) once all connections are attempted.
+    #[arg(long)]
+    ready_file: Option<PathBuf>,
+    #[arg(long, default_value_t = 10_000)]
+    connect_timeout_ms: u64,
+    /// Width of a time-series slot.
+    #[arg(long, default_value_t = 100)]
+    bucket_ms: u64,
+    /// Time series: t, arrivals/admitted/refused/errors per second, p50/p99, backends.
+    #[arg(long)]
+    csv: Option<PathBuf>,
+    /// Chart of arrival rate, admitted rate, latency and backends over time.
+    #[arg(long)]
+    svg: Option<PathBuf>,
+    /// `key value` summary for scripts.
+    #[arg(long)]
+    summary: Option<PathBuf>,
+    /// Rows of the key/value table the statements use.
+    #[arg(long, default_value_t = 100_000)]
+    rows: u32,
+    /// Do not create/fill the tables (pgsluice_storm_kv, pgsluice_storm_writes).
+    #[arg(long)]
+    no_setup: bool,
+    /// Runtime worker threads [default: one per core].
+    #[arg(long)]
+    threads: Option<usize>,
+    /// SQL templates: {id} = random row, {client}, {seq}.
+    #[arg(
+        long,
+        default_value = "/*service:billing*/ UPDATE pgsluice_storm_kv SET v = v + 1 WHERE id = {id}"
+    )]
+    billing_sql: String,
+    #[arg(
+        long,
+        default_value = "/*service:analytics*/ SELECT count(*), sum(v) FROM pgsluice_storm_kv WHERE pad LIKE '%ab%'"
+    )]
+    analytics_sql: String,
+    #[arg(
+        long,
+        default_value = "/*service:web*/ SELECT v, pad FROM pgsluice_storm_kv WHERE id = {id}"
+    )]
+    read_sql: String,
+    #[arg(
+        long,
+        default_value = "/*service:web*/ INSERT INTO pgsluice_storm_writes (client, seq) VALUES ({client}, {seq})"
+    )]
+    write_sql: String,
+}
+
+impl Cli {
+    fn clients(&self) -> u64 {
+        self.clients.unwrap_or(match self.scenario {
+            Scenario::ReconnectStorm => 5_000,
+            Scenario::Steady => 16,
+            Scenario::Idle => 10_000,
+            Scenario::NoisyNeighbour => 0,
+        })
+    }
+
+    fn secs(v: f64, name: &str) -> Result<Duration, String> {
+        Duration::try_from_secs_f64(v)
+            .map_err(|_| format!("--{name} must be a number of seconds >= 0"))
+    }
+}
+
+/// The soft open-files limit, from /proc (no libc dependency needed).
+fn open_files_limit() -> Option<u64> {
+    let text = std::fs::read_to_string("/proc/self/limits").ok()?;
+    let line = text.lines().find(|l| l.starts_with("Max open files"))?;
+    line.split_whitespace().nth(3)?.parse().ok()
+}
+
+/// Connections this process will hold at once.
+fn needed_fds(cli: &Cli) -> u64 {
+    let base = cli.billing_conns + 16;
+    match cli.scenario {
+        Scenario::NoisyNeighbour => base + cli.analytics_conns,
+        _ => base + cli.clients(),
+    }
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    if let Some(limit) = open_files_limit()
+        && needed_fds(&cli) > limit
+    {
+        eprintln!(
+            "warning: up to {} connections but the open-files limit is {limit}; raise it (ulimit -n) or connections will fail with EMFILE (counted as errors)",
+            needed_fds(&cli)
+        );
+    }
+    let mut rt = tokio::runtime::Builder::new_multi_thread();
+    rt.enable_all();
+    if let Some(n) = cli.threads {
+        rt.worker_threads(n.max(1));
+    }
+    let rt = match rt.build() {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("pgsluice-storm: cannot start the runtime: {e}");
+            return ExitCode::from(1);
+        }
+    };
+    let probe = match tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .thread_name("storm-probe")
+        .enable_all()
+        .build()
+    {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("pgsluice-storm: cannot start the probe runtime: {e}");
+            return ExitCode::from(1);
+        }
+    };
+    match rt.block_on(run(cli, probe.handle().clone())) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("pgsluice-storm: {e}");
+            ExitCode::from(1)
+        }
+    }
+}
+
+async fn run(cli: Cli, probe: tokio::runtime::Handle) -> Result<(), String> {
+    let timeout = Duration::from_millis(cli.connect_timeout_ms.max(1));
+    let target = client::params(&cli.target, timeout).map_err(|e| format!("--target: {e}"))?;
+    let monitor_params = cli
+        .monitor
+        .as_deref()
+        .map(|m| client::params(m, timeout).map_err(|e| format!("--monitor: {e}")))
+        .transpose()?;
+    let shown_target = format!(
+        "{}@{}:{}/{}",
+        target.user, target.host, target.port, target.database
+    );
+    let ctx_user = target.user.clone();
+    let calm = Cli::secs(cli.calm_secs, "calm-secs")?;
+    let duration = Cli::secs(cli.duration_secs, "duration-secs")?;
+    let scenario_name = cli
+        .scenario
+        .to_possible_value()
+        .map_or("?".to_owned(), |v| v.get_name().to_owned());
+
+    if cli.scenario != Scenario::Idle && !cli.no_setup {
+        scenarios::setup(&target, cli.rows).await?;
+    }
+
+    let rec = Arc::new(Recorder::new(Duration::from_millis(cli.bucket_ms)));
+    let abort = CancellationToken::new();
+    {
+        let abort = abort.clone();
+        tokio::spawn(async move {
+            if tokio::signal::ctrl_c().await.is_ok() {
+                eprintln!("interrupted: stopping and reporting what was measured");
+                abort.cancel();
+            }
+        });
+    }
+    let done = CancellationToken::new();
+    let monitor = match &monitor_params {
+        Some(p) => Some(
+            monitor::start(
+                p,
+                &ctx_user,
+                rec.clone(),
+                Duration::from_millis(cli.monitor_ms.max(10)),
+                done.clone(),
+                &probe,
+            )
+            .await?,
+        ),
+        None => None,
+    };
+    let ctx = Arc::new(Ctx {
+        target,
+        rec: rec.clone(),
+        retry: Retry {
+            mode: cli.retry,
+            base: Duration::from_millis(cli.backoff_base_ms),
+            cap: Duration::from_millis(cli.backoff_cap_ms),
+        },
+        rows: cli.rows,
+        sql: Sql {
+            billing: cli.billing_sql.clone(),
+            analytics: cli.analytics_sql.clone(),
+            read: cli.read_sql.clone(),
+            write: cli.write_sql.clone(),
+        },
+        abort,
+        probe,
+    });
+    let billing = (cli.billing_conns, cli.billing_rate);
+    let clients = cli.clients();
+
+    let extra = match cli.scenario {
+        Scenario::ReconnectStorm => {
+            let phase = Phase::new(&["warmup", "calm", "storm", "after"]);
+            let st = Arc::new(storm::reconnect::StormState::default());
+            let shown = st.clone();
+            let line = Arc::new(move || {
+                format!(
+                    "clients done {}/{clients}  flushed {}  connected {}",
+                    shown.done_clients.load(Ordering::Relaxed),
+                    shown.flushed.load(Ordering::Relaxed),
+                    shown.connected_now.load(Ordering::Relaxed)
+                )
+            });
+            let progress =
+                scenarios::progress(rec.clone(), Some(phase.clone()), line, done.clone());
+            let shape = storm::reconnect::StormShape {
+                clients,
+                writes: cli.writes,
+                ramp: Duration::from_millis(cli.ramp_ms),
+                calm,
+                deadline: duration,
+                linger: Cli::secs(cli.linger_secs, "linger-secs")?,
+                billing,
+            };
+            let extra = storm::reconnect::run(ctx, shape, phase, st).await;
+            drop(progress);
+            extra
+        }
+        Scenario::NoisyNeighbour => {
+            let phase = Phase::new(&["warmup", "calm", "flood"]);
+            let _progress = scenarios::progress(
+                rec.clone(),
+                Some(phase.clone()),
+                Arc::new(String::new),
+                done.clone(),
+            );
+            scenarios::noisy(ctx, billing, cli.analytics_conns, calm, duration, phase).await
+        }
+        Scenario::Steady => {
+            let _progress =
+                scenarios::progress(rec.clone(), None, Arc::new(String::new), done.clone());
+            scenarios::steady(ctx, clients, cli.read_pct, cli.rate, duration).await
+        }
+        Scenario::Idle => {
+            let hold = Duration::from_secs(cli.hold_secs);
+            scenarios::idle(
+                ctx,
+                clients,
+                cli.connect_concurrency,
+                hold,
+                cli.ready_file.clone(),
+            )
+            .await
+        }
+    };
+    done.cancel();
+    if let Some(m) = monitor {
+        let _ = m.await;
+    }
+
+    let snap = rec.snapshot();
+    let title = format!(
+        "pgsluice-storm {scenario_name} → {shown_target} (retry {})",
+        cli.retry
+            .to_possible_value()
+            .map_or("?".to_owned(), |v| v.get_name().to_owned())
+    );
+    print!("{}", report::tables(&title, &snap, &extra));
+    if let Some(p) = &cli.csv {
+        report::write(p, "CSV", &report::csv(&snap))?;
+    }
+    if let Some(p) = &cli.svg {
+        report::write(p, "chart", &chart::svg(&title, &snap))?;
+    }
+    if let Some(p) = &cli.summary {
+        report::write(
+            p,
+            "summary",
+            &report::summary(&scenario_name, &snap, &extra),
+        )?;
+    }
+    Ok(())
+}

@@ -1,0 +1,304 @@
+//! Talking to the target with the crate's own client (`pool::backend::BackendConn`): log in,
+//! run one simple query, read a scalar, say goodbye — and turn every failure into a
+//! [`Failure`] that the recorder can count and the retry policy can act on.
+//!
+//! A failure is a *refusal* when the message carries a pgsluice `ERR_…` code (the proxy said
+//! "not now", usually with a `retry_after_ms=N` HINT); anything else — Postgres' own "too many
+//! clients", I/O errors, timeouts — is an *error*. Reasons are short, bounded strings (SQLSTATE
+//! plus the `ERR_…` code or the message with digits folded) so they can be tabulated.
+
+use std::time::Duration;
+
+use bytes::BytesMut;
+use pgsluice::config::BackendUrl;
+use pgsluice::pool::backend::{BackendConn, ConnectError, ConnectParams, read_message};
+use pgsluice::protocol::error::field_of;
+use pgsluice::protocol::messages;
+use tokio::io::AsyncWriteExt;
+
+/// Why an attempt failed.
+#[derive(Debug, Clone)]
+pub enum Failure {
+    Refused {
+        reason: String,
+        retry_after_ms: Option<u64>,
+        fatal: bool,
+    },
+    Error {
+        reason: String,
+        retry_after_ms: Option<u64>,
+        fatal: bool,
+    },
+}
+
+impl Failure {
+    /// The connection is gone (FATAL, I/O): reconnect before the next attempt.
+    pub fn fatal(&self) -> bool {
+        match self {
+            Failure::Refused { fatal, .. } | Failure::Error { fatal, .. } => *fatal,
+        }
+    }
+
+    pub fn retry_after_ms(&self) -> Option<u64> {
+        match self {
+            Failure::Refused { retry_after_ms, .. } | Failure::Error { retry_after_ms, .. } => {
+                *retry_after_ms
+            }
+        }
+    }
+}
+
+/// `postgres://USER:PASSWORD@HOST:PORT/DB` → connection parameters.
+pub fn params(url: &str, connect_timeout: Duration) -> Result<ConnectParams, String> {
+    let u = BackendUrl::parse(url).map_err(|e| format!("invalid URL: {e}"))?;
+    Ok(ConnectParams {
+        host: u.host,
+        port: u.port,
+        user: u.user,
+        password: u.password,
+        database: u.database,
+        connect_timeout,
+    })
+}
+
+/// Folds digit runs to `N` and bounds the length, so messages group into few reasons.
+fn fold(message: &str) -> String {
+    let mut out = String::new();
+    let mut in_digits = false;
+    for ch in message.chars() {
+        if ch.is_ascii_digit() {
+            if !in_digits {
+                out.push('N');
+            }
+            in_digits = true;
+        } else {
+            in_digits = false;
+            out.push(ch);
+        }
+        if out.len() >= 64 {
+            out.push('…');
+            break;
+        }
+    }
+    out
+}
+
+/// The `ERR_…` code in a pgsluice message, if any.
+fn err_code(message: &str) -> Option<&str> {
+    let at = message.find("ERR_")?;
+    let rest = &message[at..];
+    let end = rest
+        .find(|c: char| !(c.is_ascii_uppercase() || c == '_'))
+        .unwrap_or(rest.len());
+    Some(&rest[..end])
+}
+
+/// `retry_after_ms=N` in a HINT.
+fn hint_ms(hint: &str) -> Option<u64> {
+    let at = hint.find("retry_after_ms=")?;
+    let digits: String = hint[at + "retry_after_ms=".len()..]
+        .chars()
+        .take_while(char::is_ascii_digit)
+        .collect();
+    digits.parse().ok()
+}
+
+pub fn classify(e: &ConnectError) -> Failure {
+    match e {
+        ConnectError::Server {
+            code,
+            message,
+            frame,
+        } => {
+            let body = frame.get(5..).unwrap_or_default();
+            let retry_after_ms = field_of(body, b'H').and_then(hint_ms);
+            let fatal = matches!(field_of(body, b'V'), Some("FATAL" | "PANIC"));
+            match err_code(message) {
+                Some(c) => Failure::Refused {
+                    reason: format!("{code} {c}"),
+                    retry_after_ms,
+                    fatal,
+                },
+                None => Failure::Error {
+                    reason: format!("{code} {}", fold(message)),
+                    retry_after_ms,
+                    fatal,
+                },
+            }
+        }
+        ConnectError::Io(io) => Failure::Error {
+            reason: format!("io {:?}", io.kind()),
+            retry_after_ms: None,
+            fatal: true,
+        },
+        ConnectError::Timeout(_) => Failure::Error {
+            reason: "timeout".into(),
+            retry_after_ms: None,
+            fatal: true,
+        },
+        ConnectError::Auth(m) => Failure::Error {
+            reason: format!("auth {}", fold(m)),
+            retry_after_ms: None,
+            fatal: true,
+        },
+        ConnectError::Protocol(m) => Failure::Error {
+            reason: format!("protocol {}", fold(m)),
+            retry_after_ms: None,
+            fatal: true,
+        },
+    }
+}
+
+pub async fn connect(p: &ConnectParams) -> Result<BackendConn, Failure> {
+    BackendConn::connect(p, 1).await.map_err(|e| classify(&e))
+}
+
+/// One simple query; `Ok` at ReadyForQuery without an error.
+pub async fn run(conn: &mut BackendConn, sql: &str) -> Result<(), Failure> {
+    conn.simple(sql).await.map(|_| ()).map_err(|e| classify(&e))
+}
+
+/// First column of the first row of a simple query, as text (`None` for NULL or no row).
+pub async fn scalar(conn: &mut BackendConn, sql: &str) -> Result<Option<String>, ConnectError> {
+    let mut out = BytesMut::new();
+    messages::query(&mut out, sql);
+    conn.stream.write_all(&out).await?;
+    let mut buf = BytesMut::new();
+    let mut value = None;
+    let mut err = None;
+    loop {
+        let (tag, body) = read_message(&mut conn.stream, &mut buf).await?;
+        match tag {
+            b'D' if value.is_none() => value = Some(first_column(&body)),
+            b'E' => {
+                let msg = field_of(&body, b'M').unwrap_or("error").to_owned();
+                err = Some(ConnectError::Protocol(msg));
+            }
+            b'Z' => {
+                return match err {
+                    Some(e) => Err(e),
+                    None => Ok(value.flatten()),
+                };
+            }
+            _ => {}
+        }
+    }
+}
+
+/// DataRow body → first column as text.
+fn first_column(body: &[u8]) -> Option<String> {
+    let n = i16::from_be_bytes([*body.first()?, *body.get(1)?]);
+    if n < 1 {
+        return None;
+    }
+    let len = i32::from_be_bytes(body.get(2..6)?.try_into().ok()?);
+    let len = usize::try_from(len).ok()?; // -1 = NULL
+    let v = body.get(6..6 + len)?;
+    Some(String::from_utf8_lossy(v).into_owned())
+}
+
+/// Sends Terminate and drops the connection (so the server does not log an unexpected EOF).
+pub async fn terminate(mut conn: BackendConn) {
+    let _ = tokio::time::timeout(
+        Duration::from_millis(200),
+        conn.stream.write_all(&[b'X', 0, 0, 0, 4]),
+    )
+    .await;
+}
+
+/// How a client behaves after a failure.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum RetryMode {
+    /// Retry at once (a yield, no sleep): the herd that knocks databases over.
+    Naive,
+    /// Full-jitter exponential backoff, honouring the proxy's `retry_after_ms` hint.
+    Backoff,
+}
+
+#[derive(Debug, Clone, Copy)]
+pub struct Retry {
+    pub mode: RetryMode,
+    pub base: Duration,
+    pub cap: Duration,
+}
+
+impl Retry {
+    /// Pause before retry number `attempt` (0-based) after failure `f`.
+    ///
+    /// Backoff: the proxy's hint when it gave one (it already carries full jitter, computed
+    /// from how many refusals that caller got recently), capped at `cap`; otherwise
+    /// `random(0, min(cap, base · 2^attempt))`.
+    pub fn delay(&self, attempt: u32, f: &Failure) -> Duration {
+        match self.mode {
+            RetryMode::Naive => Duration::ZERO,
+            RetryMode::Backoff => {
+                if let Some(ms) = f.retry_after_ms() {
+                    return Duration::from_millis(ms).min(self.cap);
+                }
+                let window = self
+                    .base
+                    .saturating_mul(1u32 << attempt.min(20))
+                    .min(self.cap);
+                let micros = window.as_micros() as u64;
+                if micros == 0 {
+                    return Duration::ZERO;
+                }
+                Duration::from_micros(rand::random_range(0..=micros))
+            }
+        }
+    }
+
+    /// Sleeps the delay (or yields, for naive clients).
+    pub async fn pause(&self, attempt: u32, f: &Failure) {
+        sleep_or_yield(self.delay(attempt, f)).await;
+    }
+}
+
+/// A zero pause still yields, so a naive retry loop cannot starve the runtime.
+pub async fn sleep_or_yield(d: Duration) {
+    if d.is_zero() {
+        tokio::task::yield_now().await;
+    } else {
+        tokio::time::sleep(d).await;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_codes_and_hints() {
+        assert_eq!(
+            err_code("pgsluice: ERR_QUEUE_TIMEOUT: caller x waited"),
+            Some("ERR_QUEUE_TIMEOUT")
+        );
+        assert_eq!(err_code("sorry, too many clients already"), None);
+        assert_eq!(hint_ms("retry_after_ms=137"), Some(137));
+        assert_eq!(hint_ms("nothing"), None);
+        assert_eq!(fold("waited 123 ms for 4"), "waited N ms for N");
+    }
+
+    #[test]
+    fn backoff_is_bounded() {
+        let r = Retry {
+            mode: RetryMode::Backoff,
+            base: Duration::from_millis(10),
+            cap: Duration::from_millis(500),
+        };
+        let f = Failure::Error {
+            reason: "x".into(),
+            retry_after_ms: None,
+            fatal: true,
+        };
+        for attempt in 0..40 {
+            assert!(r.delay(attempt, &f) <= Duration::from_millis(500));
+        }
+        let hinted = Failure::Refused {
+            reason: "x".into(),
+            retry_after_ms: Some(42),
+            fatal: false,
+        };
+        assert_eq!(r.delay(3, &hinted), Duration::from_millis(42));
+    }
+}
