@@ -45,6 +45,8 @@ pub struct App {
     pub shutdown: CancellationToken,
     /// Fired when the shutdown grace period is over: cancel what still runs.
     pub force: CancellationToken,
+    /// Client and backend TLS (certificates re-read on reload).
+    pub tls: crate::tls::Tls,
 }
 
 /// Re-reads the configuration source and applies it with [`App::reload`]; `Err` lists the
@@ -88,6 +90,7 @@ impl App {
                 oversized: false,
             }),
             callers: ArcSwap::from_pointee(caller_matcher(&config)),
+            tls: crate::tls::Tls::new(&config).map_err(|e| e.to_string())?,
             fp_stats: FingerprintStats::new(config.classify.stats_capacity),
             config: ArcSwap::from_pointee(config),
             creds: ArcSwap::from_pointee(creds),
@@ -102,6 +105,7 @@ impl App {
     /// Swaps in a new configuration: credentials, caller limits and breaker settings.
     /// Validation already happened; if the policy refuses it, nothing changes.
     pub fn reload(&self, config: Config) -> Result<(), String> {
+        let tls = crate::tls::Tls::prepare(&config).map_err(|e| e.to_string())?;
         let (callers, breaker) = policy_inputs(&config);
         let names = caller_names(&callers);
         self.policy
@@ -112,6 +116,7 @@ impl App {
             .store(Arc::new(Credentials::from_config(&config)));
         self.callers.store(Arc::new(caller_matcher(&config)));
         self.config.store(Arc::new(config));
+        self.tls.install(tls);
         Ok(())
     }
 
@@ -136,6 +141,7 @@ impl App {
                     password,
                     database: database.to_string(),
                     connect_timeout: Duration::from_millis(cfg.backend.connect_timeout_ms),
+                    tls: self.tls.backend(),
                 },
             )
         }))

@@ -11,6 +11,7 @@
 //! pool      per-(database, user) pools, priority checkout, backend connect/auth/reset
 //! cancel    proxy-issued cancel keys → the backend currently running the client's query
 //! auth      SCRAM/md5 secrets for both sides
+//! tls       rustls acceptor (clients) and connector (Postgres), reloadable; TLS streams
 //! config    YAML config, validation with field and line
 //! observe   per-fingerprint statistics, Prometheus metrics
 //! admin     HTTP API on its own port (rules, stats, /metrics); cli: its terminal client
@@ -30,3 +31,4 @@ pub mod probe;
 pub mod protocol;
 pub mod server;
 pub mod session;
+pub mod tls;

@@ -1,6 +1,8 @@
 //! The accept loop: client slots (with a clear 53300 above `max_client_conn`), a cap on
-//! handshakes in progress, backoff when the process runs out of file descriptors, and the
-//! graceful stop on shutdown.
+//! handshakes in progress (53300 above `max_handshakes`), backoff when the process runs out of
+//! file descriptors, and the graceful stop on shutdown: the listener closes at once, sessions
+//! finish their transactions for up to `shutdown_timeout_ms`, then `force` cancels what still
+//! runs and the stragglers get a short moment to tell their clients (57P01).
 
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
@@ -13,7 +15,7 @@ use tokio_util::task::TaskTracker;
 
 use crate::app::App;
 use crate::protocol::PgError;
-use crate::session;
+use crate::session::{self, HandshakeSlot};
 
 /// Counts a connected client for as long as it lives.
 struct ClientSlot(Arc<App>);
@@ -51,20 +53,27 @@ pub async fn serve(app: Arc<App>, listener: TcpListener) {
         let n = app.stats.clients.fetch_add(1, Ordering::Relaxed);
         let slot = ClientSlot(app.clone());
         app.stats.clients_total.fetch_add(1, Ordering::Relaxed);
-        if n >= max {
-            tasks.spawn(async move {
-                let _slot = slot;
-                let mut sock = sock;
-                let mut out = BytesMut::new();
-                PgError::too_many_clients(max).encode(&mut out);
-                let _ = tokio::time::timeout(Duration::from_secs(1), sock.write_all(&out)).await;
-            });
+        let handshake = if n >= max {
+            None
+        } else {
+            HandshakeSlot::try_acquire(&app)
+        };
+        let Some(handshake) = handshake else {
+            let e = if n >= max {
+                PgError::too_many_clients(max)
+            } else {
+                PgError::fatal(
+                    "53300",
+                    "sorry, too many clients are connecting right now; try again",
+                )
+            };
+            tasks.spawn(refuse(slot, sock, e));
             continue;
-        }
+        };
         let app2 = app.clone();
         tasks.spawn(async move {
             let _slot = slot;
-            session::run(app2, sock, peer).await;
+            session::run(app2, sock, peer, handshake).await;
         });
     }
     drop(listener);
@@ -73,7 +82,25 @@ pub async fn serve(app: Arc<App>, listener: TcpListener) {
     if tokio::time::timeout(grace, tasks.wait()).await.is_err() {
         tracing::warn!(
             remaining = tasks.len(),
-            "shutdown timeout reached; closing remaining sessions"
+            "shutdown timeout reached; cancelling what still runs"
         );
+        app.force.cancel();
+        if tokio::time::timeout(FORCE_GRACE, tasks.wait())
+            .await
+            .is_err()
+        {
+            tracing::warn!(remaining = tasks.len(), "closing remaining sessions");
+        }
     }
+}
+
+/// After `force`: how long sessions get to cancel their queries and send 57P01.
+const FORCE_GRACE: Duration = Duration::from_secs(2);
+
+/// Tells a client it cannot be served now, and closes. The client slot is held until then.
+async fn refuse(slot: ClientSlot, mut sock: tokio::net::TcpStream, e: PgError) {
+    let _slot = slot;
+    let mut out = BytesMut::new();
+    e.encode(&mut out);
+    let _ = tokio::time::timeout(Duration::from_secs(1), sock.write_all(&out)).await;
 }

@@ -31,6 +31,8 @@ pub struct Config {
     pub global_defaults: GlobalDefaults,
     pub classify: ClassifyConfig,
     pub log: LogConfig,
+    /// TLS toward clients.
+    pub tls: TlsConfig,
 }
 
 impl Default for Config {
@@ -47,6 +49,7 @@ impl Default for Config {
             global_defaults: GlobalDefaults::default(),
             classify: ClassifyConfig::default(),
             log: LogConfig::default(),
+            tls: TlsConfig::default(),
         }
     }
 }
@@ -83,6 +86,10 @@ pub struct BackendConfig {
     pub host: String,
     pub port: u16,
     pub connect_timeout_ms: u64,
+    /// TLS toward Postgres (libpq's `sslmode` values; `gssenc` is never used).
+    pub tls: BackendTlsMode,
+    /// PEM roots for `verify-ca`/`verify-full` (required by both).
+    pub root_cert_file: Option<String>,
 }
 
 impl Default for BackendConfig {
@@ -92,8 +99,50 @@ impl Default for BackendConfig {
             host: "127.0.0.1".into(),
             port: 5432,
             connect_timeout_ms: 5_000,
+            tls: BackendTlsMode::Prefer,
+            root_cert_file: None,
         }
     }
+}
+
+/// How the proxy speaks TLS to Postgres.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum BackendTlsMode {
+    /// Never ask for TLS.
+    Disable,
+    /// Ask; use plaintext if the server says 'N'. Certificates are not checked.
+    Prefer,
+    /// TLS or no connection; certificates are not checked.
+    Require,
+    /// TLS with a certificate chain rooted in `root_cert_file`; any host name.
+    VerifyCa,
+    /// Like `verify-ca`, and the certificate must name the backend host.
+    VerifyFull,
+}
+
+/// How the proxy speaks TLS to clients.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum ClientTlsMode {
+    /// Answer 'N' to SSLRequest; refuse direct TLS.
+    #[default]
+    Disable,
+    /// TLS for clients that ask (SSLRequest or direct TLS); plaintext still accepted.
+    Allow,
+    /// TLS for everyone: a plaintext StartupMessage is refused with 28000 before auth.
+    Require,
+}
+
+/// Client-side TLS: certificate and key are read at start and on every reload.
+#[derive(Debug, Clone, Deserialize, Default)]
+#[serde(deny_unknown_fields, default)]
+pub struct TlsConfig {
+    pub mode: ClientTlsMode,
+    /// PEM certificate chain, leaf first.
+    pub cert_file: Option<String>,
+    /// PEM private key (PKCS#8, PKCS#1 or SEC1).
+    pub key_file: Option<String>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
@@ -227,6 +276,8 @@ pub struct LimitsConfig {
     pub max_handshakes: usize,
     /// Graceful shutdown: how long in-flight transactions may run after SIGTERM.
     pub shutdown_timeout_ms: u64,
+    /// A client write that makes no progress for this long ends the session (slow reader).
+    pub client_write_timeout_ms: u64,
 }
 
 impl Default for LimitsConfig {
@@ -236,6 +287,7 @@ impl Default for LimitsConfig {
             handshake_timeout_ms: 10_000,
             max_handshakes: 512,
             shutdown_timeout_ms: 30_000,
+            client_write_timeout_ms: 30_000,
         }
     }
 }

@@ -290,6 +290,33 @@ impl Config {
         if l.handshake_timeout_ms == 0 {
             p.add("limits.handshake_timeout_ms".into(), "must be > 0");
         }
+        if l.client_write_timeout_ms == 0 {
+            p.add("limits.client_write_timeout_ms".into(), "must be > 0");
+        }
+        if self.tls.mode != super::ClientTlsMode::Disable {
+            for (field, v) in [
+                ("tls.cert_file", &self.tls.cert_file),
+                ("tls.key_file", &self.tls.key_file),
+            ] {
+                if v.as_deref().is_none_or(str::is_empty) {
+                    p.add(field.into(), "required unless tls.mode is disable");
+                }
+            }
+        }
+        if matches!(
+            self.backend.tls,
+            super::BackendTlsMode::VerifyCa | super::BackendTlsMode::VerifyFull
+        ) && self
+            .backend
+            .root_cert_file
+            .as_deref()
+            .is_none_or(str::is_empty)
+        {
+            p.add(
+                "backend.root_cert_file".into(),
+                "required when backend.tls is verify-ca or verify-full",
+            );
+        }
         let mut names = HashSet::new();
         for (i, c) in self.callers.iter().enumerate() {
             if c.name.is_empty() || c.name == "default" {
@@ -394,6 +421,19 @@ mod tests {
         let errs = Config::from_yaml(text).unwrap_err();
         assert_eq!(errs[0].field, "callers[1].max_concurrency");
         assert_eq!(errs[0].line, Some(5));
+    }
+
+    #[test]
+    fn tls_modes_need_their_files() {
+        let errs = Config::from_yaml("tls:\n  mode: require\n").unwrap_err();
+        let fields: Vec<&str> = errs.iter().map(|e| e.field.as_str()).collect();
+        assert_eq!(fields, ["tls.cert_file", "tls.key_file"]);
+        let errs = Config::from_yaml("backend:\n  tls: verify-full\n").unwrap_err();
+        assert_eq!(errs[0].field, "backend.root_cert_file");
+        let c =
+            Config::from_yaml("backend:\n  tls: verify-ca\n  root_cert_file: /r.pem\n").unwrap();
+        assert_eq!(c.backend.tls, super::super::BackendTlsMode::VerifyCa);
+        assert!(Config::from_yaml("tls:\n  mode: sometimes\n").is_err());
     }
 
     #[test]

@@ -3,8 +3,11 @@
 //! per-connection state the session layer needs (applied startup parameters, prepared
 //! statement cache, dirtiness).
 //!
-//! Defensive toward the server too: message lengths are checked against per-type limits, and
-//! the SCRAM iteration count the server asks for is capped.
+//! Defensive toward the server too: message lengths are checked against per-type limits, the
+//! SCRAM iteration count the server asks for is capped, and TLS follows `backend.tls` (libpq's
+//! `sslmode`): when it is required, a server that answers 'N' (or a man in the middle that does)
+//! gets no plaintext fallback, and bytes a server sends after its one-byte SSL answer, before
+//! the TLS handshake, abort the connection (CVE-2021-23222) rather than being read as protocol.
 
 use std::net::SocketAddr;
 use std::time::Duration;
@@ -12,9 +15,13 @@ use std::time::Duration;
 use bytes::{Buf, Bytes, BytesMut};
 use postgres_protocol::authentication::sasl::{ChannelBinding, ScramSha256};
 use postgres_protocol::message::frontend;
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 use tokio::time::Instant;
+
+use crate::config::BackendTlsMode;
+pub use crate::tls::BackendStream;
+use crate::tls::BackendTlsHandle;
 
 use crate::protocol::error::{field_of, sqlstate_of};
 use crate::protocol::framing::{self, Direction};
@@ -23,6 +30,8 @@ use super::prepared::PreparedCache;
 
 /// Highest SCRAM iteration count we will compute for a server (Postgres' default is 4096).
 const MAX_SCRAM_ITERATIONS: u32 = 100_000;
+/// Longest cancel key a server may hand out (protocol 3.2).
+const MAX_CANCEL_KEY: usize = 256;
 
 /// Where and as whom to connect.
 #[derive(Clone)]
@@ -33,6 +42,8 @@ pub struct ConnectParams {
     pub password: Option<String>,
     pub database: String,
     pub connect_timeout: Duration,
+    /// The live `backend.tls` settings (reloadable).
+    pub tls: BackendTlsHandle,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -56,7 +67,7 @@ pub enum ConnectError {
 
 /// A live, authenticated server connection.
 pub struct BackendConn {
-    pub stream: TcpStream,
+    pub stream: BackendStream,
     pub addr: SocketAddr,
     pub pid: i32,
     pub secret: Vec<u8>,
@@ -153,14 +164,15 @@ impl BackendConn {
         p: &ConnectParams,
         cache_size: usize,
     ) -> Result<BackendConn, ConnectError> {
-        let mut stream = TcpStream::connect((p.host.as_str(), p.port)).await?;
-        stream.set_nodelay(true)?;
-        let sock = socket2::SockRef::from(&stream);
+        let tcp = TcpStream::connect((p.host.as_str(), p.port)).await?;
+        tcp.set_nodelay(true)?;
+        let sock = socket2::SockRef::from(&tcp);
         let ka = socket2::TcpKeepalive::new()
             .with_time(Duration::from_secs(30))
             .with_interval(Duration::from_secs(10));
         sock.set_tcp_keepalive(&ka)?;
-        let addr = stream.peer_addr()?;
+        let addr = tcp.peer_addr()?;
+        let mut stream = negotiate_tls(tcp, p).await?;
 
         let mut out = BytesMut::new();
         frontend::startup_message(
@@ -277,8 +289,12 @@ impl BackendConn {
                     }
                 }
                 b'K' => {
-                    if body.len() < 8 {
-                        return Err(ConnectError::Protocol("short BackendKeyData".into()));
+                    // Protocol 3.2 allows keys of 4 to 256 bytes; anything else is hostile.
+                    if body.len() < 8 || body.len() > 4 + MAX_CANCEL_KEY {
+                        return Err(ConnectError::Protocol(format!(
+                            "BackendKeyData of {} bytes",
+                            body.len()
+                        )));
                     }
                     pid = i32::from_be_bytes([body[0], body[1], body[2], body[3]]);
                     secret = body[4..].to_vec();
@@ -319,7 +335,7 @@ impl BackendConn {
     /// True when the server has sent something (or closed) while the connection sat idle:
     /// such a connection is not handed to a client.
     pub fn has_pending_input(&self) -> bool {
-        let sock = socket2::SockRef::from(&self.stream);
+        let sock = socket2::SockRef::from(self.stream.tcp());
         let mut b = [std::mem::MaybeUninit::<u8>::uninit(); 1];
         match sock.peek(&mut b) {
             Ok(_) => true, // data, or 0 = EOF
@@ -348,6 +364,59 @@ impl BackendConn {
             }
         }
     }
+}
+
+/// SSLRequest according to `backend.tls`; returns the stream to speak the protocol on.
+async fn negotiate_tls(
+    mut tcp: TcpStream,
+    p: &ConnectParams,
+) -> Result<BackendStream, ConnectError> {
+    let tls = p.tls.current();
+    let Some(connector) = tls.connector.clone() else {
+        return Ok(BackendStream::Plain(tcp));
+    };
+    let mut req = BytesMut::new();
+    frontend::ssl_request(&mut req);
+    tcp.write_all(&req).await?;
+    let mut answer = [0u8; 1];
+    tcp.read_exact(&mut answer).await?;
+    // Nothing may follow the one-byte answer: the server has not seen our ClientHello yet, so
+    // such bytes can only be injected (CVE-2021-23222).
+    if bytes_waiting(&tcp) {
+        return Err(ConnectError::Protocol(format!(
+            "server sent data after its SSL response '{}'",
+            char::from(answer[0]).escape_default()
+        )));
+    }
+    match answer[0] {
+        b'S' => {
+            let name = rustls_pki_types::ServerName::try_from(p.host.clone()).map_err(|e| {
+                ConnectError::Protocol(format!("backend host is not a TLS server name: {e}"))
+            })?;
+            // rustls' errors (certificate name, expiry, unknown issuer) travel as io::Error.
+            let s = connector.connect(name, tcp).await?;
+            Ok(BackendStream::tls(s))
+        }
+        b'N' if tls.mode == BackendTlsMode::Prefer => Ok(BackendStream::Plain(tcp)),
+        b'N' => Err(ConnectError::Protocol(format!(
+            "backend.tls is {:?} but the server does not accept TLS",
+            tls.mode
+        ))),
+        // An old server's ErrorResponse: not read (it comes before any authentication and may
+        // be anything, CVE-2024-10977).
+        b'E' => Err(ConnectError::Protocol(
+            "server answered the SSL request with an error".into(),
+        )),
+        other => Err(ConnectError::Protocol(format!(
+            "invalid response {other:#04x} to the SSL request"
+        ))),
+    }
+}
+
+/// True when the peer has sent bytes we have not read (non-blocking peek).
+fn bytes_waiting(tcp: &TcpStream) -> bool {
+    let mut b = [std::mem::MaybeUninit::<u8>::uninit(); 1];
+    matches!(socket2::SockRef::from(tcp).peek(&mut b), Ok(n) if n > 0)
 }
 
 /// Rejects a SCRAM server-first message that asks for an absurd iteration count.
@@ -387,8 +456,8 @@ fn server_error(body: Bytes) -> ConnectError {
 }
 
 /// Reads one whole backend message (used only during login and for proxy-run queries).
-pub async fn read_message(
-    stream: &mut TcpStream,
+pub async fn read_message<S: AsyncRead + Unpin>(
+    stream: &mut S,
     buf: &mut BytesMut,
 ) -> Result<(u8, Bytes), ConnectError> {
     loop {

@@ -1,9 +1,16 @@
-//! Connection start: SSL/GSS negotiation, the startup packet, protocol version negotiation,
-//! CancelRequest, and client authentication (SCRAM-SHA-256, md5, trust).
+//! Connection start: SSL/GSS negotiation (and direct TLS), the startup packet, protocol
+//! version negotiation, CancelRequest, and client authentication (SCRAM-SHA-256, md5, trust).
 //!
 //! Everything here runs before the client is trusted, under the caller's handshake timeout:
 //! packets are length-checked before they are read, and unknown users walk the same SCRAM
 //! exchange as known ones against a dummy verifier, so both get the same 28P01.
+//!
+//! Negotiation follows Postgres (`backend_startup.c`): each of SSLRequest and GSSENCRequest is
+//! answered at most once with one byte, and a repeat is closed without a reply; bytes the
+//! client pipelined behind either request are refused with 08P01 before any TLS is spoken
+//! (CVE-2021-23214); direct TLS (first byte 0x16) must negotiate ALPN `postgresql`; with
+//! `tls.mode: require` a plaintext StartupMessage is refused with 28000 before authentication.
+//! Reads are buffered in the caller's `buf`, which keeps whatever followed the handshake.
 
 use bytes::{Buf, BytesMut};
 use pgwire::api::auth::sasl::scram::ScramServerAuth;
@@ -11,12 +18,16 @@ use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 
 use crate::app::App;
 use crate::auth;
-use crate::config::AuthMethod;
+use crate::config::{AuthMethod, ClientTlsMode};
 use crate::protocol::PgError;
 use crate::protocol::framing::{self, Direction, SMALL_LIMIT};
 use crate::protocol::messages::{self, NEWEST_MINOR, StartupPacket};
+use crate::tls::{ALPN_POSTGRESQL, ClientStream};
 
 use super::params;
+
+/// First byte of a TLS handshake record: a direct-TLS ClientHello.
+const TLS_HANDSHAKE: u8 = 0x16;
 
 /// A client that passed authentication.
 #[derive(Debug, Clone)]
@@ -44,6 +55,21 @@ pub enum Start {
     Cancelled,
 }
 
+/// Why a handshake ended without a login.
+#[derive(Debug)]
+pub enum Fail {
+    /// Send this FATAL error, then close.
+    Report(PgError),
+    /// Close without a reply: negotiation abuse, a client that left, a failed TLS handshake.
+    Silent(&'static str),
+}
+
+impl From<PgError> for Fail {
+    fn from(e: PgError) -> Self {
+        Fail::Report(e)
+    }
+}
+
 async fn write<S: AsyncWrite + Unpin>(s: &mut S, out: &mut BytesMut) -> Result<(), PgError> {
     s.write_all(out).await.map_err(io_err)?;
     out.clear();
@@ -54,14 +80,39 @@ fn io_err(e: std::io::Error) -> PgError {
     PgError::protocol_violation(format!("connection error during startup: {e}"))
 }
 
-/// Reads one startup-phase packet (length-prefixed, no type byte).
-async fn read_startup<S: AsyncRead + Unpin>(s: &mut S) -> Result<StartupPacket, PgError> {
-    let mut len = [0u8; 4];
-    s.read_exact(&mut len).await.map_err(io_err)?;
-    let len = messages::startup_len(len).map_err(|e| PgError::protocol_violation(e.to_string()))?;
-    let mut body = vec![0u8; len - 4];
-    s.read_exact(&mut body).await.map_err(io_err)?;
-    messages::parse_startup(&body).map_err(|e| PgError::protocol_violation(e.to_string()))
+/// Reads one startup-phase packet (length-prefixed, no type byte) from `buf`, reading more
+/// as needed; bytes after it stay in `buf`.
+async fn read_startup<S: AsyncRead + Unpin>(
+    s: &mut S,
+    buf: &mut BytesMut,
+) -> Result<StartupPacket, Fail> {
+    loop {
+        if buf.len() >= 4 {
+            let len = messages::startup_len([buf[0], buf[1], buf[2], buf[3]])
+                .map_err(|e| PgError::protocol_violation(e.to_string()))?;
+            if buf.len() >= len {
+                let packet = buf.split_to(len);
+                return Ok(messages::parse_startup(&packet[4..])
+                    .map_err(|e| PgError::protocol_violation(e.to_string()))?);
+            }
+        }
+        fill(s, buf).await?;
+    }
+}
+
+/// Reads more bytes into `buf`; a client that hangs up here is closed without a reply.
+async fn fill<S: AsyncRead + Unpin>(s: &mut S, buf: &mut BytesMut) -> Result<(), Fail> {
+    match s.read_buf(buf).await {
+        Ok(0) | Err(_) => Err(Fail::Silent("client closed the connection during startup")),
+        Ok(_) => Ok(()),
+    }
+}
+
+/// Answers one negotiation request with a single byte.
+async fn answer<S: AsyncWrite + Unpin>(s: &mut S, byte: u8) -> Result<(), Fail> {
+    s.write_all(&[byte])
+        .await
+        .map_err(|_| Fail::Silent("client closed the connection during negotiation"))
 }
 
 /// Reads one regular message during authentication (small limit: SCRAM messages are tiny).
@@ -109,25 +160,63 @@ async fn read_auth_message<S: AsyncRead + Unpin>(
 /// Startup up to and including authentication. `buf` keeps any bytes read past it.
 pub async fn startup<S: AsyncRead + AsyncWrite + Unpin>(
     app: &App,
-    s: &mut S,
+    s: &mut ClientStream<S>,
     buf: &mut BytesMut,
-) -> Result<Start, PgError> {
+) -> Result<Start, Fail> {
     let mut out = BytesMut::new();
-    let (mut ssl_done, mut gss_done) = (false, false);
+    let tls = app.tls.client();
+    if buf.is_empty() {
+        fill(s, buf).await?;
+    }
+    if buf.first() == Some(&TLS_HANDSHAKE) {
+        let Some(acceptor) = &tls.acceptor else {
+            return Err(Fail::Silent("direct TLS connection while TLS is disabled"));
+        };
+        s.upgrade(acceptor, buf.split())
+            .await
+            .map_err(|_| Fail::Silent("direct TLS handshake failed"))?;
+        if s.alpn() != Some(ALPN_POSTGRESQL) {
+            return Err(PgError::protocol_violation(
+                "received direct SSL connection request without ALPN protocol negotiation extension",
+            )
+            .into());
+        }
+    }
+    let (mut ssl_done, mut gss_done) = (s.is_tls(), s.is_tls());
     let (major, minor, raw) = loop {
-        match read_startup(s).await? {
+        match read_startup(s, buf).await? {
             StartupPacket::SslRequest if !ssl_done => {
                 ssl_done = true;
-                s.write_all(b"N").await.map_err(io_err)?;
+                if !buf.is_empty() {
+                    return Err(PgError::protocol_violation(
+                        "received unencrypted data after SSL request",
+                    )
+                    .into());
+                }
+                match &tls.acceptor {
+                    Some(acceptor) => {
+                        answer(s, b'S').await?;
+                        s.upgrade(acceptor, BytesMut::new())
+                            .await
+                            .map_err(|_| Fail::Silent("TLS handshake failed"))?;
+                        // GSS encryption inside TLS makes no sense.
+                        gss_done = true;
+                    }
+                    None => answer(s, b'N').await?,
+                }
             }
             StartupPacket::GssEncRequest if !gss_done => {
                 gss_done = true;
-                s.write_all(b"N").await.map_err(io_err)?;
+                if !buf.is_empty() {
+                    return Err(PgError::protocol_violation(
+                        "received unencrypted data after GSSAPI encryption request",
+                    )
+                    .into());
+                }
+                answer(s, b'N').await?;
             }
             StartupPacket::SslRequest | StartupPacket::GssEncRequest => {
-                return Err(PgError::protocol_violation(
-                    "duplicate SSL/GSS negotiation request",
-                ));
+                return Err(Fail::Silent("repeated SSL/GSS negotiation request"));
             }
             StartupPacket::Cancel { pid, secret } => {
                 app.cancels.cancel(pid, &secret).await;
@@ -140,13 +229,21 @@ pub async fn startup<S: AsyncRead + AsyncWrite + Unpin>(
             } => break (major, minor, params),
         }
     };
+    if tls.mode == ClientTlsMode::Require && !s.is_tls() {
+        return Err(PgError::fatal(
+            "28000",
+            "pgsluice: this server requires SSL/TLS (use sslmode=require)",
+        )
+        .into());
+    }
     if major != 3 {
         return Err(PgError::fatal(
             "0A000",
             format!(
                 "unsupported frontend protocol {major}.{minor}: server supports 3.0 to 3.{NEWEST_MINOR}"
             ),
-        ));
+        )
+        .into());
     }
     let user = raw
         .iter()

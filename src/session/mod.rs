@@ -6,6 +6,11 @@
 //! few types that carry protocol state and otherwise streamed through untouched. In
 //! transaction mode the backend goes back to the pool at ReadyForQuery('I') with nothing
 //! outstanding; in session mode it stays until the client leaves.
+//!
+//! This file owns the session's lifetime around that loop: the handshake under its timeout
+//! and handshake slot, the client stream (TLS or not) wrapped in [`WriteTimeout`] so that a
+//! client that stops reading ends its session instead of pinning a backend and our buffers,
+//! and the final error and TLS close.
 
 mod handshake;
 pub mod params;
@@ -13,13 +18,17 @@ mod relay;
 mod state;
 mod tracker;
 
+use std::io;
 use std::net::SocketAddr;
+use std::pin::Pin;
 use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::task::{Context, Poll};
 use std::time::Duration;
 
 use bytes::BytesMut;
-use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
-use tokio::time::Instant;
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, ReadBuf};
+use tokio::time::{Instant, Sleep};
 
 use crate::app::App;
 use crate::cancel;
@@ -27,9 +36,10 @@ use crate::config::PoolMode;
 use crate::pool::{Pool, Pooled};
 use crate::protocol::PgError;
 use crate::protocol::messages;
+use crate::tls::ClientStream;
 
 pub use handshake::Login;
-use handshake::Start;
+use handshake::{Fail, Start};
 use relay::Relay;
 
 /// Why a session ended (for logs).
@@ -41,13 +51,39 @@ pub enum End {
     BackendLost,
 }
 
+/// One handshake in progress (counted in `stats.handshakes`, capped by
+/// `limits.max_handshakes`); released when the client is logged in or gone.
+pub struct HandshakeSlot(Arc<App>);
+
+impl HandshakeSlot {
+    /// Takes a slot, or `None` when `max_handshakes` are already in progress.
+    pub fn try_acquire(app: &Arc<App>) -> Option<HandshakeSlot> {
+        let max = app.config.load().limits.max_handshakes;
+        let h = &app.stats.handshakes;
+        h.fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| {
+            (n < max).then_some(n + 1)
+        })
+        .ok()
+        .map(|_| HandshakeSlot(app.clone()))
+    }
+}
+
+impl Drop for HandshakeSlot {
+    fn drop(&mut self) {
+        self.0.stats.handshakes.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
 /// Runs a client connection to completion.
-pub async fn run<S>(app: Arc<App>, mut stream: S, peer: SocketAddr)
+pub async fn run<S>(app: Arc<App>, stream: S, peer: SocketAddr, slot: HandshakeSlot)
 where
     S: AsyncRead + AsyncWrite + Unpin + Send,
 {
+    let limits = app.config.load().limits.clone();
+    let write_timeout = Duration::from_millis(limits.client_write_timeout_ms);
+    let mut stream = ClientStream::Plain(WriteTimeout::new(stream, write_timeout));
     let mut buf = BytesMut::with_capacity(8 * 1024);
-    let timeout = Duration::from_millis(app.config.load().limits.handshake_timeout_ms);
+    let timeout = Duration::from_millis(limits.handshake_timeout_ms);
     let started = tokio::time::timeout(timeout, async {
         let start = handshake::startup(&app, &mut stream, &mut buf).await?;
         match start {
@@ -60,17 +96,24 @@ where
         }
     })
     .await;
+    drop(slot);
     let (login, pool, status) = match started {
         Ok(Ok(Some(x))) => x,
         Ok(Ok(None)) => return,
-        Ok(Err(e)) => {
+        Ok(Err(Fail::Report(e))) => {
             tracing::debug!(%peer, error = %e, "startup failed");
             send_error(&mut stream, &e).await;
+            close(&mut stream).await;
+            return;
+        }
+        Ok(Err(Fail::Silent(why))) => {
+            tracing::debug!(%peer, why, "startup ended without a reply");
             return;
         }
         Err(_) => {
             let e = PgError::fatal("08P01", "pgsluice: startup or authentication timed out");
             send_error(&mut stream, &e).await;
+            close(&mut stream).await;
             return;
         }
     };
@@ -84,7 +127,7 @@ where
     if stream.write_all(&out).await.is_err() {
         return;
     }
-    tracing::debug!(%peer, user = %login.user, db = %login.database, "client logged in");
+    tracing::debug!(%peer, user = %login.user, db = %login.database, tls = stream.is_tls(), "client logged in");
     let relay = Relay::new(app.clone(), pool, login, reg.entry.clone(), buf, peer);
     let end = relay.run(&mut stream).await;
     match &end {
@@ -94,7 +137,89 @@ where
         }
         other => tracing::debug!(%peer, end = ?other, "session ended"),
     }
+    close(&mut stream).await;
     drop(reg);
+}
+
+/// Ends the connection politely (TLS close_notify), without waiting on a client that is gone.
+async fn close<S: AsyncWrite + Unpin>(stream: &mut S) {
+    let _ = tokio::time::timeout(Duration::from_millis(200), stream.shutdown()).await;
+}
+
+/// A client stream whose writes fail with `TimedOut` once they have made no progress for
+/// `limit`: a client that stops reading (a TCP zombie, or one that asked for 50 MB and walked
+/// away) then ends its session through the normal error path, which cleans or discards the
+/// backend, instead of holding it and our buffers forever. Reads are untouched.
+pub struct WriteTimeout<S> {
+    inner: S,
+    limit: Duration,
+    /// Running while a write is blocked; reset whenever a write makes progress.
+    timer: Option<Pin<Box<Sleep>>>,
+}
+
+impl<S> WriteTimeout<S> {
+    pub fn new(inner: S, limit: Duration) -> Self {
+        WriteTimeout {
+            inner,
+            limit,
+            timer: None,
+        }
+    }
+
+    /// `Pending` from the inner stream: start (or check) the no-progress timer.
+    fn blocked<T>(&mut self, cx: &mut Context<'_>) -> Poll<io::Result<T>> {
+        let limit = self.limit;
+        let timer = self
+            .timer
+            .get_or_insert_with(|| Box::pin(tokio::time::sleep(limit)));
+        match timer.as_mut().poll(cx) {
+            Poll::Ready(()) => Poll::Ready(Err(io::Error::new(
+                io::ErrorKind::TimedOut,
+                "client stopped reading: write made no progress",
+            ))),
+            Poll::Pending => Poll::Pending,
+        }
+    }
+}
+
+impl<S: AsyncRead + Unpin> AsyncRead for WriteTimeout<S> {
+    fn poll_read(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.inner).poll_read(cx, buf)
+    }
+}
+
+impl<S: AsyncWrite + Unpin> AsyncWrite for WriteTimeout<S> {
+    fn poll_write(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<io::Result<usize>> {
+        match Pin::new(&mut self.inner).poll_write(cx, buf) {
+            Poll::Pending => self.blocked(cx),
+            ready => {
+                self.timer = None;
+                ready
+            }
+        }
+    }
+
+    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        match Pin::new(&mut self.inner).poll_flush(cx) {
+            Poll::Pending => self.blocked(cx),
+            ready => {
+                self.timer = None;
+                ready
+            }
+        }
+    }
+
+    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.inner).poll_shutdown(cx)
+    }
 }
 
 async fn send_error<S: AsyncWrite + Unpin>(stream: &mut S, e: &PgError) {
@@ -246,4 +371,33 @@ async fn client_alive<S: AsyncRead + Unpin>(client: &mut S, buf: &mut BytesMut) 
 
 fn pool_mode(pool: &Pool) -> PoolMode {
     pool.mode()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test(start_paused = true)]
+    async fn write_timeout_fails_a_write_that_makes_no_progress() {
+        let (a, mut b) = tokio::io::duplex(64);
+        let mut w = WriteTimeout::new(a, Duration::from_secs(30));
+        // Progress resets the timer: a slow reader that keeps reading is fine.
+        let reader = tokio::spawn(async move {
+            let mut sink = [0u8; 16];
+            for _ in 0..8 {
+                tokio::time::sleep(Duration::from_secs(20)).await;
+                let _ = b.read(&mut sink).await;
+            }
+            b
+        });
+        w.write_all(&[0u8; 160])
+            .await
+            .expect("slow but steady reader");
+        let _b = reader.await.expect("reader");
+        // Nobody reads any more: the write fails after the limit, not before.
+        let t = Instant::now();
+        let e = w.write_all(&[0u8; 1024]).await.expect_err("stalled write");
+        assert_eq!(e.kind(), io::ErrorKind::TimedOut);
+        assert!(t.elapsed() >= Duration::from_secs(30));
+    }
 }

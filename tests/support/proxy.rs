@@ -29,6 +29,9 @@ use super::{Watchdog, direct_mode, within};
 const STARTUP_TIMEOUT: Duration = Duration::from_secs(20);
 /// How long any single client connect may take.
 pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(15);
+/// The admin read token every spawned proxy gets (`PGSLUICE_ADMIN_READ_TOKEN`), so tests can
+/// read `/v1/pools` and friends.
+pub const ADMIN_READ_TOKEN: &str = "pgsluice-test-read-token";
 /// How many stderr lines to keep for failure messages.
 const STDERR_TAIL_LINES: usize = 200;
 
@@ -54,6 +57,8 @@ pub struct ProxyOptions {
     pub pool_mode: PoolMode,
     pub config: Option<PathBuf>,
     pub extra_args: Vec<String>,
+    /// Where the proxy connects instead of the cluster (a fault-injection proxy in front of it).
+    pub backend_addr: Option<SocketAddr>,
 }
 
 impl ProxyOptions {
@@ -63,7 +68,14 @@ impl ProxyOptions {
             pool_mode: PoolMode::Transaction,
             config: None,
             extra_args: Vec::new(),
+            backend_addr: None,
         }
+    }
+
+    /// Connect to Postgres through `addr` (which forwards to the cluster).
+    pub fn backend_via(mut self, addr: SocketAddr) -> ProxyOptions {
+        self.backend_addr = Some(addr);
+        self
     }
 
     pub fn session(mut self) -> ProxyOptions {
@@ -110,10 +122,8 @@ impl Proxy {
                 watchdog: None,
             };
         }
-        let backend = format!(
-            "postgres://{APP_USER}:{APP_PASSWORD}@127.0.0.1:{}/{APP_DB}",
-            cluster.port()
-        );
+        let backend_addr = options.backend_addr.unwrap_or_else(|| cluster.addr());
+        let backend = format!("postgres://{APP_USER}:{APP_PASSWORD}@{backend_addr}/{APP_DB}");
         let mut cmd = Command::new(env!("CARGO_BIN_EXE_pgsluice"));
         cmd.args([
             "--listen",
@@ -133,6 +143,7 @@ impl Proxy {
             cmd.arg("--config").arg(config);
         }
         cmd.args(&options.extra_args)
+            .env("PGSLUICE_ADMIN_READ_TOKEN", ADMIN_READ_TOKEN)
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
             .stderr(Stdio::piped());
