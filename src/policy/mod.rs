@@ -289,22 +289,19 @@ impl Policy {
             .and_then(|i| u16::try_from(i).ok())
     }
 
-    /// Decide on one statement. May wait (THROTTLE-QUEUE token, caller queue) up to the
-    /// caller's queue timeout; cancel-safe — dropping the future gives everything back.
-    pub async fn admit(&self, req: &AdmitRequest) -> Result<Admission, Refusal> {
-        let (id, caller) = self.caller(req.caller);
+    /// Steps shared by [`Policy::admit`] and [`Policy::check_statement`]: (1) the fingerprint
+    /// rules, which may wait for a THROTTLE-QUEUE token, and (2a) the caller's rate bucket.
+    /// Returns the statement's admission so far, the time after any wait, and whether it waited.
+    async fn rules_and_rate(
+        &self,
+        id: u16,
+        caller: &CallerState,
+        req: &AdmitRequest,
+    ) -> Result<(StatementAdmission, Instant, bool), Refusal> {
         let policy = &caller.policy;
-        let deadline = req
-            .now
-            .checked_add(policy.queue_timeout)
-            .unwrap_or_else(|| req.now + Duration::from_secs(86_400));
         let mut now = req.now;
         let mut waited = false;
-        let mut warnings = Vec::new();
-        let (mut statement_timeout, mut lock_timeout, mut rule_guard) = (None, None, None);
-        let mut rule_action = None;
-
-        // 1. Fingerprint rules.
+        let mut admission = StatementAdmission::default();
         match self
             .rules
             .check(req.fingerprint, &policy.name, now, policy.queue_timeout)
@@ -312,18 +309,20 @@ impl Policy {
             RuleCheck::NoRule => {}
             RuleCheck::Refuse { rule, violation } => {
                 let reason = rule_reason(req.fingerprint, rule.def(), &violation);
-                let mut r = self.refuse(id, &caller, reason, req.fingerprint, now);
+                let mut r = self.refuse(id, caller, reason, req.fingerprint, now);
                 r.rule_action = Some(rule.def().action.name());
                 return Err(r);
             }
             RuleCheck::Admit(a) => {
                 if let Some(v) = &a.would_refuse {
-                    warnings.push(rule_reason(req.fingerprint, a.rule.def(), v).warning());
+                    admission
+                        .warnings
+                        .push(rule_reason(req.fingerprint, a.rule.def(), v).warning());
                 }
-                statement_timeout = a.statement_timeout;
-                lock_timeout = a.lock_timeout;
-                rule_guard = a.guard;
-                rule_action = Some(a.rule.def().action.name());
+                admission.rule_action = Some(a.rule.def().action.name());
+                admission.statement_timeout_override = a.statement_timeout;
+                admission.lock_timeout_override = a.lock_timeout;
+                admission._rule_guard = a.guard;
                 if !a.wait.is_zero() {
                     tokio::time::sleep_until(now + a.wait).await;
                     now = Instant::now();
@@ -331,8 +330,6 @@ impl Policy {
                 }
             }
         }
-
-        // 2a. Caller rate.
         if let Some(bucket) = &caller.bucket
             && let Err(wait) = bucket.try_take(now)
         {
@@ -344,8 +341,22 @@ impl Policy {
                 bucket.burst()
             );
             let reason = Reason::new(RefusalKind::RateLimited, what, detail, wait);
-            return Err(self.refuse(id, &caller, reason, req.fingerprint, now));
+            return Err(self.refuse(id, caller, reason, req.fingerprint, now));
         }
+        Ok((admission, now, waited))
+    }
+
+    /// Decide on one statement. May wait (THROTTLE-QUEUE token, caller queue) up to the
+    /// caller's queue timeout; cancel-safe — dropping the future gives everything back.
+    pub async fn admit(&self, req: &AdmitRequest) -> Result<Admission, Refusal> {
+        let (id, caller) = self.caller(req.caller);
+        let policy = &caller.policy;
+        let deadline = req
+            .now
+            .checked_add(policy.queue_timeout)
+            .unwrap_or_else(|| req.now + Duration::from_secs(86_400));
+        // 1. Fingerprint rules, 2a. caller rate.
+        let (stmt, mut now, mut waited) = self.rules_and_rate(id, &caller, req).await?;
 
         // 2b. Caller concurrency, queueing if allowed.
         let permit = match caller.limiter.try_acquire() {
@@ -383,17 +394,17 @@ impl Policy {
         caller.stats.admitted.fetch_add(1, Ordering::Relaxed);
         Ok(Admission {
             caller: id,
-            rule_action,
-            statement_timeout_override: statement_timeout,
-            lock_timeout_override: lock_timeout,
-            warnings,
+            rule_action: stmt.rule_action,
+            statement_timeout_override: stmt.statement_timeout_override,
+            lock_timeout_override: stmt.lock_timeout_override,
+            warnings: stmt.warnings,
             queue_wait: if waited {
                 now.saturating_duration_since(req.now)
             } else {
                 Duration::ZERO
             },
             _permit: permit,
-            _rule_guard: rule_guard,
+            _rule_guard: stmt._rule_guard,
             ticket,
         })
     }
@@ -403,51 +414,9 @@ impl Policy {
     pub async fn check_statement(&self, req: &AdmitRequest) -> Result<StatementAdmission, Refusal> {
         let (id, caller) = self.caller(req.caller);
         let policy = &caller.policy;
-        let mut now = req.now;
-        let mut admission = StatementAdmission::default();
-        // 1. Fingerprint rules.
-        match self
-            .rules
-            .check(req.fingerprint, &policy.name, now, policy.queue_timeout)
-        {
-            RuleCheck::NoRule => {}
-            RuleCheck::Refuse { rule, violation } => {
-                let reason = rule_reason(req.fingerprint, rule.def(), &violation);
-                let mut r = self.refuse(id, &caller, reason, req.fingerprint, now);
-                r.rule_action = Some(rule.def().action.name());
-                return Err(r);
-            }
-            RuleCheck::Admit(a) => {
-                if let Some(v) = &a.would_refuse {
-                    admission
-                        .warnings
-                        .push(rule_reason(req.fingerprint, a.rule.def(), v).warning());
-                }
-                if !a.wait.is_zero() {
-                    tokio::time::sleep_until(now + a.wait).await;
-                    now = Instant::now();
-                }
-                admission.rule_action = Some(a.rule.def().action.name());
-                admission.statement_timeout_override = a.statement_timeout;
-                admission.lock_timeout_override = a.lock_timeout;
-                admission._rule_guard = a.guard;
-            }
-        }
-        // 2. Caller rate: every statement takes a token, pipelined or not. (Concurrency is
-        //    already counted: the unit holds its backend and its caller slot.)
-        if let Some(bucket) = &caller.bucket
-            && let Err(wait) = bucket.try_take(now)
-        {
-            let what = format!("caller {} is over max_qps={}", policy.name, bucket.rate());
-            let detail = format!(
-                "limit: caller {} max_qps={}, burst={}",
-                policy.name,
-                bucket.rate(),
-                bucket.burst()
-            );
-            let reason = Reason::new(RefusalKind::RateLimited, what, detail, wait);
-            return Err(self.refuse(id, &caller, reason, req.fingerprint, now));
-        }
+        // 1. Rules and 2a. the caller's rate: every statement takes a token, pipelined or
+        //    not. (Concurrency is already counted: the unit holds its backend and its slot.)
+        let (mut admission, now, _) = self.rules_and_rate(id, &caller, req).await?;
         // 3. Circuit breaker.
         match self.breaker.allow(policy.priority, now) {
             Ok(ticket) => admission._ticket = Some(ticket),
