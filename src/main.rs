@@ -167,8 +167,9 @@ async fn run(cli: Cli, config: Config) -> anyhow::Result<()> {
     let rules = load_rules(&config)?;
     let app = App::new(config, rules).map_err(anyhow::Error::msg)?;
     // The harness and scripts read these two lines to learn the chosen ports.
-    println!("pgsluice listening on {}", listener.local_addr()?);
+    // The admin line comes first: readers may stop at the client listening line.
     println!("pgsluice admin listening on {}", admin.local_addr()?);
+    println!("pgsluice listening on {}", listener.local_addr()?);
     tracing::info!(addr = %listener.local_addr()?, "pgsluice listening");
 
     let cli = Arc::new(cli);
