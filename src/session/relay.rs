@@ -234,7 +234,11 @@ impl Relay {
                     self.maybe_release().await
                 }
                 Event::Force => {
-                    self.cancel_backend_query("shutdown grace period over");
+                    // Wait for the cancel to reach Postgres: the process is about to exit,
+                    // and a spawned task could die with it, leaving an orphan query.
+                    if let Some(t) = self.cancel_backend_query("shutdown grace period over") {
+                        let _ = tokio::time::timeout(Duration::from_secs(1), t).await;
+                    }
                     return End::Error(PgError::shutting_down());
                 }
             };
@@ -904,13 +908,11 @@ impl Relay {
     }
 
     /// Sends a CancelRequest for whatever runs on our backend (no-op when nothing does).
-    fn cancel_backend_query(&mut self, why: &'static str) {
+    fn cancel_backend_query(&mut self, why: &'static str) -> Option<tokio::task::JoinHandle<()>> {
         if !self.t.in_flight() {
-            return;
+            return None;
         }
-        let Some(b) = self.backend.as_mut() else {
-            return;
-        };
+        let b = self.backend.as_mut()?;
         let c = b.conn();
         let t = cancel::Target {
             addr: c.addr,
@@ -918,9 +920,9 @@ impl Relay {
             secret: c.secret.clone(),
         };
         tracing::warn!(pool = %self.pool.name, pid = c.pid, why, "cancelling the server query");
-        tokio::spawn(async move {
+        Some(tokio::spawn(async move {
             let _ = tokio::time::timeout(Duration::from_secs(5), cancel::send(&t)).await;
-        });
+        }))
     }
 
     /// The backend closed or failed under us.
