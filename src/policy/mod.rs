@@ -439,12 +439,6 @@ impl Policy {
         self.caller(id).1.policy.priority
     }
 
-    /// Statement and lock timeout defaults are resolved by the caller of the policy; this is
-    /// the caller's name for logs and metrics.
-    pub fn caller_name(&self, id: u16) -> String {
-        self.caller(id).1.policy.name.clone()
-    }
-
     /// Outcome of a statement that reached the backend: `false` for backend faults only
     /// (errors, timeouts, lost connections), `true` otherwise.
     pub fn record_backend_result(&self, ok: bool) {

@@ -32,7 +32,6 @@ use tokio::time::{Instant, Sleep};
 
 use crate::app::App;
 use crate::cancel;
-use crate::config::PoolMode;
 use crate::pool::{Pool, Pooled};
 use crate::protocol::PgError;
 use crate::protocol::messages;
@@ -367,10 +366,6 @@ async fn client_alive<S: AsyncRead + Unpin>(client: &mut S, buf: &mut BytesMut) 
         std::future::pending::<()>().await;
     }
     !matches!(client.read_buf(buf).await, Ok(0) | Err(_))
-}
-
-fn pool_mode(pool: &Pool) -> PoolMode {
-    pool.mode()
 }
 
 #[cfg(test)]

@@ -31,7 +31,7 @@ use crate::protocol::messages;
 
 use super::state;
 use super::tracker::{Expect, Kind, Mode, Tracker};
-use super::{End, Login, client_alive, params, pool_mode, set_cancel_target};
+use super::{End, Login, client_alive, params, set_cancel_target};
 
 /// A client's named statement (protocol level).
 struct Stmt {
@@ -150,7 +150,7 @@ impl Relay {
         cbuf: BytesMut,
         peer: std::net::SocketAddr,
     ) -> Relay {
-        let mode = pool_mode(&pool);
+        let mode = pool.mode();
         let classify_on = app.config.load().classify.enabled;
         Relay {
             app,
