@@ -547,11 +547,14 @@ callers:
     let gone = Arc::new(gone);
 
     let started = Instant::now();
+    // The fillers free their slots 0.9 s apart, so the six waiters are granted one slot in
+    // turn (50 ms each) and their inserts cannot race each other for the serial id.
     let fill: Vec<_> = fillers
         .iter()
-        .map(|c| spawn_timed(c, "SELECT pg_sleep(2)"))
+        .zip(["SELECT pg_sleep(2)", "SELECT pg_sleep(2.9)"])
+        .map(|(c, sql)| spawn_timed(c, sql))
         .collect();
-    wait_for_running(&env.cluster, "pg_sleep(2)", 2).await;
+    wait_for_running(&env.cluster, "pg_sleep(2", 2).await;
 
     let mut waiters = Vec::new();
     for (i, c) in low.iter().enumerate() {
