@@ -62,6 +62,23 @@ fn classify(c: &mut Criterion) {
     g.bench_function(format!("cached_{}B", big.len()), |b| {
         b.iter(|| cl.classify(black_box(&big)))
     });
+    // The simple protocol's case: a new literal on every call (pgbench -S), answered from
+    // the shape cache.
+    let texts: Vec<String> = (0..4096)
+        .map(|i| {
+            format!(
+                "SELECT abalance FROM pgbench_accounts WHERE aid = {};",
+                i * 7919 % 100_000
+            )
+        })
+        .collect();
+    let mut i = 0;
+    g.bench_function("shape_hit_new_literal_oltp", |b| {
+        b.iter(|| {
+            i = (i + 1) % texts.len();
+            cl.classify(black_box(&texts[i]))
+        })
+    });
     g.finish();
 }
 

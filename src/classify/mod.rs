@@ -7,7 +7,11 @@
 //! config files or policy, and imports no other pgsluice module.
 //!
 //! `Classifier` caches one `Arc<Classified>` per distinct statement text:
-//! - The cache key is the exact text itself (`Box<str>`), looked up with `&str`. quick_cache
+//! - The cache key is the text's shape (`shape.rs`: the text with the contents of plain
+//!   literals blanked), so `... WHERE id = 1` and `... WHERE id = 2` share one entry and the
+//!   simple protocol's literal-laden texts are tokenized once per shape, not once per call.
+//!   Texts the shape pass gives up on are keyed by their exact bytes.
+//! - The key is looked up as `&str` (the shape is built in a per-thread buffer). quick_cache
 //!   hashes it once with its per-process randomly seeded hasher and compares the text on a
 //!   hit, which is the "verify the text on hit" variant: no collision can ever return another
 //!   text's classification (that matters: a crafted collision could hide a `SET ROLE` from the
@@ -35,6 +39,7 @@ pub mod fingerprint;
 pub mod kind;
 mod normalize;
 mod scan;
+mod shape;
 pub mod tags;
 
 pub use caller::{CallerId, CallerMatcher, CallerRule, Cidr, CidrError, DEFAULT_CALLER_NAME};
@@ -68,6 +73,11 @@ impl Classified {
     pub fn has_session_effects(&self) -> bool {
         self.effects.iter().any(SessionEffect::is_session_level)
     }
+}
+
+thread_local! {
+    /// Reused buffer for shape keys: a lookup allocates nothing.
+    static KEY: std::cell::RefCell<String> = const { std::cell::RefCell::new(String::new()) };
 }
 
 #[derive(Clone)]
@@ -107,17 +117,22 @@ impl Classifier {
     }
 
     pub fn classify(&self, sql: &str) -> Arc<Classified> {
-        let cacheable = sql.len() <= self.max_text_bytes;
-        if let (Some(cache), true) = (&self.cache, cacheable)
-            && let Some(hit) = cache.get(sql)
-        {
-            return hit;
-        }
-        let classified = Arc::new(analyze(sql, self.max_text_bytes));
-        if let (Some(cache), true) = (&self.cache, cacheable) {
-            cache.insert(Box::from(sql), Arc::clone(&classified));
-        }
-        classified
+        let Some(cache) = self
+            .cache
+            .as_ref()
+            .filter(|_| sql.len() <= self.max_text_bytes)
+        else {
+            return Arc::new(analyze(sql, self.max_text_bytes));
+        };
+        KEY.with_borrow_mut(|key| {
+            let key: &str = if shape::shape_key(sql, key) { key } else { sql };
+            if let Some(hit) = cache.get(key) {
+                return hit;
+            }
+            let classified = Arc::new(analyze(sql, self.max_text_bytes));
+            cache.insert(Box::from(key), Arc::clone(&classified));
+            classified
+        })
     }
 
     /// Number of cached texts.
@@ -140,9 +155,13 @@ mod tests {
         let a = c.classify("select 1");
         let b = c.classify("select 1");
         assert!(Arc::ptr_eq(&a, &b));
+        // Same shape, other literal: one entry.
         let d = c.classify("select 2");
-        assert!(!Arc::ptr_eq(&a, &d));
-        assert_eq!(a.fingerprint, d.fingerprint);
+        assert!(Arc::ptr_eq(&a, &d));
+        assert_eq!(c.cached(), 1);
+        // Other text: its own entry.
+        let e = c.classify("select 2 from t");
+        assert!(!Arc::ptr_eq(&a, &e));
         assert_eq!(c.cached(), 2);
         let set = c.classify("set role admin");
         assert!(set.has_session_effects());
@@ -167,6 +186,52 @@ mod tests {
         let off = Classifier::new(0, 1024);
         assert_eq!(off.classify("select 1").kind, StmtKind::Read);
         assert_eq!(off.cached(), 0);
+    }
+
+    /// Texts that share a shape key must get exactly the classification they would get on
+    /// their own: the cached answer for one literal variant is checked against a fresh
+    /// analysis of another, over statements whose kind, effects and tags all matter.
+    #[test]
+    fn a_shared_shape_gives_each_text_its_own_classification() {
+        let templates = [
+            "SELECT abalance FROM pgbench_accounts WHERE aid = {n};",
+            "/*service:billing*/ UPDATE t SET v = {s} WHERE id = {n}",
+            "SELECT * FROM users WHERE id = {n} AND status = {s} /*application='x',route='%2Fa'*/",
+            "SET search_path = {s}",
+            "SET statement_timeout = {n}",
+            "SELECT set_config({s}, {s}, false)",
+            "SELECT set_config({s}, {s}, true)",
+            "SELECT pg_advisory_lock({n})",
+            "SELECT pg_advisory_xact_lock({n})",
+            "INSERT INTO t VALUES ({n}, {s}), ({n}, {s})",
+            "SELECT {n} -- trailing {n}\nFROM t",
+            "SELECT \"c{n}\" FROM t WHERE x IN ({n}, {n}, {n}) LIMIT {n}",
+            "BEGIN; SELECT {n}; COMMIT",
+            "WITH d AS (DELETE FROM t WHERE id = {n} RETURNING *) SELECT * FROM d",
+            "SELECT * FROM t WHERE a = {s} FOR UPDATE",
+            "LISTEN c{n}",
+            "CREATE TEMP TABLE x{n} AS SELECT {n}",
+        ];
+        let fill =
+            |t: &str, n: &str, s: &str| t.replace("{n}", n).replace("{s}", s).replace("\\n", "\n");
+        let c = Classifier::new(1000, DEFAULT_MAX_TEXT_BYTES);
+        for t in templates {
+            let first = fill(t, "1", "'a'");
+            let cached_first = c.classify(&first);
+            assert_eq!(
+                *cached_first,
+                analyze(&first, DEFAULT_MAX_TEXT_BYTES),
+                "{first}"
+            );
+            for (n, s) in [("987654", "'it''s'"), ("0", "''"), ("42", "'--/*'")] {
+                let other = fill(t, n, s);
+                assert_eq!(
+                    *c.classify(&other),
+                    analyze(&other, DEFAULT_MAX_TEXT_BYTES),
+                    "{other}"
+                );
+            }
+        }
     }
 
     #[test]

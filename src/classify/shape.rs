@@ -1,0 +1,199 @@
+//! Shape keys: a literal-blind cache key for statement texts, so the simple protocol's
+//! literal-laden texts (`... WHERE aid = 48213`, a new text on every call) hit the
+//! classification cache instead of being tokenized each time.
+//!
+//! Owns: one linear byte pass that copies a text with the *contents* of its plain literals
+//! replaced by a NUL marker: unsigned integer literals (`48213` → `\0`) and plain
+//! single-quoted strings (`'active'` → `'\0'`). Everything else is copied verbatim.
+//!
+//! Why sharing a classification between texts with one key is sound:
+//! - Every field of `Classified` is computed from the `Normalizer` token stream, in which
+//!   every literal is the same `Param` token whatever its value (`push_param` takes none).
+//! - NUL never occurs in a Postgres query string (the protocol's strings are NUL-terminated;
+//!   a text holding one is refused here), so equal keys mean the texts are byte-identical
+//!   except inside marker positions, and at each of those both texts had a literal of the
+//!   same kind, as this pass lexed it.
+//! - This pass only replaces where sqlparser's tokenizer must also see that literal: it
+//!   tracks comments (line comments end at `\n` or `\r`, as sqlparser's Postgres dialect
+//!   does), quoted identifiers and strings, and gives up (returns `false`, the caller then
+//!   keys by the exact text) on anything where the lexers could disagree or a literal's
+//!   contents could change token boundaries: `$` (dollar quotes, parameters), a backslash,
+//!   a nested or unterminated comment, an unterminated quote, a prefixed string (`E'`,
+//!   `U&'`, `B'`, `X'`, `N'` — any `'` right after a word character or `&`), and numbers
+//!   that touch `.` or a word character (`1.5`, `1e5`, `0x1f`, `1_000`, `t.1`).
+//!
+//! The key starts with NUL, so it can never equal an exact-text key in the same cache.
+
+/// Word characters as Postgres' lexer sees them (letters, digits, `_`, `$`, non-ASCII).
+fn is_word_byte(b: u8) -> bool {
+    b.is_ascii_alphanumeric() || b == b'_' || b == b'$' || b >= 0x80
+}
+
+/// Writes the shape key of `sql` into `out` (cleared first). Returns `false` when the text
+/// must be keyed by its exact bytes instead; `out` is then unspecified.
+pub(crate) fn shape_key(sql: &str, out: &mut String) -> bool {
+    let b = sql.as_bytes();
+    let len = b.len();
+    if b.contains(&0) {
+        return false;
+    }
+    out.clear();
+    out.reserve(len + 1);
+    out.push('\0');
+    // `b[copied..i]` is verbatim text not yet appended to `out`.
+    let mut copied = 0;
+    let mut i = 0;
+    while i < len {
+        match b[i] {
+            b'\\' | b'$' => return false,
+            b'-' if b.get(i + 1) == Some(&b'-') => {
+                i += 2;
+                while i < len && b[i] != b'\n' && b[i] != b'\r' {
+                    i += 1;
+                }
+            }
+            b'/' if b.get(i + 1) == Some(&b'*') => {
+                let body = i + 2;
+                let Some(end) = find(b, body, b"*/") else {
+                    return false;
+                };
+                if find(&b[..end], body, b"/*").is_some() {
+                    return false;
+                }
+                i = end + 2;
+            }
+            b'"' => {
+                // `""` inside an identifier closes and reopens: verbatim either way.
+                let Some(end) = memchr(b, i + 1, b'"') else {
+                    return false;
+                };
+                i = end + 1;
+            }
+            b'\'' => {
+                if i > 0 && (is_word_byte(b[i - 1]) || b[i - 1] == b'&') {
+                    return false;
+                }
+                let start = i + 1;
+                let Some(end) = memchr(b, start, b'\'') else {
+                    return false;
+                };
+                if b[start..end].contains(&b'\\') {
+                    return false;
+                }
+                out.push_str(&sql[copied..start]);
+                out.push('\0');
+                copied = end;
+                i = end + 1;
+            }
+            b'0'..=b'9' => {
+                if i > 0 && b[i - 1] == b'.' {
+                    return false;
+                }
+                let start = i;
+                while i < len && b[i].is_ascii_digit() {
+                    i += 1;
+                }
+                if i < len && (is_word_byte(b[i]) || b[i] == b'.') {
+                    return false;
+                }
+                out.push_str(&sql[copied..start]);
+                out.push('\0');
+                copied = i;
+            }
+            c if is_word_byte(c) => {
+                // A word, digits included (`t1`): verbatim.
+                while i < len && is_word_byte(b[i]) {
+                    if b[i] == b'$' {
+                        return false;
+                    }
+                    i += 1;
+                }
+            }
+            _ => i += 1,
+        }
+    }
+    out.push_str(&sql[copied..]);
+    true
+}
+
+fn memchr(b: &[u8], from: usize, needle: u8) -> Option<usize> {
+    b.get(from..)?
+        .iter()
+        .position(|&c| c == needle)
+        .map(|p| p + from)
+}
+
+fn find(b: &[u8], from: usize, needle: &[u8; 2]) -> Option<usize> {
+    b.get(from..)?
+        .windows(2)
+        .position(|w| w == needle)
+        .map(|p| p + from)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn key(sql: &str) -> Option<String> {
+        let mut out = String::new();
+        shape_key(sql, &mut out).then_some(out)
+    }
+
+    #[test]
+    fn literals_are_blanked_and_the_rest_kept() {
+        assert_eq!(
+            key("SELECT abalance FROM pgbench_accounts WHERE aid = 48213;").as_deref(),
+            Some("\0SELECT abalance FROM pgbench_accounts WHERE aid = \0;")
+        );
+        assert_eq!(
+            key("select * from t1 where s = 'it''s' and n in (1, 22)").as_deref(),
+            Some("\0select * from t1 where s = '\0''\0' and n in (\0, \0)")
+        );
+        assert_eq!(key("SELECT 1"), key("SELECT 99999"));
+        assert_eq!(key("SELECT 'a'"), key("SELECT 'bcd'"));
+        assert_ne!(key("SELECT 1"), key("SELECT '1'"));
+        assert_ne!(key("SELECT a FROM t"), key("SELECT b FROM t"));
+    }
+
+    #[test]
+    fn comments_identifiers_and_words_are_verbatim() {
+        // Tags live in comments: their digits must never be blanked.
+        assert_ne!(
+            key("/*service:a1*/ SELECT 1"),
+            key("/*service:a2*/ SELECT 1")
+        );
+        assert_ne!(key("SELECT 1 -- 1\n"), key("SELECT 1 -- 2\n"));
+        assert_eq!(key("SELECT 1 -- x\r2"), Some("\0SELECT \0 -- x\r\0".into()));
+        assert_ne!(key(r#"SELECT "a1" FROM t"#), key(r#"SELECT "a2" FROM t"#));
+        assert_ne!(key("SELECT c1 FROM t"), key("SELECT c2 FROM t"));
+        // Comment openers inside strings are string contents.
+        assert_eq!(key("SELECT '/*', 1"), key("SELECT '/*', 2"));
+        assert_eq!(key("SELECT '--', 1"), key("SELECT '--', 2"));
+    }
+
+    #[test]
+    fn anything_the_lexers_could_read_differently_gives_up() {
+        for sql in [
+            "SELECT $1",
+            "SELECT $$x$$",
+            "SELECT E'a\\'b'",
+            "SELECT 'a\\'",
+            "SELECT e'x'",
+            "SELECT U&'x'",
+            "SELECT X'1f'",
+            "SELECT 1.5",
+            "SELECT .5",
+            "SELECT 1e5",
+            "SELECT 0x1f",
+            "SELECT 1_000",
+            "SELECT 'open",
+            "SELECT \"open",
+            "SELECT /* open",
+            "SELECT /* /* nested */ */ 1",
+            "SELECT a$b",
+            "SELECT '\0'",
+        ] {
+            assert_eq!(key(sql), None, "{sql:?}");
+        }
+    }
+}
