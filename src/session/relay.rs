@@ -8,6 +8,7 @@
 //! Writes are batched: one write per read on each side.
 
 use std::collections::HashMap;
+use std::pin::Pin;
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::Duration;
@@ -15,6 +16,7 @@ use std::time::Duration;
 use bytes::{Bytes, BytesMut};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::time::Instant;
+use tokio_util::sync::WaitForCancellationFutureOwned;
 use xxhash_rust::xxh3::Xxh3;
 
 use crate::app::App;
@@ -82,6 +84,11 @@ pub struct Relay {
     backstop: Option<Instant>,
     /// Graceful shutdown: leave at the next point between transactions.
     draining: bool,
+    /// Waits for shutdown and for the end of its grace period, made once per session: a
+    /// `cancelled()` future made per loop turn would register and unregister a waiter on
+    /// the process-wide token's lock for every message.
+    shutdown: Pin<Box<WaitForCancellationFutureOwned>>,
+    force: Pin<Box<WaitForCancellationFutureOwned>>,
     /// Classification of the unnamed prepared statement.
     unnamed_class: Option<Arc<Classified>>,
     /// `classify.enabled` when the session started.
@@ -152,6 +159,8 @@ impl Relay {
     ) -> Relay {
         let mode = pool.mode();
         let classify_on = app.config.load().classify.enabled;
+        let shutdown = Box::pin(app.shutdown.clone().cancelled_owned());
+        let force = Box::pin(app.force.clone().cancelled_owned());
         Relay {
             app,
             pool,
@@ -178,6 +187,8 @@ impl Relay {
             retry: None,
             backstop: None,
             draining: false,
+            shutdown,
+            force,
             peer_ip: Some(peer.ip()),
             classify_on,
             admission: None,
@@ -205,16 +216,16 @@ impl Relay {
             return end;
         }
         loop {
-            let app = self.app.clone();
             let (backstop, draining) = (self.backstop, self.draining);
             let ev = {
                 let (cbuf, rbuf, backend) = (&mut self.cbuf, &mut self.rbuf, &mut self.backend);
+                let (shutdown, force) = (&mut self.shutdown, &mut self.force);
                 tokio::select! {
                     r = client.read_buf(cbuf) => Event::Client(r),
                     r = read_backend(backend, rbuf) => Event::Backend(r),
                     _ = sleep_until_opt(backstop) => Event::Backstop,
-                    _ = app.shutdown.cancelled(), if !draining => Event::Shutdown,
-                    _ = app.force.cancelled(), if draining => Event::Force,
+                    _ = shutdown.as_mut(), if !draining => Event::Shutdown,
+                    _ = force.as_mut(), if draining => Event::Force,
                 }
             };
             let r = match ev {
