@@ -141,6 +141,7 @@ impl App {
                     password,
                     database: database.to_string(),
                     connect_timeout: Duration::from_millis(cfg.backend.connect_timeout_ms),
+                    tcp_user_timeout: cfg.backend.tcp_user_timeout(),
                     tls: self.tls.backend(),
                 },
             )

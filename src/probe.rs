@@ -28,6 +28,7 @@ pub async fn run(app: Arc<App>) {
                     password: url.password,
                     database: url.database,
                     connect_timeout: Duration::from_millis(cfg.backend.connect_timeout_ms),
+                    tcp_user_timeout: cfg.backend.tcp_user_timeout(),
                     tls: app.tls.backend(),
                 };
                 match BackendConn::connect(&params, 1).await {

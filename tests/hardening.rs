@@ -10,7 +10,9 @@
 //! * `isolation` — C5–C7: cancel isolation, protocol 3.2 and grease, mid-stream disconnects.
 //! * `faults` — D: backend restart, smart shutdown, unreachable (black hole, reset), slow
 //!   backend, killed sessions, client gone mid-transaction; through `support::faults`.
-//! * `overload` — E: connect storm (half TLS), slow readers, cancel storm.
+//! * `partition` — D4: an established server connection partitioned mid-query.
+//! * `overload` — E: connect storm (half TLS), file-descriptor exhaustion, slow readers,
+//!   cancel storm.
 //! * `lifecycle` — G: SIGTERM drain, second SIGTERM, SIGHUP reload (TLS files too).
 //!
 //! A9/A10 (pipelines) are covered in tests/foundation.rs and tests/pooling_state.rs.
@@ -25,6 +27,8 @@ mod isolation;
 mod lifecycle;
 #[path = "hardening/overload.rs"]
 mod overload;
+#[path = "hardening/partition.rs"]
+mod partition;
 #[path = "hardening/protocol.rs"]
 mod protocol;
 #[path = "hardening/raw.rs"]

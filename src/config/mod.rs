@@ -86,6 +86,10 @@ pub struct BackendConfig {
     pub host: String,
     pub port: u16,
     pub connect_timeout_ms: u64,
+    /// TCP_USER_TIMEOUT on server sockets (Linux): sent data unacknowledged this long, or
+    /// keepalive probes unanswered this long, close the connection. 0 leaves the kernel's
+    /// default (off), as libpq and PgBouncer do.
+    pub tcp_user_timeout_ms: u64,
     /// TLS toward Postgres (libpq's `sslmode` values; `gssenc` is never used).
     pub tls: BackendTlsMode,
     /// PEM roots for `verify-ca`/`verify-full` (required by both).
@@ -99,9 +103,18 @@ impl Default for BackendConfig {
             host: "127.0.0.1".into(),
             port: 5432,
             connect_timeout_ms: 5_000,
+            tcp_user_timeout_ms: 0,
             tls: BackendTlsMode::Prefer,
             root_cert_file: None,
         }
+    }
+}
+
+impl BackendConfig {
+    /// `tcp_user_timeout_ms` as the socket option wants it (`None` = off).
+    pub fn tcp_user_timeout(&self) -> Option<std::time::Duration> {
+        (self.tcp_user_timeout_ms > 0)
+            .then(|| std::time::Duration::from_millis(self.tcp_user_timeout_ms))
     }
 }
 
@@ -198,6 +211,10 @@ pub struct PoolConfig {
     pub session_state: SessionStateMode,
     /// Protocol-level prepared statements kept per backend connection (LRU).
     pub prepared_cache_size: usize,
+    /// After the statement backstop's cancel, how long a server that sends nothing may stay
+    /// silent before its connection is closed and the client gets 08006 (a partition or a hung
+    /// host would otherwise hold the client and the pool slot forever).
+    pub cancel_grace_ms: u64,
 }
 
 impl Default for PoolConfig {
@@ -215,6 +232,7 @@ impl Default for PoolConfig {
             connect_backoff_cap_ms: 5_000,
             session_state: SessionStateMode::Track,
             prepared_cache_size: 1_000,
+            cancel_grace_ms: 2_000,
         }
     }
 }

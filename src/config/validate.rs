@@ -6,6 +6,10 @@ use std::fmt;
 
 use super::Config;
 
+/// Largest `backend.tcp_user_timeout_ms`: one hour, ample for any network and far inside the
+/// kernel's `int` of milliseconds.
+const MAX_TCP_USER_TIMEOUT_MS: u64 = 3_600_000;
+
 /// One problem in a configuration.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ConfigError {
@@ -234,6 +238,12 @@ impl Config {
         if self.backend.connect_timeout_ms == 0 {
             p.add("backend.connect_timeout_ms".into(), "must be > 0");
         }
+        if self.backend.tcp_user_timeout_ms > MAX_TCP_USER_TIMEOUT_MS {
+            p.add(
+                "backend.tcp_user_timeout_ms".into(),
+                format!("must be between 0 (off) and {MAX_TCP_USER_TIMEOUT_MS}"),
+            );
+        }
         let pool = &self.pool;
         if pool.size == 0 || pool.size > 10_000 {
             p.add("pool.size".into(), "must be between 1 and 10000");
@@ -255,6 +265,9 @@ impl Config {
         }
         if pool.prepared_cache_size == 0 {
             p.add("pool.prepared_cache_size".into(), "must be > 0");
+        }
+        if pool.cancel_grace_ms == 0 {
+            p.add("pool.cancel_grace_ms".into(), "must be > 0");
         }
         for (i, o) in self.pools.iter().enumerate() {
             if o.size == Some(0) {
@@ -434,6 +447,21 @@ mod tests {
             Config::from_yaml("backend:\n  tls: verify-ca\n  root_cert_file: /r.pem\n").unwrap();
         assert_eq!(c.backend.tls, super::super::BackendTlsMode::VerifyCa);
         assert!(Config::from_yaml("tls:\n  mode: sometimes\n").is_err());
+    }
+
+    #[test]
+    fn dead_server_timeouts_are_bounded() {
+        let errs = Config::from_yaml("pool:\n  cancel_grace_ms: 0\n").unwrap_err();
+        assert_eq!(errs[0].field, "pool.cancel_grace_ms");
+        let errs = Config::from_yaml("backend:\n  tcp_user_timeout_ms: 3600001\n").unwrap_err();
+        assert_eq!(errs[0].field, "backend.tcp_user_timeout_ms");
+        let c = Config::from_yaml("backend:\n  tcp_user_timeout_ms: 30000\n").unwrap();
+        assert_eq!(c.backend.tcp_user_timeout_ms, 30_000);
+        let c = Config::from_yaml("").unwrap();
+        assert_eq!(
+            (c.backend.tcp_user_timeout_ms, c.pool.cancel_grace_ms),
+            (0, 2_000)
+        );
     }
 
     #[test]

@@ -42,6 +42,8 @@ pub struct ConnectParams {
     pub password: Option<String>,
     pub database: String,
     pub connect_timeout: Duration,
+    /// TCP_USER_TIMEOUT for the socket (`backend.tcp_user_timeout_ms`); `None` leaves it off.
+    pub tcp_user_timeout: Option<Duration>,
     /// The live `backend.tls` settings (reloadable).
     pub tls: BackendTlsHandle,
 }
@@ -171,6 +173,12 @@ impl BackendConn {
             .with_time(Duration::from_secs(30))
             .with_interval(Duration::from_secs(10));
         sock.set_tcp_keepalive(&ka)?;
+        // Keepalive alone never fires while sent data waits unacknowledged (a partition in
+        // the middle of a query): the user timeout covers that case, and bounds keepalive too.
+        #[cfg(any(target_os = "linux", target_os = "android"))]
+        if let Some(t) = p.tcp_user_timeout {
+            sock.set_tcp_user_timeout(Some(t))?;
+        }
         let addr = tcp.peer_addr()?;
         let mut stream = negotiate_tls(tcp, p).await?;
 

@@ -112,6 +112,18 @@ impl PgError {
         )
     }
 
+    /// The server sent nothing after a statement outran its timeout and the proxy's cancel:
+    /// its connection was closed (a network partition or a hung server).
+    pub fn backend_unresponsive(grace_ms: u64) -> Self {
+        Self::fatal(
+            "08006",
+            "pgsluice: the server stopped answering: nothing came back after the statement timeout and the proxy's cancel",
+        )
+        .with_detail(format!(
+            "no reply within pool.cancel_grace_ms={grace_ms} after the cancel; the server connection was closed"
+        ))
+    }
+
     pub fn shutting_down() -> Self {
         Self::fatal(
             "57P01",

@@ -82,6 +82,9 @@ pub struct Relay {
     retry: Option<retry::Retry>,
     /// The proxy's own deadline for the running statement (its statement_timeout + grace).
     backstop: Option<Instant>,
+    /// Armed when the backstop sent a cancel: if the server sends nothing at all by then
+    /// (`pool.cancel_grace_ms`), it is unreachable and its connection is given up.
+    unanswered: Option<Instant>,
     /// Graceful shutdown: leave at the next point between transactions.
     draining: bool,
     /// Waits for shutdown and for the end of its grace period, made once per session: a
@@ -135,6 +138,8 @@ enum Event {
     Backend(std::io::Result<usize>),
     /// The proxy's own deadline for a statement passed: cancel it on the server.
     Backstop,
+    /// The server answered nothing, not even the cancel, within the grace period.
+    Unanswered,
     /// Graceful shutdown began: finish the current transaction, then leave.
     Shutdown,
     /// The shutdown grace period is over: cancel what runs and leave now.
@@ -186,6 +191,7 @@ impl Relay {
             unnamed_class: None,
             retry: None,
             backstop: None,
+            unanswered: None,
             draining: false,
             shutdown,
             force,
@@ -216,7 +222,7 @@ impl Relay {
             return end;
         }
         loop {
-            let (backstop, draining) = (self.backstop, self.draining);
+            let (backstop, unanswered, draining) = (self.backstop, self.unanswered, self.draining);
             let ev = {
                 let (cbuf, rbuf, backend) = (&mut self.cbuf, &mut self.rbuf, &mut self.backend);
                 let (shutdown, force) = (&mut self.shutdown, &mut self.force);
@@ -224,6 +230,7 @@ impl Relay {
                     r = client.read_buf(cbuf) => Event::Client(r),
                     r = read_backend(backend, rbuf) => Event::Backend(r),
                     _ = sleep_until_opt(backstop) => Event::Backstop,
+                    _ = sleep_until_opt(unanswered) => Event::Unanswered,
                     _ = shutdown.as_mut(), if !draining => Event::Shutdown,
                     _ = force.as_mut(), if draining => Event::Force,
                 }
@@ -232,14 +239,16 @@ impl Relay {
                 Event::Client(Ok(0)) | Event::Client(Err(_)) => return End::ClientClosed,
                 Event::Client(Ok(_)) => self.on_client_data(client).await,
                 Event::Backend(Ok(0)) | Event::Backend(Err(_)) => return self.backend_gone(),
-                Event::Backend(Ok(_)) => self.on_backend_data(client).await,
+                Event::Backend(Ok(_)) => {
+                    // The server is alive: whatever the cancel does, it will be answered.
+                    self.unanswered = None;
+                    self.on_backend_data(client).await
+                }
                 Event::Backstop => {
-                    self.backstop = None;
-                    self.cancel_backend_query(
-                        "statement ran past its timeout and the proxy's backstop",
-                    );
+                    self.on_backstop();
                     Ok(())
                 }
+                Event::Unanswered => return self.backend_unresponsive(),
                 Event::Shutdown => {
                     self.draining = true;
                     self.maybe_release().await
@@ -934,6 +943,35 @@ impl Relay {
         Some(tokio::spawn(async move {
             let _ = tokio::time::timeout(Duration::from_secs(5), cancel::send(&t)).await;
         }))
+    }
+
+    /// The statement outran its timeout and the backstop: cancel it, and give the server
+    /// `pool.cancel_grace_ms` to answer anything at all.
+    fn on_backstop(&mut self) {
+        self.backstop = None;
+        if self
+            .cancel_backend_query("statement ran past its timeout and the proxy's backstop")
+            .is_some()
+        {
+            let grace = Duration::from_millis(self.pool.cfg.cancel_grace_ms);
+            self.unanswered = Some(Instant::now() + grace);
+        }
+    }
+
+    /// Nothing came back after the statement timeout, the backstop and the cancel: the server
+    /// is unreachable (a partition, a hung host). Its connection is closed, never pooled, and
+    /// the client is told, instead of both waiting forever on a socket no one will answer.
+    fn backend_unresponsive(&mut self) -> End {
+        self.unanswered = None;
+        let grace_ms = self.pool.cfg.cancel_grace_ms;
+        if let Some(mut b) = self.backend.take() {
+            let pid = b.conn().pid;
+            tracing::warn!(pool = %self.pool.name, pid, grace_ms, "the server answered nothing after the statement timeout and a cancel; closing its connection");
+            b.discard();
+        }
+        self.app.policy.record_backend_result(false);
+        self.end_unit();
+        End::Error(PgError::backend_unresponsive(grace_ms))
     }
 
     /// The backend closed or failed under us.

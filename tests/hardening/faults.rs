@@ -1,9 +1,7 @@
 //! TESTS.md D: backend faults — restart, smart shutdown, unreachable, slow, killed sessions,
 //! clients gone mid-transaction. Network faults go through `support::faults::FaultProxy`.
 //!
-//! D4 (a partition of an *established* connection) is not staged: a user-space proxy's kernel
-//! acknowledges every segment, so neither keepalive nor TCP_USER_TIMEOUT can fire, and the
-//! relay's statement backstop only cancels; it needs iptables in a network namespace.
+//! D4 (a partition of an *established* connection) has its own file, tests/hardening/partition.rs.
 
 use std::time::{Duration, Instant};
 

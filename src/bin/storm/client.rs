@@ -58,6 +58,7 @@ pub fn params(url: &str, connect_timeout: Duration) -> Result<ConnectParams, Str
         password: u.password,
         database: u.database,
         connect_timeout,
+        tcp_user_timeout: None,
         tls: pgsluice::tls::BackendTlsHandle::disabled(),
     })
 }

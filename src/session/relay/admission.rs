@@ -228,6 +228,7 @@ impl Relay {
     /// The unit is over (backend idle): give back the caller's permit and rule slots.
     pub(super) fn end_unit(&mut self) {
         self.backstop = None;
+        self.unanswered = None;
         self.opened_by_parse = None;
         self.admission = None;
         self.stmt_admissions.clear();
