@@ -1,8 +1,9 @@
 //! The accept loop: client slots (with a clear 53300 above `max_client_conn`), a cap on
-//! handshakes in progress (53300 above `max_handshakes`), backoff when the process runs out of
-//! file descriptors, and the graceful stop on shutdown: the listener closes at once, sessions
-//! finish their transactions for up to `shutdown_timeout_ms`, then `force` cancels what still
-//! runs and the stragglers get a short moment to tell their clients (57P01).
+//! handshakes in progress (53300 above `max_handshakes`), backoff and rate-limited warnings
+//! when the process runs out of file descriptors, and the graceful stop on shutdown: the
+//! listener closes at once, sessions finish their transactions for up to
+//! `shutdown_timeout_ms`, then `force` cancels what still runs and the stragglers get a short
+//! moment to tell their clients (57P01).
 
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
@@ -11,6 +12,7 @@ use std::time::Duration;
 use bytes::BytesMut;
 use tokio::io::AsyncWriteExt;
 use tokio::net::TcpListener;
+use tokio::time::Instant;
 use tokio_util::task::TaskTracker;
 
 use crate::app::App;
@@ -26,10 +28,44 @@ impl Drop for ClientSlot {
     }
 }
 
+/// Accept errors come in floods (EMFILE until a descriptor frees up, then again at once): at
+/// most one warning per [`ACCEPT_WARN_EVERY`], saying how many failures it stands for, whatever
+/// the backoff was reset to by the accepts that succeeded in between.
+#[derive(Default)]
+struct AcceptWarnings {
+    /// When the last warning went out.
+    last: Option<Instant>,
+    /// Failures since then, reported with the next warning.
+    suppressed: u64,
+}
+
+const ACCEPT_WARN_EVERY: Duration = Duration::from_secs(5);
+
+impl AcceptWarnings {
+    /// Notes one failure; true when it was logged.
+    fn failed(&mut self, e: &std::io::Error, backoff: Duration) -> bool {
+        let now = Instant::now();
+        if self.last.is_some_and(|t| now < t + ACCEPT_WARN_EVERY) {
+            self.suppressed += 1;
+            return false;
+        }
+        tracing::warn!(
+            error = %e,
+            backoff_ms = backoff.as_millis() as u64,
+            suppressed = self.suppressed,
+            "accept failed"
+        );
+        self.last = Some(now);
+        self.suppressed = 0;
+        true
+    }
+}
+
 /// Accepts clients until shutdown, then waits for sessions up to `shutdown_timeout_ms`.
 pub async fn serve(app: Arc<App>, listener: TcpListener) {
     let tasks = TaskTracker::new();
     let mut backoff = Duration::from_millis(5);
+    let mut warnings = AcceptWarnings::default();
     loop {
         let accepted = tokio::select! {
             r = listener.accept() => r,
@@ -42,7 +78,7 @@ pub async fn serve(app: Arc<App>, listener: TcpListener) {
             }
             Err(e) => {
                 // EMFILE/ENFILE and friends: wait instead of spinning on a ready listener.
-                tracing::warn!(error = %e, backoff_ms = backoff.as_millis() as u64, "accept failed");
+                warnings.failed(&e, backoff);
                 tokio::time::sleep(backoff).await;
                 backoff = (backoff * 2).min(Duration::from_secs(1));
                 continue;
@@ -103,4 +139,26 @@ async fn refuse(slot: ClientSlot, mut sock: tokio::net::TcpStream, e: PgError) {
     let mut out = BytesMut::new();
     e.encode(&mut out);
     let _ = tokio::time::timeout(Duration::from_secs(1), sock.write_all(&out)).await;
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test(start_paused = true)]
+    async fn accept_warnings_are_rate_limited() {
+        let e = std::io::Error::from_raw_os_error(24);
+        let mut w = AcceptWarnings::default();
+        let backoff = Duration::from_millis(5);
+        assert!(w.failed(&e, backoff), "the first failure is logged");
+        for _ in 0..1000 {
+            assert!(!w.failed(&e, backoff));
+        }
+        tokio::time::advance(ACCEPT_WARN_EVERY - Duration::from_millis(1)).await;
+        assert!(!w.failed(&e, backoff));
+        assert_eq!(w.suppressed, 1001);
+        tokio::time::advance(Duration::from_millis(1)).await;
+        assert!(w.failed(&e, backoff), "one warning per interval");
+        assert_eq!(w.suppressed, 0);
+    }
 }

@@ -6,6 +6,10 @@
 //! ADDR`). Its stderr (the logs) is forwarded line by line to the test's stderr, which the test
 //! runner shows for failing tests, and the tail is kept for startup-failure messages.
 //!
+//! [`ProxyOptions::nofile`] starts the proxy under `prlimit --nofile=N:N` (util-linux), which
+//! lowers the file-descriptor limit of the proxy process alone — not of the test process,
+//! Postgres or the harness — and then execs it, so the child's pid is the proxy's.
+//!
 //! With `PGSLUICE_TEST_DIRECT=1` no proxy is spawned: [`Proxy::start`] returns a handle whose
 //! address is PostgreSQL's own. That mode exists to validate the tests themselves against the
 //! reference behaviour; tests skip (and say so) the assertions that only a pooler can satisfy.
@@ -59,6 +63,8 @@ pub struct ProxyOptions {
     pub extra_args: Vec<String>,
     /// Where the proxy connects instead of the cluster (a fault-injection proxy in front of it).
     pub backend_addr: Option<SocketAddr>,
+    /// RLIMIT_NOFILE (soft and hard) of the proxy process, for fd-exhaustion tests.
+    pub nofile: Option<u64>,
 }
 
 impl ProxyOptions {
@@ -69,7 +75,14 @@ impl ProxyOptions {
             config: None,
             extra_args: Vec::new(),
             backend_addr: None,
+            nofile: None,
         }
+    }
+
+    /// Start the proxy with at most `limit` open file descriptors.
+    pub fn nofile(mut self, limit: u64) -> ProxyOptions {
+        self.nofile = Some(limit);
+        self
     }
 
     /// Connect to Postgres through `addr` (which forwards to the cluster).
@@ -124,7 +137,15 @@ impl Proxy {
         }
         let backend_addr = options.backend_addr.unwrap_or_else(|| cluster.addr());
         let backend = format!("postgres://{APP_USER}:{APP_PASSWORD}@{backend_addr}/{APP_DB}");
-        let mut cmd = Command::new(env!("CARGO_BIN_EXE_pgsluice"));
+        let bin = env!("CARGO_BIN_EXE_pgsluice");
+        let mut cmd = match options.nofile {
+            Some(n) => {
+                let mut c = Command::new("prlimit");
+                c.arg(format!("--nofile={n}:{n}")).arg("--").arg(bin);
+                c
+            }
+            None => Command::new(bin),
+        };
         cmd.args([
             "--listen",
             "127.0.0.1:0",
