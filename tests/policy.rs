@@ -1,7 +1,7 @@
 //! End-to-end tests of the traffic policy (issue 5) against a real PostgreSQL: per-caller
 //! concurrency limits and queues, priority-ordered pool checkout, token-bucket rate limits, the
-//! circuit breaker (error streaks and the health probe), injected statement/lock timeouts,
-//! refusals inside transactions, and hot reload on SIGHUP.
+//! circuit breaker (error streaks and the health probe), injected statement/lock timeouts and
+//! the proxy's backstop behind them, refusals inside transactions, and hot reload on SIGHUP.
 //!
 //! Every test starts its own cluster and proxy with a YAML config written to a temp dir, so
 //! caller tables, breakers and buckets never leak between tests. Refusals are checked the way a
@@ -874,6 +874,35 @@ async fn statement_timeout_cancels_simple_extended_and_in_transaction() {
     );
     assert!(t.elapsed >= Duration::from_millis(1150));
     assert_eq!(scalar(&client, "SELECT count(*) FROM sink").await, "1");
+    env.proxy.assert_healthy().await;
+}
+
+/// The proxy's backstop belongs to the statements it was armed for. A budgeted `SELECT 1`
+/// arms it for 3 s + 1 s; the transaction then idles, and a `DO` block (kind `other`, which
+/// arms nothing) runs across that deadline, well within the 3 s statement_timeout the
+/// transaction-scoped injection gave it: it must not be cancelled by the stale backstop.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn backstop_ends_with_its_statement() {
+    const CONFIG: &str = r#"
+callers:
+  - name: reporting
+    match: { application_name: reporting }
+    statement_timeout_ms: 3000
+"#;
+    let Some(env) = start(4, CONFIG) else {
+        return;
+    };
+    let client = connect(&env.proxy, Some("reporting")).await;
+    exec(&client, "BEGIN").await;
+    assert_eq!(scalar(&client, "SELECT 1").await, "1");
+    tokio::time::sleep(Duration::from_millis(3500)).await;
+    let t = timed(&client, "DO $$ BEGIN PERFORM pg_sleep(1); END $$").await;
+    assert!(
+        t.is_ok(),
+        "a statement was cancelled by an earlier one's backstop: {:?}",
+        t.result.err()
+    );
+    exec(&client, "COMMIT").await;
     env.proxy.assert_healthy().await;
 }
 

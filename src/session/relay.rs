@@ -829,6 +829,12 @@ impl Relay {
         if self.backend_pass == 0 {
             self.t.answer_synthetic(&mut self.cout);
         }
+        if !self.t.in_flight() {
+            // The statements the backstop was armed for are answered. Left armed, it would
+            // cancel whatever the client runs next in the same transaction (and, if that one
+            // were silent, give up its connection); a later statement arms its own.
+            self.backstop = None;
+        }
         self.flush_client(client).await?;
         self.maybe_release().await
     }
