@@ -7,11 +7,14 @@
 //! config files or policy, and imports no other pgsluice module.
 //!
 //! `Classifier` caches one `Arc<Classified>` per distinct statement text:
-//! - The cache key is the text's shape (`shape.rs`: the text with the contents of plain
-//!   literals blanked), so `... WHERE id = 1` and `... WHERE id = 2` share one entry and the
-//!   simple protocol's literal-laden texts are tokenized once per shape, not once per call.
-//!   Texts the shape pass gives up on are keyed by their exact bytes.
-//! - The key is looked up as `&str` (the shape is built in a per-thread buffer). quick_cache
+//! - Two kinds of key share the cache: the exact text, and the text's shape (`shape.rs`: the
+//!   text with the contents of plain literals blanked, starting with NUL so the two never
+//!   meet). A lookup tries the exact text first (a text seen verbatim before costs one hash),
+//!   then, only when the text has literals, its shape: `... WHERE id = 1` and `... WHERE id = 2`
+//!   share one classification, and the simple protocol's literal-laden texts are tokenized
+//!   once per shape, not once per call. A miss inserts the exact text and the shape; a hit on
+//!   the shape inserts nothing (a stream of new literals must not churn the cache).
+//! - Keys are looked up as `&str` (the shape is built in a per-thread buffer). quick_cache
 //!   hashes it once with its per-process randomly seeded hasher and compares the text on a
 //!   hit, which is the "verify the text on hit" variant: no collision can ever return another
 //!   text's classification (that matters: a crafted collision could hide a `SET ROLE` from the
@@ -124,13 +127,19 @@ impl Classifier {
         else {
             return Arc::new(analyze(sql, self.max_text_bytes));
         };
+        if let Some(hit) = cache.get(sql) {
+            return hit;
+        }
         KEY.with_borrow_mut(|key| {
-            let key: &str = if shape::shape_key(sql, key) { key } else { sql };
-            if let Some(hit) = cache.get(key) {
+            let shaped = shape::shape_key(sql, key);
+            if shaped && let Some(hit) = cache.get(key.as_str()) {
                 return hit;
             }
             let classified = Arc::new(analyze(sql, self.max_text_bytes));
-            cache.insert(Box::from(key), Arc::clone(&classified));
+            cache.insert(Box::from(sql), Arc::clone(&classified));
+            if shaped {
+                cache.insert(Box::from(key.as_str()), Arc::clone(&classified));
+            }
             classified
         })
     }
@@ -155,14 +164,16 @@ mod tests {
         let a = c.classify("select 1");
         let b = c.classify("select 1");
         assert!(Arc::ptr_eq(&a, &b));
-        // Same shape, other literal: one entry.
+        // The first text of a shape is cached by its text and by its shape.
+        assert_eq!(c.cached(), 2);
+        // Same shape, other literal: answered by the shape, nothing inserted.
         let d = c.classify("select 2");
         assert!(Arc::ptr_eq(&a, &d));
-        assert_eq!(c.cached(), 1);
-        // Other text: its own entry.
-        let e = c.classify("select 2 from t");
-        assert!(!Arc::ptr_eq(&a, &e));
         assert_eq!(c.cached(), 2);
+        // Other shape: its own entries; no literal, so only the text.
+        let e = c.classify("select x from t");
+        assert!(!Arc::ptr_eq(&a, &e));
+        assert_eq!(c.cached(), 3);
         let set = c.classify("set role admin");
         assert!(set.has_session_effects());
         assert!(!a.has_session_effects());

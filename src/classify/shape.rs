@@ -29,23 +29,30 @@ fn is_word_byte(b: u8) -> bool {
     b.is_ascii_alphanumeric() || b == b'_' || b == b'$' || b >= 0x80
 }
 
-/// Writes the shape key of `sql` into `out` (cleared first). Returns `false` when the text
-/// must be keyed by its exact bytes instead; `out` is then unspecified.
+/// Writes the shape key of `sql` into `out` (cleared first). Returns `true` when `out` holds a
+/// shape key with at least one literal blanked; `false` when the text has no literal to blank
+/// or must be keyed by its exact bytes (`out` is then unspecified).
 pub(crate) fn shape_key(sql: &str, out: &mut String) -> bool {
+    shape_into(sql, out).is_some_and(|blanked| blanked > 0)
+}
+
+/// The pass itself: `Some(number of literals blanked)`, or `None` to key by the exact text.
+fn shape_into(sql: &str, out: &mut String) -> Option<usize> {
     let b = sql.as_bytes();
     let len = b.len();
     if b.contains(&0) {
-        return false;
+        return None;
     }
     out.clear();
     out.reserve(len + 1);
     out.push('\0');
     // `b[copied..i]` is verbatim text not yet appended to `out`.
     let mut copied = 0;
+    let mut blanked = 0;
     let mut i = 0;
     while i < len {
         match b[i] {
-            b'\\' | b'$' => return false,
+            b'\\' | b'$' => return None,
             b'-' if b.get(i + 1) == Some(&b'-') => {
                 i += 2;
                 while i < len && b[i] != b'\n' && b[i] != b'\r' {
@@ -54,57 +61,53 @@ pub(crate) fn shape_key(sql: &str, out: &mut String) -> bool {
             }
             b'/' if b.get(i + 1) == Some(&b'*') => {
                 let body = i + 2;
-                let Some(end) = find(b, body, b"*/") else {
-                    return false;
-                };
+                let end = find(b, body, b"*/")?;
                 if find(&b[..end], body, b"/*").is_some() {
-                    return false;
+                    return None;
                 }
                 i = end + 2;
             }
             b'"' => {
                 // `""` inside an identifier closes and reopens: verbatim either way.
-                let Some(end) = memchr(b, i + 1, b'"') else {
-                    return false;
-                };
+                let end = memchr(b, i + 1, b'"')?;
                 i = end + 1;
             }
             b'\'' => {
                 if i > 0 && (is_word_byte(b[i - 1]) || b[i - 1] == b'&') {
-                    return false;
+                    return None;
                 }
                 let start = i + 1;
-                let Some(end) = memchr(b, start, b'\'') else {
-                    return false;
-                };
+                let end = memchr(b, start, b'\'')?;
                 if b[start..end].contains(&b'\\') {
-                    return false;
+                    return None;
                 }
                 out.push_str(&sql[copied..start]);
                 out.push('\0');
+                blanked += 1;
                 copied = end;
                 i = end + 1;
             }
             b'0'..=b'9' => {
                 if i > 0 && b[i - 1] == b'.' {
-                    return false;
+                    return None;
                 }
                 let start = i;
                 while i < len && b[i].is_ascii_digit() {
                     i += 1;
                 }
                 if i < len && (is_word_byte(b[i]) || b[i] == b'.') {
-                    return false;
+                    return None;
                 }
                 out.push_str(&sql[copied..start]);
                 out.push('\0');
+                blanked += 1;
                 copied = i;
             }
             c if is_word_byte(c) => {
                 // A word, digits included (`t1`): verbatim.
                 while i < len && is_word_byte(b[i]) {
                     if b[i] == b'$' {
-                        return false;
+                        return None;
                     }
                     i += 1;
                 }
@@ -113,7 +116,7 @@ pub(crate) fn shape_key(sql: &str, out: &mut String) -> bool {
         }
     }
     out.push_str(&sql[copied..]);
-    true
+    Some(blanked)
 }
 
 fn memchr(b: &[u8], from: usize, needle: u8) -> Option<usize> {
@@ -136,7 +139,7 @@ mod tests {
 
     fn key(sql: &str) -> Option<String> {
         let mut out = String::new();
-        shape_key(sql, &mut out).then_some(out)
+        shape_into(sql, &mut out).map(|_| out)
     }
 
     #[test]
@@ -153,6 +156,10 @@ mod tests {
         assert_eq!(key("SELECT 'a'"), key("SELECT 'bcd'"));
         assert_ne!(key("SELECT 1"), key("SELECT '1'"));
         assert_ne!(key("SELECT a FROM t"), key("SELECT b FROM t"));
+        // Nothing to blank: the exact text is the key.
+        let mut out = String::new();
+        assert!(!shape_key("SELECT a FROM t", &mut out));
+        assert!(shape_key("SELECT 1", &mut out));
     }
 
     #[test]
