@@ -788,6 +788,74 @@ fn assert_statement_timeout(t: &Timed, what: &str) {
     );
 }
 
+/// TESTS.md B7's lesson for the SQL the proxy runs inside a client's session: a client whose
+/// `search_path` puts its own schema first, holding its own `set_config` and
+/// `current_setting`, cannot neutralize the injected statement timeout — from the startup
+/// packet's `options`, from a tracked `SET`, simple and extended protocol.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_hostile_search_path_cannot_neutralize_the_injected_timeout() {
+    let Some(env) = start(4, TIMEOUT_CONFIG) else {
+        return;
+    };
+    let setup = connect(&env.proxy, None).await;
+    exec(&setup, "CREATE SCHEMA evil").await;
+    exec(
+        &setup,
+        "CREATE FUNCTION evil.set_config(text, text, boolean) RETURNS text \
+         LANGUAGE sql AS $$ SELECT 'neutralized'::text $$",
+    )
+    .await;
+    exec(
+        &setup,
+        "CREATE FUNCTION evil.current_setting(text) RETURNS text \
+         LANGUAGE sql AS $$ SELECT '1h'::text $$",
+    )
+    .await;
+    // The trap works: unqualified calls under this search_path reach the schema's functions.
+    exec(&setup, "SET search_path = evil, pg_catalog").await;
+    assert_eq!(
+        scalar(
+            &setup,
+            "SELECT set_config('statement_timeout', '1ms', true)"
+        )
+        .await,
+        "neutralized"
+    );
+    drop(setup);
+
+    let mut cfg = env.proxy.app_config();
+    cfg.application_name("reporting")
+        .options("-c search_path=evil,pg_catalog");
+    let from_startup = env.proxy.client_with(&cfg).await.0;
+    assert_eq!(
+        scalar(&from_startup, "SHOW search_path")
+            .await
+            .replace(' ', ""),
+        "evil,pg_catalog"
+    );
+    let t = timed(&from_startup, "SELECT pg_sleep(2)").await;
+    assert_statement_timeout(&t, "search_path from the startup packet");
+
+    let from_set = connect(&env.proxy, Some("reporting")).await;
+    exec(&from_set, "SET search_path = evil, pg_catalog").await;
+    let t = timed(&from_set, "SELECT pg_sleep(2)").await;
+    assert_statement_timeout(&t, "search_path from a tracked SET");
+    let start = Instant::now();
+    let r = within(
+        STEP,
+        "query_typed pg_sleep",
+        from_set.query_typed("SELECT pg_sleep($1)", &[(&2.0f64, Type::FLOAT8)]),
+    )
+    .await;
+    assert_statement_timeout(
+        &Timed {
+            elapsed: start.elapsed(),
+            result: r.map(|_| Vec::new()),
+        },
+        "search_path from a tracked SET, extended protocol",
+    );
+}
+
 /// statement_timeout 800 ms (read) cancels `pg_sleep(2)` with 57014 through the simple
 /// protocol, the extended protocol (unnamed and prepared) and inside BEGIN … COMMIT, while a
 /// write of the same caller gets its own 5 s budget.

@@ -134,7 +134,8 @@ impl Dirt {
             s.push_str("UNLISTEN *;");
         }
         if self.advisory {
-            s.push_str("SELECT pg_advisory_unlock_all();");
+            // Qualified: the reset runs under whatever search_path the session was left with.
+            s.push_str("SELECT pg_catalog.pg_advisory_unlock_all();");
         }
         if self.cursors {
             s.push_str("CLOSE ALL;");

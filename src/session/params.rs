@@ -125,7 +125,7 @@ pub fn apply_sql(applied: &[(String, String)], desired: &[(String, String)]) -> 
         .into_iter()
         .map(|(n, v)| {
             format!(
-                "set_config({}, {}, false)",
+                "pg_catalog.set_config({}, {}, false)",
                 quote_literal(n),
                 quote_literal(v)
             )
@@ -207,6 +207,9 @@ mod tests {
             &[kv("b", "2"), kv("c", "it's")],
         )
         .unwrap();
-        assert_eq!(sql, "RESET a;SELECT set_config('c', 'it''s', false)");
+        assert_eq!(
+            sql,
+            "RESET a;SELECT pg_catalog.set_config('c', 'it''s', false)"
+        );
     }
 }

@@ -19,16 +19,19 @@ use crate::protocol::PgError;
 
 /// Reads every session-level setting of a backend (the proxy's capture query). `role` and
 /// `session_authorization` are hidden from `pg_settings`, so they are read explicitly;
-/// `login_user` is the pool's user, whose own identity is not a setting.
+/// `login_user` is the pool's user, whose own identity is not a setting. It runs under the
+/// client's `search_path`, so functions, relations and operators are schema-qualified.
 pub fn capture_sql(login_user: &str) -> String {
     let user = login_user.replace('\'', "''");
     format!(
-        "SELECT name, current_setting(name) FROM pg_settings WHERE source = 'session' \
-         AND name NOT IN ('transaction_isolation', 'transaction_read_only', \
-         'transaction_deferrable') \
-         UNION ALL SELECT 'role', current_setting('role') WHERE current_setting('role') <> 'none' \
-         UNION ALL SELECT 'session_authorization', session_user::text \
-         WHERE session_user::text <> '{user}'"
+        "SELECT name, pg_catalog.current_setting(name) FROM pg_catalog.pg_settings \
+         WHERE source OPERATOR(pg_catalog.=) 'session' \
+         AND name OPERATOR(pg_catalog.<>) ALL ('{{transaction_isolation, \
+         transaction_read_only, transaction_deferrable}}'::pg_catalog.text[]) \
+         UNION ALL SELECT 'role', pg_catalog.current_setting('role') \
+         WHERE pg_catalog.current_setting('role') OPERATOR(pg_catalog.<>) 'none' \
+         UNION ALL SELECT 'session_authorization', session_user::pg_catalog.text \
+         WHERE session_user::pg_catalog.text OPERATOR(pg_catalog.<>) '{user}'"
     )
 }
 

@@ -297,13 +297,18 @@ impl Relay {
 /// transaction only — unless the client's own setting is stricter (non-zero and shorter), in
 /// which case that stays: a caller's budget is a ceiling. Decided by Postgres from the live
 /// setting, so it is right even while the proxy's copy of the client's settings is stale.
+/// It runs in the client's session, under the client's `search_path`, so every function,
+/// operator and type is schema-qualified: a client that puts its own schema first (with its
+/// own `set_config` or `<`) cannot neutralize the budget (TESTS.md B7's lesson).
 fn timeout_sql(t: Timeouts) -> String {
     let one = |name: &str, d: Duration| {
         let budget = format!("'{}ms'", d.as_millis());
+        let current = format!("pg_catalog.current_setting('{name}')");
         format!(
-            "set_config('{name}', CASE WHEN current_setting('{name}')::interval > interval '0' \
-             AND current_setting('{name}')::interval < {budget}::interval \
-             THEN current_setting('{name}') ELSE {budget} END, true)"
+            "pg_catalog.set_config('{name}', CASE WHEN \
+             {current}::pg_catalog.interval OPERATOR(pg_catalog.>) '0'::pg_catalog.interval \
+             AND {current}::pg_catalog.interval OPERATOR(pg_catalog.<) \
+             {budget}::pg_catalog.interval THEN {current} ELSE {budget} END, true)"
         )
     };
     let parts: Vec<String> = [("statement_timeout", t.statement), ("lock_timeout", t.lock)]
