@@ -69,6 +69,7 @@ impl App {
         let metrics = Metrics::new(&caller_names(&callers));
         let policy = Policy::with_rules(callers, breaker, rules)
             .map_err(|e| format!("callers[{}].{}: {}", e.index, e.field, e.message))?;
+        let cancels = Arc::new(cancel::Registry::new(peer_layout(&config)));
         let observer = metrics.clone();
         policy.set_transition_observer(Some(Arc::new(move |t| {
             observer.breaker_transition(t.to.as_str());
@@ -95,7 +96,7 @@ impl App {
             config: ArcSwap::from_pointee(config),
             creds: ArcSwap::from_pointee(creds),
             pools: Pools::default(),
-            cancels: Arc::new(cancel::Registry::default()),
+            cancels,
             stats: AppStats::default(),
             shutdown: CancellationToken::new(),
             force: CancellationToken::new(),
@@ -105,6 +106,10 @@ impl App {
     /// Swaps in a new configuration: credentials, caller limits and breaker settings.
     /// Validation already happened; if the policy refuses it, nothing changes.
     pub fn reload(&self, config: Config) -> Result<(), String> {
+        if peer_layout(&config) != self.cancels.layout() {
+            // Keys already handed out carry the old id; they must keep routing home.
+            return Err("peer_id, and peers being set or empty, change only at restart".into());
+        }
         let tls = crate::tls::Tls::prepare(&config).map_err(|e| e.to_string())?;
         let (callers, breaker) = policy_inputs(&config);
         let names = caller_names(&callers);
@@ -161,6 +166,11 @@ impl App {
             }
         }
     }
+}
+
+/// The cancel-key layout `config` asks for: the instance id only when peers are configured.
+fn peer_layout(config: &Config) -> cancel::PeerLayout {
+    cancel::PeerLayout::new((!config.peers.is_empty()).then_some(config.peer_id))
 }
 
 fn caller_names(callers: &[CallerPolicy]) -> Vec<String> {
@@ -272,4 +282,25 @@ pub fn lock_timeout(cfg: &Config, caller: u16) -> Option<Duration> {
         .or(cfg.global_defaults.lock_timeout_ms)
         .filter(|ms| *ms > 0)
         .map(Duration::from_millis)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn reload_keeps_the_cancel_key_layout() {
+        let yaml = "peer_id: 1\npeers:\n  - { id: 2, addr: \"10.0.0.2:6432\" }\n";
+        let app = App::new(Config::from_yaml(yaml).unwrap(), Arc::new(RuleSet::new())).unwrap();
+        assert_eq!(app.cancels.layout(), cancel::PeerLayout::new(Some(1)));
+        // Peer addresses may change; the id and peers-or-not may not.
+        let moved = "peer_id: 1\npeers:\n  - { id: 2, addr: \"10.0.0.3:6432\" }\n";
+        app.reload(Config::from_yaml(moved).unwrap()).unwrap();
+        assert_eq!(app.config.load().peers[0].addr, "10.0.0.3:6432");
+        for bad in ["", "peer_id: 3\npeers:\n  - { id: 2, addr: \"a:1\" }\n"] {
+            let err = app.reload(Config::from_yaml(bad).unwrap()).unwrap_err();
+            assert!(err.contains("restart"), "{err}");
+        }
+        assert_eq!(app.config.load().peers[0].addr, "10.0.0.3:6432");
+    }
 }

@@ -5,6 +5,15 @@
 //! backend to the pool; both go through an async mutex that a cancel holds while it talks to
 //! Postgres, so a cancel can never land on a backend that already serves another client.
 //! A wrong secret, an unknown pid or an idle client make the request a silent no-op.
+//!
+//! With `peers` configured, several instances share one client port (SO_REUSEPORT) and a
+//! CancelRequest may land on an instance that does not own the key. The pid then says who does
+//! ([`PeerLayout`]): bits 30..23 are the owner's `peer_id`, bits 22..21 a hop budget (issued as
+//! [`HOPS`]), bits 20..0 random. A request naming another configured peer is passed on to that
+//! peer's own client address with the budget decremented, under the same in-flight cap as
+//! cancels to Postgres; an exhausted budget or an unknown peer drops it, so a misconfigured
+//! ring cannot loop. The secret is checked only by the owner.
+//! This module decides and sends; it never reads the configuration itself.
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
@@ -18,6 +27,76 @@ use tokio::net::TcpStream;
 use tokio::sync::Semaphore;
 
 use crate::auth::ct_eq;
+use crate::config::PeerConfig;
+
+/// Hops a cancel may still take when its key is issued (the pid's bits 22..21).
+pub const HOPS: u32 = 3;
+const PEER_SHIFT: u32 = 23;
+const TTL_SHIFT: u32 = 21;
+const TTL_MASK: u32 = 0b11 << TTL_SHIFT;
+const RANDOM_MASK: u32 = (1 << TTL_SHIFT) - 1;
+/// How long a peer gets to take a forwarded cancel (connect, send, its close).
+const FORWARD_TIMEOUT: Duration = Duration::from_secs(2);
+
+/// Where a CancelRequest goes, decided from its pid alone.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Route {
+    /// Ours: look this key up in the registry.
+    Local(i32),
+    /// Another instance's: send it there with this pid (hop budget already decremented).
+    Forward { peer: u8, pid: i32 },
+    /// Another instance's, but the hop budget is spent or the peer is unknown.
+    Drop,
+}
+
+/// The pid layout of one instance: `None` without peers (31 random bits, as before).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct PeerLayout {
+    peer_id: Option<u8>,
+}
+
+impl PeerLayout {
+    pub fn new(peer_id: Option<u8>) -> Self {
+        PeerLayout { peer_id }
+    }
+
+    /// A pid to hand out, from `random` bits; never 0.
+    fn issue(&self, random: u32) -> i32 {
+        match self.peer_id {
+            None => (random & 0x7fff_ffff) as i32,
+            Some(id) => {
+                ((u32::from(id) << PEER_SHIFT) | (HOPS << TTL_SHIFT) | (random & RANDOM_MASK))
+                    as i32
+            }
+        }
+    }
+
+    /// The registry key of a pid we issued: the hop budget does not take part.
+    fn key(&self, pid: i32) -> i32 {
+        match self.peer_id {
+            None => pid,
+            Some(_) => ((pid as u32) & !TTL_MASK) as i32,
+        }
+    }
+
+    /// Where a cancel for `pid` goes; `known` says whether a peer id is configured.
+    pub fn route(&self, pid: i32, known: impl Fn(u8) -> bool) -> Route {
+        let Some(own) = self.peer_id else {
+            return Route::Local(pid);
+        };
+        let bits = pid as u32;
+        let peer = ((bits >> PEER_SHIFT) & 0xff) as u8;
+        if peer == own {
+            return Route::Local(self.key(pid));
+        }
+        let ttl = (bits & TTL_MASK) >> TTL_SHIFT;
+        if ttl == 0 || !known(peer) {
+            return Route::Drop;
+        }
+        let pid = ((bits & !TTL_MASK) | ((ttl - 1) << TTL_SHIFT)) as i32;
+        Route::Forward { peer, pid }
+    }
+}
 
 /// The backend key to forward a cancel to.
 #[derive(Debug, Clone)]
@@ -48,30 +127,47 @@ pub struct Registration {
 
 impl Drop for Registration {
     fn drop(&mut self) {
-        self.registry.map.lock().remove(&self.pid);
+        let key = self.registry.layout.key(self.pid);
+        self.registry.map.lock().remove(&key);
     }
 }
 
 pub struct Registry {
+    /// Keyed by [`PeerLayout::key`], so a forwarded pid (lower hop budget) still finds it.
     map: Mutex<HashMap<i32, Arc<Entry>>>,
-    /// Cancels talking to Postgres at once; more are dropped (a cancel storm cannot pile up).
+    /// Fixed for the life of the process: keys already handed out must keep routing home.
+    layout: PeerLayout,
+    /// Cancels talking to Postgres or to a peer at once; more are dropped (a cancel storm
+    /// cannot pile up, nor fan out to the other instances).
     in_flight: Semaphore,
     pub sent: std::sync::atomic::AtomicU64,
     pub ignored: std::sync::atomic::AtomicU64,
+    /// Passed on to the owning instance (which counts it as sent or ignored).
+    pub forwarded: std::sync::atomic::AtomicU64,
 }
 
 impl Default for Registry {
     fn default() -> Self {
-        Registry {
-            map: Mutex::new(HashMap::new()),
-            in_flight: Semaphore::new(64),
-            sent: Default::default(),
-            ignored: Default::default(),
-        }
+        Registry::new(PeerLayout::default())
     }
 }
 
 impl Registry {
+    pub fn new(layout: PeerLayout) -> Self {
+        Registry {
+            map: Mutex::new(HashMap::new()),
+            layout,
+            in_flight: Semaphore::new(64),
+            sent: Default::default(),
+            ignored: Default::default(),
+            forwarded: Default::default(),
+        }
+    }
+
+    pub fn layout(&self) -> PeerLayout {
+        self.layout
+    }
+
     /// A fresh key: 4-byte secret for protocol 3.0, 32 bytes for 3.2.
     pub fn register(self: &Arc<Self>, secret_len: usize) -> Registration {
         let secret: Vec<u8> = (0..secret_len).map(|_| rand::random::<u8>()).collect();
@@ -81,12 +177,12 @@ impl Registry {
         });
         let mut map = self.map.lock();
         let pid = loop {
-            let pid = (rand::random::<u32>() & 0x7fff_ffff) as i32;
-            if pid != 0 && !map.contains_key(&pid) {
+            let pid = self.layout.issue(rand::random::<u32>());
+            if pid != 0 && !map.contains_key(&self.layout.key(pid)) {
                 break pid;
             }
         };
-        map.insert(pid, entry.clone());
+        map.insert(self.layout.key(pid), entry.clone());
         Registration {
             pid,
             secret,
@@ -95,10 +191,39 @@ impl Registry {
         }
     }
 
-    /// Handles a CancelRequest from a new connection.
-    pub async fn cancel(&self, pid: i32, secret: &[u8]) {
+    /// Handles a CancelRequest from a new connection; `peers` are the other instances.
+    pub async fn cancel(&self, pid: i32, secret: &[u8], peers: &[PeerConfig]) {
         use std::sync::atomic::Ordering::Relaxed;
-        let entry = self.map.lock().get(&pid).cloned();
+        let addr_of = |id: u8| peers.iter().find(|p| p.id == id).map(|p| p.addr.as_str());
+        let key = match self.layout.route(pid, |id| addr_of(id).is_some()) {
+            Route::Local(key) => key,
+            Route::Drop => {
+                self.ignored.fetch_add(1, Relaxed);
+                return;
+            }
+            Route::Forward { peer, pid } => {
+                let Some(addr) = addr_of(peer) else {
+                    self.ignored.fetch_add(1, Relaxed);
+                    return;
+                };
+                let Ok(_slot) = self.in_flight.try_acquire() else {
+                    self.ignored.fetch_add(1, Relaxed);
+                    tracing::warn!("too many cancel requests in flight; dropping one");
+                    return;
+                };
+                match tokio::time::timeout(FORWARD_TIMEOUT, forward(addr, pid, secret)).await {
+                    Ok(Ok(())) => {
+                        self.forwarded.fetch_add(1, Relaxed);
+                    }
+                    Ok(Err(e)) => {
+                        tracing::warn!(peer, addr, error = %e, "forwarding a cancel request failed")
+                    }
+                    Err(_) => tracing::warn!(peer, addr, "forwarding a cancel request timed out"),
+                }
+                return;
+            }
+        };
+        let entry = self.map.lock().get(&key).cloned();
         let Some(entry) = entry.filter(|e| ct_eq(&e.secret, secret)) else {
             self.ignored.fetch_add(1, Relaxed);
             return;
@@ -126,15 +251,110 @@ impl Registry {
 
 /// Sends a CancelRequest for `t` and waits until the server has read it (it closes the socket).
 pub async fn send(t: &Target) -> std::io::Result<()> {
-    let mut s = TcpStream::connect(t.addr).await?;
-    let mut b = BytesMut::with_capacity(16 + t.secret.len());
-    let len = (12 + t.secret.len()) as i32;
+    deliver(TcpStream::connect(t.addr).await?, t.pid, &t.secret).await
+}
+
+/// Passes a cancel on to a peer's client address (`host:port`) and waits for it to close.
+async fn forward(addr: &str, pid: i32, secret: &[u8]) -> std::io::Result<()> {
+    deliver(TcpStream::connect(addr).await?, pid, secret).await
+}
+
+/// The CancelRequest packet: for a forwarded request, the bytes received with only the hop
+/// bits of the pid changed (3.0 four-byte and 3.2 long secrets alike).
+fn packet(pid: i32, secret: &[u8]) -> BytesMut {
+    let mut b = BytesMut::with_capacity(16 + secret.len());
+    let len = (12 + secret.len()) as i32;
     b.extend_from_slice(&len.to_be_bytes());
     b.extend_from_slice(&80_877_102i32.to_be_bytes());
-    b.extend_from_slice(&t.pid.to_be_bytes());
-    b.extend_from_slice(&t.secret);
-    s.write_all(&b).await?;
+    b.extend_from_slice(&pid.to_be_bytes());
+    b.extend_from_slice(secret);
+    b
+}
+
+async fn deliver(mut s: TcpStream, pid: i32, secret: &[u8]) -> std::io::Result<()> {
+    s.write_all(&packet(pid, secret)).await?;
     let mut sink = [0u8; 16];
     while s.read(&mut sink).await? > 0 {}
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn without_peers_pids_are_31_random_bits_and_local() {
+        let l = PeerLayout::new(None);
+        assert_eq!(l.issue(0xffff_ffff), 0x7fff_ffff);
+        assert_eq!(l.key(0x7fff_ffff), 0x7fff_ffff);
+        assert_eq!(l.route(0x7fff_ffff, |_| true), Route::Local(0x7fff_ffff));
+    }
+
+    #[test]
+    fn peer_pids_carry_owner_and_hop_budget() {
+        let l = PeerLayout::new(Some(0xab));
+        let pid = l.issue(0xffff_ffff);
+        assert!(pid > 0, "{pid:#x}");
+        assert_eq!(pid as u32 >> PEER_SHIFT, 0xab);
+        assert_eq!((pid as u32 & TTL_MASK) >> TTL_SHIFT, HOPS);
+        assert_eq!(pid as u32 & RANDOM_MASK, RANDOM_MASK);
+        // Peer 1 with random bits 0 is still not 0.
+        assert_ne!(PeerLayout::new(Some(1)).issue(0), 0);
+        // Whatever hops remain, the owner finds the same key.
+        for ttl in 0..=HOPS {
+            let hopped = ((pid as u32 & !TTL_MASK) | (ttl << TTL_SHIFT)) as i32;
+            assert_eq!(l.route(hopped, |_| false), Route::Local(l.key(pid)));
+        }
+    }
+
+    #[test]
+    fn foreign_pids_are_forwarded_with_one_hop_less_then_dropped() {
+        let owner = PeerLayout::new(Some(2));
+        let me = PeerLayout::new(Some(1));
+        let mut pid = owner.issue(12345);
+        for left in (0..HOPS).rev() {
+            match me.route(pid, |id| id == 2) {
+                Route::Forward { peer, pid: next } => {
+                    assert_eq!(peer, 2);
+                    assert_eq!((next as u32 & TTL_MASK) >> TTL_SHIFT, left);
+                    assert_eq!(next as u32 & !TTL_MASK, pid as u32 & !TTL_MASK);
+                    pid = next;
+                }
+                other => panic!("hop {left}: {other:?}"),
+            }
+        }
+        // Misconfigured so that "peer 2" is another instance that also is not 2: the budget ends
+        // the loop after HOPS forwards.
+        assert_eq!(me.route(pid, |id| id == 2), Route::Drop);
+        // An unknown owner is dropped at once.
+        assert_eq!(me.route(owner.issue(1), |_| false), Route::Drop);
+    }
+
+    #[test]
+    fn forwarded_packet_is_the_received_one_with_new_hop_bits() {
+        for secret in [vec![1u8, 2, 3, 4], (0..32).collect::<Vec<u8>>()] {
+            let b = packet(0x0160_0001, &secret);
+            assert_eq!(b.len(), 12 + secret.len());
+            assert_eq!(&b[0..4], &((12 + secret.len()) as i32).to_be_bytes());
+            assert_eq!(&b[4..8], &80_877_102i32.to_be_bytes());
+            assert_eq!(&b[8..12], &0x0160_0001i32.to_be_bytes());
+            assert_eq!(&b[12..], &secret[..]);
+        }
+    }
+
+    #[tokio::test]
+    async fn keys_are_found_whatever_the_hop_budget() {
+        let r = Arc::new(Registry::new(PeerLayout::new(Some(7))));
+        let reg = r.register(4);
+        assert_eq!(reg.pid as u32 >> PEER_SHIFT, 7);
+        let spent = ((reg.pid as u32) & !TTL_MASK) as i32;
+        // Idle client: found (not "unknown"), nothing to cancel, so ignored; a wrong secret too.
+        r.cancel(spent, &reg.secret, &[]).await;
+        r.cancel(spent, &[0, 0, 0, 0], &[]).await;
+        assert_eq!(r.ignored.load(std::sync::atomic::Ordering::Relaxed), 2);
+        let key = r.layout.key(reg.pid);
+        assert!(r.map.lock().contains_key(&key));
+        drop(reg);
+        assert!(r.map.lock().is_empty());
+    }
 }

@@ -162,7 +162,7 @@ fn init_tracing(config: &Config, json: bool) {
 }
 
 async fn run(cli: Cli, config: Config) -> anyhow::Result<()> {
-    let listener = tokio::net::TcpListener::bind(config.listen).await?;
+    let listener = pgsluice::server::bind(config.listen, config.listen_reuseport)?;
     let admin = tokio::net::TcpListener::bind(config.admin.listen).await?;
     let rules = load_rules(&config)?;
     let app = App::new(config, rules).map_err(anyhow::Error::msg)?;

@@ -3,13 +3,16 @@
 //! when the process runs out of file descriptors, and the graceful stop on shutdown: the
 //! listener closes at once, sessions finish their transactions for up to
 //! `shutdown_timeout_ms`, then `force` cancels what still runs and the stragglers get a short
-//! moment to tell their clients (57P01).
+//! moment to tell their clients (57P01). Also binds the client listener, with SO_REUSEPORT
+//! when several instances share the port.
 
+use std::net::SocketAddr;
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 use bytes::BytesMut;
+use socket2::{Domain, Protocol, Socket, Type};
 use tokio::io::AsyncWriteExt;
 use tokio::net::TcpListener;
 use tokio::time::Instant;
@@ -60,6 +63,28 @@ impl AcceptWarnings {
         true
     }
 }
+
+/// Binds the client listener. With `reuseport`, SO_REUSEPORT and SO_REUSEADDR are set before
+/// `bind`, so instances of the same user can listen on one address and the kernel spreads
+/// new connections over them; a stopping instance closes its listener and the others carry on
+/// (Linux moves its not-yet-accepted connections over only with `net.ipv4.tcp_migrate_req=1`).
+pub fn bind(addr: SocketAddr, reuseport: bool) -> std::io::Result<TcpListener> {
+    if !reuseport {
+        let std = std::net::TcpListener::bind(addr)?;
+        std.set_nonblocking(true)?;
+        return TcpListener::from_std(std);
+    }
+    let socket = Socket::new(Domain::for_address(addr), Type::STREAM, Some(Protocol::TCP))?;
+    socket.set_reuse_address(true)?;
+    socket.set_reuse_port(true)?;
+    socket.bind(&addr.into())?;
+    socket.listen(LISTEN_BACKLOG)?;
+    socket.set_nonblocking(true)?;
+    TcpListener::from_std(socket.into())
+}
+
+/// The accept queue length asked of the kernel (tokio's own default; capped by somaxconn).
+const LISTEN_BACKLOG: i32 = 1024;
 
 /// Accepts clients until shutdown, then waits for sessions up to `shutdown_timeout_ms`.
 pub async fn serve(app: Arc<App>, listener: TcpListener) {

@@ -188,6 +188,7 @@ fn scrape(st: &AdminState) -> Scrape {
         in_flight: breaker.in_flight.into(),
         cancels_sent: app.cancels.sent.load(Relaxed),
         cancels_ignored: app.cancels.ignored.load(Relaxed),
+        cancels_forwarded: app.cancels.forwarded.load(Relaxed),
         rules: u(app.policy.rules().len()),
         fingerprints_tracked: u(app.fp_stats.len()),
     }

@@ -19,6 +19,14 @@ pub use validate::{BackendUrl, ConfigError};
 pub struct Config {
     /// Address clients connect to.
     pub listen: SocketAddr,
+    /// SO_REUSEPORT (and SO_REUSEADDR) on the client listener, so that several instances can
+    /// share `listen` and one can be restarted while the others accept. Read at start only.
+    pub listen_reuseport: bool,
+    /// This instance's id among `peers` (1..=255); its cancel keys carry it. Read at start only.
+    pub peer_id: u8,
+    /// The other instances sharing the port: a CancelRequest for a key one of them issued is
+    /// passed on to it. Empty: keys carry no instance id and no cancel is forwarded.
+    pub peers: Vec<PeerConfig>,
     pub admin: AdminConfig,
     pub backend: BackendConfig,
     /// Defaults for every (database, user) pool.
@@ -39,6 +47,9 @@ impl Default for Config {
     fn default() -> Self {
         Config {
             listen: SocketAddr::from(([127, 0, 0, 1], 6432)),
+            listen_reuseport: false,
+            peer_id: 0,
+            peers: Vec::new(),
             admin: AdminConfig::default(),
             backend: BackendConfig::default(),
             pool: PoolConfig::default(),
@@ -52,6 +63,17 @@ impl Default for Config {
             tls: TlsConfig::default(),
         }
     }
+}
+
+/// Another pgsluice instance, for cancel routing.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PeerConfig {
+    /// Its `peer_id`.
+    pub id: u8,
+    /// `host:port` of *its own* client listener, reachable directly (not the shared port, which
+    /// could lead back to any instance).
+    pub addr: String,
 }
 
 #[derive(Debug, Clone, Deserialize)]

@@ -155,6 +155,21 @@ fn check_cidr(s: &str) -> Result<(), String> {
     Ok(())
 }
 
+/// Checks that `s` is `HOST:PORT` (`[v6]:PORT` for IPv6 literals) with a non-zero port.
+fn check_host_port(s: &str) -> Result<(), String> {
+    let err = || format!("`{s}` is not HOST:PORT");
+    let (host, port) = s.rsplit_once(':').ok_or_else(err)?;
+    let host = host
+        .strip_prefix('[')
+        .map_or(Some(host), |h| h.strip_suffix(']'));
+    match (host, port.parse::<u16>()) {
+        (Some(h), Ok(p)) if !h.is_empty() && p != 0 && (!h.contains(':') || s.starts_with('[')) => {
+            Ok(())
+        }
+        _ => Err(err()),
+    }
+}
+
 struct Problems<'a> {
     text: Option<&'a str>,
     out: Vec<ConfigError>,
@@ -361,6 +376,27 @@ impl Config {
                 p.add(format!("callers[{i}].match.client_cidr"), e);
             }
         }
+        if !self.peers.is_empty() && self.peer_id == 0 {
+            p.add(
+                "peer_id".into(),
+                "must be between 1 and 255 when peers are configured",
+            );
+        }
+        let mut ids = HashSet::new();
+        for (i, peer) in self.peers.iter().enumerate() {
+            if peer.id == 0 {
+                p.add(format!("peers[{i}].id"), "must be between 1 and 255");
+            }
+            if !ids.insert(peer.id) {
+                p.add(
+                    format!("peers[{i}].id"),
+                    format!("duplicate peer id {}", peer.id),
+                );
+            }
+            if let Err(e) = check_host_port(&peer.addr) {
+                p.add(format!("peers[{i}].addr"), e);
+            }
+        }
         if self.classify.max_text_bytes == 0 {
             p.add("classify.max_text_bytes".into(), "must be > 0");
         }
@@ -462,6 +498,34 @@ mod tests {
             (c.backend.tcp_user_timeout_ms, c.pool.cancel_grace_ms),
             (0, 2_000)
         );
+    }
+
+    #[test]
+    fn peers_are_validated_with_lines() {
+        let c = Config::from_yaml(
+            "listen_reuseport: true\npeer_id: 1\npeers:\n  - { id: 1, addr: \"127.0.0.1:6432\" }\n  - id: 2\n    addr: \"db-proxy-2:6433\"\n  - { id: 3, addr: \"[::1]:6434\" }\n",
+        )
+        .unwrap();
+        assert!(c.listen_reuseport);
+        assert_eq!((c.peer_id, c.peers.len()), (1, 3));
+        let text = "peers:\n  - id: 2\n    addr: a:1\n  - id: 2\n    addr: nope\n  - id: 0\n    addr: \"b:0\"\n";
+        let errs = Config::from_yaml(text).unwrap_err();
+        let got: Vec<(&str, Option<usize>)> =
+            errs.iter().map(|e| (e.field.as_str(), e.line)).collect();
+        assert_eq!(
+            got,
+            [
+                ("peer_id", None),
+                ("peers[1].id", Some(4)),
+                ("peers[1].addr", Some(5)),
+                ("peers[2].id", Some(6)),
+                ("peers[2].addr", Some(7)),
+            ]
+        );
+        let errs = Config::from_yaml("peer_id: 256\n").unwrap_err();
+        assert_eq!(errs[0].line, Some(1), "{}", errs[0]);
+        // An id without peers is allowed (and unused).
+        assert_eq!(Config::from_yaml("peer_id: 4\n").unwrap().peer_id, 4);
     }
 
     #[test]

@@ -101,6 +101,8 @@ pub struct Scrape {
     pub in_flight: u64,
     pub cancels_sent: u64,
     pub cancels_ignored: u64,
+    /// Passed on to the peer instance that owns the key.
+    pub cancels_forwarded: u64,
     pub rules: u64,
     pub fingerprints_tracked: u64,
 }
@@ -470,7 +472,8 @@ impl ScrapeSeries {
             cancels: counter_vec(
                 r,
                 "pgsluice_cancels_total",
-                "Client cancel requests, by outcome (sent to a backend, ignored).",
+                "Client cancel requests, by outcome (sent to a backend, forwarded to the owning peer \
+                 instance, ignored).",
                 &["outcome"],
             ),
             caller_in_flight: gauge_vec(
@@ -552,6 +555,10 @@ impl ScrapeSeries {
         set_counter(
             &self.cancels.with_label_values(&["ignored"]),
             s.cancels_ignored,
+        );
+        set_counter(
+            &self.cancels.with_label_values(&["forwarded"]),
+            s.cancels_forwarded,
         );
         self.caller_in_flight.reset();
         self.caller_queued.reset();
@@ -690,6 +697,7 @@ mod tests {
                 ..PoolSample::default()
             }],
             cancels_sent: 2,
+            cancels_forwarded: 5,
             ..Scrape::default()
         };
         let t = m.render_with(&s);
@@ -710,6 +718,10 @@ mod tests {
         assert_eq!(
             sample(&t, r#"pgsluice_cancels_total{outcome="sent"}"#),
             Some(2.0)
+        );
+        assert_eq!(
+            sample(&t, r#"pgsluice_cancels_total{outcome="forwarded"}"#),
+            Some(5.0)
         );
         s.pools.clear();
         assert!(!m.render_with(&s).contains("db/u"));

@@ -219,7 +219,8 @@ pub async fn startup<S: AsyncRead + AsyncWrite + Unpin>(
                 return Err(Fail::Silent("repeated SSL/GSS negotiation request"));
             }
             StartupPacket::Cancel { pid, secret } => {
-                app.cancels.cancel(pid, &secret).await;
+                let config = app.config.load_full();
+                app.cancels.cancel(pid, &secret, &config.peers).await;
                 return Ok(Start::Cancelled);
             }
             StartupPacket::Startup {
