@@ -87,6 +87,11 @@ pub struct Relay {
     unanswered: Option<Instant>,
     /// Graceful shutdown: leave at the next point between transactions.
     draining: bool,
+    /// Set when shutdown finds the session between transactions: it leaves at this moment
+    /// unless the client starts something first. A client that just logged in (its first
+    /// query already on the wire) is served rather than told 57P01, which is what makes a
+    /// rolling restart lose no new connection.
+    idle_grace: Option<Instant>,
     /// Waits for shutdown and for the end of its grace period, made once per session: a
     /// `cancelled()` future made per loop turn would register and unregister a waiter on
     /// the process-wide token's lock for every message.
@@ -142,9 +147,15 @@ enum Event {
     Unanswered,
     /// Graceful shutdown began: finish the current transaction, then leave.
     Shutdown,
+    /// The moment after shutdown given to a client between transactions is over.
+    IdleGrace,
     /// The shutdown grace period is over: cancel what runs and leave now.
     Force,
 }
+
+/// How long a session found between transactions at shutdown waits for its client's next
+/// request before leaving with 57P01.
+const DRAIN_IDLE_GRACE: Duration = Duration::from_millis(500);
 
 async fn sleep_until_opt(t: Option<Instant>) {
     match t {
@@ -193,6 +204,7 @@ impl Relay {
             backstop: None,
             unanswered: None,
             draining: false,
+            idle_grace: None,
             shutdown,
             force,
             peer_ip: Some(peer.ip()),
@@ -222,7 +234,12 @@ impl Relay {
             return end;
         }
         loop {
-            let (backstop, unanswered, draining) = (self.backstop, self.unanswered, self.draining);
+            let (backstop, unanswered, draining, idle_grace) = (
+                self.backstop,
+                self.unanswered,
+                self.draining,
+                self.idle_grace,
+            );
             let ev = {
                 let (cbuf, rbuf, backend) = (&mut self.cbuf, &mut self.rbuf, &mut self.backend);
                 let (shutdown, force) = (&mut self.shutdown, &mut self.force);
@@ -231,6 +248,7 @@ impl Relay {
                     r = read_backend(backend, rbuf) => Event::Backend(r),
                     _ = sleep_until_opt(backstop) => Event::Backstop,
                     _ = sleep_until_opt(unanswered) => Event::Unanswered,
+                    _ = sleep_until_opt(idle_grace) => Event::IdleGrace,
                     _ = shutdown.as_mut(), if !draining => Event::Shutdown,
                     _ = force.as_mut(), if draining => Event::Force,
                 }
@@ -251,6 +269,12 @@ impl Relay {
                 Event::Unanswered => return self.backend_unresponsive(),
                 Event::Shutdown => {
                     self.draining = true;
+                    // Between transactions: give a request already on its way a moment.
+                    self.idle_grace = Some(Instant::now() + DRAIN_IDLE_GRACE);
+                    Ok(())
+                }
+                Event::IdleGrace => {
+                    self.idle_grace = None;
                     self.maybe_release().await
                 }
                 Event::Force => {
