@@ -14,6 +14,8 @@
 //! * `overload` — E: connect storm (half TLS), file-descriptor exhaustion, slow readers,
 //!   cancel storm.
 //! * `lifecycle` — G: SIGTERM drain, second SIGTERM, SIGHUP reload (TLS files too).
+//! * `peers` — G3: several instances: a cancel routed to the instance that owns the key, and a
+//!   rolling restart on one SO_REUSEPORT port under load.
 //!
 //! A9/A10 (pipelines) are covered in tests/foundation.rs and tests/pooling_state.rs.
 
@@ -29,6 +31,8 @@ mod lifecycle;
 mod overload;
 #[path = "hardening/partition.rs"]
 mod partition;
+#[path = "hardening/peers.rs"]
+mod peers;
 #[path = "hardening/protocol.rs"]
 mod protocol;
 #[path = "hardening/raw.rs"]

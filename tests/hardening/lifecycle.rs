@@ -1,7 +1,5 @@
 //! TESTS.md G: SIGTERM drain, a second SIGTERM, SIGHUP reload (limits and TLS files).
-//!
-//! G3 (rolling restart with SO_REUSEPORT and cross-instance cancel) is not staged: pgsluice
-//! has no peer routing for cancels yet.
+//! G3 (several instances) is in `peers`.
 
 use std::time::{Duration, Instant};
 

@@ -365,6 +365,11 @@ pub fn write(dir: &Path, name: &str, text: &str) -> PathBuf {
 
 /// `GET path` on the admin API; the JSON body.
 pub async fn admin_get(proxy: &Proxy, path: &str) -> serde_json::Value {
+    serde_json::from_str(&admin_text(proxy, path).await).unwrap_or(serde_json::Value::Null)
+}
+
+/// `GET path` on the admin API (with the read token); the body as text.
+pub async fn admin_text(proxy: &Proxy, path: &str) -> String {
     let addr = proxy.admin_addr().expect("admin address");
     let mut s = within(READ, "admin connect", TcpStream::connect(addr))
         .await
@@ -378,8 +383,9 @@ pub async fn admin_get(proxy: &Proxy, path: &str) -> serde_json::Value {
         .await
         .expect("admin response");
     let text = String::from_utf8_lossy(&resp);
-    let body = text.split_once("\r\n\r\n").map(|x| x.1).unwrap_or("");
-    serde_json::from_str(body).unwrap_or(serde_json::Value::Null)
+    text.split_once("\r\n\r\n")
+        .map(|x| x.1.to_string())
+        .unwrap_or_default()
 }
 
 /// Every pool has no active, waiting or pinned client.

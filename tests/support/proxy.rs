@@ -6,6 +6,9 @@
 //! ADDR`). Its stderr (the logs) is forwarded line by line to the test's stderr, which the test
 //! runner shows for failing tests, and the tail is kept for startup-failure messages.
 //!
+//! [`ProxyOptions::listen`] replaces `127.0.0.1:0` with a chosen address (a second instance on
+//! a SO_REUSEPORT port, or an address a peer was told about before this proxy started).
+//!
 //! [`ProxyOptions::nofile`] starts the proxy under `prlimit --nofile=N:N` (util-linux), which
 //! lowers the file-descriptor limit of the proxy process alone — not of the test process,
 //! Postgres or the harness — and then execs it, so the child's pid is the proxy's.
@@ -65,6 +68,8 @@ pub struct ProxyOptions {
     pub backend_addr: Option<SocketAddr>,
     /// RLIMIT_NOFILE (soft and hard) of the proxy process, for fd-exhaustion tests.
     pub nofile: Option<u64>,
+    /// `--listen` instead of `127.0.0.1:0`.
+    pub listen: Option<SocketAddr>,
 }
 
 impl ProxyOptions {
@@ -76,7 +81,14 @@ impl ProxyOptions {
             extra_args: Vec::new(),
             backend_addr: None,
             nofile: None,
+            listen: None,
         }
+    }
+
+    /// Listen on `addr` instead of an ephemeral port.
+    pub fn listen(mut self, addr: SocketAddr) -> ProxyOptions {
+        self.listen = Some(addr);
+        self
     }
 
     /// Start the proxy with at most `limit` open file descriptors.
@@ -146,9 +158,12 @@ impl Proxy {
             }
             None => Command::new(bin),
         };
+        let listen = options
+            .listen
+            .map_or_else(|| "127.0.0.1:0".to_string(), |a| a.to_string());
         cmd.args([
             "--listen",
-            "127.0.0.1:0",
+            &listen,
             "--admin-listen",
             "127.0.0.1:0",
             "--backend",
