@@ -163,11 +163,18 @@ fn init_tracing(config: &Config, json: bool) {
 
 async fn run(cli: Cli, config: Config) -> anyhow::Result<()> {
     let listener = pgsluice::server::bind(config.listen, config.listen_reuseport)?;
+    let peer = match config.peer_listen {
+        Some(addr) => Some(tokio::net::TcpListener::bind(addr).await?),
+        None => None,
+    };
     let admin = tokio::net::TcpListener::bind(config.admin.listen).await?;
     let rules = load_rules(&config)?;
     let app = App::new(config, rules).map_err(anyhow::Error::msg)?;
     // The harness and scripts read these two lines to learn the chosen ports.
     // The admin line comes first: readers may stop at the client listening line.
+    if let Some(peer) = &peer {
+        println!("pgsluice peer cancels listening on {}", peer.local_addr()?);
+    }
     println!("pgsluice admin listening on {}", admin.local_addr()?);
     println!("pgsluice listening on {}", listener.local_addr()?);
     tracing::info!(addr = %listener.local_addr()?, "pgsluice listening");
@@ -193,6 +200,9 @@ async fn run(cli: Cli, config: Config) -> anyhow::Result<()> {
     });
     tokio::spawn(app.clone().maintain());
     tokio::spawn(pgsluice::probe::run(app.clone()));
+    if let Some(peer) = peer {
+        tokio::spawn(pgsluice::server::serve_peer_cancels(app.clone(), peer));
+    }
     tokio::spawn(signals(app.clone(), cli));
     pgsluice::server::serve(app, listener).await;
     Ok(())

@@ -155,6 +155,52 @@ pub async fn serve(app: Arc<App>, listener: TcpListener) {
     }
 }
 
+/// Accepts CancelRequests passed on by peer instances on this instance's own `peer_listen`
+/// address, until the process exits (a draining instance still owns its sessions' keys).
+/// Anything but one well-formed CancelRequest is closed unanswered; at most
+/// `PEER_CONNECTIONS` are handled at once and each gets `PEER_READ_TIMEOUT`.
+pub async fn serve_peer_cancels(app: Arc<App>, listener: TcpListener) {
+    let slots = Arc::new(tokio::sync::Semaphore::new(PEER_CONNECTIONS));
+    loop {
+        let mut sock = match listener.accept().await {
+            Ok((sock, _)) => sock,
+            Err(_) => {
+                tokio::time::sleep(Duration::from_millis(50)).await;
+                continue;
+            }
+        };
+        let Ok(permit) = slots.clone().try_acquire_owned() else {
+            continue; // dropped: closed at once
+        };
+        let app = app.clone();
+        tokio::spawn(async move {
+            let _permit = permit;
+            let read = tokio::time::timeout(PEER_READ_TIMEOUT, read_cancel(&mut sock)).await;
+            if let Ok(Some((pid, secret))) = read {
+                let peers = app.config.load().peers.clone();
+                app.cancels.cancel(pid, &secret, &peers).await;
+            }
+        });
+    }
+}
+
+const PEER_CONNECTIONS: usize = 64;
+const PEER_READ_TIMEOUT: Duration = Duration::from_secs(2);
+
+/// One CancelRequest (protocol 3.0 or 3.2 key lengths) from `sock`, or `None`.
+async fn read_cancel(sock: &mut tokio::net::TcpStream) -> Option<(i32, Vec<u8>)> {
+    use tokio::io::AsyncReadExt;
+    let mut len = [0u8; 4];
+    sock.read_exact(&mut len).await.ok()?;
+    let len = crate::protocol::messages::startup_len(len).ok()?;
+    let mut body = vec![0u8; len - 4];
+    sock.read_exact(&mut body).await.ok()?;
+    match crate::protocol::messages::parse_startup(&body) {
+        Ok(crate::protocol::messages::StartupPacket::Cancel { pid, secret }) => Some((pid, secret)),
+        _ => None,
+    }
+}
+
 /// After `force`: how long sessions get to cancel their queries and send 57P01.
 const FORCE_GRACE: Duration = Duration::from_secs(2);
 

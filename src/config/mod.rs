@@ -27,6 +27,10 @@ pub struct Config {
     /// The other instances sharing the port: a CancelRequest for a key one of them issued is
     /// passed on to it. Empty: keys carry no instance id and no cancel is forwarded.
     pub peers: Vec<PeerConfig>,
+    /// An address of this instance alone that accepts CancelRequests passed on by peers (and
+    /// nothing else): what the others list as its `peers[].addr` when instances share
+    /// `listen` on one host. Read at start only.
+    pub peer_listen: Option<SocketAddr>,
     pub admin: AdminConfig,
     pub backend: BackendConfig,
     /// Defaults for every (database, user) pool.
@@ -50,6 +54,7 @@ impl Default for Config {
             listen_reuseport: false,
             peer_id: 0,
             peers: Vec::new(),
+            peer_listen: None,
             admin: AdminConfig::default(),
             backend: BackendConfig::default(),
             pool: PoolConfig::default(),
@@ -71,8 +76,8 @@ impl Default for Config {
 pub struct PeerConfig {
     /// Its `peer_id`.
     pub id: u8,
-    /// `host:port` of *its own* client listener, reachable directly (not the shared port, which
-    /// could lead back to any instance).
+    /// `host:port` that reaches that instance alone: its `peer_listen`, or its client listener
+    /// when that is not shared (never the shared port, which could lead back to any instance).
     pub addr: String,
 }
 

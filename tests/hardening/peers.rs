@@ -1,5 +1,6 @@
 //! TESTS.md G3: several instances. A CancelRequest that lands on the wrong instance is passed
-//! on to the one that owns the key (`peer_id`/`peers`), and a rolling restart of one of two
+//! on to the one that owns the key (`peer_id`/`peers`), also between instances sharing one
+//! port through their own `peer_listen` addresses, and a rolling restart of one of two
 //! instances sharing a SO_REUSEPORT port refuses no new connection while the stopping one
 //! drains its sessions (G1 semantics).
 //!
@@ -143,6 +144,119 @@ async fn g3_cancel_is_routed_to_the_owning_instance() {
     let forwarded = cancels(&two, "forwarded").await;
     send_cancel(two.addr(), (9 << 23) | (3 << 21) | 1, &[1, 2, 3, 4]).await;
     assert_eq!(cancels(&two, "forwarded").await, forwarded);
+    oracle(&one).await;
+    oracle(&two).await;
+}
+
+/// Two instances on one SO_REUSEPORT port, each with a `peer_listen` address of its own that
+/// the other lists: every client's cancel, sent through the shared port (which spreads it over
+/// the instances), ends that client's query; and a cancel handed to the non-owner's
+/// `peer_listen` is passed on to the owner's.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn g3_cancel_through_the_shared_port_reaches_the_owner() {
+    if direct_mode() {
+        note_skipped("cancel routing between pgsluice instances");
+        return;
+    }
+    let cluster = Cluster::start();
+    let dir = tempfile::tempdir().expect("tempdir");
+    let (peer1, peer2) = (free_addr(), free_addr());
+    let yaml = |id: u8, own: SocketAddr, other: u8, other_addr: SocketAddr| {
+        format!(
+            "listen_reuseport: true\npeer_listen: \"{own}\"\n{}",
+            peer_yaml(id, other, other_addr)
+        )
+    };
+    let one = Proxy::start(
+        &cluster,
+        ProxyOptions::pool(6).config_file(write(dir.path(), "one.yaml", &yaml(1, peer1, 2, peer2))),
+    );
+    let port = one.addr();
+    let two = Proxy::start(
+        &cluster,
+        ProxyOptions::pool(6).listen(port).config_file(write(
+            dir.path(),
+            "two.yaml",
+            &yaml(2, peer2, 1, peer1),
+        )),
+    );
+    assert_eq!(two.addr(), port, "both instances share one port");
+    let monitor = cluster.monitor().await;
+
+    // Sessions land on either instance; the key says which.
+    let mut clients = Vec::new();
+    for _ in 0..6 {
+        clients.push(sleeping_client(port, 0).await);
+    }
+    let owners: Vec<u32> = clients
+        .iter()
+        .map(|(_, pid, _)| *pid as u32 >> 23)
+        .collect();
+    assert!(owners.iter().all(|o| *o == 1 || *o == 2), "{owners:?}");
+    eventually(Duration::from_secs(10), "six pg_sleep(30) run", || async {
+        monitor.active_queries_like("pg_sleep(30)").await.len() >= 6
+    })
+    .await;
+
+    // The deterministic path first: the first client's key, handed to the other instance's
+    // peer_listen, goes to its owner's peer_listen.
+    let (c0, pid0, secret0) = &mut clients[0];
+    let (owner, other_peer) = if *pid0 as u32 >> 23 == 1 {
+        (&one, peer2)
+    } else {
+        (&two, peer1)
+    };
+    let sent = cancels(owner, "sent").await;
+    send_cancel(other_peer, *pid0, secret0).await;
+    let code = within(Duration::from_secs(10), "the first query ends", c0.error())
+        .await
+        .map(|e| e.0);
+    assert_eq!(
+        code.as_deref(),
+        Some("57014"),
+        "via the other's peer_listen"
+    );
+    assert_eq!(cancels(owner, "sent").await, sent + 1);
+    c0.until_ready().await.expect("ReadyForQuery");
+
+    // Then the rest through the shared port, wherever each request lands.
+    for (c, pid, secret) in clients.iter_mut().skip(1) {
+        send_cancel(port, *pid, secret).await;
+        let code = within(Duration::from_secs(10), "a cancelled query ends", c.error())
+            .await
+            .map(|e| e.0);
+        assert_eq!(
+            code.as_deref(),
+            Some("57014"),
+            "key of instance {}\n--- one ---\n{}\n--- two ---\n{}",
+            *pid as u32 >> 23,
+            one.stderr_tail(),
+            two.stderr_tail()
+        );
+        c.until_ready().await.expect("ReadyForQuery");
+    }
+    assert_eq!(
+        cancels(&one, "sent").await + cancels(&two, "sent").await,
+        6,
+        "each query cancelled once, by its owner"
+    );
+    // Garbage on a peer_listen address is closed and changes nothing.
+    let mut junk = tokio::net::TcpStream::connect(peer1)
+        .await
+        .expect("connect");
+    tokio::io::AsyncWriteExt::write_all(&mut junk, b"GET / HTTP/1.0\r\n\r\n")
+        .await
+        .expect("write");
+    let mut buf = [0u8; 16];
+    let n = within(
+        Duration::from_secs(5),
+        "peer_listen closes junk",
+        tokio::io::AsyncReadExt::read(&mut junk, &mut buf),
+    )
+    .await
+    .unwrap_or(0);
+    assert_eq!(n, 0, "nothing is answered on peer_listen");
+    drop(clients);
     oracle(&one).await;
     oracle(&two).await;
 }
