@@ -109,11 +109,19 @@ pub struct Target {
 pub struct Entry {
     secret: Vec<u8>,
     target: tokio::sync::Mutex<Option<Target>>,
+    /// Client CancelRequests passed to this session's backend so far: the session reads it to
+    /// tell a 57014 the client asked for from one that says the server is in trouble.
+    requested: std::sync::atomic::AtomicU64,
 }
 
 impl Entry {
     pub async fn set(&self, t: Option<Target>) {
         *self.target.lock().await = t;
+    }
+
+    /// Client cancels sent on for this session (see `requested`).
+    pub fn requested(&self) -> u64 {
+        self.requested.load(std::sync::atomic::Ordering::Acquire)
     }
 }
 
@@ -172,6 +180,7 @@ impl Registry {
     pub fn register(self: &Arc<Self>, secret_len: usize) -> Registration {
         let secret: Vec<u8> = (0..secret_len).map(|_| rand::random::<u8>()).collect();
         let entry = Arc::new(Entry {
+            requested: Default::default(),
             secret: secret.clone(),
             target: tokio::sync::Mutex::new(None),
         });
@@ -239,6 +248,10 @@ impl Registry {
             self.ignored.fetch_add(1, Relaxed);
             return;
         };
+        // Counted before Postgres can answer the cancelled statement.
+        entry
+            .requested
+            .fetch_add(1, std::sync::atomic::Ordering::Release);
         match tokio::time::timeout(Duration::from_secs(5), send(t)).await {
             Ok(Ok(())) => {
                 self.sent.fetch_add(1, Relaxed);

@@ -1322,6 +1322,43 @@ global_defaults:
     open_ms: 1000
 "#;
 
+/// A 57014 the client asked for (its own CancelRequest) says nothing about the server: five
+/// cancelled statements in a row leave the breaker closed, where three statement timeouts of
+/// the same SQLSTATE open it (the test below).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn client_cancels_do_not_open_the_breaker() {
+    let Some(env) = start(6, BREAKER_CONFIG) else {
+        return;
+    };
+    for i in 0..5 {
+        let c = Arc::new(connect(&env.proxy, None).await);
+        let token = c.cancel_token();
+        let run = spawn_timed(&c, "SELECT pg_sleep(30)");
+        wait_for_running(&env.cluster, "pg_sleep(30)", 1).await;
+        within(STEP, "send the cancel", token.cancel_query(NoTls))
+            .await
+            .expect("cancel request");
+        let t = join(run).await;
+        let e = t.err("a cancelled statement");
+        assert_eq!(sqlstate(e), "57014", "cancel {i}: {e:?}");
+        assert!(
+            db_error(e).message().contains("user request"),
+            "cancel {i}: {e:?}"
+        );
+        let monitor = env.cluster.monitor().await;
+        let monitor = &monitor;
+        let gone = poll_until(Duration::from_secs(5), move || async move {
+            monitor.active_queries_like("pg_sleep(30)").await.is_empty()
+        })
+        .await;
+        assert!(gone, "cancel {i}: the statement is gone");
+    }
+    let snapshot = admin_get(&env.proxy, "/v1/breaker").await;
+    assert_eq!(snapshot["state"], "closed", "{snapshot}");
+    let c = connect(&env.proxy, None).await;
+    assert_eq!(scalar(&c, "SELECT 1").await, "1");
+}
+
 /// Three consecutive statement timeouts (57014, a backend fault) open the breaker: normal
 /// traffic gets 53000 `ERR_CIRCUIT_OPEN` at once, critical traffic runs. After `open_ms` a
 /// failed trial reopens it; after another `open_ms` a successful trial closes it.

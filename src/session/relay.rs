@@ -87,6 +87,8 @@ pub struct Relay {
     unanswered: Option<Instant>,
     /// Graceful shutdown: leave at the next point between transactions.
     draining: bool,
+    /// `cancel::Entry::requested` when a 57014 was last seen.
+    cancels_seen: u64,
     /// Set when shutdown finds the session between transactions: it leaves at this moment
     /// unless the client starts something first. A client that just logged in (its first
     /// query already on the wire) is served rather than told 57P01, which is what makes a
@@ -204,6 +206,7 @@ impl Relay {
             backstop: None,
             unanswered: None,
             draining: false,
+            cancels_seen: 0,
             idle_grace: None,
             shutdown,
             force,
@@ -822,8 +825,9 @@ impl Relay {
                     b'C' => self.rows += rows_of(body),
                     b'E' => {
                         self.errored = true;
-                        if crate::protocol::error::sqlstate_of(body)
-                            .is_some_and(admission::is_backend_fault)
+                        let code = crate::protocol::error::sqlstate_of(body);
+                        if code.is_some_and(admission::is_backend_fault)
+                            && !(code == Some("57014") && self.client_cancelled())
                         {
                             self.fault = true;
                         }
@@ -973,6 +977,16 @@ impl Relay {
         Some(tokio::spawn(async move {
             let _ = tokio::time::timeout(Duration::from_secs(5), cancel::send(&t)).await;
         }))
+    }
+
+    /// A client CancelRequest reached this session's backend since the last 57014: that one
+    /// was asked for, and says nothing about the server's health (the breaker must not open
+    /// because users pressed cancel).
+    fn client_cancelled(&mut self) -> bool {
+        let n = self.cancel.requested();
+        let asked = n != self.cancels_seen;
+        self.cancels_seen = n;
+        asked
     }
 
     /// The statement outran its timeout and the backstop: cancel it, and give the server
