@@ -68,15 +68,15 @@ impl AcceptWarnings {
 /// `bind`, so instances of the same user can listen on one address and the kernel spreads
 /// new connections over them; a stopping instance closes its listener and the others carry on
 /// (Linux moves its not-yet-accepted connections over only with `net.ipv4.tcp_migrate_req=1`).
+/// Either way the accept queue is `LISTEN_BACKLOG` long (std's `bind` asks for 128, which drops
+/// SYNs in a connect storm while the accept loop is backing off).
 pub fn bind(addr: SocketAddr, reuseport: bool) -> std::io::Result<TcpListener> {
-    if !reuseport {
-        let std = std::net::TcpListener::bind(addr)?;
-        std.set_nonblocking(true)?;
-        return TcpListener::from_std(std);
-    }
     let socket = Socket::new(Domain::for_address(addr), Type::STREAM, Some(Protocol::TCP))?;
+    // As std does: a restarted proxy can bind while old connections sit in TIME_WAIT.
     socket.set_reuse_address(true)?;
-    socket.set_reuse_port(true)?;
+    if reuseport {
+        socket.set_reuse_port(true)?;
+    }
     socket.bind(&addr.into())?;
     socket.listen(LISTEN_BACKLOG)?;
     socket.set_nonblocking(true)?;
