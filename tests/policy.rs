@@ -774,6 +774,21 @@ callers:
     lock_timeout_ms: 200
 "#;
 
+/// `SELECT pg_sleep(2)` through the extended protocol (unnamed statement, typed parameter).
+async fn timed_typed_sleep(client: &Client) -> Timed {
+    let start = Instant::now();
+    let r = within(
+        STEP,
+        "query_typed pg_sleep",
+        client.query_typed("SELECT pg_sleep($1)", &[(&2.0f64, Type::FLOAT8)]),
+    )
+    .await;
+    Timed {
+        elapsed: start.elapsed(),
+        result: r.map(|_| Vec::new()),
+    }
+}
+
 fn assert_statement_timeout(t: &Timed, what: &str) {
     let e = t.err(what);
     assert_eq!(sqlstate(e), "57014", "{what}: {e:?}");
@@ -840,20 +855,8 @@ async fn a_hostile_search_path_cannot_neutralize_the_injected_timeout() {
     exec(&from_set, "SET search_path = evil, pg_catalog").await;
     let t = timed(&from_set, "SELECT pg_sleep(2)").await;
     assert_statement_timeout(&t, "search_path from a tracked SET");
-    let start = Instant::now();
-    let r = within(
-        STEP,
-        "query_typed pg_sleep",
-        from_set.query_typed("SELECT pg_sleep($1)", &[(&2.0f64, Type::FLOAT8)]),
-    )
-    .await;
-    assert_statement_timeout(
-        &Timed {
-            elapsed: start.elapsed(),
-            result: r.map(|_| Vec::new()),
-        },
-        "search_path from a tracked SET, extended protocol",
-    );
+    let t = timed_typed_sleep(&from_set).await;
+    assert_statement_timeout(&t, "search_path from a tracked SET, extended protocol");
 }
 
 /// statement_timeout 800 ms (read) cancels `pg_sleep(2)` with 57014 through the simple
@@ -869,20 +872,8 @@ async fn statement_timeout_cancels_simple_extended_and_in_transaction() {
     let t = timed(&client, "SELECT pg_sleep(2)").await;
     assert_statement_timeout(&t, "simple protocol");
 
-    let start = Instant::now();
-    let r = within(
-        STEP,
-        "query_typed pg_sleep",
-        client.query_typed("SELECT pg_sleep($1)", &[(&2.0f64, Type::FLOAT8)]),
-    )
-    .await;
-    assert_statement_timeout(
-        &Timed {
-            elapsed: start.elapsed(),
-            result: r.map(|_| Vec::new()),
-        },
-        "extended protocol (unnamed statement)",
-    );
+    let t = timed_typed_sleep(&client).await;
+    assert_statement_timeout(&t, "extended protocol (unnamed statement)");
 
     let statement = within(STEP, "prepare", client.prepare("SELECT pg_sleep(2)"))
         .await
@@ -916,20 +907,8 @@ async fn statement_timeout_cancels_simple_extended_and_in_transaction() {
 
     // Extended protocol inside a transaction.
     exec(&client, "BEGIN").await;
-    let start = Instant::now();
-    let r = within(
-        STEP,
-        "query_typed pg_sleep in a transaction",
-        client.query_typed("SELECT pg_sleep($1)", &[(&2.0f64, Type::FLOAT8)]),
-    )
-    .await;
-    assert_statement_timeout(
-        &Timed {
-            elapsed: start.elapsed(),
-            result: r.map(|_| Vec::new()),
-        },
-        "extended protocol inside BEGIN",
-    );
+    let t = timed_typed_sleep(&client).await;
+    assert_statement_timeout(&t, "extended protocol inside BEGIN");
     exec(&client, "ROLLBACK").await;
 
     // A write has the caller's write budget (5 s), so a 1.2 s write completes.
