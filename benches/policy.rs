@@ -52,6 +52,7 @@ fn callers() -> Vec<CallerPolicy> {
             // loop never empties it.
             max_qps: (i % 5 == 0).then_some(1_000_000.0),
             burst: None,
+            scope: pgsluice::policy::Scope::Instance,
         })
         .collect();
     v.push(CallerPolicy {
@@ -62,6 +63,7 @@ fn callers() -> Vec<CallerPolicy> {
         priority: Priority::Normal,
         max_qps: None,
         burst: None,
+        scope: pgsluice::policy::Scope::Instance,
     });
     v
 }

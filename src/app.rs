@@ -11,12 +11,13 @@ use tokio_util::sync::CancellationToken;
 use crate::auth::Credentials;
 use crate::cancel;
 use crate::classify::{CallerMatcher, CallerRule, Classified, Classifier, StmtKind};
-use crate::config::{self as cfgmod, Config};
+use crate::config::{self as cfgmod, Config, PeerConfig};
+use crate::fleet::Fleet;
 use crate::observe::metrics::Metrics;
 use crate::observe::stats::FingerprintStats;
 use crate::policy::breaker::BreakerConfig;
 use crate::policy::rules::RuleSet;
-use crate::policy::{CallerPolicy, Policy, Priority};
+use crate::policy::{CallerPolicy, Policy, Priority, Scope};
 use crate::pool::{ConnectParams, Pool, Pools};
 use crate::protocol::PgError;
 
@@ -47,6 +48,8 @@ pub struct App {
     pub force: CancellationToken,
     /// Client and backend TLS (certificates re-read on reload).
     pub tls: crate::tls::Tls,
+    /// Fleet mode (a `fleet` section): membership, shared rules and limits through Redis.
+    pub fleet: Option<Arc<Fleet>>,
 }
 
 /// Re-reads the configuration source and applies it with [`App::reload`]; `Err` lists the
@@ -70,6 +73,10 @@ impl App {
         let policy = Policy::with_rules(callers, breaker, rules)
             .map_err(|e| format!("callers[{}].{}: {}", e.index, e.field, e.message))?;
         let cancels = Arc::new(cancel::Registry::new(peer_layout(&config)));
+        let fleet = Fleet::from_config(&config)?;
+        if fleet.is_some() {
+            metrics.enable_fleet();
+        }
         let observer = metrics.clone();
         policy.set_transition_observer(Some(Arc::new(move |t| {
             observer.breaker_transition(t.to.as_str());
@@ -100,6 +107,7 @@ impl App {
             stats: AppStats::default(),
             shutdown: CancellationToken::new(),
             force: CancellationToken::new(),
+            fleet,
         }))
     }
 
@@ -109,6 +117,9 @@ impl App {
         if peer_layout(&config) != self.cancels.layout() {
             // Keys already handed out carry the old id; they must keep routing home.
             return Err("peer_id, and peers being set or empty, change only at restart".into());
+        }
+        if config.fleet != self.config.load().fleet {
+            return Err("the fleet section changes only at restart".into());
         }
         let tls = crate::tls::Tls::prepare(&config).map_err(|e| e.to_string())?;
         let (callers, breaker) = policy_inputs(&config);
@@ -123,6 +134,20 @@ impl App {
         self.config.store(Arc::new(config));
         self.tls.install(tls);
         Ok(())
+    }
+
+    /// Where CancelRequests for other instances' keys go: the configured `peers` and, in a
+    /// fleet, the live members that route cancels (configured peers win on the same id).
+    pub fn cancel_peers(&self, config: &Config) -> Vec<PeerConfig> {
+        let mut peers = config.peers.clone();
+        if let Some(fleet) = &self.fleet {
+            for m in fleet.cancel_peers() {
+                if !peers.iter().any(|p| p.id == m.id) {
+                    peers.push(m);
+                }
+            }
+        }
+        peers
     }
 
     /// The pool for a logged-in (database, user), created on first use.
@@ -168,9 +193,11 @@ impl App {
     }
 }
 
-/// The cancel-key layout `config` asks for: the instance id only when peers are configured.
+/// The cancel-key layout `config` asks for: the instance id only when peers are configured,
+/// or in a fleet with a `peer_id`.
 fn peer_layout(config: &Config) -> cancel::PeerLayout {
-    cancel::PeerLayout::new((!config.peers.is_empty()).then_some(config.peer_id))
+    let routed = !config.peers.is_empty() || (config.fleet.is_some() && config.peer_id != 0);
+    cancel::PeerLayout::new(routed.then_some(config.peer_id))
 }
 
 fn caller_names(callers: &[CallerPolicy]) -> Vec<String> {
@@ -197,6 +224,10 @@ pub fn policy_inputs(cfg: &Config) -> (Vec<CallerPolicy>, BreakerConfig) {
             priority: prio(c.priority),
             max_qps: c.max_qps,
             burst: c.burst,
+            scope: match c.scope {
+                cfgmod::Scope::Instance => Scope::Instance,
+                cfgmod::Scope::Fleet => Scope::Fleet,
+            },
         })
         .collect();
     callers.push(CallerPolicy {
@@ -207,6 +238,7 @@ pub fn policy_inputs(cfg: &Config) -> (Vec<CallerPolicy>, BreakerConfig) {
         priority: Priority::Normal,
         max_qps: None,
         burst: None,
+        scope: Scope::Instance,
     });
     let b = &g.circuit_breaker;
     let breaker = BreakerConfig {

@@ -127,6 +127,9 @@ pub struct PutArgs {
     /// Free text for the next person on call.
     #[arg(long)]
     pub note: Option<String>,
+    /// THROTTLE: instance (default) or fleet (one rate for every instance of a fleet).
+    #[arg(long)]
+    pub scope: Option<String>,
 }
 
 impl PutArgs {
@@ -150,6 +153,7 @@ impl PutArgs {
             callers: (!self.callers.is_empty()).then(|| self.callers.clone()),
             mode: self.mode.clone(),
             note: self.note.clone(),
+            scope: self.scope.clone(),
         };
         Ok(serde_json::to_vec(&spec)?)
     }
@@ -596,6 +600,7 @@ mod tests {
             callers: vec!["app".into()],
             mode: None,
             note: None,
+            scope: None,
         };
         let v: Value = serde_json::from_slice(&args.body().unwrap()).unwrap();
         assert_eq!(

@@ -24,6 +24,7 @@ pub mod cancel;
 pub mod classify;
 pub mod cli;
 pub mod config;
+pub mod fleet;
 pub mod observe;
 pub mod policy;
 pub mod pool;

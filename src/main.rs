@@ -161,12 +161,17 @@ fn init_tracing(config: &Config, json: bool) {
     }
 }
 
-async fn run(cli: Cli, config: Config) -> anyhow::Result<()> {
+async fn run(cli: Cli, mut config: Config) -> anyhow::Result<()> {
     let listener = pgsluice::server::bind(config.listen, config.listen_reuseport)?;
     let peer = match config.peer_listen {
         Some(addr) => Some(tokio::net::TcpListener::bind(addr).await?),
         None => None,
     };
+    // Port 0 becomes the port the OS chose: a fleet member announces where it listens.
+    config.listen = listener.local_addr()?;
+    if let Some(peer) = &peer {
+        config.peer_listen = Some(peer.local_addr()?);
+    }
     let admin = tokio::net::TcpListener::bind(config.admin.listen).await?;
     let rules = load_rules(&config)?;
     let app = App::new(config, rules).map_err(anyhow::Error::msg)?;
@@ -200,11 +205,14 @@ async fn run(cli: Cli, config: Config) -> anyhow::Result<()> {
     });
     tokio::spawn(app.clone().maintain());
     tokio::spawn(pgsluice::probe::run(app.clone()));
+    let fleet = tokio::spawn(pgsluice::fleet::run(app.clone()));
     if let Some(peer) = peer {
         tokio::spawn(pgsluice::server::serve_peer_cancels(app.clone(), peer));
     }
     tokio::spawn(signals(app.clone(), cli));
     pgsluice::server::serve(app, listener).await;
+    // The fleet task leaves the member set on shutdown (one Redis call, bounded).
+    let _ = tokio::time::timeout(std::time::Duration::from_secs(2), fleet).await;
     Ok(())
 }
 

@@ -177,7 +177,7 @@ pub async fn serve_peer_cancels(app: Arc<App>, listener: TcpListener) {
             let _permit = permit;
             let read = tokio::time::timeout(PEER_READ_TIMEOUT, read_cancel(&mut sock)).await;
             if let Ok(Some((pid, secret))) = read {
-                let peers = app.config.load().peers.clone();
+                let peers = app.cancel_peers(&app.config.load());
                 app.cancels.cancel(pid, &secret, &peers).await;
             }
         });

@@ -85,6 +85,7 @@ pub fn router_with_env(app: Arc<App>, env: EnvTokens) -> Router {
         .route("/v1/callers", get(read::callers))
         .route("/v1/pools", get(read::pools))
         .route("/v1/breaker", get(read::breaker))
+        .route("/v1/fleet", get(read::fleet))
         .route("/v1/reload", post(read::reload))
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)

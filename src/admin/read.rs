@@ -16,7 +16,7 @@ use serde::Serialize;
 use super::AdminState;
 use super::error::{ApiError, NoQuery, truncate};
 use crate::observe::metrics::{
-    BREAKER_CLOSED, BREAKER_HALF_OPEN, BREAKER_OPEN, CallerSample, PoolSample, Scrape,
+    BREAKER_CLOSED, BREAKER_HALF_OPEN, BREAKER_OPEN, CallerSample, FleetSample, PoolSample, Scrape,
 };
 use crate::observe::stats::{FingerprintSnapshot, SortKey};
 use crate::policy::CallerSnapshot;
@@ -191,7 +191,29 @@ fn scrape(st: &AdminState) -> Scrape {
         cancels_forwarded: app.cancels.forwarded.load(Relaxed),
         rules: u(app.policy.rules().len()),
         fingerprints_tracked: u(app.fp_stats.len()),
+        fleet: app.fleet.as_ref().map(|f| FleetSample {
+            redis_up: f.redis_up(),
+            members: u(f.members().len()),
+            rule_syncs: f.counters.rule_syncs.load(Relaxed),
+            lease_requests: f.counters.lease_requests.load(Relaxed),
+            lease_tokens: f.counters.lease_tokens.load(Relaxed),
+            redis_errors: f.counters.redis_errors.load(Relaxed),
+        }),
     }
+}
+
+/// `GET /v1/fleet`: membership, Redis reachability, the applied rule-set version and lease
+/// counters; 404 when no fleet is configured.
+pub async fn fleet(
+    State(st): State<Arc<AdminState>>,
+    _: NoQuery,
+) -> Result<Json<crate::fleet::FleetSnapshot>, ApiError> {
+    let app = &st.app;
+    let fleet = app
+        .fleet
+        .as_ref()
+        .ok_or_else(|| ApiError::NotFound("no fleet is configured".into()))?;
+    Ok(Json(fleet.snapshot(app.policy.rules())))
 }
 
 #[derive(Serialize)]

@@ -87,6 +87,32 @@ pub async fn put(
     let live = st.app.policy.rules();
     let mut written = st.rules_file.lock().await;
     let existed = live.get(fp).is_some();
+    if let Some(fleet) = &st.app.fleet {
+        let stored = RuleSet::stage(fp, &spec)?;
+        fleet
+            .write_rule(live, &stored.fingerprint, Some(&stored))
+            .await
+            .map_err(fleet_error)?;
+        let persisted = st.persist_live(&mut written).await;
+        let rule = live.get(fp).ok_or_else(|| {
+            ApiError::Internal("the rule was written to the fleet but is not live here".into())
+        })?;
+        tracing::info!(
+            fingerprint = %fingerprint_hex(fp),
+            action = rule.def().action.name(),
+            "admin API: rule stored for the fleet"
+        );
+        let status = if existed {
+            StatusCode::OK
+        } else {
+            StatusCode::CREATED
+        };
+        let body = StoredRule {
+            rule: rule.info(Instant::now()),
+            persisted,
+        };
+        return Ok((status, Json(body)).into_response());
+    }
     let persisted = st
         .persist_staged(&mut written, |staged| {
             staged.put(fp, spec.clone()).map(drop)
@@ -118,6 +144,21 @@ pub async fn delete(
 ) -> Result<Json<impl Serialize>, ApiError> {
     let live = st.app.policy.rules();
     let mut written = st.rules_file.lock().await;
+    if let Some(fleet) = &st.app.fleet {
+        let changed = fleet
+            .write_rule(live, &fingerprint_hex(fp), None)
+            .await
+            .map_err(fleet_error)?;
+        if !changed && live.get(fp).is_none() {
+            return Err(no_rule(fp));
+        }
+        let persisted = st.persist_live(&mut written).await;
+        tracing::info!(fingerprint = %fingerprint_hex(fp), "admin API: rule deleted from the fleet");
+        return Ok(Json(Deleted {
+            deleted: fingerprint_hex(fp),
+            persisted,
+        }));
+    }
     if live.get(fp).is_none() {
         return Err(no_rule(fp));
     }
@@ -133,6 +174,11 @@ pub async fn delete(
         deleted: fingerprint_hex(fp),
         persisted,
     }))
+}
+
+fn fleet_error(e: crate::fleet::FleetError) -> ApiError {
+    tracing::warn!(error = %e, "admin API: fleet rule write refused");
+    ApiError::Unavailable(e.to_string())
 }
 
 fn no_rule(fp: u64) -> ApiError {
@@ -158,6 +204,26 @@ impl AdminState {
         write_file(path, bytes.clone()).await?;
         *written = Some(bytes);
         Ok(true)
+    }
+
+    /// Writes the live rules to the rules file (fleet mode: the change is already live and
+    /// in Redis, so a failed write is only logged and retried by the purge loop). Returns
+    /// whether the file now holds them.
+    async fn persist_live(&self, written: &mut Option<Vec<u8>>) -> bool {
+        let Some(path) = self.rules_path() else {
+            return false;
+        };
+        let Ok(bytes) = self.app.policy.rules().to_json_bytes() else {
+            return false;
+        };
+        if written.as_ref() == Some(&bytes) {
+            return true;
+        }
+        let ok = write_file(path, bytes.clone()).await.is_ok();
+        if ok {
+            *written = Some(bytes);
+        }
+        ok
     }
 
     fn rules_path(&self) -> Option<PathBuf> {

@@ -45,6 +45,9 @@ pub struct Config {
     pub log: LogConfig,
     /// TLS toward clients.
     pub tls: TlsConfig,
+    /// Several instances acting as one through Redis (rules, fleet-wide limits, membership,
+    /// cancel routing). Absent: no Redis is used. Read at start only.
+    pub fleet: Option<FleetConfig>,
 }
 
 impl Default for Config {
@@ -66,7 +69,40 @@ impl Default for Config {
             classify: ClassifyConfig::default(),
             log: LogConfig::default(),
             tls: TlsConfig::default(),
+            fleet: None,
         }
+    }
+}
+
+/// `fleet:` — coordination of several instances through Redis.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct FleetConfig {
+    /// `redis://[:PASSWORD@]HOST:PORT[/DB]` (or `redis+unix:///path`).
+    pub redis_url: String,
+    /// This instance's name among the members (letters, digits, `.`, `_`, `-`, `:`; at most
+    /// 64). Default: `HOSTNAME-PID`.
+    #[serde(default)]
+    pub instance_id: Option<String>,
+    /// How often membership is renewed; a member missing 3 heartbeats is gone.
+    #[serde(default = "FleetConfig::default_heartbeat_ms")]
+    pub heartbeat_ms: u64,
+    /// Prefix of every Redis key and channel, so fleets can share a Redis.
+    #[serde(default = "FleetConfig::default_key_prefix")]
+    pub key_prefix: String,
+    /// `host:port` where the other members send CancelRequests for keys this instance
+    /// issued: default `peer_listen`, else `listen` (when not shared). Needs `peer_id`.
+    #[serde(default)]
+    pub cancel_addr: Option<String>,
+}
+
+impl FleetConfig {
+    fn default_heartbeat_ms() -> u64 {
+        1000
+    }
+
+    fn default_key_prefix() -> String {
+        "pgsluice".to_owned()
     }
 }
 
@@ -347,6 +383,15 @@ pub enum Priority {
     Low,
 }
 
+/// Whether a caller's limits are this instance's or the fleet's.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum Scope {
+    #[default]
+    Instance,
+    Fleet,
+}
+
 #[derive(Debug, Clone, Deserialize, Default)]
 #[serde(deny_unknown_fields)]
 pub struct CallerMatch {
@@ -389,6 +434,9 @@ pub struct CallerConfig {
     pub burst: Option<u32>,
     pub statement_timeout_ms: Option<KindTimeouts>,
     pub lock_timeout_ms: Option<u64>,
+    /// `fleet`: `max_qps` and `max_concurrency` hold across the fleet (needs `fleet`).
+    #[serde(default)]
+    pub scope: Scope,
 }
 
 #[derive(Debug, Clone, Deserialize)]

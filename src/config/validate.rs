@@ -376,6 +376,43 @@ impl Config {
                 p.add(format!("callers[{i}].match.client_cidr"), e);
             }
         }
+        if let Some(f) = &self.fleet {
+            if let Err(e) = redis::Client::open(f.redis_url.as_str()) {
+                p.add("fleet.redis_url".into(), format!("not a Redis URL: {e}"));
+            }
+            if let Some(id) = &f.instance_id
+                && (id.is_empty()
+                    || id.len() > 64
+                    || !id
+                        .chars()
+                        .all(|c| c.is_ascii_alphanumeric() || "._-:".contains(c)))
+            {
+                p.add(
+                    "fleet.instance_id".into(),
+                    "1 to 64 letters, digits, '.', '_', '-' or ':'",
+                );
+            }
+            if !(50..=60_000).contains(&f.heartbeat_ms) {
+                p.add("fleet.heartbeat_ms".into(), "must be between 50 and 60000");
+            }
+            if f.key_prefix.is_empty() || f.key_prefix.len() > 64 {
+                p.add("fleet.key_prefix".into(), "1 to 64 characters");
+            }
+            if let Some(addr) = &f.cancel_addr
+                && let Err(e) = check_host_port(addr)
+            {
+                p.add("fleet.cancel_addr".into(), e);
+            }
+        } else {
+            for (i, c) in self.callers.iter().enumerate() {
+                if c.scope == super::Scope::Fleet {
+                    p.add(
+                        format!("callers[{i}].scope"),
+                        "fleet needs a fleet section (fleet.redis_url)",
+                    );
+                }
+            }
+        }
         if !self.peers.is_empty() && self.peer_id == 0 {
             p.add(
                 "peer_id".into(),

@@ -105,6 +105,87 @@ pub struct Scrape {
     pub cancels_forwarded: u64,
     pub rules: u64,
     pub fingerprints_tracked: u64,
+    /// Fleet mode only.
+    pub fleet: Option<FleetSample>,
+}
+
+/// Fleet state for the `pgsluice_fleet_*` series (registered only in fleet mode).
+#[derive(Debug, Clone, Default)]
+pub struct FleetSample {
+    pub redis_up: bool,
+    pub members: u64,
+    pub rule_syncs: u64,
+    pub lease_requests: u64,
+    pub lease_tokens: u64,
+    pub redis_errors: u64,
+}
+
+/// The `pgsluice_fleet_*` series.
+struct FleetSeries {
+    redis_up: IntGauge,
+    members: IntGauge,
+    rule_syncs: IntCounter,
+    lease_requests: IntCounter,
+    lease_tokens: IntCounter,
+    redis_errors: IntCounter,
+}
+
+impl FleetSeries {
+    fn register(r: &Registry) -> Self {
+        FleetSeries {
+            redis_up: reg(
+                r,
+                IntGauge::new(
+                    "pgsluice_fleet_redis_up",
+                    "1 while the fleet's Redis answers, 0 while this instance runs on what it last knew.",
+                ),
+            ),
+            members: reg(
+                r,
+                IntGauge::new(
+                    "pgsluice_fleet_members",
+                    "Live fleet members as last seen (this instance included).",
+                ),
+            ),
+            rule_syncs: reg(
+                r,
+                IntCounter::new(
+                    "pgsluice_fleet_rule_syncs_total",
+                    "Rule-set versions read from Redis and applied.",
+                ),
+            ),
+            lease_requests: reg(
+                r,
+                IntCounter::new(
+                    "pgsluice_fleet_lease_requests_total",
+                    "Requests to Redis for tokens of fleet-wide rate limits.",
+                ),
+            ),
+            lease_tokens: reg(
+                r,
+                IntCounter::new(
+                    "pgsluice_fleet_lease_tokens_total",
+                    "Tokens of fleet-wide rate limits leased to this instance.",
+                ),
+            ),
+            redis_errors: reg(
+                r,
+                IntCounter::new(
+                    "pgsluice_fleet_redis_errors_total",
+                    "Redis calls that failed or timed out (each one starts a reconnect).",
+                ),
+            ),
+        }
+    }
+
+    fn set(&self, s: &FleetSample) {
+        self.redis_up.set(i64::from(s.redis_up));
+        self.members.set(gauge_value(s.members));
+        set_counter(&self.rule_syncs, s.rule_syncs);
+        set_counter(&self.lease_requests, s.lease_requests);
+        set_counter(&self.lease_tokens, s.lease_tokens);
+        set_counter(&self.redis_errors, s.redis_errors);
+    }
 }
 
 /// All metrics of one process. Cheap to clone (shared inside), so the breaker's transition
@@ -132,6 +213,7 @@ struct Inner {
     callers_lock: Mutex<()>,
     /// Scrape-time series; the lock is held from writing them to the end of encoding.
     scrape: Mutex<ScrapeSeries>,
+    fleet: std::sync::OnceLock<FleetSeries>,
 }
 
 /// Pre-resolved handles of one caller.
@@ -267,6 +349,7 @@ impl Metrics {
             callers: ArcSwap::from_pointee(Vec::new()),
             callers_lock: Mutex::new(()),
             scrape: Mutex::new(scrape),
+            fleet: std::sync::OnceLock::new(),
         };
         let m = Metrics {
             inner: Arc::new(inner),
@@ -375,10 +458,20 @@ impl Metrics {
         self.encode()
     }
 
+    /// Registers the `pgsluice_fleet_*` series (fleet mode; once).
+    pub fn enable_fleet(&self) {
+        self.inner
+            .fleet
+            .get_or_init(|| FleetSeries::register(&self.inner.registry));
+    }
+
     /// Writes `scrape` into the scrape-time series and renders, as one step.
     pub fn render_with(&self, scrape: &Scrape) -> String {
         let series = self.inner.scrape.lock();
         series.set(scrape);
+        if let (Some(f), Some(sample)) = (self.inner.fleet.get(), &scrape.fleet) {
+            f.set(sample);
+        }
         self.encode()
     }
 

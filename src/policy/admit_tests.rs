@@ -24,6 +24,7 @@ fn callers() -> Vec<CallerPolicy> {
             priority: Priority::Critical,
             max_qps: None,
             burst: None,
+            scope: Scope::Instance,
         },
         CallerPolicy {
             name: "service_analytics".into(),
@@ -33,6 +34,7 @@ fn callers() -> Vec<CallerPolicy> {
             priority: Priority::Low,
             max_qps: None,
             burst: None,
+            scope: Scope::Instance,
         },
         CallerPolicy {
             name: "default".into(),
@@ -42,6 +44,7 @@ fn callers() -> Vec<CallerPolicy> {
             priority: Priority::Normal,
             max_qps: None,
             burst: None,
+            scope: Scope::Instance,
         },
     ]
 }

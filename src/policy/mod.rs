@@ -32,6 +32,7 @@
 
 pub mod breaker;
 pub mod bucket;
+pub mod lease;
 pub mod limiter;
 pub mod refusal;
 pub mod rule_spec;
@@ -57,6 +58,7 @@ use self::breaker::{
     TransitionObserver,
 };
 use self::bucket::{MAX_RATE, TokenBucket};
+use self::lease::{FleetGate, Rate};
 use self::limiter::{CallerPermit, LimitRefusal, Limiter, Limits};
 use self::refusal::{Backoff, Reason};
 use self::rules::{RuleAction, RuleCheck, RuleGuard, RuleSet, RuleViolation, fingerprint_hex};
@@ -111,6 +113,17 @@ impl FromStr for Priority {
     }
 }
 
+/// Whether a limit is this instance's own or shared by a fleet of instances (issue 10).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Scope {
+    #[default]
+    Instance,
+    /// Rates lease tokens from a bucket shared through Redis ([`lease`]); concurrency is
+    /// split evenly between the live instances (`max_concurrency / live`, at least 1).
+    Fleet,
+}
+
 /// One caller's limits, as the config module hands them over.
 #[derive(Debug, Clone, PartialEq)]
 pub struct CallerPolicy {
@@ -125,6 +138,8 @@ pub struct CallerPolicy {
     pub max_qps: Option<f64>,
     /// Bucket capacity; defaults to one second's worth of `max_qps`.
     pub burst: Option<u32>,
+    /// `Fleet`: `max_qps` and `max_concurrency` hold for the whole fleet.
+    pub scope: Scope,
 }
 
 /// The caller table or breaker settings were unusable; nothing was applied.
@@ -208,6 +223,9 @@ pub struct CallerSnapshot {
     pub queue_timeout_ms: u64,
     pub max_qps: Option<f64>,
     pub burst: Option<u32>,
+    pub scope: Scope,
+    /// This instance's share of `max_concurrency` (all of it unless `scope` is fleet).
+    pub local_max_concurrency: u32,
     pub in_flight: u32,
     pub queued: u32,
     pub admitted: u64,
@@ -225,7 +243,7 @@ pub struct Policy {
 struct CallerState {
     policy: CallerPolicy,
     limiter: Limiter,
-    bucket: Option<Arc<TokenBucket>>,
+    bucket: Option<Arc<Rate>>,
     stats: Arc<CallerStats>,
 }
 
@@ -249,7 +267,7 @@ impl Policy {
         rules: Arc<RuleSet>,
     ) -> Result<Self, PolicyError> {
         let now = Instant::now();
-        let table = build_table(callers, &[], now)?;
+        let table = build_table(callers, &[], now, rules.gate())?;
         Ok(Self {
             callers: RwLock::new(table),
             breaker: Breaker::new(breaker, now),
@@ -264,10 +282,26 @@ impl Policy {
         breaker: BreakerConfig,
     ) -> Result<(), PolicyError> {
         let old = self.callers.read().clone();
-        let table = build_table(callers, &old, Instant::now())?;
+        let table = build_table(callers, &old, Instant::now(), self.rules.gate())?;
         *self.callers.write() = table;
         self.breaker.set_config(breaker);
         Ok(())
+    }
+
+    /// The fleet learned a new number of live instances: fleet-scoped callers get their new
+    /// share of `max_concurrency`, fleet buckets their new local share.
+    pub fn set_fleet_members(&self, members: u32) {
+        let gate = self.rules.gate();
+        if gate.members() == members.max(1) {
+            return;
+        }
+        gate.set_members(members);
+        for c in self.callers.read().iter() {
+            let limits = local_limits(&c.policy, gate.members());
+            if c.limiter.limits() != limits {
+                c.limiter.set_limits(limits);
+            }
+        }
     }
 
     /// Runtime fingerprint rules (for the admin API and persistence).
@@ -474,6 +508,8 @@ impl Policy {
                         .unwrap_or(u64::MAX),
                     max_qps: c.bucket.as_ref().map(|b| b.rate()),
                     burst: c.bucket.as_ref().map(|b| b.burst()),
+                    scope: p.scope,
+                    local_max_concurrency: c.limiter.limits().max_concurrency,
                     in_flight: c.limiter.in_flight(),
                     queued: c.limiter.queued(),
                     admitted: c.stats.admitted.load(Ordering::Relaxed),
@@ -643,10 +679,25 @@ fn rule_reason(fp: u64, def: &rules::RuleDef, violation: &RuleViolation) -> Reas
 
 /// Validate the caller list and build its runtime table, reusing the limiter, stats and (if
 /// unchanged) bucket of same-named callers in `old`.
+/// What this instance enforces of a caller's limits: a fleet-scoped caller gets
+/// `max_concurrency / members` (rounded down, at least 1) so the fleet's sum stays within the
+/// limit; its queue is its own.
+fn local_limits(policy: &CallerPolicy, members: u32) -> Limits {
+    let max_concurrency = match policy.scope {
+        Scope::Instance => policy.max_concurrency,
+        Scope::Fleet => (policy.max_concurrency / members.max(1)).max(1),
+    };
+    Limits {
+        max_concurrency,
+        queue_depth: policy.queue_depth,
+    }
+}
+
 fn build_table(
     callers: Vec<CallerPolicy>,
     old: &[Arc<CallerState>],
     now: Instant,
+    gate: &Arc<FleetGate>,
 ) -> Result<Arc<[Arc<CallerState>]>, PolicyError> {
     let err = |index, field, message: &str| PolicyError {
         index,
@@ -689,10 +740,7 @@ fn build_table(
         if policy.burst == Some(0) {
             return Err(err(i, "burst", "must be >= 1"));
         }
-        let limits = Limits {
-            max_concurrency: policy.max_concurrency,
-            queue_depth: policy.queue_depth,
-        };
+        let limits = local_limits(&policy, gate.members());
         let want_bucket = policy.max_qps.map(|q| {
             (
                 q,
@@ -702,12 +750,22 @@ fn build_table(
             )
         });
         let previous = old.iter().find(|c| c.policy.name == policy.name);
+        let fleet = policy.scope == Scope::Fleet;
         let bucket = match (want_bucket, previous.and_then(|p| p.bucket.as_ref())) {
             (None, _) => None,
-            (Some((q, b)), Some(existing)) if existing.rate() == q && existing.burst() == b => {
+            (Some((q, b)), Some(existing))
+                if existing.rate() == q
+                    && existing.burst() == b
+                    && existing.is_fleet() == fleet =>
+            {
                 Some(Arc::clone(existing))
             }
-            (Some((q, b)), _) => Some(Arc::new(TokenBucket::new(q, b, now))),
+            (Some((q, b)), _) if fleet => Some(Arc::new(Rate::Fleet(gate.bucket(
+                format!("caller:{}", policy.name),
+                q,
+                b,
+            )))),
+            (Some((q, b)), _) => Some(Arc::new(Rate::Local(TokenBucket::new(q, b, now)))),
         };
         let state = match previous {
             Some(p) => CallerState {
@@ -731,10 +789,7 @@ fn build_table(
     }
     // Only now, with the whole table valid, touch the shared limiters.
     for c in &table {
-        let limits = Limits {
-            max_concurrency: c.policy.max_concurrency,
-            queue_depth: c.policy.queue_depth,
-        };
+        let limits = local_limits(&c.policy, gate.members());
         if c.limiter.limits() != limits {
             c.limiter.set_limits(limits);
         }

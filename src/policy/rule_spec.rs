@@ -20,6 +20,7 @@ use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 
+use super::Scope;
 use super::bucket::{MAX_RATE, TokenBucket};
 
 /// Largest rule body accepted by [`RuleSpec::from_json`].
@@ -61,6 +62,9 @@ pub struct RuleSpec {
     pub mode: Option<String>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub note: Option<String>,
+    /// `instance` (default) or `fleet`: a THROTTLE shared by every instance of a fleet.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub scope: Option<String>,
 }
 
 /// A validation error naming the offending field (`body` for the document as a whole).
@@ -141,6 +145,7 @@ pub struct RuleDef {
     pub error_message: Option<String>,
     pub ttl: Option<Duration>,
     pub note: Option<String>,
+    pub scope: Scope,
 }
 
 impl RuleSpec {
@@ -264,6 +269,27 @@ impl RuleSpec {
                 ));
             }
         };
+        let scope = match self
+            .scope
+            .as_deref()
+            .map(str::to_ascii_lowercase)
+            .as_deref()
+        {
+            None | Some("instance") => Scope::Instance,
+            Some("fleet") if action_name == "THROTTLE" => Scope::Fleet,
+            Some("fleet") => {
+                return Err(RuleError::new(
+                    "scope",
+                    "fleet is only valid with action THROTTLE (a fleet-wide rate)",
+                ));
+            }
+            Some(other) => {
+                return Err(RuleError::new(
+                    "scope",
+                    format!("unknown scope {other:?}; expected instance or fleet"),
+                ));
+            }
+        };
         let mode = match self.mode.as_deref().map(str::to_ascii_lowercase).as_deref() {
             None | Some("enforce") => RuleMode::Enforce,
             Some("warn") => RuleMode::Warn,
@@ -323,6 +349,7 @@ impl RuleSpec {
             error_message: self.error_message.clone(),
             ttl,
             note: self.note.clone(),
+            scope,
         })
     }
 
@@ -388,6 +415,7 @@ impl RuleDef {
             error_message: self.error_message.clone(),
             ttl_seconds: self.ttl.map(|t| t.as_secs()),
             note: self.note.clone(),
+            scope: (self.scope == Scope::Fleet).then(|| "fleet".to_owned()),
             ..RuleSpec::default()
         };
         match &self.action {

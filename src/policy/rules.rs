@@ -25,7 +25,9 @@ use parking_lot::RwLock;
 use serde::{Deserialize, Serialize};
 use tokio::time::Instant;
 
+use super::Scope;
 use super::bucket::TokenBucket;
+use super::lease::{FleetGate, Rate};
 use super::rule_spec::duration_ms;
 pub use super::rule_spec::{
     MAX_RULE_JSON_BYTES, MAX_TIMEOUT_MS, MAX_TTL_SECONDS, OnExceed, RuleAction, RuleDef, RuleError,
@@ -40,7 +42,7 @@ pub struct Rule {
     created_unix_ms: u64,
     /// (hot-path deadline, the same moment as unix ms for persistence)
     expires: Option<(Instant, u64)>,
-    bucket: Option<TokenBucket>,
+    bucket: Option<Rate>,
     in_flight: AtomicU32,
     hits: AtomicU64,
     refusals: AtomicU64,
@@ -163,6 +165,8 @@ pub struct RuleSet {
     rules: RwLock<HashMap<u64, Arc<Rule>>>,
     /// Mirror of `rules.len()` so the common no-rules case skips the lock entirely.
     count: AtomicUsize,
+    /// Where `scope: fleet` THROTTLE rules get their tokens.
+    gate: Arc<FleetGate>,
 }
 
 /// Persisted file layout (version 1).
@@ -173,19 +177,42 @@ struct RuleFile {
     rules: Vec<StoredRule>,
 }
 
-#[derive(Serialize, Deserialize)]
+/// One rule as persisted: in the rules file and, in a fleet, as a value in Redis.
+#[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
-struct StoredRule {
-    fingerprint: String,
-    created_unix_ms: u64,
+pub struct StoredRule {
+    pub fingerprint: String,
+    pub created_unix_ms: u64,
     #[serde(default)]
-    expires_unix_ms: Option<u64>,
-    rule: RuleSpec,
+    pub expires_unix_ms: Option<u64>,
+    pub rule: RuleSpec,
+}
+
+/// What [`RuleSet::sync`] changed.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct SyncOutcome {
+    pub added: usize,
+    pub replaced: usize,
+    pub removed: usize,
+    pub kept: usize,
+    /// Entries that did not parse or validate (skipped, logged by the caller).
+    pub invalid: usize,
+}
+
+impl SyncOutcome {
+    pub fn changed(&self) -> bool {
+        self.added + self.replaced + self.removed > 0
+    }
 }
 
 impl RuleSet {
     pub fn new() -> Self {
         Self::default()
+    }
+
+    /// The gate `scope: fleet` rules lease their tokens through.
+    pub fn gate(&self) -> &Arc<FleetGate> {
+        &self.gate
     }
 
     /// Validate and install (or replace) the rule for `fp`. TTL counts from now.
@@ -195,7 +222,7 @@ impl RuleSet {
         let expires = def
             .ttl
             .map(|ttl| (now + ttl, unix_now.saturating_add(duration_ms(ttl))));
-        let rule = Arc::new(build_rule(fp, def, unix_now, expires, now));
+        let rule = Arc::new(build_rule(fp, def, unix_now, expires, now, &self.gate));
         let mut map = self.rules.write();
         map.insert(fp, Arc::clone(&rule));
         self.count.store(map.len(), Ordering::Release);
@@ -342,6 +369,13 @@ impl RuleSet {
     /// The whole set as a JSON document for the rules file. Expiry is absolute unix ms, so a
     /// reload keeps the remaining TTL; counters are not persisted.
     pub fn to_json_bytes(&self) -> Result<Vec<u8>, RuleError> {
+        let rules = self.stored();
+        serde_json::to_vec_pretty(&RuleFile { version: 1, rules })
+            .map_err(|e| RuleError::new("body", format!("cannot serialise rules: {e}")))
+    }
+
+    /// Live rules in their stored form, ordered by fingerprint.
+    pub fn stored(&self) -> Vec<StoredRule> {
         let now = Instant::now();
         let mut rules: Vec<StoredRule> = self
             .rules
@@ -356,8 +390,7 @@ impl RuleSet {
             })
             .collect();
         rules.sort_by(|a, b| a.fingerprint.cmp(&b.fingerprint));
-        serde_json::to_vec_pretty(&RuleFile { version: 1, rules })
-            .map_err(|e| RuleError::new("body", format!("cannot serialise rules: {e}")))
+        rules
     }
 
     /// A rule set from a rules file. Rules whose expiry has passed are skipped; any invalid
@@ -380,32 +413,108 @@ impl RuleSet {
         }
         let (now, unix_now) = (Instant::now(), unix_ms_now());
         let mut map = HashMap::with_capacity(file.rules.len());
-        for (i, stored) in file.rules.into_iter().enumerate() {
-            let path = format!("rules[{i}]");
-            let fp = parse_fingerprint(&stored.fingerprint).map_err(|e| e.within(&path))?;
-            let def = stored
-                .rule
-                .validate()
-                .map_err(|e| e.within(&format!("{path}.rule")))?;
-            let expires = match stored.expires_unix_ms {
-                None => None,
-                Some(ms) if ms <= unix_now => continue,
-                // Clamped so a hand-edited far-future expiry cannot overflow `Instant`.
-                Some(ms) => {
-                    let left = Duration::from_millis(ms - unix_now)
-                        .min(Duration::from_secs(MAX_TTL_SECONDS));
-                    Some((now + left, ms))
-                }
-            };
-            map.insert(
-                fp,
-                Arc::new(build_rule(fp, def, stored.created_unix_ms, expires, now)),
-            );
+        for (i, stored) in file.rules.iter().enumerate() {
+            let loaded = self
+                .load(stored, now, unix_now)
+                .map_err(|e| e.within(&format!("rules[{i}]")))?;
+            if let Some(rule) = loaded {
+                map.insert(rule.fingerprint, Arc::new(rule));
+            }
         }
         let n = map.len();
         *self.rules.write() = map;
         self.count.store(n, Ordering::Release);
         Ok(n)
+    }
+
+    /// A new rule for `fp` in its stored form, created now (validated; a TTL counts from
+    /// now). A fleet writes this to Redis and every instance applies it with [`RuleSet::sync`].
+    pub fn stage(fp: u64, spec: &RuleSpec) -> Result<StoredRule, RuleError> {
+        let def = spec.validate()?;
+        let unix_now = unix_ms_now();
+        Ok(StoredRule {
+            fingerprint: fingerprint_hex(fp),
+            created_unix_ms: unix_now,
+            expires_unix_ms: def.ttl.map(|t| unix_now.saturating_add(duration_ms(t))),
+            rule: def.to_spec(),
+        })
+    }
+
+    /// Make the set equal to `entries` (the fleet's rule set) under one write lock, so a
+    /// statement sees the old set or the new one. A rule whose stored form is unchanged is
+    /// kept as it is (bucket, counters, in-flight slots); a changed one is rebuilt. Entries
+    /// that are expired are left out; entries that do not parse are skipped and returned.
+    pub fn sync(&self, entries: &[StoredRule]) -> (SyncOutcome, Vec<RuleError>) {
+        let (now, unix_now) = (Instant::now(), unix_ms_now());
+        let mut out = SyncOutcome::default();
+        let mut errors = Vec::new();
+        let mut loaded = Vec::with_capacity(entries.len());
+        for stored in entries {
+            match self.load(stored, now, unix_now) {
+                Ok(Some(rule)) => loaded.push(rule),
+                Ok(None) => {}
+                Err(e) => {
+                    out.invalid += 1;
+                    errors.push(e.within(&format!("rule {}", stored.fingerprint)));
+                }
+            }
+        }
+        let mut map = self.rules.write();
+        let mut next = HashMap::with_capacity(loaded.len());
+        for rule in loaded {
+            let fp = rule.fingerprint;
+            match map.remove(&fp) {
+                Some(old)
+                    if old.created_unix_ms == rule.created_unix_ms
+                        && old.expires.map(|e| e.1) == rule.expires.map(|e| e.1)
+                        && old.def == rule.def =>
+                {
+                    out.kept += 1;
+                    next.insert(fp, old);
+                }
+                Some(_) => {
+                    out.replaced += 1;
+                    next.insert(fp, Arc::new(rule));
+                }
+                None => {
+                    out.added += 1;
+                    next.insert(fp, Arc::new(rule));
+                }
+            }
+        }
+        out.removed = map.values().filter(|r| !r.is_expired(now)).count();
+        *map = next;
+        self.count.store(map.len(), Ordering::Release);
+        (out, errors)
+    }
+
+    /// A stored rule made live; `None` if it has expired.
+    fn load(
+        &self,
+        stored: &StoredRule,
+        now: Instant,
+        unix_now: u64,
+    ) -> Result<Option<Rule>, RuleError> {
+        let fp = parse_fingerprint(&stored.fingerprint)?;
+        let def = stored.rule.validate().map_err(|e| e.within("rule"))?;
+        let expires = match stored.expires_unix_ms {
+            None => None,
+            Some(ms) if ms <= unix_now => return Ok(None),
+            // Clamped so a hand-edited far-future expiry cannot overflow `Instant`.
+            Some(ms) => {
+                let left =
+                    Duration::from_millis(ms - unix_now).min(Duration::from_secs(MAX_TTL_SECONDS));
+                Some((now + left, ms))
+            }
+        };
+        Ok(Some(build_rule(
+            fp,
+            def,
+            stored.created_unix_ms,
+            expires,
+            now,
+            &self.gate,
+        )))
     }
 }
 
@@ -415,11 +524,18 @@ fn build_rule(
     created_unix_ms: u64,
     expires: Option<(Instant, u64)>,
     now: Instant,
+    gate: &Arc<FleetGate>,
 ) -> Rule {
     let bucket = match &def.action {
-        RuleAction::Throttle { max_qps, burst, .. } => {
-            Some(TokenBucket::new(*max_qps, *burst, now))
-        }
+        RuleAction::Throttle { max_qps, burst, .. } => Some(match def.scope {
+            Scope::Instance => Rate::Local(TokenBucket::new(*max_qps, *burst, now)),
+            // A replaced rule (new creation time) starts a new shared bucket.
+            Scope::Fleet => Rate::Fleet(gate.bucket(
+                format!("rule:{}:{created_unix_ms}", fingerprint_hex(fp)),
+                *max_qps,
+                *burst,
+            )),
+        }),
         _ => None,
     };
     Rule {

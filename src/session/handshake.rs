@@ -220,7 +220,8 @@ pub async fn startup<S: AsyncRead + AsyncWrite + Unpin>(
             }
             StartupPacket::Cancel { pid, secret } => {
                 let config = app.config.load_full();
-                app.cancels.cancel(pid, &secret, &config.peers).await;
+                let peers = app.cancel_peers(&config);
+                app.cancels.cancel(pid, &secret, &peers).await;
                 return Ok(Start::Cancelled);
             }
             StartupPacket::Startup {

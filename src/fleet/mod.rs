@@ -1,0 +1,487 @@
+//! Fleet mode (issue 10): several pgsluice instances act as one, coordinated through Redis.
+//!
+//! Owns the instance's side of the fleet: membership (heartbeats), the shared rule set
+//! (seed, write-through, sync), the lease filler for fleet-wide rate limits, the per-instance
+//! share of fleet-wide concurrency, and the member list cancel routing reads. The Redis
+//! scripts and key names live in [`store`]; the hot-path half of leasing in
+//! `policy::lease`. Without a `fleet` section none of this runs and no Redis is needed.
+//!
+//! One task ([`run`]) holds a Redis connection and a pub/sub subscription and loops:
+//! * every `heartbeat_ms`: renew this member (TTL 3 heartbeats), read the live set and the
+//!   rule set's (epoch, version); a new member count rebalances fleet-scoped callers'
+//!   `max_concurrency` share and the local fallback rates;
+//! * on a `rules:changed` message, or when a heartbeat shows a version this instance has not
+//!   applied: read the whole rule set in one script and apply it to the live rules in one
+//!   step (`RuleSet::sync`; unchanged rules keep their counters and buckets). The admin API's
+//!   purge loop then writes the rules file, which stays the cache for a start without Redis;
+//! * when a fleet bucket runs low (or every [`FILL_TICK`]): lease tokens for it.
+//!
+//! Rule writes (`PUT`/`DELETE /v1/rules/...` on any instance) go to Redis first — a script
+//! that stores the rule, bumps the version and publishes it — and then the writer syncs at
+//! once, so its own answer already reflects the change. While Redis is unreachable writes are
+//! refused with 503 and nothing is applied anywhere: a change applied on one instance only
+//! would be undone by the next sync.
+//!
+//! Degradation: when a Redis call fails or times out, the instance marks the store down
+//! (logged once, `pgsluice_fleet_redis_up 0`), keeps enforcing the rules it last applied,
+//! falls back to local shares of fleet limits (from the last member count it saw), and
+//! reconnects with full-jitter backoff (100 ms doubling to 5 s). On reconnect an empty Redis
+//! (restarted without persistence) is seeded from this instance's rules; otherwise this
+//! instance adopts what Redis holds.
+
+pub mod store;
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use futures_util::StreamExt;
+use parking_lot::Mutex;
+use redis::aio::MultiplexedConnection;
+use serde::Serialize;
+use tokio::time::Instant;
+
+use self::store::{Keys, Member, RuleSnapshot, Scripts};
+use crate::app::App;
+use crate::config::{Config, FleetConfig, PeerConfig};
+use crate::policy::rules::{RuleSet, StoredRule};
+
+/// How often fleet buckets are topped up even if nobody woke the filler.
+pub const FILL_TICK: Duration = Duration::from_millis(20);
+/// A Redis call that takes longer counts as Redis being unreachable.
+const CALL_TIMEOUT: Duration = Duration::from_secs(1);
+const BACKOFF_BASE_MS: u64 = 100;
+const BACKOFF_CAP_MS: u64 = 5_000;
+
+/// This instance's view of the fleet; shared by the fleet task, the admin API, metrics and
+/// cancel routing.
+pub struct Fleet {
+    id: String,
+    me: Member,
+    heartbeat: Duration,
+    keys: Keys,
+    client: redis::Client,
+    scripts: Scripts,
+    up: AtomicBool,
+    /// The connection while the store is up (admin writes use it).
+    conn: Mutex<Option<MultiplexedConnection>>,
+    members: Mutex<Vec<Member>>,
+    /// (epoch, version) of the rule set last applied.
+    applied: Mutex<Option<(Option<String>, u64)>>,
+    /// Serialises rule syncs (the task's and admin writes').
+    sync_lock: tokio::sync::Mutex<()>,
+    pub counters: FleetCounters,
+}
+
+#[derive(Default)]
+pub struct FleetCounters {
+    pub rule_syncs: AtomicU64,
+    pub lease_requests: AtomicU64,
+    pub lease_tokens: AtomicU64,
+    pub redis_errors: AtomicU64,
+}
+
+/// Why a fleet write did not happen.
+#[derive(Debug, thiserror::Error)]
+pub enum FleetError {
+    #[error("the fleet store (Redis) is unreachable; nothing was applied")]
+    Down,
+    #[error("the fleet store (Redis) failed: {0}; nothing was applied")]
+    Redis(String),
+}
+
+/// `GET /v1/fleet`.
+#[derive(Debug, Clone, Serialize)]
+pub struct FleetSnapshot {
+    pub instance_id: String,
+    pub redis_up: bool,
+    pub members: Vec<Member>,
+    pub rules_epoch: Option<String>,
+    pub rules_version: u64,
+    pub rule_syncs: u64,
+    pub lease_requests: u64,
+    pub lease_tokens: u64,
+    pub leasing: bool,
+}
+
+impl Fleet {
+    /// From the config (`None` without a `fleet` section). Does not connect.
+    pub fn from_config(config: &Config) -> Result<Option<Arc<Fleet>>, String> {
+        let Some(f) = &config.fleet else {
+            return Ok(None);
+        };
+        let client = redis::Client::open(f.redis_url.as_str())
+            .map_err(|e| format!("fleet.redis_url: {e}"))?;
+        let id = f.instance_id.clone().unwrap_or_else(default_instance_id);
+        let me = Member {
+            id: id.clone(),
+            peer_id: config.peer_id,
+            cancel_addr: cancel_addr(config, f),
+            started_unix_ms: unix_ms(),
+        };
+        Ok(Some(Arc::new(Fleet {
+            id,
+            me,
+            heartbeat: Duration::from_millis(f.heartbeat_ms),
+            keys: Keys::new(&f.key_prefix),
+            client,
+            scripts: Scripts::default(),
+            up: AtomicBool::new(false),
+            conn: Mutex::new(None),
+            members: Mutex::new(Vec::new()),
+            applied: Mutex::new(None),
+            sync_lock: tokio::sync::Mutex::new(()),
+            counters: FleetCounters::default(),
+        })))
+    }
+
+    pub fn instance_id(&self) -> &str {
+        &self.id
+    }
+
+    pub fn redis_up(&self) -> bool {
+        self.up.load(Ordering::Acquire)
+    }
+
+    /// Live members as last seen (this instance included once it has heartbeated).
+    pub fn members(&self) -> Vec<Member> {
+        self.members.lock().clone()
+    }
+
+    /// Other members that route cancels: their peer id and cancel address.
+    pub fn cancel_peers(&self) -> Vec<PeerConfig> {
+        self.members
+            .lock()
+            .iter()
+            .filter(|m| m.id != self.id && m.peer_id != 0)
+            .filter_map(|m| {
+                m.cancel_addr.clone().map(|addr| PeerConfig {
+                    id: m.peer_id,
+                    addr,
+                })
+            })
+            .collect()
+    }
+
+    pub fn snapshot(&self, rules: &RuleSet) -> FleetSnapshot {
+        let applied = self.applied.lock().clone();
+        let (epoch, version) = applied.unwrap_or((None, 0));
+        FleetSnapshot {
+            instance_id: self.id.clone(),
+            redis_up: self.redis_up(),
+            members: self.members(),
+            rules_epoch: epoch,
+            rules_version: version,
+            rule_syncs: self.counters.rule_syncs.load(Ordering::Relaxed),
+            lease_requests: self.counters.lease_requests.load(Ordering::Relaxed),
+            lease_tokens: self.counters.lease_tokens.load(Ordering::Relaxed),
+            leasing: rules.gate().leasing(),
+        }
+    }
+
+    /// Writes one rule (`Some`) or removes it (`None`) fleet-wide, then applies the fleet's
+    /// rule set here. Returns whether the store changed (false: deleting a missing rule).
+    pub async fn write_rule(
+        &self,
+        rules: &RuleSet,
+        fingerprint: &str,
+        rule: Option<&StoredRule>,
+    ) -> Result<bool, FleetError> {
+        let mut conn = self.conn.lock().clone().ok_or(FleetError::Down)?;
+        let json = match rule {
+            Some(r) => {
+                Some(serde_json::to_string(r).map_err(|e| FleetError::Redis(e.to_string()))?)
+            }
+            None => None,
+        };
+        let epoch = new_epoch();
+        let written =
+            self.scripts
+                .write(&mut conn, &self.keys, fingerprint, json.as_deref(), &epoch);
+        let (changed, _) = timed(written)
+            .await
+            .map_err(|e| FleetError::Redis(e.to_string()))?;
+        // The change is in the fleet; a failure to read it back here is healed by the next
+        // heartbeat, so it is logged, not reported as a failed write.
+        if let Err(e) = self.sync(&mut conn, rules).await {
+            tracing::warn!(error = %e, "fleet: rule written, but reading the rule set back failed");
+        }
+        Ok(changed)
+    }
+
+    /// Reads the fleet's rules and applies them if they differ from what was applied.
+    async fn sync(
+        &self,
+        conn: &mut MultiplexedConnection,
+        rules: &RuleSet,
+    ) -> redis::RedisResult<()> {
+        let _one = self.sync_lock.lock().await;
+        let snap = timed(self.scripts.read(conn, &self.keys)).await?;
+        self.apply(snap, rules);
+        Ok(())
+    }
+
+    fn apply(&self, snap: RuleSnapshot, rules: &RuleSet) {
+        let stamp = (snap.epoch.clone(), snap.version);
+        if self.applied.lock().as_ref() == Some(&stamp) {
+            return;
+        }
+        let mut entries = Vec::with_capacity(snap.entries.len());
+        for (fp, json) in &snap.entries {
+            match serde_json::from_str::<StoredRule>(json) {
+                Ok(r) if r.fingerprint == *fp => entries.push(r),
+                Ok(_) => {
+                    tracing::error!(fingerprint = %fp, "fleet: stored rule names another fingerprint; skipped")
+                }
+                Err(e) => {
+                    tracing::error!(fingerprint = %fp, error = %e, "fleet: stored rule does not parse; skipped")
+                }
+            }
+        }
+        let (outcome, errors) = rules.sync(&entries);
+        for e in errors {
+            tracing::error!(error = %e, "fleet: stored rule is invalid; skipped");
+        }
+        self.counters.rule_syncs.fetch_add(1, Ordering::Relaxed);
+        if outcome.changed() {
+            tracing::info!(
+                version = snap.version,
+                added = outcome.added,
+                replaced = outcome.replaced,
+                removed = outcome.removed,
+                kept = outcome.kept,
+                "fleet: rule set applied"
+            );
+        }
+        *self.applied.lock() = Some(stamp);
+    }
+
+    /// One connected stretch: returns when Redis fails (or never, until cancelled).
+    async fn session(&self, app: &App) -> redis::RedisResult<()> {
+        let rules = app.policy.rules();
+        let config = redis::AsyncConnectionConfig::new()
+            .set_connection_timeout(Some(CALL_TIMEOUT))
+            .set_response_timeout(Some(CALL_TIMEOUT));
+        let mut conn = timed(
+            self.client
+                .get_multiplexed_async_connection_with_config(&config),
+        )
+        .await?;
+        let mut pubsub = timed(self.client.get_async_pubsub()).await?;
+        timed(pubsub.subscribe(&self.keys.channel)).await?;
+        let mut messages = pubsub.into_on_message();
+
+        // An empty store (first start, or Redis restarted without persistence) gets our rules.
+        let ours = stored_pairs(rules);
+        if timed(
+            self.scripts
+                .seed(&mut conn, &self.keys, &new_epoch(), &ours),
+        )
+        .await?
+        {
+            tracing::info!(
+                rules = ours.len(),
+                "fleet: seeded an empty Redis with this instance's rules"
+            );
+        }
+        self.beat(&mut conn, app).await?;
+        *self.conn.lock() = Some(conn.clone());
+        self.set_up(true, rules);
+
+        let mut beat = tokio::time::interval(self.heartbeat);
+        beat.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        beat.reset();
+        let mut fill = tokio::time::interval(FILL_TICK);
+        fill.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        let gate = Arc::clone(rules.gate());
+        loop {
+            tokio::select! {
+                _ = beat.tick() => self.beat(&mut conn, app).await?,
+                msg = messages.next() => match msg {
+                    Some(_) => self.sync(&mut conn, rules).await?,
+                    None => return Err(redis::RedisError::from(std::io::Error::other(
+                        "the rule-change subscription ended",
+                    ))),
+                },
+                _ = gate.wanted() => self.fill(&mut conn, rules).await?,
+                _ = fill.tick() => self.fill(&mut conn, rules).await?,
+            }
+        }
+    }
+
+    /// Heartbeat: renew membership, learn the live set, catch up on rules if behind.
+    async fn beat(&self, conn: &mut MultiplexedConnection, app: &App) -> redis::RedisResult<()> {
+        let ttl = u64::try_from(self.heartbeat.as_millis() * 3).unwrap_or(u64::MAX);
+        let hb = timed(self.scripts.heartbeat(conn, &self.keys, &self.me, ttl)).await?;
+        let n = u32::try_from(hb.members.len()).unwrap_or(u32::MAX).max(1);
+        let before = self.members.lock().clone();
+        if before
+            .iter()
+            .map(|m| &m.id)
+            .ne(hb.members.iter().map(|m| &m.id))
+        {
+            let ids: Vec<&str> = hb.members.iter().map(|m| m.id.as_str()).collect();
+            tracing::info!(members = ?ids, "fleet: membership changed");
+        }
+        *self.members.lock() = hb.members;
+        app.policy.set_fleet_members(n);
+        let stamp = (hb.epoch, hb.version);
+        if self.applied.lock().as_ref() != Some(&stamp) {
+            self.sync(conn, app.policy.rules()).await?;
+        }
+        Ok(())
+    }
+
+    /// Leases tokens for every fleet bucket that wants some.
+    async fn fill(
+        &self,
+        conn: &mut MultiplexedConnection,
+        rules: &RuleSet,
+    ) -> redis::RedisResult<()> {
+        for bucket in rules.gate().buckets() {
+            let Some(want) = bucket.wants(Instant::now()) else {
+                continue;
+            };
+            if want == 0 {
+                continue;
+            }
+            let interval_us = ((1e6 / bucket.rate()).round() as u64).max(1);
+            let key = self.keys.bucket(bucket.key());
+            let leased = self
+                .scripts
+                .lease(conn, &key, interval_us, bucket.burst(), want);
+            let (granted, wait_us) = timed(leased).await?;
+            self.counters.lease_requests.fetch_add(1, Ordering::Relaxed);
+            self.counters
+                .lease_tokens
+                .fetch_add(u64::from(granted), Ordering::Relaxed);
+            bucket.grant(granted, Duration::from_micros(wait_us), Instant::now());
+        }
+        Ok(())
+    }
+
+    fn set_up(&self, up: bool, rules: &RuleSet) {
+        rules.gate().set_leasing(up);
+        if !up {
+            *self.conn.lock() = None;
+        }
+        if self.up.swap(up, Ordering::AcqRel) != up {
+            if up {
+                tracing::info!(instance = %self.id, "fleet: Redis reachable; rules and limits are shared");
+            } else {
+                tracing::warn!(
+                    instance = %self.id,
+                    "fleet: Redis unreachable; enforcing the last rules and local shares of fleet limits"
+                );
+            }
+        }
+    }
+
+    /// Leave the member set (on shutdown) so the others rebalance at once.
+    async fn leave(&self) {
+        let conn = self.conn.lock().clone();
+        if let Some(mut conn) = conn {
+            let left = self.scripts.leave(&mut conn, &self.keys, &self.id);
+            if let Err(e) = timed(left).await {
+                tracing::debug!(error = %e, "fleet: leaving the member set failed");
+            }
+        }
+    }
+}
+
+/// The fleet task: connects, runs [`Fleet::session`], and on failure degrades and retries
+/// with full-jitter backoff, until shutdown.
+pub async fn run(app: Arc<App>) {
+    let Some(fleet) = app.fleet.clone() else {
+        return;
+    };
+    if app.config.load().peer_id == 0 {
+        tracing::info!(
+            "fleet: no peer_id, so cancel keys of this instance are not routed by other members"
+        );
+    }
+    let rules = app.policy.rules();
+    let mut attempt = 0u32;
+    loop {
+        let started = Instant::now();
+        let result = tokio::select! {
+            r = fleet.session(&app) => r,
+            _ = app.shutdown.cancelled() => {
+                fleet.leave().await;
+                return;
+            }
+        };
+        if let Err(e) = result {
+            fleet.counters.redis_errors.fetch_add(1, Ordering::Relaxed);
+            if fleet.redis_up() {
+                tracing::warn!(error = %e, "fleet: Redis call failed");
+            } else {
+                tracing::debug!(error = %e, "fleet: Redis still unreachable");
+            }
+        }
+        fleet.set_up(false, rules);
+        if started.elapsed() > Duration::from_secs(10) {
+            attempt = 0;
+        }
+        let wait = crate::pool::full_jitter(BACKOFF_BASE_MS, BACKOFF_CAP_MS, attempt);
+        attempt = attempt.saturating_add(1);
+        tokio::select! {
+            _ = tokio::time::sleep(Duration::from_millis(wait)) => {}
+            _ = app.shutdown.cancelled() => return,
+        }
+    }
+}
+
+/// A Redis call bounded by [`CALL_TIMEOUT`]; a timeout is an I/O error like a refusal.
+async fn timed<T>(fut: impl Future<Output = redis::RedisResult<T>>) -> redis::RedisResult<T> {
+    match tokio::time::timeout(CALL_TIMEOUT, fut).await {
+        Ok(r) => r,
+        Err(_) => Err(redis::RedisError::from(std::io::Error::new(
+            std::io::ErrorKind::TimedOut,
+            "Redis did not answer within 1 s",
+        ))),
+    }
+}
+
+/// This instance's rules as (fingerprint, stored JSON) pairs.
+fn stored_pairs(rules: &RuleSet) -> Vec<(String, String)> {
+    rules
+        .stored()
+        .into_iter()
+        .filter_map(|r| {
+            serde_json::to_string(&r)
+                .ok()
+                .map(|j| (r.fingerprint.clone(), j))
+        })
+        .collect()
+}
+
+fn cancel_addr(config: &Config, f: &FleetConfig) -> Option<String> {
+    if config.peer_id == 0 {
+        return None;
+    }
+    f.cancel_addr
+        .clone()
+        .or_else(|| config.peer_listen.map(|a| a.to_string()))
+        .or_else(|| (!config.listen_reuseport).then(|| config.listen.to_string()))
+}
+
+fn default_instance_id() -> String {
+    let host = std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .map(|h| h.trim().to_owned())
+        .ok()
+        .filter(|h| !h.is_empty())
+        .unwrap_or_else(|| "pgsluice".to_owned());
+    format!("{host}-{}", std::process::id())
+}
+
+fn new_epoch() -> String {
+    format!("{:016x}", rand::random::<u64>())
+}
+
+fn unix_ms() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
+        .unwrap_or(0)
+}
