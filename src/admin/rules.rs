@@ -219,11 +219,23 @@ impl AdminState {
         if written.as_ref() == Some(&bytes) {
             return true;
         }
-        let ok = write_file(path, bytes.clone()).await.is_ok();
-        if ok {
-            *written = Some(bytes);
+        let shown = path.display().to_string();
+        let data = bytes.clone();
+        let result = tokio::task::spawn_blocking(move || write_atomic(&path, &data)).await;
+        match result {
+            Ok(Ok(())) => {
+                *written = Some(bytes);
+                true
+            }
+            Ok(Err(e)) => {
+                tracing::error!(file = %shown, error = %e, "admin API: rules file not written (the change is live; retried by the purge loop)");
+                false
+            }
+            Err(e) => {
+                tracing::error!(file = %shown, error = %e, "admin API: rules file not written");
+                false
+            }
         }
-        ok
     }
 
     fn rules_path(&self) -> Option<PathBuf> {

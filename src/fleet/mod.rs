@@ -16,6 +16,10 @@
 //!   purge loop then writes the rules file, which stays the cache for a start without Redis;
 //! * when a fleet bucket runs low (or every [`FILL_TICK`]): lease tokens for it.
 //!
+//! Rules with a TTL expire by their absolute `expires_unix_ms`, so every instance drops them
+//! at the same moment; the instance that next reads the set removes them from Redis (each
+//! only if it is unchanged since it was read, so a re-PUT in between is not lost).
+//!
 //! Rule writes (`PUT`/`DELETE /v1/rules/...` on any instance) go to Redis first — a script
 //! that stores the rule, bumps the version and publishes it — and then the writer syncs at
 //! once, so its own answer already reflects the change. While Redis is unreachable writes are
@@ -68,6 +72,9 @@ pub struct Fleet {
     members: Mutex<Vec<Member>>,
     /// (epoch, version) of the rule set last applied.
     applied: Mutex<Option<(Option<String>, u64)>>,
+    /// The earliest expiry (unix ms) among the rules last applied: a heartbeat after it
+    /// re-reads the set to remove what expired from Redis.
+    next_expiry: AtomicU64,
     /// Serialises rule syncs (the task's and admin writes').
     sync_lock: tokio::sync::Mutex<()>,
     pub counters: FleetCounters,
@@ -130,6 +137,7 @@ impl Fleet {
             conn: Mutex::new(None),
             members: Mutex::new(Vec::new()),
             applied: Mutex::new(None),
+            next_expiry: AtomicU64::new(u64::MAX),
             sync_lock: tokio::sync::Mutex::new(()),
             counters: FleetCounters::default(),
         })))
@@ -217,18 +225,30 @@ impl Fleet {
     ) -> redis::RedisResult<()> {
         let _one = self.sync_lock.lock().await;
         let snap = timed(self.scripts.read(conn, &self.keys)).await?;
-        self.apply(snap, rules);
+        let expired = self.apply(snap, rules);
+        if !expired.is_empty() {
+            let n = timed(self.scripts.prune(conn, &self.keys, &expired)).await?;
+            tracing::debug!(removed = n, "fleet: expired rules removed from Redis");
+        }
         Ok(())
     }
 
-    fn apply(&self, snap: RuleSnapshot, rules: &RuleSet) {
+    /// Applies a snapshot; returns the entries that have expired, for removal from Redis.
+    fn apply(&self, snap: RuleSnapshot, rules: &RuleSet) -> Vec<(String, String)> {
         let stamp = (snap.epoch.clone(), snap.version);
-        if self.applied.lock().as_ref() == Some(&stamp) {
-            return;
+        let now = unix_ms();
+        if self.applied.lock().as_ref() == Some(&stamp)
+            && now < self.next_expiry.load(Ordering::Relaxed)
+        {
+            return Vec::new();
         }
+        let mut expired = Vec::new();
         let mut entries = Vec::with_capacity(snap.entries.len());
         for (fp, json) in &snap.entries {
             match serde_json::from_str::<StoredRule>(json) {
+                Ok(r) if r.expires_unix_ms.is_some_and(|ms| ms <= now) => {
+                    expired.push((fp.clone(), json.clone()));
+                }
                 Ok(r) if r.fingerprint == *fp => entries.push(r),
                 Ok(_) => {
                     tracing::error!(fingerprint = %fp, "fleet: stored rule names another fingerprint; skipped")
@@ -238,6 +258,9 @@ impl Fleet {
                 }
             }
         }
+        let next = entries.iter().filter_map(|r| r.expires_unix_ms).min();
+        self.next_expiry
+            .store(next.unwrap_or(u64::MAX), Ordering::Relaxed);
         let (outcome, errors) = rules.sync(&entries);
         for e in errors {
             tracing::error!(error = %e, "fleet: stored rule is invalid; skipped");
@@ -254,6 +277,7 @@ impl Fleet {
             );
         }
         *self.applied.lock() = Some(stamp);
+        expired
     }
 
     /// One connected stretch: returns when Redis fails (or never, until cancelled).
@@ -326,7 +350,8 @@ impl Fleet {
         *self.members.lock() = hb.members;
         app.policy.set_fleet_members(n);
         let stamp = (hb.epoch, hb.version);
-        if self.applied.lock().as_ref() != Some(&stamp) {
+        let expired = unix_ms() >= self.next_expiry.load(Ordering::Relaxed);
+        if expired || self.applied.lock().as_ref() != Some(&stamp) {
             self.sync(conn, app.policy.rules()).await?;
         }
         Ok(())

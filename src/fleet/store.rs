@@ -136,6 +136,22 @@ end
 return {changed, v}
 ";
 
+/// ARGV: channel, then pairs (fingerprint, json): each is removed if it still holds that json.
+/// Returns how many were removed.
+const PRUNE: &str = r"
+local n = 0
+for i = 2, #ARGV, 2 do
+  if redis.call('HGET', KEYS[1], ARGV[i]) == ARGV[i + 1] then
+    n = n + redis.call('HDEL', KEYS[1], ARGV[i])
+  end
+end
+if n > 0 then
+  local v = redis.call('INCR', KEYS[2])
+  redis.call('PUBLISH', ARGV[1], v)
+end
+return n
+";
+
 const READ: &str = r"
 local epoch = redis.call('GET', KEYS[2])
 local version = redis.call('GET', KEYS[3])
@@ -169,6 +185,7 @@ pub struct Scripts {
     seed: Script,
     write: Script,
     read: Script,
+    prune: Script,
     lease: Script,
 }
 
@@ -180,6 +197,7 @@ impl Default for Scripts {
             seed: Script::new(SEED),
             write: Script::new(WRITE),
             read: Script::new(READ),
+            prune: Script::new(PRUNE),
             lease: Script::new(LEASE),
         }
     }
@@ -308,6 +326,21 @@ impl Scripts {
             version: version_of(&version),
             entries,
         })
+    }
+
+    /// Removes expired rules (each only if unchanged since it was read); how many went.
+    pub async fn prune(
+        &self,
+        conn: &mut MultiplexedConnection,
+        keys: &Keys,
+        expired: &[(String, String)],
+    ) -> RedisResult<u64> {
+        let mut inv = self.prune.key(&keys.rules);
+        inv.key(&keys.version).arg(&keys.channel);
+        for (fp, json) in expired {
+            inv.arg(fp).arg(json);
+        }
+        inv.invoke_async(conn).await
     }
 
     /// Up to `want` tokens from the shared bucket `key`; returns (granted, µs until the next).

@@ -38,6 +38,8 @@ pub const LEASE_TTL: Duration = Duration::from_secs(1);
 pub const LEASE_HORIZON: Duration = Duration::from_millis(100);
 /// A bucket not asked for a token this long gets no new leases (its old ones run out).
 pub const IDLE_AFTER: Duration = Duration::from_secs(2);
+/// How long a new bucket is topped up before any statement asked for it.
+const FIRST_LEASE_WINDOW: Duration = Duration::from_millis(100);
 
 /// Shared by the policy (hot path) and the fleet task (filler).
 #[derive(Debug)]
@@ -110,9 +112,12 @@ impl FleetGate {
             gate: Arc::clone(self),
             tokens: AtomicU32::new(0),
             lease_until_ns: AtomicU64::new(0),
-            // A new bucket counts as wanted, so its first lease is fetched before the first
-            // statement asks.
-            last_demand_ns: AtomicU64::new(self.now_ns(Instant::now())),
+            // A new bucket counts as wanted for a moment, so its first lease is fetched
+            // before the first statement asks (and one unused lease is all it costs).
+            wanted_until_ns: AtomicU64::new(
+                self.now_ns(Instant::now())
+                    .saturating_add(nanos(FIRST_LEASE_WINDOW)),
+            ),
             next_try_ns: AtomicU64::new(0),
             local: Mutex::new((members, Arc::new(share(rate, burst, members)))),
         });
@@ -152,7 +157,8 @@ pub struct LeasedBucket {
     /// Leased tokens left (valid until `lease_until_ns`).
     tokens: AtomicU32,
     lease_until_ns: AtomicU64,
-    last_demand_ns: AtomicU64,
+    /// The filler tops the lease up until then: [`IDLE_AFTER`] past the last statement.
+    wanted_until_ns: AtomicU64,
     /// The shared bucket said "empty until then": the filler does not ask before.
     next_try_ns: AtomicU64,
     /// The local share and the member count it was built for.
@@ -178,7 +184,8 @@ impl LeasedBucket {
             return self.local().try_take(now);
         }
         let now_ns = self.gate.now_ns(now);
-        self.last_demand_ns.store(now_ns, Ordering::Relaxed);
+        self.wanted_until_ns
+            .store(now_ns.saturating_add(nanos(IDLE_AFTER)), Ordering::Relaxed);
         if now_ns < self.lease_until_ns.load(Ordering::Acquire) {
             let taken = self
                 .tokens
@@ -209,8 +216,7 @@ impl LeasedBucket {
         if now_ns < self.next_try_ns.load(Ordering::Relaxed) {
             return None;
         }
-        let idle = nanos(IDLE_AFTER);
-        if now_ns.saturating_sub(self.last_demand_ns.load(Ordering::Relaxed)) > idle {
+        if now_ns > self.wanted_until_ns.load(Ordering::Relaxed) {
             return None;
         }
         let have = if now_ns < self.lease_until_ns.load(Ordering::Acquire) {

@@ -21,6 +21,7 @@ pub mod faults;
 pub mod pg;
 pub mod pgbench;
 pub mod proxy;
+pub mod redis;
 pub mod sql;
 pub mod wire;
 

@@ -1,0 +1,439 @@
+//! Issue 10: several pgsluice instances over one Postgres, coordinated through a real Redis
+//! that the harness starts (`redis-server` from PATH; `.ci/run` installs it).
+//!
+//! * a rule PUT on one instance is enforced by the others within 1 s, and a DELETE likewise;
+//!   fleet-scoped callers split `max_concurrency` between the live members;
+//! * a `scope: fleet` THROTTLE admits about its rate across three instances, where the same
+//!   rule per instance admits about three times as much;
+//! * a CancelRequest sent to one member cancels a query running through another;
+//! * Redis killed: every instance keeps enforcing its rules, writes are refused with 503;
+//!   Redis back (empty, as without persistence): it is re-seeded and changes flow again.
+
+mod support;
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use serde_json::{Value, json};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpStream;
+use tokio_postgres::NoTls;
+
+use support::pg::Cluster;
+use support::proxy::{ADMIN_READ_TOKEN, Proxy, ProxyOptions};
+use support::redis::Redis;
+use support::sql::{eventually, sqlstate};
+use support::{direct_mode, note_skipped, within};
+
+const W: &str = "fleet-test-write-token";
+const STEP: Duration = Duration::from_secs(10);
+
+/// A fleet: Redis, a cluster and `n` instances (`i1`, `i2`, … with peer ids 1, 2, …).
+/// Field order is drop order.
+struct Fleet {
+    proxies: Vec<Proxy>,
+    redis: Redis,
+    _cluster: Cluster,
+    _dir: tempfile::TempDir,
+}
+
+fn yaml(redis: &Redis, i: usize, extra: &str) -> String {
+    format!(
+        "peer_id: {i}\nadmin:\n  write_token: {W}\nfleet:\n  redis_url: \"{}\"\n  instance_id: i{i}\n  heartbeat_ms: 200\n{extra}",
+        redis.url()
+    )
+}
+
+fn start(n: usize, extra: &str) -> Option<Fleet> {
+    if direct_mode() {
+        note_skipped("fleet tests (they need the proxy)");
+        return None;
+    }
+    let redis = Redis::start();
+    let cluster = Cluster::start();
+    let dir = tempfile::tempdir().expect("config dir");
+    let proxies = (1..=n)
+        .map(|i| {
+            let path = dir.path().join(format!("i{i}.yaml"));
+            std::fs::write(&path, yaml(&redis, i, extra)).expect("write config");
+            Proxy::start(&cluster, ProxyOptions::pool(4).config_file(path))
+        })
+        .collect();
+    Some(Fleet {
+        proxies,
+        redis,
+        _cluster: cluster,
+        _dir: dir,
+    })
+}
+
+impl Fleet {
+    /// Waits until every instance sees `n` live members and Redis up.
+    async fn settled(&self, n: usize) {
+        for p in &self.proxies {
+            eventually(STEP, "every member is seen", || async {
+                let f = admin(p, "GET", "/v1/fleet", None).await.1;
+                f["redis_up"] == json!(true) && f["members"].as_array().map(Vec::len) == Some(n)
+            })
+            .await;
+        }
+    }
+}
+
+/// One admin API request; (status, JSON body or Null). Mutations use the write token.
+async fn admin(proxy: &Proxy, method: &str, path: &str, body: Option<&Value>) -> (u16, Value) {
+    let addr = proxy.admin_addr().expect("admin address");
+    let mut s = within(STEP, "admin connect", TcpStream::connect(addr))
+        .await
+        .expect("admin connect");
+    let token = if method == "GET" { ADMIN_READ_TOKEN } else { W };
+    let body = body.map(Value::to_string).unwrap_or_default();
+    let req = format!(
+        "{method} {path} HTTP/1.0\r\nHost: localhost\r\nAuthorization: Bearer {token}\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+        body.len()
+    );
+    s.write_all(req.as_bytes()).await.expect("admin request");
+    let mut resp = Vec::new();
+    within(STEP, "admin response", s.read_to_end(&mut resp))
+        .await
+        .expect("admin response");
+    let text = String::from_utf8_lossy(&resp);
+    let status = text
+        .split_whitespace()
+        .nth(1)
+        .and_then(|c| c.parse().ok())
+        .unwrap_or(0);
+    let json = text
+        .split_once("\r\n\r\n")
+        .and_then(|(_, b)| serde_json::from_str(b).ok())
+        .unwrap_or(Value::Null);
+    (status, json)
+}
+
+fn fingerprint(sql: &str) -> String {
+    let classifier = pgsluice::classify::Classifier::new(100, 64 * 1024);
+    format!("{:016x}", classifier.classify(sql).fingerprint)
+}
+
+/// Runs `sql` (simple protocol); `Ok` or the SQLSTATE.
+async fn run(client: &tokio_postgres::Client, sql: &str) -> Result<(), String> {
+    match within(STEP, sql, client.simple_query(sql)).await {
+        Ok(_) => Ok(()),
+        Err(e) => Err(sqlstate(&e)),
+    }
+}
+
+/// Polls `sql` through `client` until it is refused (`want_refused`) or runs; the time taken.
+async fn until(client: &tokio_postgres::Client, sql: &str, want_refused: bool) -> Duration {
+    let t = Instant::now();
+    loop {
+        let r = run(client, sql).await;
+        match (&r, want_refused) {
+            (Err(code), true) if code == "53400" => return t.elapsed(),
+            (Ok(()), false) => return t.elapsed(),
+            (Err(code), _) if code != "53400" => panic!("{sql}: unexpected SQLSTATE {code}"),
+            _ => {}
+        }
+        assert!(t.elapsed() < STEP, "{sql}: no change within {STEP:?}");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
+fn rule_path(fp: &str) -> String {
+    format!("/v1/rules/fingerprint/{fp}")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rule_put_on_one_instance_is_enforced_by_all_within_a_second() {
+    let callers = "callers:\n  - name: app\n    match: { application_name: fleet-app }\n    max_concurrency: 6\n    scope: fleet\n";
+    let Some(f) = start(3, callers) else { return };
+    f.settled(3).await;
+    let (a, b, c) = (&f.proxies[0], &f.proxies[1], &f.proxies[2]);
+    let sql = "SELECT count(*) FROM pg_class WHERE relname = 'fleet_probe'";
+    let fp = fingerprint(sql);
+    let client_b = b.client().await;
+    let client_c = c.client().await;
+    run(&client_b, sql).await.expect("runs before the rule");
+
+    // PUT on A; B and C refuse within a second.
+    let rule = json!({"action": "REJECT", "error_message": "blocked fleet-wide"});
+    let t = Instant::now();
+    let (status, body) = admin(a, "PUT", &rule_path(&fp), Some(&rule)).await;
+    assert_eq!(status, 201, "{body}");
+    let took_b = until(&client_b, sql, true).await;
+    let took_c = until(&client_c, sql, true).await;
+    assert!(
+        t.elapsed() < Duration::from_secs(1),
+        "B {took_b:?}, C {took_c:?}"
+    );
+    let listed = admin(c, "GET", "/v1/rules", None).await.1;
+    assert_eq!(listed["rules"][0]["fingerprint"], json!(fp), "{listed}");
+
+    // DELETE on B; A and C run it again within a second.
+    let client_a = a.client().await;
+    assert_eq!(run(&client_a, sql).await, Err("53400".into()));
+    let t = Instant::now();
+    let (status, body) = admin(b, "DELETE", &rule_path(&fp), None).await;
+    assert_eq!(status, 200, "{body}");
+    until(&client_a, sql, false).await;
+    until(&client_c, sql, false).await;
+    assert!(t.elapsed() < Duration::from_secs(1), "{:?}", t.elapsed());
+    let (status, _) = admin(c, "DELETE", &rule_path(&fp), None).await;
+    assert_eq!(status, 404, "deleted fleet-wide");
+
+    // Bad input is refused with the field named, nowhere applied.
+    let bad = json!({"action": "REJECT", "scope": "fleet"});
+    let (status, body) = admin(a, "PUT", &rule_path(&fp), Some(&bad)).await;
+    assert_eq!(status, 400, "{body}");
+    assert_eq!(body["field"], json!("scope"), "{body}");
+    assert_eq!(
+        admin(b, "GET", "/v1/rules", None).await.1["rules"],
+        json!([])
+    );
+
+    // A rule with a TTL ends everywhere at once and leaves Redis.
+    let rule = json!({"action": "REJECT", "ttl_seconds": 1});
+    let (status, body) = admin(a, "PUT", &rule_path(&fp), Some(&rule)).await;
+    assert_eq!(status, 201, "{body}");
+    until(&client_c, sql, true).await;
+    until(&client_b, sql, false).await;
+    eventually(STEP, "the expired rule leaves Redis", || async {
+        !f.redis.command("HKEYS pgsluice:rules").contains(&fp)
+    })
+    .await;
+
+    // A fleet-scoped caller's max_concurrency 6 is 2 per member; 3 once one member leaves.
+    let share = |p: &Proxy| {
+        let addr = p.admin_addr().expect("admin address");
+        async move {
+            let v = admin_at(addr, "/v1/callers").await;
+            v["callers"][0]["local_max_concurrency"].as_u64()
+        }
+    };
+    for p in &f.proxies {
+        assert_eq!(share(p).await, Some(2));
+    }
+    c.sigterm();
+    for p in [a, b] {
+        eventually(STEP, "the share grows when a member leaves", || async {
+            share(p).await == Some(3)
+        })
+        .await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_fleet_throttle_admits_its_rate_across_three_instances() {
+    let Some(f) = start(3, "") else { return };
+    f.settled(3).await;
+    let sql = "SELECT count(*) FROM pg_class WHERE relname = 'fleet_rate'";
+    let fp = fingerprint(sql);
+    let window = Duration::from_secs(3);
+
+    // (scope, instances the load goes through)
+    let scenarios = [("fleet", 3), ("fleet", 1), ("instance", 3)];
+    let mut admitted = Vec::new();
+    for (scope, spread) in scenarios {
+        let mut leased_before = 0.0;
+        for p in &f.proxies {
+            leased_before += metric(p, "pgsluice_fleet_lease_tokens_total").await;
+        }
+        let rule = json!({"action": "THROTTLE", "max_qps": 10, "burst": 10, "scope": scope});
+        let (status, body) = admin(&f.proxies[0], "PUT", &rule_path(&fp), Some(&rule)).await;
+        assert!(status == 201 || status == 200, "{body}");
+        let created = body["created_unix_ms"].clone();
+        for p in &f.proxies {
+            eventually(STEP, "the new rule is everywhere", || async {
+                admin(p, "GET", &rule_path(&fp), None).await.1["created_unix_ms"] == created
+            })
+            .await;
+        }
+        let ok = Arc::new(AtomicU64::new(0));
+        let refused = Arc::new(AtomicU64::new(0));
+        let stop = Arc::new(AtomicBool::new(false));
+        let mut tasks = Vec::new();
+        for p in &f.proxies[..spread] {
+            for _ in 0..9 / spread {
+                let client = p.client().await;
+                let (ok, refused, stop) = (ok.clone(), refused.clone(), stop.clone());
+                tasks.push(tokio::spawn(async move {
+                    while !stop.load(Ordering::Relaxed) {
+                        match client.simple_query(sql).await {
+                            Ok(_) => ok.fetch_add(1, Ordering::Relaxed),
+                            Err(e) => {
+                                assert_eq!(sqlstate(&e), "53400", "{e}");
+                                refused.fetch_add(1, Ordering::Relaxed)
+                            }
+                        };
+                        tokio::time::sleep(Duration::from_millis(5)).await;
+                    }
+                }));
+            }
+        }
+        tokio::time::sleep(window).await;
+        stop.store(true, Ordering::Relaxed);
+        for t in tasks {
+            within(STEP, "load task ends", t).await.expect("load task");
+        }
+        let (n, r) = (ok.load(Ordering::Relaxed), refused.load(Ordering::Relaxed));
+        let mut leased = -leased_before;
+        for p in &f.proxies {
+            leased += metric(p, "pgsluice_fleet_lease_tokens_total").await;
+        }
+        eprintln!(
+            "scope {scope} through {spread} instance(s): {n} admitted, {r} refused in {window:?}; {leased} tokens leased"
+        );
+        assert!(r > 0, "the load exceeds the rate");
+        if scope == "fleet" {
+            assert!(
+                leased >= n as f64,
+                "every admitted statement had a leased token"
+            );
+        }
+        admitted.push(n);
+    }
+    // Shared: burst 10 + 10/s · 3 s = 40 at most (plus a statement on the edge), whether the
+    // load is spread or goes through one instance (a static split would give that one a third).
+    for n in &admitted[..2] {
+        assert!((28..=42).contains(n), "fleet-wide admitted {admitted:?}");
+    }
+    // Per instance the same rule admits three times as much.
+    assert!(
+        admitted[2] >= admitted[0] * 2,
+        "instance scope vs fleet scope: {admitted:?}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cancel_sent_to_another_member_reaches_the_query() {
+    let Some(f) = start(3, "") else { return };
+    f.settled(3).await;
+    let (a, b) = (&f.proxies[0], &f.proxies[1]);
+    let client = a.client().await;
+    let token = client.cancel_token();
+    let sleeper = tokio::spawn(async move {
+        let r = client.simple_query("SELECT pg_sleep(30)").await;
+        (r.map(drop), client)
+    });
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let t = Instant::now();
+    let stream = TcpStream::connect(b.addr()).await.expect("connect to B");
+    token
+        .cancel_query_raw(stream, NoTls)
+        .await
+        .expect("cancel request sent to B");
+    let (r, client) = within(STEP, "the cancelled query ends", sleeper)
+        .await
+        .expect("sleeper task");
+    let e = r.expect_err("cancelled");
+    assert_eq!(sqlstate(&e), "57014", "{e}\n--- B ---\n{}", b.stderr_tail());
+    assert!(t.elapsed() < Duration::from_secs(5), "{:?}", t.elapsed());
+    // B counts the forward once the owner has closed the forwarded request.
+    eventually(STEP, "B counts one forwarded cancel", || async {
+        metric(b, "pgsluice_cancels_total{outcome=\"forwarded\"}").await == 1.0
+    })
+    .await;
+    run(&client, "SELECT 1").await.expect("session goes on");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn without_redis_rules_stay_enforced_and_come_back_in_sync() {
+    let Some(mut f) = start(3, "") else { return };
+    f.settled(3).await;
+    let blocked = "SELECT count(*) FROM pg_class WHERE relname = 'fleet_outage'";
+    let later = "SELECT count(*) FROM pg_namespace WHERE nspname = 'fleet_later'";
+    let (fp, fp_later) = (fingerprint(blocked), fingerprint(later));
+    assert_ne!(fp, fp_later);
+    let rule = json!({"action": "REJECT"});
+    let (status, _) = admin(&f.proxies[0], "PUT", &rule_path(&fp), Some(&rule)).await;
+    assert_eq!(status, 201);
+    let mut clients = Vec::new();
+    for p in &f.proxies {
+        let c = p.client().await;
+        until(&c, blocked, true).await;
+        clients.push(c);
+    }
+
+    f.redis.kill();
+    for p in &f.proxies {
+        eventually(STEP, "Redis seen down", || async {
+            metric(p, "pgsluice_fleet_redis_up").await == 0.0
+        })
+        .await;
+    }
+    for c in &clients {
+        assert_eq!(run(c, blocked).await, Err("53400".into()), "rule kept");
+        run(c, later).await.expect("other statements run");
+    }
+    let (status, body) = admin(&f.proxies[1], "PUT", &rule_path(&fp_later), Some(&rule)).await;
+    assert_eq!(status, 503, "{body}");
+    assert!(
+        body["message"]
+            .as_str()
+            .unwrap_or("")
+            .contains("nothing was applied"),
+        "{body}"
+    );
+    run(&clients[1], later)
+        .await
+        .expect("nothing applied locally");
+
+    // Back, empty: re-seeded from the instances' rules, and changes flow again.
+    f.redis.restart();
+    f.settled(3).await;
+    assert!(
+        f.redis.command("HKEYS pgsluice:rules").contains(&fp),
+        "re-seeded"
+    );
+    let (status, body) = admin(&f.proxies[2], "PUT", &rule_path(&fp_later), Some(&rule)).await;
+    assert_eq!(status, 201, "{body}");
+    let (status, _) = admin(&f.proxies[1], "DELETE", &rule_path(&fp), None).await;
+    assert_eq!(status, 200);
+    for c in &clients {
+        until(c, later, true).await;
+        until(c, blocked, false).await;
+    }
+    let epochs: Vec<Value> = {
+        let mut v = Vec::new();
+        for p in &f.proxies {
+            v.push(admin(p, "GET", "/v1/fleet", None).await.1["rules_epoch"].clone());
+        }
+        v
+    };
+    assert!(epochs.windows(2).all(|w| w[0] == w[1]), "{epochs:?}");
+}
+
+/// A sample from an instance's /metrics (0 when absent).
+async fn metric(proxy: &Proxy, series: &str) -> f64 {
+    let addr = proxy.admin_addr().expect("admin address");
+    let text = get_text(addr, "/metrics").await;
+    let prefix = format!("{series} ");
+    text.lines()
+        .find_map(|l| l.strip_prefix(&prefix))
+        .and_then(|v| v.trim().parse().ok())
+        .unwrap_or(0.0)
+}
+
+async fn admin_at(addr: SocketAddr, path: &str) -> Value {
+    serde_json::from_str(&get_text(addr, path).await).unwrap_or(Value::Null)
+}
+
+async fn get_text(addr: SocketAddr, path: &str) -> String {
+    let mut s = within(STEP, "admin connect", TcpStream::connect(addr))
+        .await
+        .expect("admin connect");
+    let req = format!(
+        "GET {path} HTTP/1.0\r\nHost: localhost\r\nAuthorization: Bearer {ADMIN_READ_TOKEN}\r\n\r\n"
+    );
+    s.write_all(req.as_bytes()).await.expect("admin request");
+    let mut resp = Vec::new();
+    within(STEP, "admin response", s.read_to_end(&mut resp))
+        .await
+        .expect("admin response");
+    let text = String::from_utf8_lossy(&resp);
+    text.split_once("\r\n\r\n")
+        .map(|x| x.1.to_string())
+        .unwrap_or_default()
+}
