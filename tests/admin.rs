@@ -775,6 +775,7 @@ async fn openapi_document_covers_every_route() {
         ("/v1/callers", "get"),
         ("/v1/pools", "get"),
         ("/v1/breaker", "get"),
+        ("/v1/fleet", "get"),
         ("/v1/reload", "post"),
     ];
     let paths = doc["paths"].as_object().cloned().unwrap_or_default();

@@ -7,13 +7,14 @@
 //! ```text
 //! open   GET  /healthz  /readyz  /v1/openapi.json
 //! read   GET  /metrics  /v1/rules  /v1/rules/fingerprint/{hash}  /v1/fingerprints
-//!             /v1/callers  /v1/pools  /v1/breaker
+//!             /v1/callers  /v1/pools  /v1/breaker  /v1/fleet (fleet mode)
 //! write  PUT|DELETE /v1/rules/fingerprint/{hash}   POST /v1/reload
 //! ```
 //!
 //! Layout: [`auth`] decides who may call what (by method, so new endpoints are protected by
 //! default) and enforces JSON on mutations; [`error`] is the one error type every failure
 //! goes through, plus the extractors that name the bad field; [`rules`] owns rule mutations
+//! (in fleet mode written to Redis first, see `crate::fleet`)
 //! and their persistence; [`read`] the stats, `/metrics` and reload. Bodies are capped at
 //! [`error::MAX_BODY_BYTES`]; GET handlers refuse query parameters they do not define, so a
 //! GET can never be mistaken for a mutation.

@@ -566,6 +566,34 @@ mod tests {
     }
 
     #[test]
+    fn fleet_is_validated_with_lines() {
+        let ok = "peer_id: 2\nfleet:\n  redis_url: \"redis://10.0.0.9:6379/2\"\n  instance_id: \"db-proxy-2\"\ncallers:\n  - name: app\n    scope: fleet\n";
+        let c = Config::from_yaml(ok).unwrap();
+        let f = c.fleet.as_ref().unwrap();
+        assert_eq!((f.heartbeat_ms, f.key_prefix.as_str()), (1000, "pgsluice"));
+        assert_eq!(c.callers[0].scope, crate::config::Scope::Fleet);
+        let text = "fleet:\n  redis_url: \"http://x\"\n  instance_id: \"a b\"\n  heartbeat_ms: 10\n  key_prefix: \"\"\n  cancel_addr: nope\n";
+        let errs = Config::from_yaml(text).unwrap_err();
+        let got: Vec<(&str, Option<usize>)> =
+            errs.iter().map(|e| (e.field.as_str(), e.line)).collect();
+        assert_eq!(
+            got,
+            [
+                ("fleet.redis_url", Some(2)),
+                ("fleet.instance_id", Some(3)),
+                ("fleet.heartbeat_ms", Some(4)),
+                ("fleet.key_prefix", Some(5)),
+                ("fleet.cancel_addr", Some(6)),
+            ]
+        );
+        let errs = Config::from_yaml("callers:\n  - name: app\n    scope: fleet\n").unwrap_err();
+        assert_eq!(errs[0].field, "callers[0].scope");
+        assert_eq!(errs[0].line, Some(3), "{}", errs[0]);
+        let errs = Config::from_yaml("fleet:\n  instance_id: a\n").unwrap_err();
+        assert!(errs[0].message.contains("redis_url"), "{}", errs[0]);
+    }
+
+    #[test]
     fn empty_file_is_the_defaults() {
         let c = Config::from_yaml("").unwrap();
         assert_eq!(c.pool.size, 20);

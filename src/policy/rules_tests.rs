@@ -458,3 +458,69 @@ async fn persistence_round_trip_keeps_absolute_expiry() {
     let e = RuleSet::from_json_bytes(br#"{"version":2,"rules":[]}"#).unwrap_err();
     assert_eq!(e.field, "version");
 }
+
+#[tokio::test]
+async fn sync_keeps_unchanged_rules_and_their_state() {
+    let set = RuleSet::new();
+    let throttle = spec(r#"{"action":"THROTTLE","max_qps":1,"burst":1}"#).unwrap();
+    let reject = spec(r#"{"action":"REJECT"}"#).unwrap();
+    let a = RuleSet::stage(FP, &throttle).unwrap();
+    let b = RuleSet::stage(FP + 1, &reject).unwrap();
+    let (out, errors) = set.sync(&[a.clone(), b.clone()]);
+    assert!(errors.is_empty());
+    assert_eq!((out.added, out.replaced, out.removed), (2, 0, 0));
+    // Spend the throttle's only token; an identical sync must not refill it.
+    let now = Instant::now();
+    assert!(matches!(
+        set.check(FP, "c", now, Duration::ZERO),
+        RuleCheck::Admit(_)
+    ));
+    let (out, _) = set.sync(&[a.clone(), b.clone()]);
+    assert_eq!((out.kept, out.changed()), (2, false));
+    assert!(matches!(
+        set.check(FP, "c", now, Duration::ZERO),
+        RuleCheck::Refuse { .. }
+    ));
+    assert_eq!(set.get(FP).unwrap().hits(), 2, "counters carried over");
+    // A changed rule is rebuilt, a missing one removed, an invalid one skipped and named.
+    let mut a2 = a.clone();
+    a2.created_unix_ms += 1;
+    let mut bad = b.clone();
+    bad.fingerprint = "0000000000000003".into();
+    bad.rule.max_qps = Some(1.0);
+    let (out, errors) = set.sync(&[a2, bad]);
+    assert_eq!((out.replaced, out.removed, out.invalid), (1, 1, 1));
+    assert_eq!(
+        errors[0].field, "rule 0000000000000003.rule.max_qps",
+        "{errors:?}"
+    );
+    assert!(set.get(FP + 1).is_none());
+    assert!(matches!(
+        set.check(FP, "c", now, Duration::ZERO),
+        RuleCheck::Admit(_)
+    ));
+    // Expired entries are left out.
+    let mut gone = b;
+    gone.expires_unix_ms = Some(1);
+    let (out, _) = set.sync(&[gone]);
+    assert_eq!((out.added, out.removed), (0, 1));
+    assert!(set.is_empty());
+}
+
+#[test]
+fn fleet_scope_is_for_throttle_only() {
+    let e = err(r#"{"action":"REJECT","scope":"fleet"}"#);
+    assert_eq!(e.field, "scope");
+    let e = err(r#"{"action":"THROTTLE","max_qps":1,"scope":"galaxy"}"#);
+    assert_eq!(e.field, "scope");
+    let def = spec(r#"{"action":"THROTTLE","max_qps":1,"scope":"FLEET"}"#)
+        .unwrap()
+        .validate()
+        .unwrap();
+    assert_eq!(def.to_spec().scope.as_deref(), Some("fleet"));
+    let def = spec(r#"{"action":"REJECT","scope":"instance"}"#)
+        .unwrap()
+        .validate()
+        .unwrap();
+    assert_eq!(def.to_spec().scope, None);
+}
