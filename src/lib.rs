@@ -15,6 +15,7 @@
 //! config    YAML config, validation with field and line
 //! observe   per-fingerprint statistics, Prometheus metrics
 //! admin     HTTP API on its own port (rules, stats, /metrics); cli: its terminal client
+//! fleet     optional: instances as one through Redis (membership, rules, leased rates)
 //! ```
 
 pub mod admin;
