@@ -147,7 +147,7 @@ fn rule_path(fp: &str) -> String {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_rule_put_on_one_instance_is_enforced_by_all_within_a_second() {
-    let callers = "callers:\n  - name: app\n    match: { application_name: fleet-app }\n    max_concurrency: 6\n    scope: fleet\n";
+    let callers = "callers:\n  - name: app\n    match: { application_name: fleet-app }\n    max_concurrency: 6\n    max_qps: 1000\n    scope: fleet\n";
     let Some(f) = start(3, callers) else { return };
     f.settled(3).await;
     let (a, b, c) = (&f.proxies[0], &f.proxies[1], &f.proxies[2]);
@@ -203,6 +203,17 @@ async fn a_rule_put_on_one_instance_is_enforced_by_all_within_a_second() {
         !f.redis.command("HKEYS pgsluice:rules").contains(&fp)
     })
     .await;
+
+    // A fleet-scoped caller's first statement after a quiet spell (its startup lease expired
+    // long ago) waits for a lease instead of being refused.
+    let mut config = a.app_config();
+    config.application_name("fleet-app");
+    let (app_client, _conn) = a.client_with(&config).await;
+    let before = metric(a, "pgsluice_fleet_lease_requests_total").await;
+    run(&app_client, "SELECT 1")
+        .await
+        .expect("first statement after idling");
+    assert!(metric(a, "pgsluice_fleet_lease_requests_total").await > before);
 
     // A fleet-scoped caller's max_concurrency 6 is 2 per member; 3 once one member leaves.
     let share = |p: &Proxy| {

@@ -18,6 +18,12 @@
 //! (at least 1), from the last membership the instance knew. Without a fleet at all the gate
 //! stays in that mode with one member, i.e. a `scope: fleet` limit is an ordinary local one.
 //!
+//! A statement that finds the lease empty while the shared bucket is not known to be empty
+//! (typically the first one after a quiet spell, when idle leases have run out) waits up to
+//! [`LEASE_WAIT`] for the filler's next grant instead of being refused; once the shared bucket
+//! said "empty until T", statements are refused at once until T. So the hot path waits on
+//! Redis at most once per lease, never per statement.
+//!
 //! A leased token cannot be reserved ahead as the local bucket's tokens can: a THROTTLE rule
 //! with `action_on_exceed: QUEUE` and `scope: fleet` refuses when this instance's lease is
 //! empty instead of waiting for the next refill.
@@ -40,6 +46,9 @@ pub const LEASE_HORIZON: Duration = Duration::from_millis(100);
 pub const IDLE_AFTER: Duration = Duration::from_secs(2);
 /// How long a new bucket is topped up before any statement asked for it.
 const FIRST_LEASE_WINDOW: Duration = Duration::from_millis(100);
+/// Longest wait for a lease when this instance holds no token but the shared bucket may have
+/// some (the first statement after a quiet spell): about one Redis round trip is typical.
+pub const LEASE_WAIT: Duration = Duration::from_millis(25);
 
 /// Shared by the policy (hot path) and the fleet task (filler).
 #[derive(Debug)]
@@ -120,6 +129,7 @@ impl FleetGate {
             ),
             next_try_ns: AtomicU64::new(0),
             local: Mutex::new((members, Arc::new(share(rate, burst, members)))),
+            granted: Notify::new(),
         });
         let mut list = self.buckets.lock();
         list.retain(|w| w.strong_count() > 0);
@@ -163,6 +173,8 @@ pub struct LeasedBucket {
     next_try_ns: AtomicU64,
     /// The local share and the member count it was built for.
     local: Mutex<(u32, Arc<TokenBucket>)>,
+    /// Woken by every grant (also an empty one).
+    granted: Notify,
 }
 
 impl LeasedBucket {
@@ -234,16 +246,40 @@ impl LeasedBucket {
         if n == 0 {
             let next = now_ns.saturating_add(nanos(retry));
             self.next_try_ns.store(next, Ordering::Relaxed);
+        } else {
+            let valid = now_ns < self.lease_until_ns.load(Ordering::Acquire);
+            if valid {
+                self.tokens.fetch_add(n, Ordering::AcqRel);
+            } else {
+                self.tokens.store(n, Ordering::Release);
+            }
+            self.lease_until_ns
+                .store(now_ns.saturating_add(nanos(LEASE_TTL)), Ordering::Release);
+        }
+        self.granted.notify_waiters();
+    }
+
+    /// Whether waiting for the filler may bring a token: leases are on and the shared bucket
+    /// is not known to be empty.
+    pub fn lease_may_come(&self, now: Instant) -> bool {
+        self.gate.leasing() && self.gate.now_ns(now) >= self.next_try_ns.load(Ordering::Relaxed)
+    }
+
+    /// Waits (at most [`LEASE_WAIT`]) for the filler's next grant; returns at once if a token
+    /// is already there.
+    pub async fn wait_lease(&self, now: Instant) {
+        let granted = self.granted.notified();
+        tokio::pin!(granted);
+        granted.as_mut().enable();
+        if self.leased(now) > 0 {
             return;
         }
-        let valid = now_ns < self.lease_until_ns.load(Ordering::Acquire);
-        if valid {
-            self.tokens.fetch_add(n, Ordering::AcqRel);
-        } else {
-            self.tokens.store(n, Ordering::Release);
-        }
-        self.lease_until_ns
-            .store(now_ns.saturating_add(nanos(LEASE_TTL)), Ordering::Release);
+        self.wanted_until_ns.store(
+            self.gate.now_ns(now).saturating_add(nanos(IDLE_AFTER)),
+            Ordering::Relaxed,
+        );
+        self.gate.wake.notify_one();
+        let _ = tokio::time::timeout(LEASE_WAIT, granted).await;
     }
 
     /// Leased tokens usable now.
@@ -293,6 +329,21 @@ impl Rate {
         match self {
             Self::Local(b) => b.try_take(now),
             Self::Fleet(b) => b.try_take(now),
+        }
+    }
+
+    /// As [`Rate::try_take`], but an empty lease that may be refilled is waited for (at most
+    /// [`LEASE_WAIT`]) instead of refused.
+    pub async fn take(&self, now: Instant) -> Result<(), Duration> {
+        match self {
+            Self::Local(b) => b.try_take(now),
+            Self::Fleet(b) => match b.try_take(now) {
+                Err(_) if b.lease_may_come(now) => {
+                    b.wait_lease(now).await;
+                    b.try_take(Instant::now())
+                }
+                r => r,
+            },
         }
     }
 
@@ -389,6 +440,41 @@ mod tests {
         assert!(
             b.try_take(Instant::now()).is_ok(),
             "local share has a burst"
+        );
+    }
+
+    #[tokio::test]
+    async fn an_empty_lease_is_waited_for_once_unless_the_shared_bucket_is_empty() {
+        let gate = FleetGate::new();
+        gate.set_leasing(true);
+        let b = gate.bucket("k".into(), 10.0, 10);
+        let rate = Rate::Fleet(Arc::clone(&b));
+        // A filler that grants one token shortly after being woken.
+        let filler = {
+            let (gate, b) = (Arc::clone(&gate), Arc::clone(&b));
+            tokio::spawn(async move {
+                gate.wanted().await;
+                tokio::time::sleep(Duration::from_millis(2)).await;
+                b.grant(1, Duration::ZERO, Instant::now());
+            })
+        };
+        let t = std::time::Instant::now();
+        rate.take(Instant::now()).await.expect("the grant arrives");
+        assert!(t.elapsed() < LEASE_WAIT, "{:?}", t.elapsed());
+        filler.await.unwrap();
+        // The shared bucket said empty for 80 ms: refused at once, no wait.
+        b.grant(0, Duration::from_millis(80), Instant::now());
+        let t = std::time::Instant::now();
+        assert!(rate.take(Instant::now()).await.is_err());
+        assert!(t.elapsed() < Duration::from_millis(5), "{:?}", t.elapsed());
+        // Nobody grants: the wait is bounded.
+        tokio::time::sleep(Duration::from_millis(80)).await;
+        let t = std::time::Instant::now();
+        assert!(rate.take(Instant::now()).await.is_err());
+        let waited = t.elapsed();
+        assert!(
+            waited >= LEASE_WAIT && waited < LEASE_WAIT * 4,
+            "{waited:?}"
         );
     }
 

@@ -336,11 +336,27 @@ impl Policy {
         let mut now = req.now;
         let mut waited = false;
         let mut admission = StatementAdmission::default();
-        match self
-            .rules
-            .check(req.fingerprint, &policy.name, now, policy.queue_timeout)
-        {
-            RuleCheck::NoRule => {}
+        let mut check = self.rules.check(
+            req.fingerprint,
+            &policy.name,
+            now,
+            policy.queue_timeout,
+            true,
+        );
+        if let RuleCheck::AwaitLease(bucket) = check {
+            // A fleet THROTTLE whose lease ran dry while the shared bucket may have tokens.
+            bucket.wait_lease(now).await;
+            now = Instant::now();
+            check = self.rules.check(
+                req.fingerprint,
+                &policy.name,
+                now,
+                policy.queue_timeout,
+                false,
+            );
+        }
+        match check {
+            RuleCheck::NoRule | RuleCheck::AwaitLease(_) => {}
             RuleCheck::Refuse { rule, violation } => {
                 let reason = rule_reason(req.fingerprint, rule.def(), &violation);
                 let mut r = self.refuse(id, caller, reason, req.fingerprint, now);
@@ -365,7 +381,7 @@ impl Policy {
             }
         }
         if let Some(bucket) = &caller.bucket
-            && let Err(wait) = bucket.try_take(now)
+            && let Err(wait) = bucket.take(now).await
         {
             let what = format!("caller {} is over max_qps={}", policy.name, bucket.rate());
             let detail = format!(

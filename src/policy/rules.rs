@@ -27,7 +27,7 @@ use tokio::time::Instant;
 
 use super::Scope;
 use super::bucket::TokenBucket;
-use super::lease::{FleetGate, Rate};
+use super::lease::{FleetGate, LeasedBucket, Rate};
 use super::rule_spec::duration_ms;
 pub use super::rule_spec::{
     MAX_RULE_JSON_BYTES, MAX_TIMEOUT_MS, MAX_TTL_SECONDS, OnExceed, RuleAction, RuleDef, RuleError,
@@ -152,6 +152,10 @@ pub struct RuleAdmit {
 pub enum RuleCheck {
     /// No live rule for this fingerprint and caller.
     NoRule,
+    /// A fleet-wide THROTTLE whose lease is empty but may be refilled: wait for it
+    /// ([`LeasedBucket::wait_lease`]) and check again with `may_wait` false. Nothing was
+    /// counted.
+    AwaitLease(Arc<LeasedBucket>),
     Admit(RuleAdmit),
     Refuse {
         rule: Arc<Rule>,
@@ -277,13 +281,15 @@ impl RuleSet {
     /// The hot-path question: does a rule say anything about this statement?
     ///
     /// `max_queue_wait` is how long a THROTTLE rule with `action_on_exceed: QUEUE` may make
-    /// the statement wait for a token (the caller's queue timeout).
+    /// the statement wait for a token (the caller's queue timeout). `may_wait`: a fleet-wide
+    /// THROTTLE with an empty lease answers [`RuleCheck::AwaitLease`] instead of refusing.
     pub fn check(
         &self,
         fp: u64,
         caller: &str,
         now: Instant,
         max_queue_wait: Duration,
+        may_wait: bool,
     ) -> RuleCheck {
         if self.count.load(Ordering::Relaxed) == 0 {
             return RuleCheck::NoRule;
@@ -306,8 +312,16 @@ impl RuleSet {
         {
             return RuleCheck::NoRule;
         }
-        rule.hits.fetch_add(1, Ordering::Relaxed);
         let enforce = rule.def.mode == RuleMode::Enforce;
+        if may_wait
+            && enforce
+            && let Some(Rate::Fleet(b)) = &rule.bucket
+            && b.leased(now) == 0
+            && b.lease_may_come(now)
+        {
+            return RuleCheck::AwaitLease(Arc::clone(b));
+        }
+        rule.hits.fetch_add(1, Ordering::Relaxed);
         let mut admit = RuleAdmit {
             rule: Arc::clone(&rule),
             wait: Duration::ZERO,

@@ -223,13 +223,13 @@ fn fingerprint_hex_round_trip() {
 async fn empty_set_and_unknown_fingerprint_pass() {
     let set = RuleSet::new();
     assert!(matches!(
-        set.check(FP, "a", Instant::now(), Duration::ZERO),
+        set.check(FP, "a", Instant::now(), Duration::ZERO, false),
         RuleCheck::NoRule
     ));
     set.put(FP, spec(r#"{"action":"REJECT"}"#).unwrap())
         .unwrap();
     assert!(matches!(
-        set.check(FP + 1, "a", Instant::now(), Duration::ZERO),
+        set.check(FP + 1, "a", Instant::now(), Duration::ZERO, false),
         RuleCheck::NoRule
     ));
 }
@@ -242,7 +242,7 @@ async fn throttle_limits_to_rate_plus_burst() {
     let (mut ok, mut refused) = (0, 0);
     // 10 statements per second for 3 s (0.0 .. 2.9 s).
     for _ in 0..30 {
-        match set.check(FP, "a", Instant::now(), Duration::ZERO) {
+        match set.check(FP, "a", Instant::now(), Duration::ZERO, false) {
             RuleCheck::Admit(a) => {
                 assert_eq!(a.wait, Duration::ZERO);
                 ok += 1;
@@ -253,7 +253,7 @@ async fn throttle_limits_to_rate_plus_burst() {
                 );
                 refused += 1;
             }
-            RuleCheck::NoRule => panic!("rule vanished"),
+            RuleCheck::NoRule | RuleCheck::AwaitLease(_) => panic!("rule vanished"),
         }
         tokio::time::advance(Duration::from_millis(100)).await;
     }
@@ -274,10 +274,10 @@ async fn throttle_queue_reserves_within_the_wait() {
     let now = Instant::now();
     let waits: Vec<_> = (0..4)
         .map(
-            |_| match set.check(FP, "a", now, Duration::from_millis(250)) {
+            |_| match set.check(FP, "a", now, Duration::from_millis(250), false) {
                 RuleCheck::Admit(a) => Ok(a.wait),
                 RuleCheck::Refuse { violation, .. } => Err(violation),
-                RuleCheck::NoRule => panic!("rule vanished"),
+                RuleCheck::NoRule | RuleCheck::AwaitLease(_) => panic!("rule vanished"),
             },
         )
         .collect();
@@ -302,7 +302,7 @@ async fn concurrency_guard_counts_and_releases() {
         spec(r#"{"action":"CONCURRENCY","max_inflight":2}"#).unwrap(),
     )
     .unwrap();
-    let take = || match set.check(FP, "a", Instant::now(), Duration::ZERO) {
+    let take = || match set.check(FP, "a", Instant::now(), Duration::ZERO, false) {
         RuleCheck::Admit(a) => Some(a.guard),
         _ => None,
     };
@@ -334,21 +334,21 @@ async fn reject_warn_timeout_and_caller_scope() {
     .unwrap();
     let now = Instant::now();
     assert!(matches!(
-        set.check(1, "web", now, Duration::ZERO),
+        set.check(1, "web", now, Duration::ZERO, false),
         RuleCheck::NoRule
     ));
-    match set.check(1, "batch", now, Duration::ZERO) {
+    match set.check(1, "batch", now, Duration::ZERO, false) {
         RuleCheck::Refuse { rule, violation } => {
             assert_eq!(violation, RuleViolation::Blocked);
             assert_eq!(rule.def().error_message.as_deref(), Some("use the replica"));
         }
         other => panic!("{other:?}"),
     }
-    match set.check(2, "web", now, Duration::ZERO) {
+    match set.check(2, "web", now, Duration::ZERO, false) {
         RuleCheck::Admit(a) => assert_eq!(a.would_refuse, Some(RuleViolation::Blocked)),
         other => panic!("{other:?}"),
     }
-    match set.check(3, "web", now, Duration::ZERO) {
+    match set.check(3, "web", now, Duration::ZERO, false) {
         RuleCheck::Admit(a) => {
             assert_eq!(a.statement_timeout, Some(Duration::from_millis(800)));
             assert_eq!(a.lock_timeout, Some(Duration::from_millis(200)));
@@ -376,13 +376,13 @@ async fn ttl_expiry_lazy_and_purged() {
     assert_eq!(set.list(Instant::now())[0].expires_in_ms, Some(60_000));
     tokio::time::advance(Duration::from_secs(59)).await;
     assert!(matches!(
-        set.check(1, "a", Instant::now(), Duration::ZERO),
+        set.check(1, "a", Instant::now(), Duration::ZERO, false),
         RuleCheck::Refuse { .. }
     ));
     tokio::time::advance(Duration::from_secs(1)).await;
     let now = Instant::now();
     assert!(matches!(
-        set.check(1, "a", now, Duration::ZERO),
+        set.check(1, "a", now, Duration::ZERO, false),
         RuleCheck::NoRule
     ));
     assert!(set.get(1).is_none());
@@ -402,7 +402,7 @@ async fn put_replaces_and_resets() {
     let set = RuleSet::new();
     set.put(FP, spec(r#"{"action":"REJECT"}"#).unwrap())
         .unwrap();
-    let _ = set.check(FP, "a", Instant::now(), Duration::ZERO);
+    let _ = set.check(FP, "a", Instant::now(), Duration::ZERO, false);
     let e = set
         .put(FP, spec(r#"{"action":"THROTTLE"}"#).unwrap())
         .unwrap_err();
@@ -472,13 +472,13 @@ async fn sync_keeps_unchanged_rules_and_their_state() {
     // Spend the throttle's only token; an identical sync must not refill it.
     let now = Instant::now();
     assert!(matches!(
-        set.check(FP, "c", now, Duration::ZERO),
+        set.check(FP, "c", now, Duration::ZERO, false),
         RuleCheck::Admit(_)
     ));
     let (out, _) = set.sync(&[a.clone(), b.clone()]);
     assert_eq!((out.kept, out.changed()), (2, false));
     assert!(matches!(
-        set.check(FP, "c", now, Duration::ZERO),
+        set.check(FP, "c", now, Duration::ZERO, false),
         RuleCheck::Refuse { .. }
     ));
     assert_eq!(set.get(FP).unwrap().hits(), 2, "counters carried over");
@@ -496,7 +496,7 @@ async fn sync_keeps_unchanged_rules_and_their_state() {
     );
     assert!(set.get(FP + 1).is_none());
     assert!(matches!(
-        set.check(FP, "c", now, Duration::ZERO),
+        set.check(FP, "c", now, Duration::ZERO, false),
         RuleCheck::Admit(_)
     ));
     // Expired entries are left out.
