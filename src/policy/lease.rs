@@ -196,8 +196,13 @@ impl LeasedBucket {
             return self.local().try_take(now);
         }
         let now_ns = self.gate.now_ns(now);
-        self.wanted_until_ns
-            .store(now_ns.saturating_add(nanos(IDLE_AFTER)), Ordering::Relaxed);
+        // Renewed when half of it is used up: a load, not a shared write, per statement.
+        let until = now_ns.saturating_add(nanos(IDLE_AFTER));
+        if until.saturating_sub(self.wanted_until_ns.load(Ordering::Relaxed))
+            > nanos(IDLE_AFTER) / 2
+        {
+            self.wanted_until_ns.store(until, Ordering::Relaxed);
+        }
         if now_ns < self.lease_until_ns.load(Ordering::Acquire) {
             let taken = self
                 .tokens
