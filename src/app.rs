@@ -67,13 +67,23 @@ pub struct AppStats {
 impl App {
     /// Builds the app; `rules` are the runtime rules loaded from the rules file (if any).
     pub fn new(config: Config, rules: Arc<RuleSet>) -> Result<Arc<App>, String> {
+        Self::with_fleet_peer_id(config, rules, false)
+    }
+
+    /// As [`App::new`]; `claimed_peer_id`: `config.peer_id` was claimed in the fleet's Redis
+    /// (`fleet::claim_peer_id`) and is renewed there.
+    pub fn with_fleet_peer_id(
+        config: Config,
+        rules: Arc<RuleSet>,
+        claimed_peer_id: bool,
+    ) -> Result<Arc<App>, String> {
         let creds = Credentials::from_config(&config);
         let (callers, breaker) = policy_inputs(&config);
         let metrics = Metrics::new(&caller_names(&callers));
         let policy = Policy::with_rules(callers, breaker, rules)
             .map_err(|e| format!("callers[{}].{}: {}", e.index, e.field, e.message))?;
         let cancels = Arc::new(cancel::Registry::new(peer_layout(&config)));
-        let fleet = Fleet::from_config(&config)?;
+        let fleet = Fleet::from_config(&config, claimed_peer_id)?;
         if fleet.is_some() {
             metrics.enable_fleet();
         }
@@ -113,7 +123,14 @@ impl App {
 
     /// Swaps in a new configuration: credentials, caller limits and breaker settings.
     /// Validation already happened; if the policy refuses it, nothing changes.
-    pub fn reload(&self, config: Config) -> Result<(), String> {
+    pub fn reload(&self, mut config: Config) -> Result<(), String> {
+        if let Some(fleet) = &self.fleet
+            && fleet.peer_id_claimed()
+            && config.peer_id == 0
+        {
+            // The id claimed at start stays: keys handed out carry it.
+            config.peer_id = self.config.load().peer_id;
+        }
         if peer_layout(&config) != self.cancels.layout() {
             // Keys already handed out carry the old id; they must keep routing home.
             return Err("peer_id, and peers being set or empty, change only at restart".into());
@@ -334,5 +351,19 @@ mod tests {
             assert!(err.contains("restart"), "{err}");
         }
         assert_eq!(app.config.load().peers[0].addr, "10.0.0.3:6432");
+    }
+
+    #[tokio::test]
+    async fn a_claimed_fleet_peer_id_survives_reload_and_the_fleet_section_is_fixed() {
+        let file = "fleet:\n  redis_url: \"redis://127.0.0.1:1\"\n  instance_id: a\n";
+        let mut running = Config::from_yaml(file).unwrap();
+        running.peer_id = 7; // as claimed at start
+        let app = App::with_fleet_peer_id(running, Arc::new(RuleSet::new()), true).unwrap();
+        assert_eq!(app.cancels.layout(), cancel::PeerLayout::new(Some(7)));
+        app.reload(Config::from_yaml(file).unwrap()).unwrap();
+        assert_eq!(app.config.load().peer_id, 7);
+        let moved = file.replace("instance_id: a", "instance_id: b");
+        let err = app.reload(Config::from_yaml(&moved).unwrap()).unwrap_err();
+        assert!(err.contains("fleet"), "{err}");
     }
 }

@@ -174,7 +174,13 @@ async fn run(cli: Cli, mut config: Config) -> anyhow::Result<()> {
     }
     let admin = tokio::net::TcpListener::bind(config.admin.listen).await?;
     let rules = load_rules(&config)?;
-    let app = App::new(config, rules).map_err(anyhow::Error::msg)?;
+    // A fleet member without a configured peer_id claims one before handing out cancel keys.
+    let claimed = pgsluice::fleet::claim_peer_id(&config, std::time::Duration::from_secs(3)).await;
+    if let Some(id) = claimed {
+        config.peer_id = id;
+    }
+    let app =
+        App::with_fleet_peer_id(config, rules, claimed.is_some()).map_err(anyhow::Error::msg)?;
     // The harness and scripts read these two lines to learn the chosen ports.
     // The admin line comes first: readers may stop at the client listening line.
     if let Some(peer) = &peer {

@@ -5,7 +5,8 @@
 //!   fleet-scoped callers split `max_concurrency` between the live members;
 //! * a `scope: fleet` THROTTLE admits about its rate across three instances, where the same
 //!   rule per instance admits about three times as much;
-//! * a CancelRequest sent to one member cancels a query running through another;
+//! * a CancelRequest sent to one member cancels a query running through another (members
+//!   without a configured `peer_id` claim one in Redis);
 //! * Redis killed: every instance keeps enforcing its rules, writes are refused with 503;
 //!   Redis back (empty, as without persistence): it is re-seeded and changes flow again.
 
@@ -39,14 +40,24 @@ struct Fleet {
     _dir: tempfile::TempDir,
 }
 
-fn yaml(redis: &Redis, i: usize, extra: &str) -> String {
+/// Instance `i`'s config; `peer_id: i` unless `claim` (then it claims one in Redis).
+fn yaml(redis: &Redis, i: usize, claim: bool, extra: &str) -> String {
+    let peer_id = if claim {
+        String::new()
+    } else {
+        format!("peer_id: {i}\n")
+    };
     format!(
-        "peer_id: {i}\nadmin:\n  write_token: {W}\nfleet:\n  redis_url: \"{}\"\n  instance_id: i{i}\n  heartbeat_ms: 200\n{extra}",
+        "{peer_id}admin:\n  write_token: {W}\nfleet:\n  redis_url: \"{}\"\n  instance_id: i{i}\n  heartbeat_ms: 200\n{extra}",
         redis.url()
     )
 }
 
 fn start(n: usize, extra: &str) -> Option<Fleet> {
+    start_with(n, false, extra)
+}
+
+fn start_with(n: usize, claim: bool, extra: &str) -> Option<Fleet> {
     if direct_mode() {
         note_skipped("fleet tests (they need the proxy)");
         return None;
@@ -57,7 +68,7 @@ fn start(n: usize, extra: &str) -> Option<Fleet> {
     let proxies = (1..=n)
         .map(|i| {
             let path = dir.path().join(format!("i{i}.yaml"));
-            std::fs::write(&path, yaml(&redis, i, extra)).expect("write config");
+            std::fs::write(&path, yaml(&redis, i, claim, extra)).expect("write config");
             Proxy::start(&cluster, ProxyOptions::pool(4).config_file(path))
         })
         .collect();
@@ -319,8 +330,24 @@ async fn a_fleet_throttle_admits_its_rate_across_three_instances() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_cancel_sent_to_another_member_reaches_the_query() {
-    let Some(f) = start(3, "") else { return };
+    // No peer_id configured: each member claims one in Redis.
+    let Some(f) = start_with(3, true, "") else {
+        return;
+    };
     f.settled(3).await;
+    let members = admin(&f.proxies[0], "GET", "/v1/fleet", None).await.1["members"].clone();
+    let mut ids: Vec<u64> = members
+        .as_array()
+        .expect("members")
+        .iter()
+        .filter_map(|m| m["peer_id"].as_u64())
+        .collect();
+    ids.sort_unstable();
+    ids.dedup();
+    assert!(
+        ids.len() == 3 && !ids.contains(&0),
+        "claimed peer ids: {members}"
+    );
     let (a, b) = (&f.proxies[0], &f.proxies[1]);
     let client = a.client().await;
     let token = client.cancel_token();

@@ -26,6 +26,10 @@
 //! refused with 503 and nothing is applied anywhere: a change applied on one instance only
 //! would be undone by the next sync.
 //!
+//! Cancel routing: members announce their `peer_id` and cancel address in their heartbeat;
+//! `App::cancel_peers` adds the live members to the configured `peers`. Without a configured
+//! `peer_id`, one is claimed in Redis at start ([`claim_peer_id`]) and renewed by heartbeats.
+//!
 //! Degradation: when a Redis call fails or times out, the instance marks the store down
 //! (logged once, `pgsluice_fleet_redis_up 0`), keeps enforcing the rules it last applied,
 //! falls back to local shares of fleet limits (from the last member count it saw), and
@@ -62,6 +66,9 @@ const BACKOFF_CAP_MS: u64 = 5_000;
 pub struct Fleet {
     id: String,
     me: Member,
+    /// The peer id was claimed in Redis at start (renewed by heartbeats), not configured.
+    claimed_peer_id: bool,
+    key_prefix: String,
     heartbeat: Duration,
     keys: Keys,
     client: redis::Client,
@@ -112,14 +119,15 @@ pub struct FleetSnapshot {
 }
 
 impl Fleet {
-    /// From the config (`None` without a `fleet` section). Does not connect.
-    pub fn from_config(config: &Config) -> Result<Option<Arc<Fleet>>, String> {
+    /// From the config (`None` without a `fleet` section). Does not connect. `claimed`: the
+    /// config's `peer_id` came from [`claim_peer_id`].
+    pub fn from_config(config: &Config, claimed: bool) -> Result<Option<Arc<Fleet>>, String> {
         let Some(f) = &config.fleet else {
             return Ok(None);
         };
         let client = redis::Client::open(f.redis_url.as_str())
             .map_err(|e| format!("fleet.redis_url: {e}"))?;
-        let id = f.instance_id.clone().unwrap_or_else(default_instance_id);
+        let id = instance_id(f);
         let me = Member {
             id: id.clone(),
             peer_id: config.peer_id,
@@ -129,6 +137,8 @@ impl Fleet {
         Ok(Some(Arc::new(Fleet {
             id,
             me,
+            claimed_peer_id: claimed,
+            key_prefix: f.key_prefix.clone(),
             heartbeat: Duration::from_millis(f.heartbeat_ms),
             keys: Keys::new(&f.key_prefix),
             client,
@@ -145,6 +155,11 @@ impl Fleet {
 
     pub fn instance_id(&self) -> &str {
         &self.id
+    }
+
+    /// Whether this instance's peer id was claimed in Redis rather than configured.
+    pub fn peer_id_claimed(&self) -> bool {
+        self.claimed_peer_id
     }
 
     pub fn redis_up(&self) -> bool {
@@ -336,6 +351,21 @@ impl Fleet {
     /// Heartbeat: renew membership, learn the live set, catch up on rules if behind.
     async fn beat(&self, conn: &mut MultiplexedConnection, app: &App) -> redis::RedisResult<()> {
         let ttl = u64::try_from(self.heartbeat.as_millis() * 3).unwrap_or(u64::MAX);
+        if self.claimed_peer_id {
+            let renew = self.scripts.renew_peer_id(
+                conn,
+                &self.key_prefix,
+                self.me.peer_id,
+                &self.id,
+                peer_id_ttl_ms(self.heartbeat),
+            );
+            if let Some(holder) = timed(renew).await? {
+                // Only after a Redis outage longer than the claim's TTL. Cancels for this
+                // instance's keys may then reach the other holder, which ignores them (the
+                // secret does not match): lost, never misapplied.
+                tracing::warn!(peer_id = self.me.peer_id, holder = %holder, "fleet: this instance's claimed peer id is held by another instance; restart to claim a new one");
+            }
+        }
         let hb = timed(self.scripts.heartbeat(conn, &self.keys, &self.me, ttl)).await?;
         let n = u32::try_from(hb.members.len()).unwrap_or(u32::MAX).max(1);
         let before = self.members.lock().clone();
@@ -481,6 +511,52 @@ fn stored_pairs(rules: &RuleSet) -> Vec<(String, String)> {
         .collect()
 }
 
+/// How long a claimed peer id outlives its holder's last heartbeat.
+fn peer_id_ttl_ms(heartbeat: Duration) -> u64 {
+    u64::try_from((heartbeat * 30).max(Duration::from_secs(60)).as_millis()).unwrap_or(u64::MAX)
+}
+
+/// With a `fleet` and no `peer_id`: claims a free cancel-key id in Redis (before any key is
+/// handed out), so cancels are routed between members without configuring ids. `None` if
+/// Redis cannot be reached within `wait` or all 255 ids are taken (logged).
+pub async fn claim_peer_id(config: &Config, wait: Duration) -> Option<u8> {
+    let f = config.fleet.as_ref()?;
+    if config.peer_id != 0 {
+        return None;
+    }
+    let id = instance_id(f);
+    let ttl = peer_id_ttl_ms(Duration::from_millis(f.heartbeat_ms));
+    let claim = async {
+        let client = redis::Client::open(f.redis_url.as_str())?;
+        let mut conn = client.get_multiplexed_async_connection().await?;
+        Scripts::default()
+            .claim_peer_id(&mut conn, &f.key_prefix, &id, ttl)
+            .await
+    };
+    match tokio::time::timeout(wait, claim).await {
+        Ok(Ok(0)) => {
+            tracing::warn!(
+                "fleet: all 255 peer ids are taken; this instance's cancel keys are not routed"
+            );
+            None
+        }
+        Ok(Ok(n)) => {
+            tracing::info!(peer_id = n, instance = %id, "fleet: claimed a peer id for cancel routing");
+            Some(n)
+        }
+        Ok(Err(e)) => {
+            tracing::warn!(error = %e, "fleet: cannot claim a peer id; this instance's cancel keys are not routed (set peer_id to route them)");
+            None
+        }
+        Err(_) => {
+            tracing::warn!(
+                "fleet: Redis did not answer; this instance's cancel keys are not routed (set peer_id to route them)"
+            );
+            None
+        }
+    }
+}
+
 fn cancel_addr(config: &Config, f: &FleetConfig) -> Option<String> {
     if config.peer_id == 0 {
         return None;
@@ -489,6 +565,10 @@ fn cancel_addr(config: &Config, f: &FleetConfig) -> Option<String> {
         .clone()
         .or_else(|| config.peer_listen.map(|a| a.to_string()))
         .or_else(|| (!config.listen_reuseport).then(|| config.listen.to_string()))
+}
+
+fn instance_id(f: &FleetConfig) -> String {
+    f.instance_id.clone().unwrap_or_else(default_instance_id)
 }
 
 fn default_instance_id() -> String {

@@ -10,11 +10,14 @@
 //!   the rule set was first seeded, so a Redis that restarted empty (version counting from
 //!   scratch) is noticed by instances that applied a higher version earlier.
 //! * `P:rules:changed` — pub/sub channel, message = the new version.
+//! * `P:peer_id:N` — which instance holds cancel-key id N (1..=255) when ids are claimed
+//!   rather than configured; renewed by heartbeats, free again a while after its holder went.
 //! * `P:bucket:KEY` — a shared GCRA bucket: the theoretical arrival time in µs of Redis'
 //!   own clock (`TIME`), so instances' clock skew does not matter.
 //!
-//! Scripts touch only the keys they are given plus, for membership, nothing else; they run
-//! on a single Redis (not Cluster: the keys of one script are not in one hash slot).
+//! The peer-id scripts build their key names from the prefix (they probe up to 255 keys); the
+//! others touch only the keys they are given. All run on a single Redis (not Cluster: the keys
+//! of one script are not in one hash slot).
 
 use redis::aio::MultiplexedConnection;
 use redis::{RedisResult, Script};
@@ -96,6 +99,34 @@ local infos = redis.call('HMGET', KEYS[2], unpack(ids))
 local epoch = redis.call('GET', KEYS[3])
 local version = redis.call('GET', KEYS[4])
 return {epoch or '', version or '0', infos}
+";
+
+/// ARGV: key prefix, instance id, ttl ms. Returns the peer id (1..=255) this instance holds or
+/// just took, 0 if all are taken.
+const CLAIM: &str = r"
+for i = 1, 255 do
+  local k = ARGV[1] .. ':peer_id:' .. i
+  if redis.call('GET', k) == ARGV[2] then
+    redis.call('PEXPIRE', k, ARGV[3])
+    return i
+  end
+end
+for i = 1, 255 do
+  if redis.call('SET', ARGV[1] .. ':peer_id:' .. i, ARGV[2], 'NX', 'PX', ARGV[3]) then
+    return i
+  end
+end
+return 0
+";
+
+/// ARGV: key prefix, peer id, instance id, ttl ms. Renews a claimed peer id; returns the
+/// holder if another instance has it (empty string: renewed).
+const RENEW: &str = r"
+local k = ARGV[1] .. ':peer_id:' .. ARGV[2]
+local v = redis.call('GET', k)
+if v and v ~= ARGV[3] then return v end
+redis.call('SET', k, ARGV[3], 'PX', ARGV[4])
+return ''
 ";
 
 const LEAVE: &str = r"
@@ -180,6 +211,8 @@ return {0, tat + interval - tol - now}
 
 /// The scripts, hashed once.
 pub struct Scripts {
+    claim: Script,
+    renew: Script,
     heartbeat: Script,
     leave: Script,
     seed: Script,
@@ -192,6 +225,8 @@ pub struct Scripts {
 impl Default for Scripts {
     fn default() -> Self {
         Scripts {
+            claim: Script::new(CLAIM),
+            renew: Script::new(RENEW),
             heartbeat: Script::new(HEARTBEAT),
             leave: Script::new(LEAVE),
             seed: Script::new(SEED),
@@ -212,6 +247,44 @@ fn epoch_of(s: String) -> Option<String> {
 }
 
 impl Scripts {
+    /// A peer id for `id`: the one it already holds, else a free one (0: none left).
+    pub async fn claim_peer_id(
+        &self,
+        conn: &mut MultiplexedConnection,
+        prefix: &str,
+        id: &str,
+        ttl_ms: u64,
+    ) -> RedisResult<u8> {
+        let n: i64 = self
+            .claim
+            .arg(prefix)
+            .arg(id)
+            .arg(ttl_ms)
+            .invoke_async(conn)
+            .await?;
+        Ok(u8::try_from(n).unwrap_or(0))
+    }
+
+    /// Renews a claimed peer id; `Some(holder)` if another instance holds it now.
+    pub async fn renew_peer_id(
+        &self,
+        conn: &mut MultiplexedConnection,
+        prefix: &str,
+        peer_id: u8,
+        id: &str,
+        ttl_ms: u64,
+    ) -> RedisResult<Option<String>> {
+        let holder: String = self
+            .renew
+            .arg(prefix)
+            .arg(peer_id)
+            .arg(id)
+            .arg(ttl_ms)
+            .invoke_async(conn)
+            .await?;
+        Ok((!holder.is_empty()).then_some(holder))
+    }
+
     pub async fn heartbeat(
         &self,
         conn: &mut MultiplexedConnection,
