@@ -26,6 +26,11 @@
 //! later check refuses the statement: the buckets bound how fast statements *arrive* at each
 //! gate, which keeps a refused flood from refilling its own budget.
 //!
+//! Fleet scope (issue 10): a caller or THROTTLE rule marked `scope: fleet` takes its rate
+//! tokens from a bucket shared by every instance ([`lease`]; the fleet module fills the
+//! leases), and a fleet-scoped caller's `max_concurrency` is split between the live members
+//! ([`Policy::set_fleet_members`]). Without a fleet such limits act like local ones.
+//!
 //! Hot reload: [`Policy::reconfigure`] swaps the caller table in one step. Callers are matched
 //! by name, so their in-flight permits, queues and counters carry over; new limits apply to new
 //! acquisitions. A `max_qps` bucket is kept when its rate and burst are unchanged.
@@ -693,8 +698,6 @@ fn rule_reason(fp: u64, def: &rules::RuleDef, violation: &RuleViolation) -> Reas
     }
 }
 
-/// Validate the caller list and build its runtime table, reusing the limiter, stats and (if
-/// unchanged) bucket of same-named callers in `old`.
 /// What this instance enforces of a caller's limits: a fleet-scoped caller gets
 /// `max_concurrency / members` (rounded down, at least 1) so the fleet's sum stays within the
 /// limit; its queue is its own.
@@ -709,6 +712,8 @@ fn local_limits(policy: &CallerPolicy, members: u32) -> Limits {
     }
 }
 
+/// Validate the caller list and build its runtime table, reusing the limiter, stats and (if
+/// unchanged) bucket of same-named callers in `old`.
 fn build_table(
     callers: Vec<CallerPolicy>,
     old: &[Arc<CallerState>],
