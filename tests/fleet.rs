@@ -326,6 +326,33 @@ async fn a_fleet_throttle_admits_its_rate_across_three_instances() {
         admitted[2] >= admitted[0] * 2,
         "instance scope vs fleet scope: {admitted:?}"
     );
+
+    // QUEUE: over the rate, statements wait for a fleet token (up to the caller's queue
+    // timeout, 5 s by default) instead of being refused: 2/s with burst 1, four in a row
+    // through two instances take about 1.5 s and all run.
+    let rule = json!({"action": "THROTTLE", "max_qps": 2, "burst": 1,
+                      "action_on_exceed": "QUEUE", "scope": "fleet"});
+    let (status, body) = admin(&f.proxies[0], "PUT", &rule_path(&fp), Some(&rule)).await;
+    assert_eq!(status, 200, "{body}");
+    let created = body["created_unix_ms"].clone();
+    for p in &f.proxies {
+        eventually(STEP, "the QUEUE rule is everywhere", || async {
+            admin(p, "GET", &rule_path(&fp), None).await.1["created_unix_ms"] == created
+        })
+        .await;
+    }
+    let clients = [f.proxies[1].client().await, f.proxies[2].client().await];
+    let t = Instant::now();
+    for i in 0..4 {
+        run(&clients[i % 2], sql)
+            .await
+            .unwrap_or_else(|code| panic!("statement {i} refused ({code}) instead of queued"));
+    }
+    let took = t.elapsed();
+    assert!(
+        took >= Duration::from_millis(1200) && took < Duration::from_secs(4),
+        "{took:?}"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -24,9 +24,11 @@
 //! said "empty until T", statements are refused at once until T. So the hot path waits on
 //! Redis at most once per lease, never per statement.
 //!
-//! A leased token cannot be reserved ahead as the local bucket's tokens can: a THROTTLE rule
-//! with `action_on_exceed: QUEUE` and `scope: fleet` refuses when this instance's lease is
-//! empty instead of waiting for the next refill.
+//! A leased token cannot be reserved ahead as the local bucket's tokens can, so a THROTTLE
+//! rule with `action_on_exceed: QUEUE` and `scope: fleet` waits differently: the statement
+//! sleeps until the shared bucket has a token due, then for the grant, up to the caller's queue
+//! timeout ([`LeasedBucket::wait_for_token`]), and competes with the other waiters of its
+//! instance for what arrives.
 
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Weak};
@@ -264,6 +266,11 @@ impl LeasedBucket {
         self.granted.notify_waiters();
     }
 
+    /// Whether fleet buckets lease from the shared store now (false: local shares).
+    pub fn leasing(&self) -> bool {
+        self.gate.leasing()
+    }
+
     /// Whether waiting for the filler may bring a token: leases are on and the shared bucket
     /// is not known to be empty.
     pub fn lease_may_come(&self, now: Instant) -> bool {
@@ -273,6 +280,31 @@ impl LeasedBucket {
     /// Waits (at most [`LEASE_WAIT`]) for the filler's next grant; returns at once if a token
     /// is already there.
     pub async fn wait_lease(&self, now: Instant) {
+        self.wait_grant(now, LEASE_WAIT).await;
+    }
+
+    /// THROTTLE `QUEUE` with a fleet bucket: waits until a token is leased here or `deadline`
+    /// passes. While the shared bucket is known empty it sleeps until a token is due there,
+    /// then waits for the filler's grant; statements waiting on one instance compete for what
+    /// it leases (no order across instances). Does not take the token.
+    pub async fn wait_for_token(&self, deadline: Instant) {
+        loop {
+            let now = Instant::now();
+            if self.leased(now) > 0 || now >= deadline || !self.gate.leasing() {
+                return;
+            }
+            let due =
+                self.gate.base + Duration::from_nanos(self.next_try_ns.load(Ordering::Relaxed));
+            if due > now {
+                tokio::time::sleep_until(due.min(deadline)).await;
+                continue;
+            }
+            self.wait_grant(now, (deadline - now).min(LEASE_WAIT)).await;
+        }
+    }
+
+    /// Marks demand, wakes the filler and waits up to `limit` for its next grant.
+    async fn wait_grant(&self, now: Instant, limit: Duration) {
         let granted = self.granted.notified();
         tokio::pin!(granted);
         granted.as_mut().enable();
@@ -284,7 +316,7 @@ impl LeasedBucket {
             Ordering::Relaxed,
         );
         self.gate.wake.notify_one();
-        let _ = tokio::time::timeout(LEASE_WAIT, granted).await;
+        let _ = tokio::time::timeout(limit, granted).await;
     }
 
     /// Leased tokens usable now.
@@ -481,6 +513,48 @@ mod tests {
             waited >= LEASE_WAIT && waited < LEASE_WAIT * 4,
             "{waited:?}"
         );
+    }
+
+    #[tokio::test]
+    async fn queueing_sleeps_while_the_shared_bucket_is_empty_then_takes_the_grant() {
+        let gate = FleetGate::new();
+        gate.set_leasing(true);
+        let b = gate.bucket("k".into(), 10.0, 1);
+        b.grant(0, Duration::from_millis(60), Instant::now());
+        let filler = {
+            let (gate, b) = (Arc::clone(&gate), Arc::clone(&b));
+            tokio::spawn(async move {
+                loop {
+                    gate.wanted().await;
+                    if b.wants(Instant::now()).is_some() {
+                        b.grant(1, Duration::ZERO, Instant::now());
+                        return;
+                    }
+                }
+            })
+        };
+        let t = std::time::Instant::now();
+        b.wait_for_token(Instant::now() + Duration::from_millis(500))
+            .await;
+        let waited = t.elapsed();
+        assert_eq!(b.leased(Instant::now()), 1);
+        assert!(
+            waited >= Duration::from_millis(55) && waited < Duration::from_millis(300),
+            "{waited:?}"
+        );
+        filler.await.unwrap();
+        // Empty for 10 s: the deadline ends the wait, with nothing leased.
+        b.try_take(Instant::now()).unwrap();
+        b.grant(0, Duration::from_secs(10), Instant::now());
+        let t = std::time::Instant::now();
+        b.wait_for_token(Instant::now() + Duration::from_millis(50))
+            .await;
+        assert!(
+            t.elapsed() < Duration::from_millis(250),
+            "{:?}",
+            t.elapsed()
+        );
+        assert_eq!(b.leased(Instant::now()), 0);
     }
 
     #[tokio::test(start_paused = true)]

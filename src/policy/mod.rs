@@ -348,10 +348,12 @@ impl Policy {
             policy.queue_timeout,
             true,
         );
-        if let RuleCheck::AwaitLease(bucket) = check {
-            // A fleet THROTTLE whose lease ran dry while the shared bucket may have tokens.
-            bucket.wait_lease(now).await;
+        if let RuleCheck::AwaitLease { bucket, until } = check {
+            // A fleet THROTTLE whose lease ran dry: wait for a token (REJECT: briefly, while
+            // the shared bucket may have one; QUEUE: up to the caller's queue timeout).
+            bucket.wait_for_token(until).await;
             now = Instant::now();
+            waited = true;
             check = self.rules.check(
                 req.fingerprint,
                 &policy.name,
@@ -361,7 +363,7 @@ impl Policy {
             );
         }
         match check {
-            RuleCheck::NoRule | RuleCheck::AwaitLease(_) => {}
+            RuleCheck::NoRule | RuleCheck::AwaitLease { .. } => {}
             RuleCheck::Refuse { rule, violation } => {
                 let reason = rule_reason(req.fingerprint, rule.def(), &violation);
                 let mut r = self.refuse(id, caller, reason, req.fingerprint, now);

@@ -27,7 +27,7 @@ use tokio::time::Instant;
 
 use super::Scope;
 use super::bucket::TokenBucket;
-use super::lease::{FleetGate, LeasedBucket, Rate};
+use super::lease::{FleetGate, LEASE_WAIT, LeasedBucket, Rate};
 use super::rule_spec::duration_ms;
 pub use super::rule_spec::{
     MAX_RULE_JSON_BYTES, MAX_TIMEOUT_MS, MAX_TTL_SECONDS, OnExceed, RuleAction, RuleDef, RuleError,
@@ -152,10 +152,13 @@ pub struct RuleAdmit {
 pub enum RuleCheck {
     /// No live rule for this fingerprint and caller.
     NoRule,
-    /// A fleet-wide THROTTLE whose lease is empty but may be refilled: wait for it
-    /// ([`LeasedBucket::wait_lease`]) and check again with `may_wait` false. Nothing was
-    /// counted.
-    AwaitLease(Arc<LeasedBucket>),
+    /// A fleet-wide THROTTLE whose lease is empty but may be refilled: wait for a token until
+    /// `until` ([`LeasedBucket::wait_for_token`]) and check again with `may_wait` false.
+    /// Nothing was counted.
+    AwaitLease {
+        bucket: Arc<LeasedBucket>,
+        until: Instant,
+    },
     Admit(RuleAdmit),
     Refuse {
         rule: Arc<Rule>,
@@ -315,11 +318,24 @@ impl RuleSet {
         let enforce = rule.def.mode == RuleMode::Enforce;
         if may_wait
             && enforce
+            && let RuleAction::Throttle { on_exceed, .. } = &rule.def.action
             && let Some(Rate::Fleet(b)) = &rule.bucket
             && b.leased(now) == 0
-            && b.lease_may_come(now)
         {
-            return RuleCheck::AwaitLease(Arc::clone(b));
+            // REJECT: only the wait for a lease that may come; QUEUE: up to the queue timeout.
+            let queue = *on_exceed == OnExceed::Queue && !max_queue_wait.is_zero();
+            if queue && b.leasing() {
+                return RuleCheck::AwaitLease {
+                    bucket: Arc::clone(b),
+                    until: now + max_queue_wait,
+                };
+            }
+            if b.lease_may_come(now) {
+                return RuleCheck::AwaitLease {
+                    bucket: Arc::clone(b),
+                    until: now + LEASE_WAIT,
+                };
+            }
         }
         rule.hits.fetch_add(1, Ordering::Relaxed);
         let mut admit = RuleAdmit {

@@ -253,7 +253,7 @@ async fn throttle_limits_to_rate_plus_burst() {
                 );
                 refused += 1;
             }
-            RuleCheck::NoRule | RuleCheck::AwaitLease(_) => panic!("rule vanished"),
+            RuleCheck::NoRule | RuleCheck::AwaitLease { .. } => panic!("rule vanished"),
         }
         tokio::time::advance(Duration::from_millis(100)).await;
     }
@@ -277,7 +277,7 @@ async fn throttle_queue_reserves_within_the_wait() {
             |_| match set.check(FP, "a", now, Duration::from_millis(250), false) {
                 RuleCheck::Admit(a) => Ok(a.wait),
                 RuleCheck::Refuse { violation, .. } => Err(violation),
-                RuleCheck::NoRule | RuleCheck::AwaitLease(_) => panic!("rule vanished"),
+                RuleCheck::NoRule | RuleCheck::AwaitLease { .. } => panic!("rule vanished"),
             },
         )
         .collect();
