@@ -8,7 +8,8 @@
 //! * a CancelRequest sent to one member cancels a query running through another (members
 //!   without a configured `peer_id` claim one in Redis);
 //! * Redis killed: every instance keeps enforcing its rules, writes are refused with 503;
-//!   Redis back (empty, as without persistence): it is re-seeded and changes flow again.
+//!   Redis back (empty, as without persistence): it is re-seeded and changes flow again;
+//! * two instances configured with one `instance_id` are reported in the log.
 
 mod support;
 
@@ -468,6 +469,32 @@ async fn without_redis_rules_stay_enforced_and_come_back_in_sync() {
         v
     };
     assert!(epochs.windows(2).all(|w| w[0] == w[1]), "{epochs:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_instances_under_one_instance_id_are_reported() {
+    if direct_mode() {
+        note_skipped("fleet tests (they need the proxy)");
+        return;
+    }
+    let redis = Redis::start();
+    let cluster = Cluster::start();
+    let dir = tempfile::tempdir().expect("config dir");
+    let path = dir.path().join("twin.yaml");
+    let text = yaml(&redis, 1, true, "").replace("instance_id: i1", "instance_id: twin");
+    std::fs::write(&path, text).expect("write config");
+    let twins: Vec<Proxy> = (0..2)
+        .map(|_| Proxy::start(&cluster, ProxyOptions::pool(2).config_file(&path)))
+        .collect();
+    eventually(STEP, "the duplicate id is logged", || async {
+        twins.iter().any(|p| {
+            p.stderr_tail()
+                .contains("another live instance uses the same instance_id")
+        })
+    })
+    .await;
+    let members = admin(&twins[0], "GET", "/v1/fleet", None).await.1["members"].clone();
+    assert_eq!(members.as_array().map(Vec::len), Some(1), "{members}");
 }
 
 /// A sample from an instance's /metrics (0 when absent).

@@ -40,7 +40,7 @@
 pub mod store;
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use futures_util::StreamExt;
@@ -85,6 +85,10 @@ pub struct Fleet {
     /// Serialises rule syncs (the task's and admin writes').
     sync_lock: tokio::sync::Mutex<()>,
     pub counters: FleetCounters,
+    /// When the duplicate-id error was last logged (unix ms), to log it once a minute.
+    same_id_warned: AtomicU64,
+    /// Heartbeats in a row that found another instance's entry under this id.
+    same_id_streak: AtomicU32,
 }
 
 #[derive(Default)]
@@ -150,6 +154,8 @@ impl Fleet {
             next_expiry: AtomicU64::new(u64::MAX),
             sync_lock: tokio::sync::Mutex::new(()),
             counters: FleetCounters::default(),
+            same_id_warned: AtomicU64::new(0),
+            same_id_streak: AtomicU32::new(0),
         })))
     }
 
@@ -367,6 +373,26 @@ impl Fleet {
             }
         }
         let hb = timed(self.scripts.heartbeat(conn, &self.keys, &self.me, ttl)).await?;
+        // A predecessor that died without leaving shows up once (its entry is overwritten by
+        // this heartbeat); a live twin shows up at every heartbeat.
+        let streak = if hb.same_id.is_some() {
+            self.same_id_streak.fetch_add(1, Ordering::Relaxed) + 1
+        } else {
+            self.same_id_streak.store(0, Ordering::Relaxed);
+            0
+        };
+        if let Some(other) = hb.same_id.as_ref().filter(|_| streak >= 2) {
+            let now = unix_ms();
+            let last = self.same_id_warned.swap(now, Ordering::Relaxed);
+            if now.saturating_sub(last) >= 60_000 {
+                tracing::error!(
+                    instance = %self.id,
+                    other_cancel_addr = ?other.cancel_addr,
+                    other_started_unix_ms = other.started_unix_ms,
+                    "fleet: another live instance uses the same instance_id; give each a unique fleet.instance_id (they count as one member)"
+                );
+            }
+        }
         let n = u32::try_from(hb.members.len()).unwrap_or(u32::MAX).max(1);
         let before = self.members.lock().clone();
         if before

@@ -72,6 +72,9 @@ pub struct Heartbeat {
     pub members: Vec<Member>,
     pub epoch: Option<String>,
     pub version: u64,
+    /// Another live instance announced itself under this instance's id since the last
+    /// heartbeat (a configuration mistake: the two count as one member).
+    pub same_id: Option<Member>,
 }
 
 /// A consistent copy of the fleet's rules.
@@ -87,6 +90,10 @@ const HEARTBEAT: &str = r"
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local ttl = tonumber(ARGV[3])
+local prev = redis.call('HGET', KEYS[2], ARGV[1])
+local score = redis.call('ZSCORE', KEYS[1], ARGV[1])
+local conflict = ''
+if prev and prev ~= ARGV[2] and score and tonumber(score) > now then conflict = prev end
 redis.call('HSET', KEYS[2], ARGV[1], ARGV[2])
 redis.call('ZADD', KEYS[1], now + ttl, ARGV[1])
 local dead = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', now)
@@ -98,7 +105,7 @@ local ids = redis.call('ZRANGE', KEYS[1], 0, -1)
 local infos = redis.call('HMGET', KEYS[2], unpack(ids))
 local epoch = redis.call('GET', KEYS[3])
 local version = redis.call('GET', KEYS[4])
-return {epoch or '', version or '0', infos}
+return {epoch or '', version or '0', infos, conflict}
 ";
 
 /// ARGV: key prefix, instance id, ttl ms. Returns the peer id (1..=255) this instance holds or
@@ -293,7 +300,7 @@ impl Scripts {
         ttl_ms: u64,
     ) -> RedisResult<Heartbeat> {
         let info = serde_json::to_string(me).unwrap_or_default();
-        let (epoch, version, infos): (String, String, Vec<Option<String>>) = self
+        let (epoch, version, infos, conflict): (String, String, Vec<Option<String>>, String) = self
             .heartbeat
             .key(&keys.members)
             .key(&keys.member_info)
@@ -314,6 +321,7 @@ impl Scripts {
             members,
             epoch: epoch_of(epoch),
             version: version_of(&version),
+            same_id: serde_json::from_str(&conflict).ok(),
         })
     }
 
