@@ -277,6 +277,7 @@ async fn a_fleet_throttle_admits_its_rate_across_three_instances() {
         let refused = Arc::new(AtomicU64::new(0));
         let stop = Arc::new(AtomicBool::new(false));
         let mut tasks = Vec::new();
+        let started = Instant::now();
         for p in &f.proxies[..spread] {
             for _ in 0..9 / spread {
                 let client = p.client().await;
@@ -300,6 +301,8 @@ async fn a_fleet_throttle_admits_its_rate_across_three_instances() {
         for t in tasks {
             within(STEP, "load task ends", t).await.expect("load task");
         }
+        // The bucket is at most full (burst 10) when the load starts; from then on 10/s.
+        let ceiling = 10 + (10.0 * started.elapsed().as_secs_f64()).ceil() as u64;
         let (n, r) = (ok.load(Ordering::Relaxed), refused.load(Ordering::Relaxed));
         let mut leased = -leased_before;
         for p in &f.proxies {
@@ -315,12 +318,15 @@ async fn a_fleet_throttle_admits_its_rate_across_three_instances() {
                 "every admitted statement had a leased token"
             );
         }
+        if scope == "fleet" {
+            // Shared: burst + rate · elapsed (40 for exactly 3 s) at most, whether the load is
+            // spread or goes through one instance (a static split would give that one a third).
+            assert!(
+                (28..=ceiling).contains(&n),
+                "fleet-wide admitted {n}, ceiling {ceiling}"
+            );
+        }
         admitted.push(n);
-    }
-    // Shared: burst 10 + 10/s · 3 s = 40 at most (plus a statement on the edge), whether the
-    // load is spread or goes through one instance (a static split would give that one a third).
-    for n in &admitted[..2] {
-        assert!((28..=42).contains(n), "fleet-wide admitted {admitted:?}");
     }
     // Per instance the same rule admits three times as much.
     assert!(
