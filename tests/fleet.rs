@@ -13,13 +13,11 @@
 
 mod support;
 
-use std::net::SocketAddr;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use serde_json::{Value, json};
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 use tokio_postgres::NoTls;
 
@@ -96,32 +94,33 @@ impl Fleet {
 
 /// One admin API request; (status, JSON body or Null). Mutations use the write token.
 async fn admin(proxy: &Proxy, method: &str, path: &str, body: Option<&Value>) -> (u16, Value) {
-    let addr = proxy.admin_addr().expect("admin address");
-    let mut s = within(STEP, "admin connect", TcpStream::connect(addr))
-        .await
-        .expect("admin connect");
+    let (status, text) = http(proxy, method, path, body).await;
+    (status, serde_json::from_str(&text).unwrap_or(Value::Null))
+}
+
+/// The first caller's `local_max_concurrency` on an instance.
+async fn share(p: &Proxy) -> Option<u64> {
+    let v = admin(p, "GET", "/v1/callers", None).await.1;
+    v["callers"][0]["local_max_concurrency"].as_u64()
+}
+
+/// A sample from an instance's /metrics (0 when absent).
+async fn metric(proxy: &Proxy, series: &str) -> f64 {
+    let text = http(proxy, "GET", "/metrics", None).await.1;
+    let prefix = format!("{series} ");
+    text.lines()
+        .find_map(|l| l.strip_prefix(&prefix))
+        .and_then(|v| v.trim().parse().ok())
+        .unwrap_or(0.0)
+}
+
+/// The admin API with the read token for GET, the write token otherwise; (status, body).
+async fn http(proxy: &Proxy, method: &str, path: &str, body: Option<&Value>) -> (u16, String) {
     let token = if method == "GET" { ADMIN_READ_TOKEN } else { W };
-    let body = body.map(Value::to_string).unwrap_or_default();
-    let req = format!(
-        "{method} {path} HTTP/1.0\r\nHost: localhost\r\nAuthorization: Bearer {token}\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
-        body.len()
-    );
-    s.write_all(req.as_bytes()).await.expect("admin request");
-    let mut resp = Vec::new();
-    within(STEP, "admin response", s.read_to_end(&mut resp))
+    let body = body.map(Value::to_string);
+    proxy
+        .admin_request(method, path, token, body.as_deref())
         .await
-        .expect("admin response");
-    let text = String::from_utf8_lossy(&resp);
-    let status = text
-        .split_whitespace()
-        .nth(1)
-        .and_then(|c| c.parse().ok())
-        .unwrap_or(0);
-    let json = text
-        .split_once("\r\n\r\n")
-        .and_then(|(_, b)| serde_json::from_str(b).ok())
-        .unwrap_or(Value::Null);
-    (status, json)
 }
 
 fn fingerprint(sql: &str) -> String {
@@ -228,13 +227,6 @@ async fn a_rule_put_on_one_instance_is_enforced_by_all_within_a_second() {
     assert!(metric(a, "pgsluice_fleet_lease_requests_total").await > before);
 
     // A fleet-scoped caller's max_concurrency 6 is 2 per member; 3 once one member leaves.
-    let share = |p: &Proxy| {
-        let addr = p.admin_addr().expect("admin address");
-        async move {
-            let v = admin_at(addr, "/v1/callers").await;
-            v["callers"][0]["local_max_concurrency"].as_u64()
-        }
-    };
     for p in &f.proxies {
         assert_eq!(share(p).await, Some(2));
     }
@@ -501,37 +493,4 @@ async fn two_instances_under_one_instance_id_are_reported() {
     .await;
     let members = admin(&twins[0], "GET", "/v1/fleet", None).await.1["members"].clone();
     assert_eq!(members.as_array().map(Vec::len), Some(1), "{members}");
-}
-
-/// A sample from an instance's /metrics (0 when absent).
-async fn metric(proxy: &Proxy, series: &str) -> f64 {
-    let addr = proxy.admin_addr().expect("admin address");
-    let text = get_text(addr, "/metrics").await;
-    let prefix = format!("{series} ");
-    text.lines()
-        .find_map(|l| l.strip_prefix(&prefix))
-        .and_then(|v| v.trim().parse().ok())
-        .unwrap_or(0.0)
-}
-
-async fn admin_at(addr: SocketAddr, path: &str) -> Value {
-    serde_json::from_str(&get_text(addr, path).await).unwrap_or(Value::Null)
-}
-
-async fn get_text(addr: SocketAddr, path: &str) -> String {
-    let mut s = within(STEP, "admin connect", TcpStream::connect(addr))
-        .await
-        .expect("admin connect");
-    let req = format!(
-        "GET {path} HTTP/1.0\r\nHost: localhost\r\nAuthorization: Bearer {ADMIN_READ_TOKEN}\r\n\r\n"
-    );
-    s.write_all(req.as_bytes()).await.expect("admin request");
-    let mut resp = Vec::new();
-    within(STEP, "admin response", s.read_to_end(&mut resp))
-        .await
-        .expect("admin response");
-    let text = String::from_utf8_lossy(&resp);
-    text.split_once("\r\n\r\n")
-        .map(|x| x.1.to_string())
-        .unwrap_or_default()
 }

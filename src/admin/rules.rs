@@ -87,7 +87,8 @@ pub async fn put(
     let live = st.app.policy.rules();
     let mut written = st.rules_file.lock().await;
     let existed = live.get(fp).is_some();
-    if let Some(fleet) = &st.app.fleet {
+    let (rule, persisted) = if let Some(fleet) = &st.app.fleet {
+        // Redis first; the writer's own sync makes the rule live here.
         let stored = RuleSet::stage(fp, &spec)?;
         fleet
             .write_rule(live, &stored.fingerprint, Some(&stored))
@@ -97,31 +98,19 @@ pub async fn put(
         let rule = live.get(fp).ok_or_else(|| {
             ApiError::Internal("the rule was written to the fleet but is not live here".into())
         })?;
-        tracing::info!(
-            fingerprint = %fingerprint_hex(fp),
-            action = rule.def().action.name(),
-            "admin API: rule stored for the fleet"
-        );
-        let status = if existed {
-            StatusCode::OK
-        } else {
-            StatusCode::CREATED
-        };
-        let body = StoredRule {
-            rule: rule.info(Instant::now()),
-            persisted,
-        };
-        return Ok((status, Json(body)).into_response());
-    }
-    let persisted = st
-        .persist_staged(&mut written, |staged| {
-            staged.put(fp, spec.clone()).map(drop)
-        })
-        .await?;
-    let rule = live.put(fp, spec)?;
+        (rule, persisted)
+    } else {
+        let persisted = st
+            .persist_staged(&mut written, |staged| {
+                staged.put(fp, spec.clone()).map(drop)
+            })
+            .await?;
+        (live.put(fp, spec)?, persisted)
+    };
     tracing::info!(
         fingerprint = %fingerprint_hex(fp),
         action = rule.def().action.name(),
+        fleet = st.app.fleet.is_some(),
         "admin API: rule stored"
     );
     let status = if existed {
@@ -144,32 +133,34 @@ pub async fn delete(
 ) -> Result<Json<impl Serialize>, ApiError> {
     let live = st.app.policy.rules();
     let mut written = st.rules_file.lock().await;
-    if let Some(fleet) = &st.app.fleet {
+    let persisted = if let Some(fleet) = &st.app.fleet {
         let changed = fleet
             .write_rule(live, &fingerprint_hex(fp), None)
             .await
             .map_err(fleet_error)?;
+        // `write_rule` synced: a rule Redis did not have is gone here too.
         if !changed && live.get(fp).is_none() {
             return Err(no_rule(fp));
         }
-        let persisted = st.persist_live(&mut written).await;
-        tracing::info!(fingerprint = %fingerprint_hex(fp), "admin API: rule deleted from the fleet");
-        return Ok(Json(Deleted {
-            deleted: fingerprint_hex(fp),
-            persisted,
-        }));
-    }
-    if live.get(fp).is_none() {
-        return Err(no_rule(fp));
-    }
-    let persisted = st
-        .persist_staged(&mut written, |staged| {
-            staged.delete(fp);
-            Ok(())
-        })
-        .await?;
-    live.delete(fp);
-    tracing::info!(fingerprint = %fingerprint_hex(fp), "admin API: rule deleted");
+        st.persist_live(&mut written).await
+    } else {
+        if live.get(fp).is_none() {
+            return Err(no_rule(fp));
+        }
+        let persisted = st
+            .persist_staged(&mut written, |staged| {
+                staged.delete(fp);
+                Ok(())
+            })
+            .await?;
+        live.delete(fp);
+        persisted
+    };
+    tracing::info!(
+        fingerprint = %fingerprint_hex(fp),
+        fleet = st.app.fleet.is_some(),
+        "admin API: rule deleted"
+    );
     Ok(Json(Deleted {
         deleted: fingerprint_hex(fp),
         persisted,

@@ -202,8 +202,6 @@ pub struct SyncOutcome {
     pub replaced: usize,
     pub removed: usize,
     pub kept: usize,
-    /// Entries that did not parse or validate (skipped, logged by the caller).
-    pub invalid: usize,
 }
 
 impl SyncOutcome {
@@ -473,7 +471,7 @@ impl RuleSet {
     /// Make the set equal to `entries` (the fleet's rule set) under one write lock, so a
     /// statement sees the old set or the new one. A rule whose stored form is unchanged is
     /// kept as it is (bucket, counters, in-flight slots); a changed one is rebuilt. Entries
-    /// that are expired are left out; entries that do not parse are skipped and returned.
+    /// that are expired are left out; entries that do not validate are skipped and returned.
     pub fn sync(&self, entries: &[StoredRule]) -> (SyncOutcome, Vec<RuleError>) {
         let (now, unix_now) = (Instant::now(), unix_ms_now());
         let mut out = SyncOutcome::default();
@@ -483,10 +481,7 @@ impl RuleSet {
             match self.load(stored, now, unix_now) {
                 Ok(Some(rule)) => loaded.push(rule),
                 Ok(None) => {}
-                Err(e) => {
-                    out.invalid += 1;
-                    errors.push(e.within(&format!("rule {}", stored.fingerprint)));
-                }
+                Err(e) => errors.push(e.within(&format!("rule {}", stored.fingerprint))),
             }
         }
         let mut map = self.rules.write();

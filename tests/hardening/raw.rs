@@ -370,22 +370,10 @@ pub async fn admin_get(proxy: &Proxy, path: &str) -> serde_json::Value {
 
 /// `GET path` on the admin API (with the read token); the body as text.
 pub async fn admin_text(proxy: &Proxy, path: &str) -> String {
-    let addr = proxy.admin_addr().expect("admin address");
-    let mut s = within(READ, "admin connect", TcpStream::connect(addr))
+    proxy
+        .admin_request("GET", path, ADMIN_READ_TOKEN, None)
         .await
-        .expect("admin connect");
-    let req = format!(
-        "GET {path} HTTP/1.0\r\nHost: localhost\r\nAuthorization: Bearer {ADMIN_READ_TOKEN}\r\n\r\n"
-    );
-    s.write_all(req.as_bytes()).await.expect("admin request");
-    let mut resp = Vec::new();
-    within(READ, "admin response", s.read_to_end(&mut resp))
-        .await
-        .expect("admin response");
-    let text = String::from_utf8_lossy(&resp);
-    text.split_once("\r\n\r\n")
-        .map(|x| x.1.to_string())
-        .unwrap_or_default()
+        .1
 }
 
 /// Every pool has no active, waiting or pinned client.

@@ -408,6 +408,44 @@ impl Proxy {
         );
     }
 
+    /// One HTTP/1.0 request to the admin API with `Authorization: Bearer token` (and a JSON
+    /// body, if any); (status, body). Panics if the admin port does not answer in 15 s.
+    pub async fn admin_request(
+        &self,
+        method: &str,
+        path: &str,
+        token: &str,
+        body: Option<&str>,
+    ) -> (u16, String) {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        const LIMIT: Duration = Duration::from_secs(15);
+        let addr = self.admin_addr().expect("admin address");
+        let mut s = within(LIMIT, "admin connect", tokio::net::TcpStream::connect(addr))
+            .await
+            .expect("admin connect");
+        let body = body.unwrap_or_default();
+        let req = format!(
+            "{method} {path} HTTP/1.0\r\nHost: localhost\r\nAuthorization: Bearer {token}\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+            body.len()
+        );
+        s.write_all(req.as_bytes()).await.expect("admin request");
+        let mut resp = Vec::new();
+        within(LIMIT, "admin response", s.read_to_end(&mut resp))
+            .await
+            .expect("admin response");
+        let text = String::from_utf8_lossy(&resp);
+        let status = text
+            .split_whitespace()
+            .nth(1)
+            .and_then(|c| c.parse().ok())
+            .unwrap_or(0);
+        let body = text
+            .split_once("\r\n\r\n")
+            .map(|(_, b)| b.to_owned())
+            .unwrap_or_default();
+        (status, body)
+    }
+
     /// A client tool (`psql`, `pgbench`) aimed at the proxy through libpq environment variables.
     pub fn tool_command(&self, bin: &str, user: &str, password: &str, db: &str) -> Command {
         Cluster::tool_command(bin, self.addr, user, password, db)
