@@ -275,31 +275,47 @@ cpu_ticks() { # utime+stime of a process, in clock ticks ('-' without a process)
   sed 's/^.*) //' "/proc/$1/stat" | awk '{print $12 + $13}'
 }
 rss_kib() { awk '/^VmRSS:/ {print $2}' "/proc/$1/status"; }
+PM_PID=$(head -1 "$PGDATA/postmaster.pid")
+pg_ticks() { # CPU of the whole Postgres cluster: the postmaster with its exited children
+  # (cutime+cstime) plus every live child process, in clock ticks
+  { sed 's/^.*) //' "/proc/$PM_PID/stat" | awk '{print $12 + $13 + $14 + $15}'
+    for p in $(pgrep -P "$PM_PID"); do
+      sed 's/^.*) //' "/proc/$p/stat" 2>/dev/null | awk '{print $12 + $13}'
+    done; } | awk '{s += $1} END {print s}'
+}
+children_cpu_s() { # sets CH: user+sys seconds of this shell's finished children (pgbench
+  # among them); `times` runs in this shell (a subshell would report its own, empty, children)
+  times >"$TMP/times.txt"
+  CH=$(awk 'NR == 2 {n = 0; for (i = 1; i <= 2; i++) {split($i, a, /[ms]/); n += a[1] * 60 + a[2]}; print n}' "$TMP/times.txt")
+}
 median() { sort -g | awk '{v[NR]=$1} END {if (NR==0) print "-"; else if (NR%2) print v[(NR+1)/2]; else print (v[NR/2]+v[NR/2+1])/2}'; }
 
 # --- pgbench -S ------------------------------------------------------------------------------
 RESULTS=$OUT/pgbench.tsv
 : >"$RESULTS"
 run_pgbench() { # target mode clients round
-  local t=$1 mode=$2 c=$3 r=$4 before after out tps txns cpu
+  local t=$1 mode=$2 c=$3 r=$4 before after out tps txns cpu pg0 pg1 ch0 ch1 pgcpu benchcpu
   if [ "$t" = pgbouncer ] && [ "$mode" = prepared ] && [ "$BOUNCER_PREPARED" = 0 ]; then
-    printf '%s\t%s\t%s\t%s\tn/a\t-\t-\n' "$mode" "$c" "$t" "$r" >>"$RESULTS"; return
+    printf '%s\t%s\t%s\t%s\tn/a\t-\t-\t-\t-\n' "$mode" "$c" "$t" "$r" >>"$RESULTS"; return
   fi
-  before=$(cpu_ticks "${PID[$t]}")
+  before=$(cpu_ticks "${PID[$t]}"); pg0=$(pg_ticks); children_cpu_s; ch0=$CH
   out=$("$PGBENCH" -n -S -M "$mode" -c "$c" -j 2 -T "$DURATION" -h 127.0.0.1 -p "${PORT[$t]}" \
         -U postgres bench 2>&1) || true
-  after=$(cpu_ticks "${PID[$t]}")
+  after=$(cpu_ticks "${PID[$t]}"); pg1=$(pg_ticks); children_cpu_s; ch1=$CH
   tps=$(printf '%s\n' "$out" | awk '/^tps = / {print $3; exit}')
   txns=$(printf '%s\n' "$out" | awk -F': ' '/actually processed/ {print $2; exit}' | awk '{print $1}')
   if [ -z "$tps" ] || [ -z "$txns" ] || [ "$txns" = 0 ] || printf '%s' "$out" | grep -q 'aborted in command\|could not connect\|too many clients'; then
     printf '%s\n' "$out" | tail -3 >"$OUT/pgbench-fail-$t-$mode-$c-$r.log"
-    printf '%s\t%s\t%s\t%s\tfail\t-\t-\n' "$mode" "$c" "$t" "$r" >>"$RESULTS"; return
+    printf '%s\t%s\t%s\t%s\tfail\t-\t-\t-\t-\n' "$mode" "$c" "$t" "$r" >>"$RESULTS"; return
   fi
+  # Where the machine's CPU went per transaction: Postgres and pgbench (the proxy below).
+  pgcpu=$(awk -v a="$pg0" -v b="$pg1" -v n="$txns" -v hz="$CLK_TCK" 'BEGIN {printf "%.1f", (b - a) / hz * 1e6 / n}')
+  benchcpu=$(awk -v a="$ch0" -v b="$ch1" -v n="$txns" 'BEGIN {printf "%.1f", (b - a) * 1e6 / n}')
   cpu=-
   if [ "$before" != - ]; then
     cpu=$(awk -v a="$before" -v b="$after" -v n="$txns" -v hz="$CLK_TCK" 'BEGIN {printf "%.1f", (b - a) / hz * 1e6 / n}')
   fi
-  printf '%s\t%s\t%s\t%s\t%.0f\t%s\t%s\n' "$mode" "$c" "$t" "$r" "$tps" "$txns" "$cpu" >>"$RESULTS"
+  printf '%s\t%s\t%s\t%s\t%.0f\t%s\t%s\t%s\t%s\n' "$mode" "$c" "$t" "$r" "$tps" "$txns" "$cpu" "$pgcpu" "$benchcpu" >>"$RESULTS"
 }
 
 point=0
@@ -405,6 +421,22 @@ row() { printf '| %s | %s | %s | %s | %s | %s |\n' "$@"; }
     for c in $CLIENTS; do
       b=$(med "$mode" "$c" pgbouncer 7); s=$(med "$mode" "$c" pgsluice 7)
       row "-S $mode -c $c proxy CPU µs/txn" "-" "$b" "$s" "-" "$(ratio "$s" "$b")"
+    done
+  done
+  # The whole machine's CPU per transaction: pgbench + Postgres (+ proxy). On a box where the
+  # three share the cores, TPS follows it; the last column is the most pgsluice could gain on
+  # PgBouncer if pgsluice itself cost nothing: (pgbench + Postgres + PgBouncer) / (pgbench +
+  # Postgres), from PgBouncer's run.
+  budget() { # mode clients target
+    local bc pc xc
+    bc=$(med "$1" "$2" "$3" 9); pc=$(med "$1" "$2" "$3" 8); xc=$(med "$1" "$2" "$3" 7)
+    if [ "$3" = direct ]; then printf '%s + %s' "$bc" "$pc"; else printf '%s + %s + %s' "$bc" "$pc" "$xc"; fi
+  }
+  for mode in $MODES; do
+    for c in $CLIENTS; do
+      bc=$(med "$mode" "$c" pgbouncer 9); pc=$(med "$mode" "$c" pgbouncer 8); xc=$(med "$mode" "$c" pgbouncer 7)
+      ceil=$(awk -v b="$bc" -v p="$pc" -v x="$xc" 'BEGIN {if (b ~ /^[0-9.]+$/ && p ~ /^[0-9.]+$/ && x ~ /^[0-9.]+$/) printf "≤ %.2f", (b + p + x) / (b + p); else print "-"}')
+      row "-S $mode -c $c CPU µs/txn pgbench + Postgres (+ proxy)" "$(budget "$mode" "$c" direct)" "$(budget "$mode" "$c" pgbouncer)" "$(budget "$mode" "$c" pgsluice)" "-" "$ceil"
     done
   done
   ld=$(awk -F'\t' '$1=="direct" {print $3}' "$LAT" | median)

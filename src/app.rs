@@ -42,9 +42,10 @@ pub struct App {
     /// What `POST /v1/reload` runs: main sets it to the same re-read as SIGHUP. Unset in
     /// tests and embedders, where the endpoint answers 503.
     pub reloader: OnceLock<Reloader>,
-    /// Fired on shutdown: stop accepting, finish in-flight work.
+    /// Fired on shutdown: stop accepting, finish in-flight work ([`App::begin_shutdown`]).
     pub shutdown: CancellationToken,
-    /// Fired when the shutdown grace period is over: cancel what still runs.
+    /// Fired when the shutdown grace period is over: cancel what still runs
+    /// ([`App::force_stop`]).
     pub force: CancellationToken,
     /// Client and backend TLS (certificates re-read on reload).
     pub tls: crate::tls::Tls,
@@ -65,6 +66,18 @@ pub struct AppStats {
 }
 
 impl App {
+    /// Graceful shutdown: stop accepting; sessions finish their transaction and leave.
+    pub fn begin_shutdown(&self) {
+        self.shutdown.cancel();
+        self.cancels.set_phase(cancel::Phase::Draining);
+    }
+
+    /// The shutdown grace period is over: sessions cancel what still runs and leave.
+    pub fn force_stop(&self) {
+        self.force.cancel();
+        self.cancels.set_phase(cancel::Phase::Forcing);
+    }
+
     /// Builds the app; `rules` are the runtime rules loaded from the rules file (if any).
     pub fn new(config: Config, rules: Arc<RuleSet>) -> Result<Arc<App>, String> {
         Self::with_fleet_peer_id(config, rules, false)

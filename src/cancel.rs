@@ -18,9 +18,11 @@
 use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU8, Ordering as AtomicOrdering};
 use std::time::Duration;
 
 use bytes::BytesMut;
+use futures_util::task::AtomicWaker;
 use parking_lot::Mutex;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
@@ -98,12 +100,21 @@ impl PeerLayout {
     }
 }
 
+/// Where the process is in its life: sessions finish their transaction when draining and
+/// cancel what runs when forcing.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub enum Phase {
+    Running = 0,
+    Draining = 1,
+    Forcing = 2,
+}
+
 /// The backend key to forward a cancel to.
 #[derive(Debug, Clone)]
 pub struct Target {
     pub addr: SocketAddr,
     pub pid: i32,
-    pub secret: Vec<u8>,
+    pub secret: Arc<[u8]>,
 }
 
 pub struct Entry {
@@ -112,10 +123,19 @@ pub struct Entry {
     /// Client CancelRequests passed to this session's backend so far: the session reads it to
     /// tell a 57014 the client asked for from one that says the server is in trouble.
     requested: std::sync::atomic::AtomicU64,
+    /// Woken when the process moves to another [`Phase`]: the session's event loop reads
+    /// the phase from an atomic instead of polling the process-wide shutdown tokens (whose
+    /// every poll takes their lock).
+    pub wake: AtomicWaker,
 }
 
 impl Entry {
     pub async fn set(&self, t: Option<Target>) {
+        // Uncontended (no cancel being sent) on every checkout and release: no waiter queue.
+        if let Ok(mut g) = self.target.try_lock() {
+            *g = t;
+            return;
+        }
         *self.target.lock().await = t;
     }
 
@@ -148,6 +168,8 @@ pub struct Registry {
     /// Cancels talking to Postgres or to a peer at once; more are dropped (a cancel storm
     /// cannot pile up, nor fan out to the other instances).
     in_flight: Semaphore,
+    /// The process' [`Phase`], as a `u8`.
+    phase: AtomicU8,
     pub sent: std::sync::atomic::AtomicU64,
     pub ignored: std::sync::atomic::AtomicU64,
     /// Passed on to the owning instance (which counts it as sent or ignored).
@@ -166,6 +188,7 @@ impl Registry {
             map: Mutex::new(HashMap::new()),
             layout,
             in_flight: Semaphore::new(64),
+            phase: AtomicU8::new(Phase::Running as u8),
             sent: Default::default(),
             ignored: Default::default(),
             forwarded: Default::default(),
@@ -176,6 +199,23 @@ impl Registry {
         self.layout
     }
 
+    pub fn phase(&self) -> Phase {
+        match self.phase.load(AtomicOrdering::SeqCst) {
+            0 => Phase::Running,
+            1 => Phase::Draining,
+            _ => Phase::Forcing,
+        }
+    }
+
+    /// Moves the process to `phase` (never back) and wakes every registered session, which
+    /// registers its waker before it reads the phase, so none misses the change.
+    pub fn set_phase(&self, phase: Phase) {
+        self.phase.fetch_max(phase as u8, AtomicOrdering::SeqCst);
+        for e in self.map.lock().values() {
+            e.wake.wake();
+        }
+    }
+
     /// A fresh key: 4-byte secret for protocol 3.0, 32 bytes for 3.2.
     pub fn register(self: &Arc<Self>, secret_len: usize) -> Registration {
         let secret: Vec<u8> = (0..secret_len).map(|_| rand::random::<u8>()).collect();
@@ -183,6 +223,7 @@ impl Registry {
             requested: Default::default(),
             secret: secret.clone(),
             target: tokio::sync::Mutex::new(None),
+            wake: AtomicWaker::new(),
         });
         let mut map = self.map.lock();
         let pid = loop {

@@ -33,6 +33,9 @@ struct Cli {
     /// transaction or session.
     #[arg(long)]
     pool_mode: Option<PoolMode>,
+    /// Runtime threads: 1 = one thread, N = a pool of N, 0 = automatic (1 on ≤ 2 CPUs).
+    #[arg(long)]
+    worker_threads: Option<usize>,
     /// Admin HTTP API address [default: 127.0.0.1:9930].
     #[arg(long)]
     admin_listen: Option<SocketAddr>,
@@ -71,6 +74,7 @@ fn load(cli: &Cli) -> Result<Config, Vec<ConfigError>> {
         backend: cli.backend.clone(),
         pool_size: cli.pool_size,
         pool_mode: cli.pool_mode,
+        worker_threads: cli.worker_threads,
     })
 }
 
@@ -100,10 +104,16 @@ fn main() -> ExitCode {
         }
     };
     init_tracing(&config, cli.log_json);
-    let rt = match tokio::runtime::Builder::new_multi_thread()
-        .enable_all()
-        .build()
-    {
+    let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let mut builder = match config.runtime_threads(cpus) {
+        1 => tokio::runtime::Builder::new_current_thread(),
+        n => {
+            let mut b = tokio::runtime::Builder::new_multi_thread();
+            b.worker_threads(n);
+            b
+        }
+    };
+    let rt = match builder.enable_all().build() {
         Ok(rt) => rt,
         Err(e) => {
             eprintln!("cannot start the runtime: {e}");
@@ -267,6 +277,6 @@ async fn signals(app: Arc<App>, cli: Arc<Cli>) {
             std::process::exit(0);
         }
         tracing::info!("shutting down: no new connections");
-        app.shutdown.cancel();
+        app.begin_shutdown();
     }
 }

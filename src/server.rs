@@ -145,7 +145,7 @@ pub async fn serve(app: Arc<App>, listener: TcpListener) {
             remaining = tasks.len(),
             "shutdown timeout reached; cancelling what still runs"
         );
-        app.force.cancel();
+        app.force_stop();
         if tokio::time::timeout(FORCE_GRACE, tasks.wait())
             .await
             .is_err()

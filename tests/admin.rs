@@ -254,7 +254,7 @@ async fn health_and_readiness_are_open() {
     let ready = get(&r, "/readyz", None).await;
     assert_eq!(ready.status, StatusCode::OK);
     assert_eq!(ready.json()["ready"], true);
-    app.shutdown.cancel();
+    app.begin_shutdown();
     let ready = get(&r, "/readyz", None).await;
     assert_eq!(ready.status, StatusCode::SERVICE_UNAVAILABLE);
     assert_eq!(ready.json()["ready"], false);

@@ -726,7 +726,18 @@ async fn large_results_are_streamed() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn two_hundred_clients_share_a_pool_of_ten() {
     let cluster = Cluster::start();
-    let proxy = Arc::new(Proxy::start(&cluster, ProxyOptions::pool(10)));
+    // A work-stealing runtime of 2 threads: the other tests run the default, which is one
+    // thread on machines with at most 2 CPUs (the CI machines), so this one covers sessions
+    // and pools shared across threads.
+    let options = ProxyOptions::pool(10).arg("--worker-threads").arg("2");
+    let proxy = Arc::new(Proxy::start(&cluster, options));
+    if !proxy.is_direct() {
+        let threads = proxy_threads(&proxy);
+        assert!(
+            threads >= 3,
+            "--worker-threads 2 should run a main thread and 2 workers, found {threads} threads"
+        );
+    }
     let sampler = BackendSampler::start(&cluster).await;
 
     let clients = (0..200i32).map(|i| {
@@ -792,6 +803,17 @@ async fn two_hundred_clients_share_a_pool_of_ten() {
     );
     assert_pool_bound(&proxy, max, samples);
     proxy.assert_healthy().await;
+}
+
+/// Threads of the proxy process, from /proc.
+fn proxy_threads(proxy: &Proxy) -> usize {
+    let pid = proxy.pid().expect("a proxy process");
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).expect("/proc status");
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("Threads:"))
+        .and_then(|n| n.trim().parse().ok())
+        .expect("a Threads: line")
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -31,6 +31,11 @@ pub struct Config {
     /// nothing else): what the others list as its `peers[].addr` when instances share
     /// `listen` on one host. Read at start only.
     pub peer_listen: Option<SocketAddr>,
+    /// Runtime threads that run sessions, the admin API and background work. 1: one thread
+    /// (PgBouncer's model: no cross-thread wake-ups, least CPU per transaction); N > 1: a
+    /// work-stealing pool of N; 0 (default): 1 on a machine with at most 2 CPUs (where the
+    /// proxy shares cores with Postgres and the clients), else one per CPU. Read at start only.
+    pub worker_threads: usize,
     pub admin: AdminConfig,
     pub backend: BackendConfig,
     /// Defaults for every (database, user) pool.
@@ -58,6 +63,7 @@ impl Default for Config {
             peer_id: 0,
             peers: Vec::new(),
             peer_listen: None,
+            worker_threads: 0,
             admin: AdminConfig::default(),
             backend: BackendConfig::default(),
             pool: PoolConfig::default(),
@@ -547,6 +553,7 @@ pub struct Overrides {
     pub backend: Option<String>,
     pub pool_size: Option<usize>,
     pub pool_mode: Option<PoolMode>,
+    pub worker_threads: Option<usize>,
 }
 
 impl Config {
@@ -589,8 +596,21 @@ impl Config {
         if let Some(m) = o.pool_mode {
             self.pool.mode = m;
         }
+        if let Some(n) = o.worker_threads {
+            self.worker_threads = n;
+        }
         self.validate(None)?;
         Ok(self)
+    }
+
+    /// Runtime threads to start: `worker_threads`, or for 0 the automatic choice (1 with at
+    /// most 2 CPUs, else one per CPU).
+    pub fn runtime_threads(&self, cpus: usize) -> usize {
+        match self.worker_threads {
+            0 if cpus <= 2 => 1,
+            0 => cpus,
+            n => n,
+        }
     }
 
     /// The backend URL, parsed (validated on load, so `None` only when absent).

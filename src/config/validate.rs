@@ -259,6 +259,12 @@ impl Config {
                 format!("must be between 0 (off) and {MAX_TCP_USER_TIMEOUT_MS}"),
             );
         }
+        if self.worker_threads > 1024 {
+            p.add(
+                "worker_threads".into(),
+                "must be between 0 (automatic) and 1024",
+            );
+        }
         let pool = &self.pool;
         if pool.size == 0 || pool.size > 10_000 {
             p.add("pool.size".into(), "must be between 1 and 10000");
@@ -491,6 +497,24 @@ mod tests {
         assert_eq!(errs.len(), 1);
         assert_eq!(errs[0].field, "pool.size");
         assert_eq!(errs[0].line, Some(4));
+    }
+
+    #[test]
+    fn worker_threads_choice_and_bounds() {
+        let auto = Config::from_yaml("").unwrap();
+        assert_eq!(auto.runtime_threads(1), 1);
+        assert_eq!(
+            auto.runtime_threads(2),
+            1,
+            "2 CPUs shared with Postgres: one thread"
+        );
+        assert_eq!(auto.runtime_threads(8), 8);
+        let two = Config::from_yaml("worker_threads: 2\n").unwrap();
+        assert_eq!(two.runtime_threads(2), 2);
+        assert_eq!(two.runtime_threads(64), 2);
+        let errs = Config::from_yaml("listen: 127.0.0.1:6432\nworker_threads: 5000\n").unwrap_err();
+        assert_eq!(errs[0].field, "worker_threads");
+        assert_eq!(errs[0].line, Some(2));
     }
 
     #[test]

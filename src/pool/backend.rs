@@ -10,6 +10,7 @@
 //! the TLS handshake, abort the connection (CVE-2021-23222) rather than being read as protocol.
 
 use std::net::SocketAddr;
+use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::{Buf, Bytes, BytesMut};
@@ -72,7 +73,8 @@ pub struct BackendConn {
     pub stream: BackendStream,
     pub addr: SocketAddr,
     pub pid: i32,
-    pub secret: Vec<u8>,
+    /// Shared with the session's cancel target, so lending the connection copies no key.
+    pub secret: Arc<[u8]>,
     /// ParameterStatus values reported at login.
     pub server_params: Vec<(String, String)>,
     /// Client startup parameters currently `SET` on this connection (sorted by name).
@@ -284,7 +286,7 @@ impl BackendConn {
         // Startup: parameters and key data until ReadyForQuery.
         let mut server_params = Vec::new();
         let mut pid = 0;
-        let mut secret = Vec::new();
+        let mut secret: Arc<[u8]> = Arc::from(&[][..]);
         loop {
             let (tag, body) = read_message(&mut stream, &mut buf).await?;
             match tag {
@@ -306,7 +308,7 @@ impl BackendConn {
                         )));
                     }
                     pid = i32::from_be_bytes([body[0], body[1], body[2], body[3]]);
-                    secret = body[4..].to_vec();
+                    secret = Arc::from(&body[4..]);
                 }
                 b'Z' => break,
                 b'E' => return Err(server_error(body)),
@@ -343,10 +345,19 @@ impl BackendConn {
 
     /// True when the server has sent something (or closed) while the connection sat idle:
     /// such a connection is not handed to a client.
+    ///
+    /// The peek runs only when the runtime has seen the socket become readable since its
+    /// last `WouldBlock` (`try_io` returns `WouldBlock` without a system call otherwise, and
+    /// clears the readiness when the peek finds nothing): a checkout of a quiet connection
+    /// costs no system call. A close or message that arrived since the runtime last polled
+    /// for events is caught by the first read or write instead, like any other fault.
     pub fn has_pending_input(&self) -> bool {
-        let sock = socket2::SockRef::from(self.stream.tcp());
-        let mut b = [std::mem::MaybeUninit::<u8>::uninit(); 1];
-        match sock.peek(&mut b) {
+        let tcp = self.stream.tcp();
+        let peek = || {
+            let mut b = [std::mem::MaybeUninit::<u8>::uninit(); 1];
+            socket2::SockRef::from(tcp).peek(&mut b)
+        };
+        match tcp.try_io(tokio::io::Interest::READABLE, peek) {
             Ok(_) => true, // data, or 0 = EOF
             Err(e) => e.kind() != std::io::ErrorKind::WouldBlock,
         }

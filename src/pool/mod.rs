@@ -210,11 +210,12 @@ impl Pool {
 
     /// Puts a clean connection back (LIFO, so a hot few stay warm and the rest age out).
     fn put_idle(&self, mut conn: BackendConn) {
-        if conn.expires <= Instant::now() {
+        let now = Instant::now();
+        if conn.expires <= now {
             self.close(conn);
             return;
         }
-        conn.idle_since = Instant::now();
+        conn.idle_since = now;
         self.idle.lock().push(conn);
     }
 

@@ -8,19 +8,21 @@
 //! Writes are batched: one write per read on each side.
 
 use std::collections::HashMap;
+use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
+use std::task::{Context, Poll};
 use std::time::Duration;
 
 use bytes::{Bytes, BytesMut};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::time::Instant;
-use tokio_util::sync::WaitForCancellationFutureOwned;
+use tokio_util::io::poll_read_buf;
 use xxhash_rust::xxh3::Xxh3;
 
 use crate::app::App;
-use crate::cancel;
+use crate::cancel::{self, Phase};
 use crate::classify::Classified;
 use crate::config::PoolMode;
 use crate::policy::{Admission, StatementAdmission};
@@ -94,11 +96,12 @@ pub struct Relay {
     /// query already on the wire) is served rather than told 57P01, which is what makes a
     /// rolling restart lose no new connection.
     idle_grace: Option<Instant>,
-    /// Waits for shutdown and for the end of its grace period, made once per session: a
-    /// `cancelled()` future made per loop turn would register and unregister a waiter on
-    /// the process-wide token's lock for every message.
-    shutdown: Pin<Box<WaitForCancellationFutureOwned>>,
-    force: Pin<Box<WaitForCancellationFutureOwned>>,
+    /// The one timer behind `backstop`, `unanswered` and `idle_grace` (the earliest of
+    /// them), kept across loop turns and moved only when that deadline changes: a sleep
+    /// made per turn would enter and leave the timer wheel for every message.
+    timer: Option<Pin<Box<tokio::time::Sleep>>>,
+    /// Which of client and backend the event loop looks at first (they take turns).
+    backend_first: bool,
     /// Classification of the unnamed prepared statement.
     unnamed_class: Option<Arc<Classified>>,
     /// `classify.enabled` when the session started.
@@ -127,19 +130,6 @@ pub struct Relay {
     errored: bool,
 }
 
-/// Reads from the borrowed backend, or waits forever when there is none.
-async fn read_backend(b: &mut Option<Pooled>, buf: &mut BytesMut) -> std::io::Result<usize> {
-    match b {
-        Some(b) => {
-            if buf.capacity() - buf.len() < 4096 {
-                buf.reserve(16 * 1024);
-            }
-            b.conn().stream.read_buf(buf).await
-        }
-        None => std::future::pending().await,
-    }
-}
-
 enum Event {
     Client(std::io::Result<usize>),
     Backend(std::io::Result<usize>),
@@ -159,13 +149,6 @@ enum Event {
 /// request before leaving with 57P01.
 const DRAIN_IDLE_GRACE: Duration = Duration::from_millis(500);
 
-async fn sleep_until_opt(t: Option<Instant>) {
-    match t {
-        Some(t) => tokio::time::sleep_until(t).await,
-        None => std::future::pending().await,
-    }
-}
-
 impl Relay {
     pub fn new(
         app: Arc<App>,
@@ -177,8 +160,6 @@ impl Relay {
     ) -> Relay {
         let mode = pool.mode();
         let classify_on = app.config.load().classify.enabled;
-        let shutdown = Box::pin(app.shutdown.clone().cancelled_owned());
-        let force = Box::pin(app.force.clone().cancelled_owned());
         Relay {
             app,
             pool,
@@ -208,8 +189,8 @@ impl Relay {
             draining: false,
             cancels_seen: 0,
             idle_grace: None,
-            shutdown,
-            force,
+            timer: None,
+            backend_first: false,
             peer_ip: Some(peer.ip()),
             classify_on,
             admission: None,
@@ -237,25 +218,7 @@ impl Relay {
             return end;
         }
         loop {
-            let (backstop, unanswered, draining, idle_grace) = (
-                self.backstop,
-                self.unanswered,
-                self.draining,
-                self.idle_grace,
-            );
-            let ev = {
-                let (cbuf, rbuf, backend) = (&mut self.cbuf, &mut self.rbuf, &mut self.backend);
-                let (shutdown, force) = (&mut self.shutdown, &mut self.force);
-                tokio::select! {
-                    r = client.read_buf(cbuf) => Event::Client(r),
-                    r = read_backend(backend, rbuf) => Event::Backend(r),
-                    _ = sleep_until_opt(backstop) => Event::Backstop,
-                    _ = sleep_until_opt(unanswered) => Event::Unanswered,
-                    _ = sleep_until_opt(idle_grace) => Event::IdleGrace,
-                    _ = shutdown.as_mut(), if !draining => Event::Shutdown,
-                    _ = force.as_mut(), if draining => Event::Force,
-                }
-            };
+            let ev = std::future::poll_fn(|cx| self.poll_event(cx, client)).await;
             let r = match ev {
                 Event::Client(Ok(0)) | Event::Client(Err(_)) => return End::ClientClosed,
                 Event::Client(Ok(_)) => self.on_client_data(client).await,
@@ -293,6 +256,83 @@ impl Relay {
                 return end;
             }
         }
+    }
+
+    /// The next thing to act on. Client and backend reads come first, in turns so neither
+    /// starves the other; then the timer; then the process phase, read from an atomic after
+    /// registering this task's waker with the registry (which wakes every session when the
+    /// phase changes), so no shutdown is missed and no lock is taken per message.
+    fn poll_event<S: AsyncRead + Unpin>(
+        &mut self,
+        cx: &mut Context<'_>,
+        client: &mut S,
+    ) -> Poll<Event> {
+        self.backend_first = !self.backend_first;
+        if self.backend_first
+            && let Poll::Ready(r) = self.poll_backend(cx)
+        {
+            return Poll::Ready(Event::Backend(r));
+        }
+        if let Poll::Ready(r) = poll_read_buf(Pin::new(&mut *client), cx, &mut self.cbuf) {
+            return Poll::Ready(Event::Client(r));
+        }
+        if !self.backend_first
+            && let Poll::Ready(r) = self.poll_backend(cx)
+        {
+            return Poll::Ready(Event::Backend(r));
+        }
+        if let Poll::Ready(ev) = self.poll_timer(cx) {
+            return Poll::Ready(ev);
+        }
+        self.cancel.wake.register(cx.waker());
+        match self.app.cancels.phase() {
+            Phase::Draining | Phase::Forcing if !self.draining => Poll::Ready(Event::Shutdown),
+            Phase::Forcing => Poll::Ready(Event::Force),
+            _ => Poll::Pending,
+        }
+    }
+
+    /// Reads from the borrowed backend; pending forever when there is none.
+    fn poll_backend(&mut self, cx: &mut Context<'_>) -> Poll<std::io::Result<usize>> {
+        let Some(b) = &mut self.backend else {
+            return Poll::Pending;
+        };
+        if self.rbuf.capacity() - self.rbuf.len() < 4096 {
+            self.rbuf.reserve(16 * 1024);
+        }
+        poll_read_buf(Pin::new(&mut b.conn().stream), cx, &mut self.rbuf)
+    }
+
+    /// Fires at the earliest of `unanswered`, `backstop` and `idle_grace` (each handler clears
+    /// or moves the deadline it served).
+    fn poll_timer(&mut self, cx: &mut Context<'_>) -> Poll<Event> {
+        let next = [self.unanswered, self.backstop, self.idle_grace]
+            .into_iter()
+            .flatten()
+            .min();
+        let Some(at) = next else {
+            self.timer = None;
+            return Poll::Pending;
+        };
+        let timer = match &mut self.timer {
+            Some(t) => {
+                if t.deadline() != at {
+                    t.as_mut().reset(at);
+                }
+                t
+            }
+            slot @ None => slot.insert(Box::pin(tokio::time::sleep_until(at))),
+        };
+        if timer.as_mut().poll(cx).is_pending() {
+            return Poll::Pending;
+        }
+        Poll::Ready(if self.unanswered == Some(at) {
+            Event::Unanswered
+        } else if self.backstop == Some(at) {
+            Event::Backstop
+        } else {
+            Event::IdleGrace
+        })
     }
 
     // ---------------------------------------------------------------- client → backend
@@ -708,15 +748,19 @@ impl Relay {
         let priority = self.app.policy.priority(self.unit_caller) as usize;
         let checkout = pool.checkout(priority, deadline);
         tokio::pin!(checkout);
-        let res = loop {
-            tokio::select! {
-                r = &mut checkout => break r,
-                alive = client_alive(client, &mut self.cbuf) => {
-                    if !alive {
-                        return Err(PgError::fatal("08006", "client disconnected while waiting"));
+        // Most checkouts find an idle connection at once: no need to watch the client then.
+        let res = match futures_util::poll!(&mut checkout) {
+            std::task::Poll::Ready(r) => r,
+            std::task::Poll::Pending => loop {
+                tokio::select! {
+                    r = &mut checkout => break r,
+                    alive = client_alive(client, &mut self.cbuf) => {
+                        if !alive {
+                            return Err(PgError::fatal("08006", "client disconnected while waiting"));
+                        }
                     }
                 }
-            }
+            },
         };
         let mut b = res.map_err(|e| {
             // A database that cannot be reached is a backend fault: it feeds the breaker.

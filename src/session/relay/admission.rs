@@ -92,15 +92,20 @@ impl Relay {
         let (statement_override, lock_override, warnings) = if self.admission.is_none() {
             let fut = app.policy.admit(&req);
             tokio::pin!(fut);
-            let r = loop {
-                tokio::select! {
-                    r = &mut fut => break r,
-                    alive = client_alive(client, &mut self.cbuf) => {
-                        if !alive {
-                            return Err(PgError::fatal("08006", "client disconnected while queued"));
+            // Most statements are admitted (or refused) at once: watch the client only when
+            // the caller's queue makes this one wait.
+            let r = match futures_util::poll!(&mut fut) {
+                std::task::Poll::Ready(r) => r,
+                std::task::Poll::Pending => loop {
+                    tokio::select! {
+                        r = &mut fut => break r,
+                        alive = client_alive(client, &mut self.cbuf) => {
+                            if !alive {
+                                return Err(PgError::fatal("08006", "client disconnected while queued"));
+                            }
                         }
                     }
-                }
+                },
             };
             match r {
                 Ok(mut a) => {
