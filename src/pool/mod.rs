@@ -59,7 +59,10 @@ pub struct Pool {
     pub cfg: PoolConfig,
     connect: ConnectParams,
     slots: Arc<Slots>,
-    idle: Mutex<Vec<BackendConn>>,
+    /// Boxed: a connection moves between the idle list, the checkout and the client's guard
+    /// on every transaction, and a box moves as one pointer instead of a few hundred bytes.
+    #[allow(clippy::vec_box)]
+    idle: Mutex<Vec<Box<BackendConn>>>,
     /// Open connections (idle + checked out).
     open: AtomicUsize,
     attempts: Semaphore,
@@ -138,7 +141,7 @@ impl Pool {
         Ok(self.guard(conn, permit))
     }
 
-    fn guard(self: &Arc<Self>, conn: BackendConn, permit: SlotPermit) -> Pooled {
+    fn guard(self: &Arc<Self>, conn: Box<BackendConn>, permit: SlotPermit) -> Pooled {
         Pooled {
             conn: Some(conn),
             pool: self.clone(),
@@ -147,7 +150,7 @@ impl Pool {
     }
 
     /// Opens a new connection, respecting the attempt cap and the failure backoff.
-    async fn open_conn(&self, deadline: Instant) -> Result<BackendConn, CheckoutError> {
+    async fn open_conn(&self, deadline: Instant) -> Result<Box<BackendConn>, CheckoutError> {
         {
             let b = self.backoff.lock();
             if let (Some(until), Some(e)) = (b.until, &b.last_error)
@@ -182,7 +185,7 @@ impl Pool {
                 b.failures = 0;
                 b.until = None;
                 b.last_error = None;
-                Ok(conn)
+                Ok(Box::new(conn))
             }
             Err(e) => {
                 self.stats.connect_failures.fetch_add(1, Ordering::Relaxed);
@@ -202,14 +205,14 @@ impl Pool {
         }
     }
 
-    fn close(&self, conn: BackendConn) {
+    fn close(&self, conn: Box<BackendConn>) {
         self.stats.discards.fetch_add(1, Ordering::Relaxed);
         self.open.fetch_sub(1, Ordering::Relaxed);
         drop(conn);
     }
 
     /// Puts a clean connection back (LIFO, so a hot few stay warm and the rest age out).
-    fn put_idle(&self, mut conn: BackendConn) {
+    fn put_idle(&self, mut conn: Box<BackendConn>) {
         let now = Instant::now();
         if conn.expires <= now {
             self.close(conn);
@@ -243,7 +246,7 @@ impl Pool {
     pub async fn maintain(self: &Arc<Self>) {
         let idle_timeout = Duration::from_millis(self.cfg.idle_timeout_ms);
         let now = Instant::now();
-        let stale: Vec<BackendConn> = {
+        let stale: Vec<Box<BackendConn>> = {
             let mut idle = self.idle.lock();
             let keep = self.cfg.min_idle;
             let mut stale = Vec::new();
@@ -353,7 +356,7 @@ impl CheckoutError {
 /// A borrowed connection. Dropping it without [`Pooled::release`] closes the connection:
 /// anything that ends a session early can never hand a half-used connection to someone else.
 pub struct Pooled {
-    conn: Option<BackendConn>,
+    conn: Option<Box<BackendConn>>,
     pool: Arc<Pool>,
     _permit: SlotPermit,
 }
