@@ -105,7 +105,8 @@ fn main() -> ExitCode {
     };
     init_tracing(&config, cli.log_json);
     let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
-    let mut builder = match config.runtime_threads(cpus) {
+    let threads = config.runtime_threads(cpus);
+    let mut builder = match threads {
         1 => tokio::runtime::Builder::new_current_thread(),
         n => {
             let mut b = tokio::runtime::Builder::new_multi_thread();
@@ -120,12 +121,50 @@ fn main() -> ExitCode {
             return ExitCode::from(1);
         }
     };
-    match rt.block_on(run(cli, config)) {
+    // With one session thread, new connections authenticate on a second thread of their own,
+    // at a lower CPU priority: a connection storm then neither queues ahead of the clients
+    // already served nor takes the CPU from them.
+    let login = match threads {
+        1 => match tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(1)
+            .thread_name("pgsluice-login")
+            .on_thread_start(lower_thread_priority)
+            .enable_all()
+            .build()
+        {
+            Ok(rt) => Some(rt),
+            Err(e) => {
+                eprintln!("cannot start the login runtime: {e}");
+                return ExitCode::from(1);
+            }
+        },
+        _ => None,
+    };
+    let login_handle = login.as_ref().map(|rt| rt.handle().clone());
+    let result = rt.block_on(run(cli, config, login_handle));
+    if let Some(login) = login {
+        login.shutdown_timeout(std::time::Duration::from_secs(1));
+    }
+    match result {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("pgsluice: {e:#}");
             ExitCode::from(1)
         }
+    }
+}
+
+/// Nice value of the login thread: below the session thread (0) in the kernel's scheduling,
+/// so when both want a core the sessions win.
+const LOGIN_NICE: i32 = 10;
+
+/// Lowers the calling thread's CPU priority (Linux nice values are per thread). Failure is
+/// harmless: the thread keeps the process' priority.
+fn lower_thread_priority() {
+    // SAFETY: plain system calls on the calling thread's own id; no memory is shared.
+    unsafe {
+        let tid = libc::syscall(libc::SYS_gettid) as libc::id_t;
+        libc::setpriority(libc::PRIO_PROCESS, tid, LOGIN_NICE);
     }
 }
 
@@ -171,7 +210,11 @@ fn init_tracing(config: &Config, json: bool) {
     }
 }
 
-async fn run(cli: Cli, mut config: Config) -> anyhow::Result<()> {
+async fn run(
+    cli: Cli,
+    mut config: Config,
+    login: Option<tokio::runtime::Handle>,
+) -> anyhow::Result<()> {
     let listener = pgsluice::server::bind(config.listen, config.listen_reuseport)?;
     let peer = match config.peer_listen {
         Some(addr) => Some(tokio::net::TcpListener::bind(addr).await?),
@@ -226,7 +269,7 @@ async fn run(cli: Cli, mut config: Config) -> anyhow::Result<()> {
         tokio::spawn(pgsluice::server::serve_peer_cancels(app.clone(), peer));
     }
     tokio::spawn(signals(app.clone(), cli));
-    pgsluice::server::serve(app, listener).await;
+    pgsluice::server::serve(app, listener, login).await;
     // The fleet task leaves the member set on shutdown (one Redis call, bounded).
     let _ = tokio::time::timeout(std::time::Duration::from_secs(2), fleet).await;
     Ok(())

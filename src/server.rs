@@ -87,8 +87,15 @@ pub fn bind(addr: SocketAddr, reuseport: bool) -> std::io::Result<TcpListener> {
 const LISTEN_BACKLOG: i32 = 1024;
 
 /// Accepts clients until shutdown, then waits for sessions up to `shutdown_timeout_ms`.
-pub async fn serve(app: Arc<App>, listener: TcpListener) {
+/// With `login`, new connections are refused or logged in on that runtime and their
+/// sessions handed back to this one (see [`session::Handover`]).
+pub async fn serve(app: Arc<App>, listener: TcpListener, login: Option<tokio::runtime::Handle>) {
     let tasks = TaskTracker::new();
+    let handover = match &login {
+        Some(_) => session::Handover::to(tasks.clone(), tokio::runtime::Handle::current()),
+        None => session::Handover::default(),
+    };
+
     let mut backoff = Duration::from_millis(5);
     let mut warnings = AcceptWarnings::default();
     loop {
@@ -128,14 +135,16 @@ pub async fn serve(app: Arc<App>, listener: TcpListener) {
                     "sorry, too many clients are connecting right now; try again",
                 )
             };
-            tasks.spawn(refuse(slot, sock, e));
+            spawn(&tasks, login.as_ref(), refuse(slot, sock, e));
             continue;
         };
         let app2 = app.clone();
-        tasks.spawn(async move {
+        let handover = handover.clone();
+        let session = async move {
             let _slot = slot;
-            session::run(app2, sock, peer, handshake).await;
-        });
+            session::run(app2, sock, peer, handshake, handover).await;
+        };
+        spawn(&tasks, login.as_ref(), session);
     }
     drop(listener);
     tasks.close();
@@ -198,6 +207,17 @@ async fn read_cancel(sock: &mut tokio::net::TcpStream) -> Option<(i32, Vec<u8>)>
     match crate::protocol::messages::parse_startup(&body) {
         Ok(crate::protocol::messages::StartupPacket::Cancel { pid, secret }) => Some((pid, secret)),
         _ => None,
+    }
+}
+
+/// Runs a new connection's task on the login runtime when there is one, else here.
+fn spawn<F>(tasks: &TaskTracker, login: Option<&tokio::runtime::Handle>, fut: F)
+where
+    F: std::future::Future<Output = ()> + Send + 'static,
+{
+    match login {
+        Some(h) => drop(tasks.spawn_on(fut, h)),
+        None => drop(tasks.spawn(fut)),
     }
 }
 

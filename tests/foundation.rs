@@ -805,6 +805,68 @@ async fn two_hundred_clients_share_a_pool_of_ten() {
     proxy.assert_healthy().await;
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_session_thread_logs_clients_in_on_a_lower_priority_thread() {
+    let cluster = Cluster::start();
+    let options = ProxyOptions::pool(4).arg("--worker-threads").arg("1");
+    let proxy = Arc::new(Proxy::start(&cluster, options));
+    if proxy.is_direct() {
+        return;
+    }
+    let pid = proxy.pid().expect("a proxy process");
+    let threads: Vec<(String, i64)> = std::fs::read_dir(format!("/proc/{pid}/task"))
+        .expect("/proc task list")
+        .map(|t| {
+            let dir = t.expect("task entry").path();
+            let comm = std::fs::read_to_string(dir.join("comm")).expect("comm");
+            let stat = std::fs::read_to_string(dir.join("stat")).expect("stat");
+            // Field 19 is the nice value; fields count from after the parenthesised name.
+            let after = &stat[stat.rfind(')').expect("stat name") + 2..];
+            let nice = after.split(' ').nth(16).and_then(|n| n.parse().ok());
+            (comm.trim().to_owned(), nice.expect("a nice value"))
+        })
+        .collect();
+    let login: Vec<_> = threads
+        .iter()
+        .filter(|(c, _)| c == "pgsluice-login")
+        .collect();
+    assert_eq!(login.len(), 1, "one login thread expected: {threads:?}");
+    assert_eq!(
+        login[0].1, 10,
+        "the login thread runs at nice 10: {threads:?}"
+    );
+    assert_eq!(
+        threads.iter().filter(|(_, n)| *n == 0).count(),
+        threads.len() - 1,
+        "every other thread keeps the process priority: {threads:?}"
+    );
+    // Logged in there, served here: 40 clients connect at once and each sees its own answer.
+    let clients = (0..40i32).map(|i| {
+        let proxy = Arc::clone(&proxy);
+        tokio::spawn(async move {
+            let client = proxy.client().await;
+            let rows = client
+                .query_typed("SELECT $1::int + 1", &[(&i, Type::INT4)])
+                .await
+                .map_err(|e| format!("client {i}: {e:?}"))?;
+            if rows[0].get::<_, i32>(0) != i + 1 {
+                return Err(format!("client {i} got another answer"));
+            }
+            Ok::<(), String>(())
+        })
+    });
+    for r in within(
+        Duration::from_secs(60),
+        "40 clients",
+        future::join_all(clients),
+    )
+    .await
+    {
+        r.expect("client task").expect("client result");
+    }
+    proxy.assert_healthy().await;
+}
+
 /// Threads of the proxy process, from /proc.
 fn proxy_threads(proxy: &Proxy) -> usize {
     let pid = proxy.pid().expect("a proxy process");

@@ -29,6 +29,7 @@ use std::time::Duration;
 use bytes::BytesMut;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, ReadBuf};
 use tokio::time::{Instant, Sleep};
+use tokio_util::task::TaskTracker;
 
 use crate::app::App;
 use crate::cancel;
@@ -73,48 +74,95 @@ impl Drop for HandshakeSlot {
     }
 }
 
-/// Runs a client connection to completion.
-pub async fn run<S>(app: Arc<App>, stream: S, peer: SocketAddr, slot: HandshakeSlot)
-where
-    S: AsyncRead + AsyncWrite + Unpin + Send,
+/// Where a logged-in client's session goes: with a login thread (one session thread, see
+/// `worker_threads`), the session is handed from the login runtime to the sessions' runtime
+/// right after authentication; otherwise it stays on the task that logged it in.
+#[derive(Clone, Default)]
+pub struct Handover(Option<(TaskTracker, tokio::runtime::Handle)>);
+
+impl Handover {
+    /// Sessions continue on `sessions` (tracked by `tasks`, so shutdown waits for them).
+    pub fn to(tasks: TaskTracker, sessions: tokio::runtime::Handle) -> Handover {
+        Handover(Some((tasks, sessions)))
+    }
+}
+
+type Client<S> = ClientStream<WriteTimeout<S>>;
+
+/// Runs a client connection to completion: startup and authentication here, the rest (the
+/// session settings, which may borrow a backend, and the session itself) where `handover`
+/// says. A flood of new connections then costs the login thread, not the thread that serves
+/// the clients already logged in.
+pub async fn run<S>(
+    app: Arc<App>,
+    stream: S,
+    peer: SocketAddr,
+    slot: HandshakeSlot,
+    handover: Handover,
+) where
+    S: AsyncRead + AsyncWrite + Unpin + Send + 'static,
 {
     let limits = app.config.load().limits.clone();
     let write_timeout = Duration::from_millis(limits.client_write_timeout_ms);
     let mut stream = ClientStream::Plain(WriteTimeout::new(stream, write_timeout));
     let mut buf = BytesMut::with_capacity(8 * 1024);
-    let timeout = Duration::from_millis(limits.handshake_timeout_ms);
-    let started = tokio::time::timeout(timeout, async {
-        let start = handshake::startup(&app, &mut stream, &mut buf).await?;
-        match start {
-            Start::Cancelled => Ok(None),
-            Start::Login(login) => {
-                let pool = app.pool_for(&login.database, &login.user)?;
-                let status = login_params(&pool, &login).await?;
-                Ok(Some((login, pool, status)))
-            }
-        }
-    })
-    .await;
-    drop(slot);
-    let (login, pool, status) = match started {
-        Ok(Ok(Some(x))) => x,
-        Ok(Ok(None)) => return,
+    let deadline = Instant::now() + Duration::from_millis(limits.handshake_timeout_ms);
+    let started =
+        tokio::time::timeout_at(deadline, handshake::startup(&app, &mut stream, &mut buf)).await;
+    let login = match started {
+        Ok(Ok(Start::Login(login))) => login,
+        Ok(Ok(Start::Cancelled)) => return,
+        other => return startup_failed(&mut stream, peer, other.map(|r| r.map(|_| ()))).await,
+    };
+    let rest = logged_in(app, stream, buf, peer, slot, login, deadline);
+    match handover.0 {
+        Some((tasks, sessions)) => drop(tasks.spawn_on(rest, &sessions)),
+        None => rest.await,
+    }
+}
+
+/// Tells the client why startup failed (when it is owed a reply) and closes.
+async fn startup_failed<S: AsyncRead + AsyncWrite + Unpin>(
+    stream: &mut Client<S>,
+    peer: SocketAddr,
+    r: Result<Result<(), Fail>, tokio::time::error::Elapsed>,
+) {
+    let e = match r {
+        Ok(Ok(())) => return,
         Ok(Err(Fail::Report(e))) => {
             tracing::debug!(%peer, error = %e, "startup failed");
-            send_error(&mut stream, &e).await;
-            close(&mut stream).await;
-            return;
+            e
         }
         Ok(Err(Fail::Silent(why))) => {
             tracing::debug!(%peer, why, "startup ended without a reply");
             return;
         }
-        Err(_) => {
-            let e = PgError::fatal("08P01", "pgsluice: startup or authentication timed out");
-            send_error(&mut stream, &e).await;
-            close(&mut stream).await;
-            return;
-        }
+        Err(_) => PgError::fatal("08P01", "pgsluice: startup or authentication timed out"),
+    };
+    send_error(stream, &e).await;
+    close(stream).await;
+}
+
+/// An authenticated client: its settings (within the handshake deadline), then the session.
+async fn logged_in<S: AsyncRead + AsyncWrite + Unpin>(
+    app: Arc<App>,
+    mut stream: Client<S>,
+    buf: BytesMut,
+    peer: SocketAddr,
+    slot: HandshakeSlot,
+    login: Login,
+    deadline: Instant,
+) {
+    let prepared = tokio::time::timeout_at(deadline, async {
+        let pool = app.pool_for(&login.database, &login.user)?;
+        let status = login_params(&pool, &login).await?;
+        Ok::<_, Fail>((pool, status))
+    })
+    .await;
+    drop(slot);
+    let (pool, status) = match prepared {
+        Ok(Ok(x)) => x,
+        other => return startup_failed(&mut stream, peer, other.map(|r| r.map(|_| ()))).await,
     };
     let reg = app.cancels.register(if login.minor >= 2 { 32 } else { 4 });
     let mut out = BytesMut::with_capacity(1024);
