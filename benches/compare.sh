@@ -277,10 +277,11 @@ cpu_ticks() { # utime+stime of a process, in clock ticks ('-' without a process)
 rss_kib() { awk '/^VmRSS:/ {print $2}' "/proc/$1/status"; }
 PM_PID=$(head -1 "$PGDATA/postmaster.pid")
 pg_ticks() { # CPU of the whole Postgres cluster: the postmaster with its exited children
-  # (cutime+cstime) plus every live child process, in clock ticks
+  # (cutime+cstime) plus every live child process, in clock ticks (a child that exits
+  # between the listing and the read is skipped: its time moves to the postmaster's cutime)
   { sed 's/^.*) //' "/proc/$PM_PID/stat" | awk '{print $12 + $13 + $14 + $15}'
-    for p in $(pgrep -P "$PM_PID"); do
-      sed 's/^.*) //' "/proc/$p/stat" 2>/dev/null | awk '{print $12 + $13}'
+    for p in $(pgrep -P "$PM_PID" || true); do
+      sed 's/^.*) //' "/proc/$p/stat" 2>/dev/null | awk '{print $12 + $13}' || true
     done; } | awk '{s += $1} END {print s}'
 }
 children_cpu_s() { # sets CH: user+sys seconds of this shell's finished children (pgbench
@@ -301,7 +302,8 @@ run_pgbench() { # target mode clients round
   before=$(cpu_ticks "${PID[$t]}"); pg0=$(pg_ticks); children_cpu_s; ch0=$CH
   out=$("$PGBENCH" -n -S -M "$mode" -c "$c" -j 2 -T "$DURATION" -h 127.0.0.1 -p "${PORT[$t]}" \
         -U postgres bench 2>&1) || true
-  after=$(cpu_ticks "${PID[$t]}"); pg1=$(pg_ticks); children_cpu_s; ch1=$CH
+  # Direct: let the postmaster reap pgbench's backends, so their CPU reaches its cutime.
+  after=$(cpu_ticks "${PID[$t]}"); sleep 0.5; pg1=$(pg_ticks); children_cpu_s; ch1=$CH
   tps=$(printf '%s\n' "$out" | awk '/^tps = / {print $3; exit}')
   txns=$(printf '%s\n' "$out" | awk -F': ' '/actually processed/ {print $2; exit}' | awk '{print $1}')
   if [ -z "$tps" ] || [ -z "$txns" ] || [ "$txns" = 0 ] || printf '%s' "$out" | grep -q 'aborted in command\|could not connect\|too many clients'; then
