@@ -140,10 +140,7 @@ pub async fn serve(app: Arc<App>, listener: TcpListener, login: Option<tokio::ru
         };
         let app2 = app.clone();
         let handover = handover.clone();
-        let session = async move {
-            let _slot = slot;
-            session::run(app2, sock, peer, handshake, handover).await;
-        };
+        let session = session::run(app2, sock, peer, handshake, handover, slot);
         spawn(&tasks, login.as_ref(), session);
     }
     drop(listener);

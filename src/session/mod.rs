@@ -92,15 +92,18 @@ type Client<S> = ClientStream<WriteTimeout<S>>;
 /// Runs a client connection to completion: startup and authentication here, the rest (the
 /// session settings, which may borrow a backend, and the session itself) where `handover`
 /// says. A flood of new connections then costs the login thread, not the thread that serves
-/// the clients already logged in.
-pub async fn run<S>(
+/// the clients already logged in. `hold` (the client's slot) is dropped when the connection
+/// ends, wherever that is.
+pub async fn run<S, G>(
     app: Arc<App>,
     stream: S,
     peer: SocketAddr,
     slot: HandshakeSlot,
     handover: Handover,
+    hold: G,
 ) where
     S: AsyncRead + AsyncWrite + Unpin + Send + 'static,
+    G: Send + 'static,
 {
     let limits = app.config.load().limits.clone();
     let write_timeout = Duration::from_millis(limits.client_write_timeout_ms);
@@ -114,7 +117,10 @@ pub async fn run<S>(
         Ok(Ok(Start::Cancelled)) => return,
         other => return startup_failed(&mut stream, peer, other.map(|r| r.map(|_| ()))).await,
     };
-    let rest = logged_in(app, stream, buf, peer, slot, login, deadline);
+    let rest = async move {
+        let _hold = hold;
+        logged_in(app, stream, buf, peer, slot, login, deadline).await;
+    };
     match handover.0 {
         Some((tasks, sessions)) => drop(tasks.spawn_on(rest, &sessions)),
         None => rest.await,

@@ -1,5 +1,5 @@
 //! TESTS.md E: connect storm (half TLS), file-descriptor exhaustion, slow readers, cancel
-//! storm with a hung cancel path.
+//! storm with a hung cancel path, and `max_client_conn` held for a whole session.
 //!
 //! E2 lowers the descriptor limit of the proxy process alone (`ProxyOptions::nofile`, through
 //! `prlimit`), so the harness and Postgres keep theirs; the proxy's CPU time is read from
@@ -386,4 +386,61 @@ async fn e4_cancel_storm_and_hung_cancel_path() {
     fault.set(Fault::Pass);
     drop((a, other));
     oracle(&proxy).await;
+}
+
+/// `limits.max_client_conn` counts a client for as long as it is connected, including after
+/// a login thread handed its session to the session thread: the next client is told 53300
+/// at once, and a freed place is reusable.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn e5_max_client_conn_counts_clients_for_their_whole_session() {
+    let cluster = Cluster::start();
+    let dir = tempfile::tempdir().expect("tempdir");
+    let cfg = write(dir.path(), "c.yaml", "limits:\n  max_client_conn: 3\n");
+    for threads in ["1", "2"] {
+        let options = ProxyOptions::pool(2)
+            .config_file(&cfg)
+            .arg("--worker-threads")
+            .arg(threads);
+        let proxy = Proxy::start(&cluster, options);
+        if proxy.is_direct() {
+            return note_skipped("max_client_conn is the proxy's limit");
+        }
+        let config = proxy.app_config();
+        let mut held = Vec::new();
+        for i in 0..3 {
+            let (client, task) = proxy
+                .try_client_with(&config)
+                .await
+                .unwrap_or_else(|e| panic!("client {i} of 3 ({threads} threads): {e}"));
+            client.simple_query("SELECT 1").await.expect("SELECT 1");
+            held.push((client, task));
+        }
+        let e = match proxy.try_client_with(&config).await {
+            Ok(_) => panic!("a 4th client was let in with max_client_conn 3 ({threads} threads)"),
+            Err(e) => e,
+        };
+        let db = e.as_db_error().expect("a server error");
+        assert_eq!(db.code().code(), "53300", "{db:?}");
+        assert!(db.message().contains("too many clients"), "{db:?}");
+        // Every held client still works, then one leaves and its place is reusable.
+        for (client, _) in &held {
+            client.simple_query("SELECT 2").await.expect("held client");
+        }
+        drop(held.pop());
+        let deadline = Instant::now() + Duration::from_secs(5);
+        let (client, _task) = loop {
+            match proxy.try_client_with(&config).await {
+                Ok(c) => break c,
+                Err(e) if Instant::now() < deadline => {
+                    let _ = e;
+                    tokio::time::sleep(Duration::from_millis(20)).await;
+                }
+                Err(e) => panic!("the freed place was not reusable ({threads} threads): {e}"),
+            }
+        };
+        client
+            .simple_query("SELECT 3")
+            .await
+            .expect("the freed place");
+    }
 }
