@@ -412,6 +412,35 @@ async fn set_cancel_target(entry: &cancel::Entry, b: Option<&mut Pooled>) {
     entry.set(t).await;
 }
 
+/// Awaits `fut` (a pool checkout, a caller queue) while watching the client, read into
+/// `buf`: a client that hangs up meanwhile ends the wait with FATAL 08006 `why`. Most such
+/// futures complete at once, and then the client is not looked at.
+async fn unless_client_leaves<S, F>(
+    fut: F,
+    client: &mut S,
+    buf: &mut BytesMut,
+    why: &'static str,
+) -> Result<F::Output, PgError>
+where
+    S: AsyncRead + Unpin,
+    F: std::future::Future,
+{
+    tokio::pin!(fut);
+    if let Poll::Ready(r) = futures_util::poll!(&mut fut) {
+        return Ok(r);
+    }
+    loop {
+        tokio::select! {
+            r = &mut fut => return Ok(r),
+            alive = client_alive(client, buf) => {
+                if !alive {
+                    return Err(PgError::fatal("08006", why));
+                }
+            }
+        }
+    }
+}
+
 /// Reads from the client while it waits for something else, so a client that hangs up is
 /// noticed at once. Returns false when the client is gone.
 async fn client_alive<S: AsyncRead + Unpin>(client: &mut S, buf: &mut BytesMut) -> bool {

@@ -35,7 +35,7 @@ use crate::protocol::messages;
 
 use super::state;
 use super::tracker::{Expect, Kind, Mode, Tracker};
-use super::{End, Login, client_alive, params, set_cancel_target};
+use super::{End, Login, params, set_cancel_target, unless_client_leaves};
 
 /// A client's named statement (protocol level).
 struct Stmt {
@@ -747,21 +747,8 @@ impl Relay {
         let pool = self.pool.clone();
         let priority = self.app.policy.priority(self.unit_caller) as usize;
         let checkout = pool.checkout(priority, deadline);
-        tokio::pin!(checkout);
-        // Most checkouts find an idle connection at once: no need to watch the client then.
-        let res = match futures_util::poll!(&mut checkout) {
-            std::task::Poll::Ready(r) => r,
-            std::task::Poll::Pending => loop {
-                tokio::select! {
-                    r = &mut checkout => break r,
-                    alive = client_alive(client, &mut self.cbuf) => {
-                        if !alive {
-                            return Err(PgError::fatal("08006", "client disconnected while waiting"));
-                        }
-                    }
-                }
-            },
-        };
+        let why = "client disconnected while waiting";
+        let res = unless_client_leaves(checkout, client, &mut self.cbuf, why).await?;
         let mut b = res.map_err(|e| {
             // A database that cannot be reached is a backend fault: it feeds the breaker.
             if matches!(e, crate::pool::CheckoutError::Connect(_)) {

@@ -20,8 +20,8 @@ use crate::policy::{AdmitRequest, Refusal};
 use crate::protocol::PgError;
 use crate::protocol::messages;
 
-use super::super::client_alive;
 use super::super::tracker::{Expect, Kind, Mode};
+use super::super::unless_client_leaves;
 use super::Relay;
 
 /// A statement waiting for its completion, for per-fingerprint statistics.
@@ -90,23 +90,9 @@ impl Relay {
         };
         let app = self.app.clone();
         let (statement_override, lock_override, warnings) = if self.admission.is_none() {
-            let fut = app.policy.admit(&req);
-            tokio::pin!(fut);
-            // Most statements are admitted (or refused) at once: watch the client only when
-            // the caller's queue makes this one wait.
-            let r = match futures_util::poll!(&mut fut) {
-                std::task::Poll::Ready(r) => r,
-                std::task::Poll::Pending => loop {
-                    tokio::select! {
-                        r = &mut fut => break r,
-                        alive = client_alive(client, &mut self.cbuf) => {
-                            if !alive {
-                                return Err(PgError::fatal("08006", "client disconnected while queued"));
-                            }
-                        }
-                    }
-                },
-            };
+            let why = "client disconnected while queued";
+            let r =
+                unless_client_leaves(app.policy.admit(&req), client, &mut self.cbuf, why).await?;
             match r {
                 Ok(mut a) => {
                     let w = std::mem::take(&mut a.warnings);
