@@ -4,7 +4,8 @@
 //! listener closes at once, sessions finish their transactions for up to
 //! `shutdown_timeout_ms`, then `force` cancels what still runs and the stragglers get a short
 //! moment to tell their clients (57P01). Also binds the client listener, with SO_REUSEPORT
-//! when several instances share the port.
+//! when several instances share the port. With a login runtime, accepted connections are
+//! refused or logged in there (the accept itself stays here, with the sessions).
 
 use std::net::SocketAddr;
 use std::sync::Arc;

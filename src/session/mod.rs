@@ -10,7 +10,10 @@
 //! This file owns the session's lifetime around that loop: the handshake under its timeout
 //! and handshake slot, the client stream (TLS or not) wrapped in [`WriteTimeout`] so that a
 //! client that stops reading ends its session instead of pinning a backend and our buffers,
-//! and the final error and TLS close.
+//! and the final error and TLS close. With one session thread (`worker_threads: 1`), startup
+//! and authentication run on the login thread and the session is then handed to the session
+//! thread ([`Handover`]); the client socket is registered with the session thread's event
+//! loop from the accept on, so only the login steps cross threads.
 
 mod handshake;
 pub mod params;
