@@ -814,18 +814,19 @@ async fn one_session_thread_logs_clients_in_on_a_lower_priority_thread() {
         return;
     }
     let pid = proxy.pid().expect("a proxy process");
-    let threads: Vec<(String, i64)> = std::fs::read_dir(format!("/proc/{pid}/task"))
-        .expect("/proc task list")
-        .map(|t| {
-            let dir = t.expect("task entry").path();
-            let comm = std::fs::read_to_string(dir.join("comm")).expect("comm");
-            let stat = std::fs::read_to_string(dir.join("stat")).expect("stat");
-            // Field 19 is the nice value; fields count from after the parenthesised name.
-            let after = &stat[stat.rfind(')').expect("stat name") + 2..];
-            let nice = after.split(' ').nth(16).and_then(|n| n.parse().ok());
-            (comm.trim().to_owned(), nice.expect("a nice value"))
-        })
-        .collect();
+    // The runtime starts its worker thread at once, but the thread names itself and lowers
+    // its priority when it first runs: on a loaded machine that can come a moment later.
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    let threads = loop {
+        let threads = thread_names_and_nice(pid);
+        let named = threads
+            .iter()
+            .any(|(c, n)| c == "pgsluice-login" && *n == 10);
+        if named || std::time::Instant::now() >= deadline {
+            break threads;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
     let login: Vec<_> = threads
         .iter()
         .filter(|(c, _)| c == "pgsluice-login")
@@ -865,6 +866,23 @@ async fn one_session_thread_logs_clients_in_on_a_lower_priority_thread() {
         r.expect("client task").expect("client result");
     }
     proxy.assert_healthy().await;
+}
+
+/// (name, nice value) of every thread of process `pid`, from /proc; a thread that exits
+/// while it is read is left out.
+fn thread_names_and_nice(pid: u32) -> Vec<(String, i64)> {
+    std::fs::read_dir(format!("/proc/{pid}/task"))
+        .expect("/proc task list")
+        .filter_map(|t| {
+            let dir = t.ok()?.path();
+            let comm = std::fs::read_to_string(dir.join("comm")).ok()?;
+            let stat = std::fs::read_to_string(dir.join("stat")).ok()?;
+            // Field 19 is the nice value; fields count from after the parenthesised name.
+            let after = &stat[stat.rfind(')')? + 2..];
+            let nice = after.split(' ').nth(16)?.parse().ok()?;
+            Some((comm.trim().to_owned(), nice))
+        })
+        .collect()
 }
 
 /// Threads of the proxy process, from /proc.
