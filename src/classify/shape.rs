@@ -26,20 +26,8 @@
 
 /// Word characters as Postgres' lexer sees them (letters, digits, `_`, `$`, non-ASCII).
 fn is_word_byte(b: u8) -> bool {
-    WORD[b as usize]
+    b.is_ascii_alphanumeric() || b == b'_' || b == b'$' || b >= 0x80
 }
-
-/// `is_word_byte` as a table: the pass asks it for nearly every byte of a text.
-static WORD: [bool; 256] = {
-    let mut t = [false; 256];
-    let mut i = 0;
-    while i < 256 {
-        let b = i as u8;
-        t[i] = b.is_ascii_alphanumeric() || b == b'_' || b == b'$' || b >= 0x80;
-        i += 1;
-    }
-    t
-};
 
 /// Writes the shape key of `sql` into `out` (cleared first). Returns `true` when `out` holds a
 /// shape key with at least one literal blanked; `false` when the text has no literal to blank

@@ -128,7 +128,7 @@ impl TokenBucket {
 }
 
 /// Duration → u64 nanoseconds, saturating (584 years fit, so saturation never matters).
-fn nanos(d: Duration) -> u64 {
+pub(super) fn nanos(d: Duration) -> u64 {
     u64::try_from(d.as_nanos()).unwrap_or(u64::MAX)
 }
 

@@ -38,7 +38,7 @@ use parking_lot::Mutex;
 use tokio::sync::Notify;
 use tokio::time::Instant;
 
-use super::bucket::TokenBucket;
+use super::bucket::{TokenBucket, nanos};
 
 /// How long leased tokens stay usable.
 pub const LEASE_TTL: Duration = Duration::from_secs(1);
@@ -408,10 +408,6 @@ impl Rate {
     pub fn is_fleet(&self) -> bool {
         matches!(self, Self::Fleet(_))
     }
-}
-
-fn nanos(d: Duration) -> u64 {
-    u64::try_from(d.as_nanos()).unwrap_or(u64::MAX)
 }
 
 #[cfg(test)]
