@@ -370,8 +370,15 @@ async fn e4_cancel_storm_and_hung_cancel_path() {
             .expect("storm task");
     }
     eprintln!("1000 cancels in {:?}", t.elapsed());
+    // `other` holds a backend in a transaction meanwhile, so the pool has two open: after the
+    // hung cancel below, `a`'s session keeps its backend until that cancel gives up (a late
+    // cancel must not reach the next borrower), and `other` must then find the second one
+    // idle rather than need a new connection through the hung path.
+    other.batch_execute("BEGIN").await.expect("BEGIN");
+    assert_eq!(scalar(&other, "SELECT 2").await, "2");
     let msgs = a.query("SELECT 3").await.expect("idle client unaffected");
     assert_eq!(first_value(&msgs).as_deref(), Some("3"));
+    other.batch_execute("COMMIT").await.expect("COMMIT");
     // A cancel path that accepts but never answers: the client's cancel times out without
     // blocking anyone else, and the query still finishes.
     fault.set(Fault::HangNew);
