@@ -31,8 +31,17 @@ pub struct App {
     pub policy: Policy,
     /// Statement fingerprints, kinds and session effects, cached by text.
     pub classifier: Classifier,
-    /// What `classify.enabled: false` reports for every statement.
+    /// What `classify.enabled: false` reports for every statement: nothing is known, so
+    /// every statement is assumed to have touched the session (`DISCARD ALL` before reuse).
     pub unclassified: Arc<Classified>,
+    /// A FunctionCall ('F') message: a function by OID, which may do anything to the session.
+    pub function_call: Arc<Classified>,
+    /// A Bind of a statement name the proxy does not know (an SQL-level `PREPARE`d name, or a
+    /// guessed one): admitted like any statement, assumed to have touched the session.
+    pub unknown_statement: Arc<Classified>,
+    /// Seed of the hashes that name shared prepared statements (random per process, so
+    /// collisions cannot be crafted; texts are compared on reuse as well).
+    pub statement_seed: u64,
     /// Who is calling: config callers in order, `default` last (ids match the policy's).
     pub callers: ArcSwap<CallerMatcher>,
     /// Per-fingerprint statistics (top-K by total time, the rest aggregated).
@@ -112,14 +121,16 @@ impl App {
                 config.classify.cache_entries,
                 config.classify.max_text_bytes,
             ),
-            unclassified: Arc::new(Classified {
-                fingerprint: 0,
-                normalized: Arc::from(""),
-                kind: StmtKind::Other,
-                effects: Vec::new(),
-                tags: Vec::new(),
-                oversized: false,
-            }),
+            unclassified: opaque(0, ""),
+            function_call: opaque(
+                crate::classify::fingerprint("/* FunctionCall message */"),
+                "FunctionCall message",
+            ),
+            unknown_statement: opaque(
+                crate::classify::fingerprint("/* Bind of an unknown prepared statement */"),
+                "Bind of an unknown prepared statement",
+            ),
+            statement_seed: rand::random::<u64>(),
             callers: ArcSwap::from_pointee(caller_matcher(&config)),
             tls: crate::tls::Tls::new(&config).map_err(|e| e.to_string())?,
             fp_stats: FingerprintStats::new(config.classify.stats_capacity),
@@ -189,7 +200,8 @@ impl App {
             Some(u) => (u.host, u.port),
             None => (cfg.backend.host.clone(), cfg.backend.port),
         };
-        Ok(self.pools.get_or_create(database, user, || {
+        let max = cfg.limits.max_pools;
+        let pool = self.pools.get_or_create(database, user, max, || {
             Pool::new(
                 database,
                 user,
@@ -205,7 +217,17 @@ impl App {
                     tls: self.tls.backend(),
                 },
             )
-        }))
+        });
+        pool.ok_or_else(|| {
+            PgError::fatal(
+                "53300",
+                format!("pgsluice: too many pools: {max} (database, user) pools are in use"),
+            )
+            .with_detail(format!(
+                "limits.max_pools is {max}; database \"{database}\""
+            ))
+            .with_hint("pools without clients and connections are removed; try again later")
+        })
     }
 
     /// Periodic pool upkeep (idle timeout, min idle) until shutdown.
@@ -219,6 +241,8 @@ impl App {
             for p in self.pools.all() {
                 p.maintain().await;
             }
+            // After the upkeep (which may have closed a pool's last idle connection).
+            self.pools.sweep();
         }
     }
 }
@@ -379,4 +403,18 @@ mod tests {
         let err = app.reload(Config::from_yaml(&moved).unwrap()).unwrap_err();
         assert!(err.contains("fleet"), "{err}");
     }
+}
+
+/// A classification for something the proxy cannot read: kind `Other`, effect `Unknown`.
+fn opaque(fingerprint: u64, normalized: &str) -> Arc<Classified> {
+    Arc::new(Classified {
+        fingerprint,
+        normalized: Arc::from(normalized),
+        kind: StmtKind::Other,
+        effects: vec![crate::classify::SessionEffect::Unknown],
+        tags: Vec::new(),
+        oversized: false,
+        // A FunctionCall runs on its own; a Bind of an unknown name may be anything.
+        own_transaction: true,
+    })
 }

@@ -120,6 +120,9 @@ pub struct Target {
 pub struct Entry {
     secret: Vec<u8>,
     target: tokio::sync::Mutex<Option<Target>>,
+    /// Bumped (under the target lock) every time the target changes, so a cancel the session
+    /// started for one lending of a backend is dropped if that lending is over.
+    lent: std::sync::atomic::AtomicU64,
     /// Client CancelRequests passed to this session's backend so far: the session reads it to
     /// tell a 57014 the client asked for from one that says the server is in trouble.
     requested: std::sync::atomic::AtomicU64,
@@ -131,12 +134,37 @@ pub struct Entry {
 
 impl Entry {
     pub async fn set(&self, t: Option<Target>) {
+        use std::sync::atomic::Ordering::Release;
         // Uncontended (no cancel being sent) on every checkout and release: no waiter queue.
         if let Ok(mut g) = self.target.try_lock() {
             *g = t;
+            self.lent.fetch_add(1, Release);
             return;
         }
-        *self.target.lock().await = t;
+        let mut g = self.target.lock().await;
+        *g = t;
+        self.lent.fetch_add(1, Release);
+    }
+
+    /// The session's own cancel (statement backstop, shutdown): cancels what runs on its
+    /// current backend `pid`, holding the target while the request is delivered, so the
+    /// backend cannot pass to another client before it has arrived. Sent only if the target
+    /// is still the lending it was started for.
+    pub fn cancel_current(self: &Arc<Self>, pid: i32) -> tokio::task::JoinHandle<()> {
+        let lending = self.lent.load(std::sync::atomic::Ordering::Acquire);
+        let entry = Arc::clone(self);
+        tokio::spawn(async move {
+            let guard = entry.target.lock().await;
+            let still = entry.lent.load(std::sync::atomic::Ordering::Acquire) == lending;
+            let Some(t) = guard.as_ref().filter(|t| still && t.pid == pid) else {
+                return;
+            };
+            match tokio::time::timeout(Duration::from_secs(5), send(t)).await {
+                Ok(Ok(())) => {}
+                Ok(Err(e)) => tracing::warn!(error = %e, "cancel request to the server failed"),
+                Err(_) => tracing::warn!("cancel request to the server timed out"),
+            }
+        })
     }
 
     /// Client cancels sent on for this session (see `requested`).
@@ -223,6 +251,7 @@ impl Registry {
             requested: Default::default(),
             secret: secret.clone(),
             target: tokio::sync::Mutex::new(None),
+            lent: std::sync::atomic::AtomicU64::new(0),
             wake: AtomicWaker::new(),
         });
         let mut map = self.map.lock();

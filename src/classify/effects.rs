@@ -14,8 +14,11 @@
 //!   word `true`: a parameter or expression there may be false, and the pooling layer must err
 //!   on the side of noticing session state. The same holds when the argument is too far away
 //!   to inspect within the budget.
-//! - Effects are deduplicated and capped at `MAX_EFFECTS`; a string that hits the cap has
-//!   dirtied the session anyway, which is all the pooling layer needs to know.
+//! - Effects are deduplicated and capped at `MAX_EFFECTS`; the last slot is kept for
+//!   `Unknown`, so a string with more effects than are kept reads as "assume the worst".
+//! - `Unknown` is reported for whatever the text cannot prove harmless (see its doc): the
+//!   classifier's answer is "no effect" only when every call in the statement is a built-in
+//!   function known not to touch session state.
 
 use super::kind::Stmt;
 use super::normalize::Class;
@@ -56,6 +59,11 @@ pub enum SessionEffect {
     Prepare,
     Deallocate,
     Load,
+    /// The statement may change session state in ways the text does not show: a call of a
+    /// function not known to be harmless (user functions can `set_config`, take advisory
+    /// locks, `LISTEN` …), `DO`, `CALL`, `EXECUTE`, `CREATE EXTENSION`, a text cut off before
+    /// its end, or more effects than are kept. The pooling layer must assume the worst.
+    Unknown,
     Discard {
         all: bool,
     },
@@ -71,8 +79,14 @@ impl SessionEffect {
 }
 
 pub(super) fn add(effects: &mut Vec<SessionEffect>, e: SessionEffect) {
-    if effects.len() < MAX_EFFECTS && !effects.contains(&e) {
+    if effects.contains(&e) {
+        return;
+    }
+    if effects.len() + 1 < MAX_EFFECTS {
         effects.push(e);
+    } else if !effects.contains(&SessionEffect::Unknown) {
+        // The last slot says "there was more": a dropped effect must not go unnoticed.
+        effects.push(SessionEffect::Unknown);
     }
 }
 
@@ -166,7 +180,9 @@ pub(super) fn set_config_is_session(s: &Stmt<'_>, i: usize, budget: &mut usize) 
             Some(Class::Comma) if depth == 0 => {
                 commas += 1;
                 if commas == 2 {
-                    return !s.is(j + 1, "true");
+                    // Only a bare `true` that is the whole argument is provably local
+                    // (`true AND false`, `true = $1` are expressions).
+                    return !(s.is(j + 1, "true") && s.class(j + 2) == Some(Class::RParen));
                 }
             }
             _ => {}
@@ -334,5 +350,82 @@ mod tests {
     fn effects_are_bounded() {
         let sql: String = (0..500).map(|i| format!("set g{i} = 1;")).collect();
         assert_eq!(effects(&sql).len(), MAX_EFFECTS);
+        // What does not fit is not forgotten: the last slot says "assume the worst".
+        let mut sql: String = (0..100).map(|i| format!("set local g{i} = 1;")).collect();
+        sql.push_str("set role evil");
+        let fx = effects(&sql);
+        assert_eq!(fx.len(), MAX_EFFECTS);
+        assert!(fx.contains(&E::Unknown), "{fx:?}");
+    }
+
+    /// What the text cannot prove harmless is `Unknown`; everyday SQL is not.
+    #[test]
+    fn unprovable_effects_fail_closed() {
+        let cases: Vec<(&str, Vec<E>)> = vec![
+            (
+                "SELECT \"set_config\"('search_path', 'evil', false)",
+                vec![E::SetConfigSession],
+            ),
+            ("select \"pg_advisory_lock\"(1)", vec![E::AdvisoryLock]),
+            (
+                "select set_config('a', 'b', true AND false)",
+                vec![E::SetConfigSession],
+            ),
+            (
+                "select set_config('a', 'b', true = $1)",
+                vec![E::SetConfigSession],
+            ),
+            (
+                "select set_config('a', 'b', (true))",
+                vec![E::SetConfigSession],
+            ),
+            ("select my_func(1)", vec![E::Unknown]),
+            ("select public.lower('x')", vec![E::Unknown]),
+            ("select \"Lower\"('x')", vec![E::Unknown]),
+            ("select pg_catalog.lower('x')", vec![]),
+            ("select setseed(0.5)", vec![E::Unknown]),
+            ("select * from generate_series(1, 3) g", vec![]),
+            ("select * from t where x in (1, 2, f(3))", vec![E::Unknown]),
+            (
+                "do $$ begin perform set_config('a', 'b', false); end $$",
+                vec![E::Unknown],
+            ),
+            ("call p(1)", vec![E::Unknown]),
+            ("execute p(1)", vec![E::Unknown]),
+            ("create extension hstore", vec![E::Unknown]),
+            (
+                "select count(*), coalesce(a, 1), lower(b), now() from t \
+                 where id in (1, 2) and exists (select 1) and c = any($1)",
+                vec![],
+            ),
+            (
+                "insert into t (a, b) values (1, 2) on conflict (a) \
+                 do update set (a, b) = (excluded.a, 2) returning (a)",
+                vec![],
+            ),
+            ("insert into s.t (a) select 1", vec![]),
+            (
+                "with w(a) as (select 1), v (b) as materialized (select 2) \
+                 select * from w, v",
+                vec![],
+            ),
+            (
+                "select x::numeric(10, 2), cast(y as varchar(10)) from t as u(x, y)",
+                vec![],
+            ),
+            (
+                "select row_number() over (partition by a order by b) \
+                 filter (where c) from t",
+                vec![],
+            ),
+            ("copy t (a, b) from stdin", vec![]),
+            ("select pg_advisory_xact_lock(1)", vec![]),
+        ];
+        for (sql, want) in cases {
+            assert_eq!(effects(sql), want, "{sql:?}");
+        }
+        // A text longer than the scan window: the unread rest may do anything.
+        let long = format!("select 1 /* {} */; set role evil", "x".repeat(2 << 20));
+        assert!(effects(&long).contains(&E::Unknown));
     }
 }

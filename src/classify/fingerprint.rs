@@ -30,6 +30,7 @@ use sqlparser::tokenizer::{Token, Tokenizer, Whitespace};
 use xxhash_rust::xxh3::xxh3_64;
 
 use super::Classified;
+use super::effects::SessionEffect;
 use super::kind;
 use super::normalize::{Class, Normalizer};
 use super::scan;
@@ -141,7 +142,15 @@ fn tokenize_into(
 
 fn finish(mut n: Normalizer, oversized: bool, truncated: bool) -> Classified {
     n.finish();
-    let (kind, effects) = kind::analyze(&n);
+    let kind::Analysis {
+        kind,
+        mut effects,
+        own_transaction,
+    } = kind::analyze(&n);
+    if truncated && !effects.contains(&SessionEffect::Unknown) {
+        // The part never read may do anything.
+        effects.push(SessionEffect::Unknown);
+    }
     let mut tags = Vec::new();
     for body in n.tag_comments() {
         parse_tag_comment(body, &mut tags);
@@ -166,6 +175,7 @@ fn finish(mut n: Normalizer, oversized: bool, truncated: bool) -> Classified {
         effects,
         tags,
         oversized,
+        own_transaction,
     }
 }
 

@@ -15,9 +15,12 @@
 //!   reads). `BEGIN; UPDATE ..; COMMIT` is `Write`. Effects of all statements are merged.
 //! - `EXPLAIN` without `ANALYZE` is `Read` and has no effects (nothing runs); with `ANALYZE`
 //!   it takes the explained statement's kind and effects.
-//! - Function-call effects (`set_config`, advisory locks) are found anywhere in a statement;
-//!   effects hidden inside `DO $$ ... $$` bodies are not visible (the body is a literal).
+//! - Function-call effects (`set_config`, advisory locks) are found anywhere in a statement
+//!   (`calls.rs` judges every `name(`); what the text cannot show — a user function, a
+//!   `DO $$ ... $$` body (a literal), `CALL`, `EXECUTE`, `CREATE EXTENSION` — is the
+//!   `Unknown` effect, which the pooling layer treats as "assume the worst".
 
+use super::calls::{self, Call};
 pub use super::effects::SessionEffect;
 use super::effects::{MAX_CALL_SCAN_TOTAL, add, guc_name, set_config_is_session, set_effect};
 use super::normalize::{Class, Normalizer};
@@ -61,11 +64,20 @@ impl StmtKind {
     }
 }
 
-/// Kind and effects of the whole normalized stream (all statements).
-pub(crate) fn analyze(n: &Normalizer) -> (StmtKind, Vec<SessionEffect>) {
+/// What the statement walk finds in a whole normalized stream (all statements).
+pub(crate) struct Analysis {
+    pub kind: StmtKind,
+    pub effects: Vec<SessionEffect>,
+    /// Some statement cannot run inside a transaction block (see [`own_transaction`]).
+    pub own_transaction: bool,
+}
+
+/// Kind, effects and transaction needs of the whole normalized stream (all statements).
+pub(crate) fn analyze(n: &Normalizer) -> Analysis {
     let toks = n.toks();
     let mut kind: Option<StmtKind> = None;
     let mut effects = Vec::new();
+    let mut own = false;
     let mut start = 0;
     for i in 0..=toks.len() {
         let boundary = i == toks.len() || toks[i].class == Class::Semi;
@@ -73,14 +85,13 @@ pub(crate) fn analyze(n: &Normalizer) -> (StmtKind, Vec<SessionEffect>) {
             continue;
         }
         if i > start {
-            let k = statement(
-                &Stmt {
-                    n,
-                    lo: start,
-                    hi: i,
-                },
-                &mut effects,
-            );
+            let stmt = Stmt {
+                n,
+                lo: start,
+                hi: i,
+            };
+            own = own || own_transaction(&stmt);
+            let k = statement(&stmt, &mut effects);
             kind = Some(match kind {
                 Some(prev) if prev.rank() >= k.rank() => prev,
                 _ => k,
@@ -88,7 +99,34 @@ pub(crate) fn analyze(n: &Normalizer) -> (StmtKind, Vec<SessionEffect>) {
         }
         start = i + 1;
     }
-    (kind.unwrap_or(StmtKind::Other), effects)
+    Analysis {
+        kind: kind.unwrap_or(StmtKind::Other),
+        effects,
+        own_transaction: own,
+    }
+}
+
+/// Statements Postgres refuses inside a transaction block (`VACUUM`, `... CONCURRENTLY`,
+/// `CREATE DATABASE`, `ALTER SYSTEM`, …) or that may end transactions themselves (`CALL` and
+/// `DO` can COMMIT): budgets for them cannot be `SET LOCAL` in front, in one implicit
+/// transaction. Errs toward `true` (the other injection is also correct, only costlier).
+fn own_transaction(s: &Stmt<'_>) -> bool {
+    let mut i = s.lo;
+    while s.class(i) == Some(Class::LParen) {
+        i += 1;
+    }
+    match s.word(i) {
+        Some("vacuum" | "call" | "do" | "cluster") => true,
+        Some("alter") => s.is(i + 1, "system") || s.is(i + 1, "database"),
+        Some("create" | "drop" | "reindex") => {
+            s.is(i + 1, "database")
+                || s.is(i + 1, "tablespace")
+                || s.is(i + 1, "subscription")
+                || s.is(i + 1, "system")
+                || (i..s.hi).any(|j| s.is(j, "concurrently"))
+        }
+        _ => false,
+    }
 }
 
 /// One statement: tokens `lo..hi` of the normalizer.
@@ -230,6 +268,9 @@ fn body(f: &Facts, s: &Stmt<'_>, i: usize, fx: &mut Vec<SessionEffect>) -> StmtK
             if head_is_temp || pg_temp {
                 add(fx, SessionEffect::CreateTemp);
             }
+            if s.is(i + 1, "extension") {
+                add(fx, SessionEffect::Unknown);
+            }
             StmtKind::Ddl
         }
         v if DDL_VERBS.contains(&v) => StmtKind::Ddl,
@@ -253,6 +294,12 @@ fn body(f: &Facts, s: &Stmt<'_>, i: usize, fx: &mut Vec<SessionEffect>) -> StmtK
             };
             add(fx, SessionEffect::Reset { name });
             StmtKind::Session
+        }
+        // Procedural code and stored procedures can do anything to the session; so can the
+        // install script of an extension and a SQL-level EXECUTE.
+        "do" | "call" | "execute" => {
+            add(fx, SessionEffect::Unknown);
+            StmtKind::Other
         }
         "listen" => session(fx, SessionEffect::Listen),
         "unlisten" => session(fx, SessionEffect::Unlisten),
@@ -299,12 +346,29 @@ fn facts(s: &Stmt<'_>, from: usize, fx: &mut Vec<SessionEffect>) -> Facts {
     let toks = s.n.toks();
     let hi = s.hi.min(toks.len());
     for (j, tok) in toks.iter().enumerate().take(hi).skip(from) {
+        if !matches!(tok.class, Class::Word | Class::Quoted) {
+            continue;
+        }
+        let call = s.class(j + 1) == Some(Class::LParen);
+        if call {
+            match calls::classify(s, j) {
+                Call::NotACall | Call::Harmless => {}
+                Call::AdvisoryLock => add(fx, SessionEffect::AdvisoryLock),
+                Call::AdvisoryUnlock => add(fx, SessionEffect::AdvisoryUnlock),
+                Call::Unknown => add(fx, SessionEffect::Unknown),
+                Call::SetConfig => {
+                    if !fx.contains(&SessionEffect::SetConfigSession)
+                        && set_config_is_session(s, j + 2, &mut budget)
+                    {
+                        add(fx, SessionEffect::SetConfigSession);
+                    }
+                }
+            }
+        }
         if tok.class != Class::Word {
             continue;
         }
-        let w = s.n.text(tok);
-        let call = s.class(j + 1) == Some(Class::LParen);
-        match w {
+        match s.n.text(tok) {
             "into" => {
                 f.into.get_or_insert(j);
             }
@@ -321,26 +385,6 @@ fn facts(s: &Stmt<'_>, from: usize, fx: &mut Vec<SessionEffect>) -> Facts {
                     s.word(j + 2),
                     Some("insert" | "update" | "delete" | "merge")
                 );
-            }
-            "pg_advisory_lock"
-            | "pg_advisory_lock_shared"
-            | "pg_try_advisory_lock"
-            | "pg_try_advisory_lock_shared"
-                if call =>
-            {
-                add(fx, SessionEffect::AdvisoryLock);
-            }
-            "pg_advisory_unlock" | "pg_advisory_unlock_shared" | "pg_advisory_unlock_all"
-                if call =>
-            {
-                add(fx, SessionEffect::AdvisoryUnlock);
-            }
-            "set_config"
-                if call
-                    && !fx.contains(&SessionEffect::SetConfigSession)
-                    && set_config_is_session(s, j + 2, &mut budget) =>
-            {
-                add(fx, SessionEffect::SetConfigSession);
             }
             _ => {}
         }
@@ -390,6 +434,38 @@ mod tests {
     fn kind(sql: &str) -> (StmtKind, Vec<SessionEffect>) {
         let c = analyze(sql, DEFAULT_MAX_TEXT_BYTES);
         (c.kind, c.effects)
+    }
+
+    #[test]
+    fn statements_that_need_their_own_transaction() {
+        for sql in [
+            "vacuum t",
+            "VACUUM (ANALYZE) t",
+            "create index concurrently i on t (a)",
+            "drop index concurrently i",
+            "reindex table concurrently t",
+            "create database x",
+            "alter system set work_mem = '1MB'",
+            "call p()",
+            "do $$ begin commit; end $$",
+            "select 1; vacuum",
+        ] {
+            assert!(
+                analyze(sql, DEFAULT_MAX_TEXT_BYTES).own_transaction,
+                "{sql}"
+            );
+        }
+        for sql in [
+            "select 1",
+            "create index i on t (a)",
+            "update t set concurrently = 1",
+            "alter table t add column b int",
+        ] {
+            assert!(
+                !analyze(sql, DEFAULT_MAX_TEXT_BYTES).own_transaction,
+                "{sql}"
+            );
+        }
     }
 
     #[test]

@@ -37,6 +37,7 @@ use quick_cache::Weighter;
 use quick_cache::sync::Cache;
 
 pub mod caller;
+mod calls;
 pub mod effects;
 pub mod fingerprint;
 pub mod kind;
@@ -69,6 +70,10 @@ pub struct Classified {
     /// The text exceeded `max_text_bytes`; it was read by the byte scanner, and beyond
     /// `16 × max_text_bytes` not at all. Treat kind and effects conservatively.
     pub oversized: bool,
+    /// A statement in the text cannot run inside a transaction block (`VACUUM`, `CREATE
+    /// INDEX CONCURRENTLY`, …) or may commit by itself (`CALL`, `DO`): timeouts for it are
+    /// set for the session around it, not `SET LOCAL` in front of it.
+    pub own_transaction: bool,
 }
 
 impl Classified {

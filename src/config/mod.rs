@@ -365,6 +365,13 @@ pub struct LimitsConfig {
     pub shutdown_timeout_ms: u64,
     /// A client write that makes no progress for this long ends the session (slow reader).
     pub client_write_timeout_ms: u64,
+    /// Largest Query/Parse/Bind/FunctionCall message a client may send (CopyData is
+    /// streamed and not bounded by it); larger ones get 54000 and are skipped unread.
+    pub max_message_bytes: usize,
+    /// Named prepared statements one client may hold at once (54000 beyond).
+    pub max_client_statements: usize,
+    /// (database, user) pools; pools without clients or connections are removed.
+    pub max_pools: usize,
 }
 
 impl Default for LimitsConfig {
@@ -375,6 +382,9 @@ impl Default for LimitsConfig {
             max_handshakes: 512,
             shutdown_timeout_ms: 30_000,
             client_write_timeout_ms: 30_000,
+            max_message_bytes: 16 << 20,
+            max_client_statements: 10_000,
+            max_pools: 1_000,
         }
     }
 }

@@ -327,6 +327,19 @@ impl Config {
         if l.client_write_timeout_ms == 0 {
             p.add("limits.client_write_timeout_ms".into(), "must be > 0");
         }
+        // Below 64 KiB ordinary ORM statements would be refused; above 1 GiB is Postgres' own.
+        if !(64 << 10..=1 << 30).contains(&l.max_message_bytes) {
+            p.add(
+                "limits.max_message_bytes".into(),
+                "must be between 65536 and 1073741824",
+            );
+        }
+        if l.max_client_statements == 0 {
+            p.add("limits.max_client_statements".into(), "must be > 0");
+        }
+        if l.max_pools == 0 {
+            p.add("limits.max_pools".into(), "must be > 0");
+        }
         if self.tls.mode != super::ClientTlsMode::Disable {
             for (field, v) in [
                 ("tls.cert_file", &self.tls.cert_file),

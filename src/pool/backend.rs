@@ -100,6 +100,9 @@ pub struct Dirt {
     pub cursors: bool,
     pub sql_prepared: bool,
     pub temp: bool,
+    /// The proxy cannot tell what was changed (a user function, `DO`, a FunctionCall, a
+    /// client gone before its settings were read back): `DISCARD ALL`.
+    pub all: bool,
     /// Something we cannot reset reliably (e.g. LOAD): close the connection instead.
     pub unresettable: bool,
 }
@@ -117,6 +120,7 @@ impl Dirt {
         self.cursors |= o.cursors;
         self.sql_prepared |= o.sql_prepared;
         self.temp |= o.temp;
+        self.all |= o.all;
         self.unresettable |= o.unresettable;
     }
 
@@ -124,6 +128,10 @@ impl Dirt {
     pub fn reset_sql(&self) -> Option<String> {
         if self.unresettable {
             return None;
+        }
+        if self.all {
+            // Everything below and more (plans, sequences); also drops our statements.
+            return Some("DISCARD ALL".to_owned());
         }
         let mut s = String::new();
         if self.role {

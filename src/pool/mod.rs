@@ -393,10 +393,11 @@ impl Pooled {
                 self.pool.close(conn);
                 return;
             }
-            if conn.dirty.sql_prepared {
+            if conn.dirty.sql_prepared || conn.dirty.all {
                 conn.prepared.clear();
+                conn.stale.clear();
             }
-            if conn.dirty.gucs {
+            if conn.dirty.gucs || conn.dirty.all {
                 // RESET ALL also undid the client startup parameters.
                 conn.applied.clear();
             }
@@ -421,23 +422,59 @@ impl Drop for Pooled {
     }
 }
 
-/// All pools, created on first use of a (database, user).
+/// All pools, created on first use of a (database, user) and bounded: the names come from
+/// clients (any database name a client asks for), so a pool nobody uses and that holds no
+/// connection is dropped (by [`Pools::sweep`] and whenever the map is full), and beyond
+/// `max` pools a new one is refused.
 #[derive(Default)]
 pub struct Pools {
     map: Mutex<HashMap<(String, String), Arc<Pool>>>,
 }
 
+/// No session holds the pool (the map's is the only reference) and it has no connection.
+fn unused(p: &Arc<Pool>) -> bool {
+    Arc::strong_count(p) == 1 && p.open.load(Ordering::Relaxed) == 0
+}
+
 impl Pools {
+    /// The pool of (database, user), made with `make` if there is none; `None` when `max`
+    /// pools exist and none of them is unused.
     pub fn get_or_create(
         &self,
         database: &str,
         user: &str,
+        max: usize,
         make: impl FnOnce() -> Arc<Pool>,
-    ) -> Arc<Pool> {
+    ) -> Option<Arc<Pool>> {
         let mut m = self.map.lock();
-        m.entry((database.to_string(), user.to_string()))
-            .or_insert_with(make)
-            .clone()
+        if let Some(p) = m.get(&(database.to_string(), user.to_string())) {
+            return Some(p.clone());
+        }
+        if m.len() >= max {
+            m.retain(|_, p| !unused(p));
+            if m.len() >= max {
+                return None;
+            }
+        }
+        let p = make();
+        m.insert((database.to_string(), user.to_string()), p.clone());
+        Some(p)
+    }
+
+    /// Drops unused pools; returns how many.
+    pub fn sweep(&self) -> usize {
+        let mut m = self.map.lock();
+        let before = m.len();
+        m.retain(|_, p| !unused(p));
+        before - m.len()
+    }
+
+    pub fn len(&self) -> usize {
+        self.map.lock().len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.map.lock().is_empty()
     }
 
     pub fn all(&self) -> Vec<Arc<Pool>> {

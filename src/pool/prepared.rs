@@ -1,7 +1,10 @@
 //! Per-backend cache of protocol-level prepared statements under proxy-chosen names.
 //!
-//! A statement is identified by the xxh3 hash of its (SQL, parameter types); its name on the
-//! server is `_pgsl_<hash>`, so clients that prepare the same text share one server statement.
+//! A statement is identified by the xxh3 hash of its (SQL, parameter types), seeded per
+//! process; its name on the server is `_pgsl_<hash>`, so clients that prepare the same text
+//! share one server statement. The hash only names the statement: each entry keeps its text,
+//! and a lookup whose text differs is a collision, never a hit (the session closes the other
+//! statement and prepares its own), so no client can run another text under a shared name.
 //! Bounded: the least recently used entry is evicted (the session closes it on the server).
 
 use std::collections::HashMap;
@@ -16,11 +19,37 @@ pub fn server_name(hash: u64) -> [u8; 22] {
     out
 }
 
+/// A statement prepared on this connection: its last use and its text.
+struct Entry {
+    tick: u64,
+    /// SQL, a NUL, then the parameter-type bytes of the Parse.
+    text: Box<[u8]>,
+}
+
+impl Entry {
+    fn is(&self, query: &[u8], types: &[u8]) -> bool {
+        self.text.len() == query.len() + 1 + types.len()
+            && self.text[..query.len()] == *query
+            && self.text[query.len()] == 0
+            && self.text[query.len() + 1..] == *types
+    }
+}
+
+/// What the cache knows of a statement.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Lookup {
+    /// Prepared here with this text.
+    Hit,
+    /// Not prepared here.
+    Miss,
+    /// Another text is prepared under this name: close it before preparing this one.
+    Collision,
+}
+
 pub struct PreparedCache {
     cap: usize,
     tick: u64,
-    /// hash → last use
-    map: HashMap<u64, u64>,
+    map: HashMap<u64, Entry>,
 }
 
 impl PreparedCache {
@@ -32,30 +61,45 @@ impl PreparedCache {
         }
     }
 
-    /// True (and marks it used) when the statement exists on this connection.
-    pub fn touch(&mut self, hash: u64) -> bool {
+    /// Whether statement `hash` with this text exists here (a hit marks it used). A
+    /// collision forgets the other statement: the caller must close it on the server.
+    pub fn touch(&mut self, hash: u64, query: &[u8], types: &[u8]) -> Lookup {
         self.tick += 1;
         match self.map.get_mut(&hash) {
-            Some(t) => {
-                *t = self.tick;
-                true
+            Some(e) if e.is(query, types) => {
+                e.tick = self.tick;
+                Lookup::Hit
             }
-            None => false,
+            Some(_) => {
+                self.map.remove(&hash);
+                Lookup::Collision
+            }
+            None => Lookup::Miss,
         }
     }
 
     /// Records a statement; returns the hash evicted to make room, if any.
-    pub fn insert(&mut self, hash: u64) -> Option<u64> {
+    pub fn insert(&mut self, hash: u64, query: &[u8], types: &[u8]) -> Option<u64> {
         self.tick += 1;
         let mut evicted = None;
         if !self.map.contains_key(&hash)
             && self.map.len() >= self.cap
-            && let Some((&old, _)) = self.map.iter().min_by_key(|(_, t)| **t)
+            && let Some((&old, _)) = self.map.iter().min_by_key(|(_, e)| e.tick)
         {
             self.map.remove(&old);
             evicted = Some(old);
         }
-        self.map.insert(hash, self.tick);
+        let mut text = Vec::with_capacity(query.len() + 1 + types.len());
+        text.extend_from_slice(query);
+        text.push(0);
+        text.extend_from_slice(types);
+        self.map.insert(
+            hash,
+            Entry {
+                tick: self.tick,
+                text: text.into_boxed_slice(),
+            },
+        );
         evicted
     }
 
@@ -83,12 +127,35 @@ mod tests {
     #[test]
     fn evicts_least_recently_used() {
         let mut c = PreparedCache::new(2);
-        assert_eq!(c.insert(1), None);
-        assert_eq!(c.insert(2), None);
-        assert!(c.touch(1));
-        assert_eq!(c.insert(3), Some(2));
-        assert!(c.touch(1) && c.touch(3) && !c.touch(2));
+        let q = |h: u64| format!("select {h}");
+        assert_eq!(c.insert(1, q(1).as_bytes(), b""), None);
+        assert_eq!(c.insert(2, q(2).as_bytes(), b""), None);
+        assert_eq!(c.touch(1, q(1).as_bytes(), b""), Lookup::Hit);
+        assert_eq!(c.insert(3, q(3).as_bytes(), b""), Some(2));
+        assert_eq!(c.touch(1, q(1).as_bytes(), b""), Lookup::Hit);
+        assert_eq!(c.touch(3, q(3).as_bytes(), b""), Lookup::Hit);
+        assert_eq!(c.touch(2, q(2).as_bytes(), b""), Lookup::Miss);
         assert_eq!(c.len(), 2);
+    }
+
+    /// Two texts under one hash (a collision, crafted or not) never share a statement.
+    #[test]
+    fn a_hash_collision_is_never_a_hit() {
+        let mut c = PreparedCache::new(8);
+        c.insert(7, b"select 1", b"\0\0");
+        assert_eq!(c.touch(7, b"select 1", b"\0\0"), Lookup::Hit);
+        assert_eq!(c.touch(7, b"set role admin", b"\0\0"), Lookup::Collision);
+        // The other statement is forgotten: the caller closes and re-prepares.
+        assert_eq!(c.touch(7, b"select 1", b"\0\0"), Lookup::Miss);
+        c.insert(7, b"select 1", b"\0\0");
+        // Same SQL with other parameter types is another statement too.
+        assert_eq!(
+            c.touch(7, b"select 1", b"\0\x01\0\0\0\x17"),
+            Lookup::Collision
+        );
+        // A text that is a prefix of the stored one is not it.
+        c.insert(9, b"select 12", b"");
+        assert_eq!(c.touch(9, b"select 1", b"2"), Lookup::Collision);
     }
 
     #[test]

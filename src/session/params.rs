@@ -3,7 +3,15 @@
 //! carry exactly one client's parameters.
 //!
 //! Values are applied with `set_config(name, value, false)`, which parses them exactly as a
-//! startup packet would (list-valued GUCs such as search_path included).
+//! startup packet would (list-valued GUCs such as search_path included), and removed with
+//! `set_config(name, NULL, false)` (a reset): names and values are always literals, never
+//! identifiers spliced into SQL.
+//!
+//! Every literal the proxy builds goes through [`literal`], which dollar-quotes: unlike
+//! `'...'`, a dollar-quoted string means the same whatever the session's
+//! `standard_conforming_strings` (a client may turn it off and have it re-applied) and
+//! whatever its `client_encoding` (no byte of the tag can be the second byte of a multi-byte
+//! character in SJIS, BIG5, GBK, UHC or GB18030, as `\` can).
 
 /// Startup keys that are not GUCs.
 const NOT_GUCS: &[&str] = &["user", "database", "options", "replication"];
@@ -94,8 +102,21 @@ pub fn client_settings(raw: &[(String, String)]) -> Result<(Settings, Vec<String
     Ok((settings, unsupported))
 }
 
-fn quote_literal(s: &str) -> String {
-    format!("'{}'", s.replace('\'', "''"))
+/// `s` as an SQL string literal: dollar-quoted with a tag that does not occur in `s`.
+pub fn literal(s: &str) -> String {
+    dollar_tag(s, |tag| format!("{tag}{s}{tag}"))
+}
+
+/// Calls `f` with a dollar-quote tag (`$q$`, `$q1$`, …) that occurs nowhere in `body`.
+pub fn dollar_tag(body: &str, f: impl FnOnce(&str) -> String) -> String {
+    let mut tag = String::from("$q$");
+    let mut n = 0u32;
+    // `$q$` ends a string that ends in `$q`: the tag must not meet the body's edges either.
+    while body.contains(&tag) || body.ends_with(&tag[..tag.len() - 1]) {
+        n += 1;
+        tag = format!("$q{n}$");
+    }
+    f(&tag)
 }
 
 /// SQL that turns a backend carrying `applied` into one carrying `desired` (both sorted), or
@@ -104,12 +125,13 @@ pub fn apply_sql(applied: &[(String, String)], desired: &[(String, String)]) -> 
     if applied == desired {
         return None;
     }
-    let mut sql = String::new();
+    let mut resets = Vec::new();
     for (n, _) in applied {
         if !desired.iter().any(|(d, _)| d == n) {
-            sql.push_str("RESET ");
-            sql.push_str(n);
-            sql.push(';');
+            resets.push(format!(
+                "pg_catalog.set_config({}, NULL, false)",
+                literal(n)
+            ));
         }
     }
     // SET SESSION AUTHORIZATION resets the role, so it goes first and role second.
@@ -121,21 +143,18 @@ pub fn apply_sql(applied: &[(String, String)], desired: &[(String, String)]) -> 
     let mut todo: Vec<&(String, String)> =
         desired.iter().filter(|d| !applied.contains(d)).collect();
     todo.sort_by_key(|(n, _)| rank(n));
-    let sets: Vec<String> = todo
+    // Resets first: a reset of a name after its set would undo it.
+    let sets: Vec<String> = resets
         .into_iter()
-        .map(|(n, v)| {
+        .chain(todo.into_iter().map(|(n, v)| {
             format!(
                 "pg_catalog.set_config({}, {}, false)",
-                quote_literal(n),
-                quote_literal(v)
+                literal(n),
+                literal(v)
             )
-        })
+        }))
         .collect();
-    if !sets.is_empty() {
-        sql.push_str("SELECT ");
-        sql.push_str(&sets.join(", "));
-    }
-    Some(sql)
+    Some(format!("SELECT {}", sets.join(", ")))
 }
 
 #[cfg(test)]
@@ -192,9 +211,9 @@ mod tests {
         )
         .unwrap();
         let (sa, role, a) = (
-            sql.find("'session_authorization'"),
-            sql.find("'role'"),
-            sql.find("'a'"),
+            sql.find("$q$session_authorization$q$"),
+            sql.find("$q$role$q$"),
+            sql.find("$q$a$q$"),
         );
         assert!(sa < role && role < a, "{sql}");
     }
@@ -209,7 +228,31 @@ mod tests {
         .unwrap();
         assert_eq!(
             sql,
-            "RESET a;SELECT pg_catalog.set_config('c', 'it''s', false)"
+            "SELECT pg_catalog.set_config($q$a$q$, NULL, false), \
+             pg_catalog.set_config($q$c$q$, $q$it's$q$, false)"
         );
+    }
+
+    /// Names and values a client controls can never end the literal they are put in: not
+    /// with quotes, backslashes (`standard_conforming_strings = off`), or the tag itself.
+    #[test]
+    fn literals_cannot_be_broken_out_of() {
+        for v in [
+            "it's",
+            "x\\'; DROP TABLE t; --",
+            "$q$; DROP TABLE t; --",
+            "a$q",
+            "$q1$$q$$q2$",
+            "x;CREATE ROLE evil;--.y",
+        ] {
+            let lit = literal(v);
+            let tag_end = lit[1..].find('$').map(|i| i + 2).unwrap_or(0);
+            let tag = &lit[..tag_end];
+            assert!(tag.starts_with("$q") && tag.ends_with('$'), "{lit}");
+            assert_eq!(&lit[tag.len()..lit.len() - tag.len()], v);
+            assert!(lit.ends_with(tag));
+            // The tag occurs exactly twice: at the start and at the end.
+            assert_eq!(lit.matches(tag).count(), 2, "{lit}");
+        }
     }
 }

@@ -33,7 +33,7 @@ use crate::cancel::{self, Phase};
 use crate::classify::Classified;
 use crate::config::PoolMode;
 use crate::policy::{Admission, StatementAdmission};
-use crate::pool::prepared::server_name;
+use crate::pool::prepared::{Lookup, server_name};
 use crate::pool::{Pool, Pooled};
 use crate::protocol::PgError;
 use crate::protocol::error::field_of;
@@ -75,6 +75,11 @@ pub struct Relay {
     stmts: HashMap<Bytes, Stmt>,
     /// Body bytes of a client CopyData frame still to stream through.
     client_pass: usize,
+    /// Bytes of an oversized client message still to read and drop.
+    client_drop: usize,
+    /// `limits.max_message_bytes` and `limits.max_client_statements` at session start.
+    max_message: usize,
+    max_statements: usize,
     /// Body bytes of a backend DataRow/CopyData still to stream, and whether they go out.
     backend_pass: usize,
     backend_pass_fwd: bool,
@@ -91,6 +96,12 @@ pub struct Relay {
     retry: Option<retry::Retry>,
     /// The proxy's own deadline for the running statement (its statement_timeout + grace).
     backstop: Option<Instant>,
+    /// A cancel the backstop is delivering: nothing more is sent to the backend until it has
+    /// arrived, so it can only stop the statement it was meant for.
+    backstop_cancel: Option<tokio::task::JoinHandle<()>>,
+    /// Session-level budgets were set around the current request (`inject_timeouts`): the
+    /// statement that puts the client's settings back, sent after the request.
+    restore_after: Option<String>,
     /// Armed when the backstop sent a cancel: if the server sends nothing at all by then
     /// (`pool.cancel_grace_ms`), it is unreachable and its connection is given up.
     unanswered: Option<Instant>,
@@ -166,7 +177,13 @@ impl Relay {
         peer: std::net::SocketAddr,
     ) -> Relay {
         let mode = pool.mode();
-        let classify_on = app.config.load().classify.enabled;
+        let cfg = app.config.load();
+        let classify_on = cfg.classify.enabled;
+        let (max_message, max_statements) = (
+            cfg.limits.max_message_bytes,
+            cfg.limits.max_client_statements,
+        );
+        drop(cfg);
         Relay {
             app,
             pool,
@@ -182,6 +199,9 @@ impl Relay {
             t: Tracker::default(),
             stmts: HashMap::new(),
             client_pass: 0,
+            client_drop: 0,
+            max_message,
+            max_statements,
             backend_pass: 0,
             backend_pass_fwd: true,
             skip_to_sync: false,
@@ -192,6 +212,8 @@ impl Relay {
             unnamed_class: None,
             retry: None,
             backstop: None,
+            backstop_cancel: None,
+            restore_after: None,
             unanswered: None,
             draining: false,
             cancels_seen: 0,
@@ -359,11 +381,40 @@ impl Relay {
                 self.client_pass -= take;
                 continue;
             }
+            if self.client_drop > 0 {
+                let take = self.client_drop.min(self.cbuf.len());
+                if take == 0 {
+                    break;
+                }
+                let _ = self.cbuf.split_to(take);
+                self.client_drop -= take;
+                continue;
+            }
             let h = match framing::header(&self.cbuf, Direction::Frontend) {
                 Ok(Some(h)) => h,
                 Ok(None) => break,
                 Err(e) => return Err(End::Error(PgError::protocol_violation(e.to_string()))),
             };
+            if h.total > self.max_message && matches!(h.tag, b'Q' | b'P' | b'B' | b'F') {
+                // Refused before it is buffered: its bytes are dropped as they arrive.
+                self.client_drop = h.total;
+                if self.skip_to_sync {
+                    continue;
+                }
+                let e = PgError::error(
+                    "54000",
+                    format!(
+                        "pgsluice: message too large: a {} message of {} bytes exceeds \
+                         limits.max_message_bytes ({} bytes)",
+                        char::from(h.tag),
+                        h.total,
+                        self.max_message
+                    ),
+                )
+                .with_hint("send large data with COPY, or raise limits.max_message_bytes");
+                self.refuse_statement(h.tag, e)?;
+                continue;
+            }
             if self.cbuf.len() < h.total {
                 // Stream big CopyData through instead of buffering it whole.
                 if h.tag == b'd' && self.t.copy_in && self.backend.is_some() && !self.skip_to_sync {
@@ -426,19 +477,17 @@ impl Relay {
             b'Q' => return self.on_query(frame, &body, client).await,
             b'P' => return self.on_parse(frame, &body, client).await,
             b'B' => return self.on_bind(frame, &body, client).await,
+            b'F' => return self.on_function_call(frame, client).await,
             _ => {}
         }
         if let Err(e) = self.ensure_backend(client).await {
             return self.refuse(tag, e);
         }
         match tag {
-            b'F' => {
-                self.expect_ready(Expect::new(Kind::FunctionCall, Mode::Forward));
-                self.bout.extend_from_slice(&frame);
-            }
             b'S' => {
                 self.expect_ready(Expect::new(Kind::Sync, Mode::Forward));
                 self.bout.extend_from_slice(&frame);
+                self.restore_timeouts();
             }
             b'E' => {
                 self.t.push(Expect::new(Kind::Execute, Mode::Forward));
@@ -497,6 +546,34 @@ impl Relay {
             None => self.bout.extend_from_slice(&frame),
         }
         self.expect_ready(e);
+        self.restore_timeouts();
+        self.track_statement(class, self.ready_sent);
+        Ok(())
+    }
+
+    /// A FunctionCall ('F'): a function by OID, run like a one-statement Query. Nothing in it
+    /// can be read, so it is admitted as the `function_call` pattern, runs with its caller's
+    /// budget and leaves the backend to be reset (`DISCARD ALL`) before the next client.
+    async fn on_function_call<S: AsyncRead + AsyncWrite + Unpin>(
+        &mut self,
+        frame: Bytes,
+        client: &mut S,
+    ) -> Result<(), End> {
+        let class = self.app.function_call.clone();
+        let timeouts = match self.admit(&class, client).await {
+            Ok(t) => t,
+            Err(e) => return self.refuse_statement(b'F', e),
+        };
+        if let Err(e) = self.ensure_backend(client).await {
+            return self.refuse(b'F', e);
+        }
+        if let Err(e) = self.apply_effects(&class) {
+            return self.refuse_statement(b'F', e);
+        }
+        self.inject_timeouts(timeouts, &class, true);
+        self.expect_ready(Expect::new(Kind::FunctionCall, Mode::Forward));
+        self.bout.extend_from_slice(&frame);
+        self.restore_timeouts();
         self.track_statement(class, self.ready_sent);
         Ok(())
     }
@@ -509,6 +586,21 @@ impl Relay {
     ) -> Result<(), End> {
         let (name, query, types) =
             messages::parse_body(body).ok_or_else(|| Self::malformed("Parse"))?;
+        if !name.is_empty()
+            && self.stmts.len() >= self.max_statements
+            && !self.stmts.contains_key(name)
+        {
+            let e = PgError::error(
+                "54000",
+                format!(
+                    "pgsluice: too many prepared statements: this session holds {} \
+                     (limits.max_client_statements)",
+                    self.stmts.len()
+                ),
+            )
+            .with_hint("close prepared statements the client no longer uses");
+            return self.refuse_statement(b'P', e);
+        }
         let class = self.classify(query);
         if self.admission.is_none() && self.backend.is_none() {
             // A batch that starts with a Parse is admitted here, with that statement.
@@ -520,13 +612,20 @@ impl Relay {
         if let Err(e) = self.ensure_backend(client).await {
             return self.refuse(b'P', e);
         }
+        if class.own_transaction
+            && let Some((fp, t)) = self.opened_by_parse
+            && fp == class.fingerprint
+        {
+            // Its budget must be set before the batch starts (see `inject_timeouts`).
+            self.inject_timeouts(t, &class, false);
+        }
         if name.is_empty() {
             self.unnamed_class = Some(class);
             self.t.push(Expect::new(Kind::Parse, Mode::Forward));
             self.bout.extend_from_slice(&frame);
             return Ok(());
         }
-        let mut h = Xxh3::new();
+        let mut h = Xxh3::with_seed(self.app.statement_seed);
         h.update(query);
         h.update(&[0]);
         h.update(types);
@@ -539,12 +638,30 @@ impl Relay {
         };
         // Redefining a name replaces it (drivers close before reuse; we stay lenient).
         self.stmts.insert(body.slice_ref(name), stmt);
-        if self.backend_conn().prepared.touch(hash) {
+        if self.is_prepared(hash, query, types) {
             self.t.push(Expect::new(Kind::Parse, Mode::Synthetic));
         } else {
             self.prepare_on_backend(hash, query, types, Mode::Forward);
         }
         Ok(())
+    }
+
+    /// Whether statement `hash` is prepared on this backend with exactly this text. Another
+    /// text under the same name (a hash collision) is queued for closing first.
+    pub(super) fn is_prepared(&mut self, hash: u64, query: &[u8], types: &[u8]) -> bool {
+        let conn = self.backend_conn();
+        match conn.prepared.touch(hash, query, types) {
+            Lookup::Hit => true,
+            Lookup::Miss => false,
+            Lookup::Collision => {
+                tracing::warn!(pool = %self.pool.name, "two statement texts share one hash; re-preparing");
+                let conn = self.backend_conn();
+                if !conn.stale.contains(&hash) {
+                    conn.stale.push(hash);
+                }
+                false
+            }
+        }
     }
 
     /// Sends a Parse of statement `hash` under its proxy name (evicting the LRU one if full).
@@ -555,7 +672,7 @@ impl Relay {
             messages::target(&mut self.bout, b'C', b'S', &server_name(hash));
             self.t.push(Expect::new(Kind::Close, Mode::Swallow));
         }
-        if let Some(old) = self.backend_conn().prepared.insert(hash) {
+        if let Some(old) = self.backend_conn().prepared.insert(hash, query, types) {
             messages::target(&mut self.bout, b'C', b'S', &server_name(old));
             self.t.push(Expect::new(Kind::Close, Mode::Swallow));
         }
@@ -574,7 +691,7 @@ impl Relay {
             let s = self.stmts.get(name)?;
             (s.hash, s.query.clone(), s.types.clone())
         };
-        if !self.backend_conn().prepared.touch(hash) {
+        if !self.is_prepared(hash, &query, &types) {
             self.prepare_on_backend(hash, &query, &types, Mode::Swallow);
         }
         Some(server_name(hash))
@@ -588,32 +705,30 @@ impl Relay {
     ) -> Result<(), End> {
         let (portal, stmt, tail) =
             messages::bind_body(body).ok_or_else(|| Self::malformed("Bind"))?;
-        let class = if stmt.is_empty() {
+        let known = if stmt.is_empty() {
             self.unnamed_class.clone()
         } else {
             self.stmts.get(stmt).map(|s| s.class.clone())
         };
-        let mut timeouts = Timeouts::default();
-        if let Some(class) = &class {
-            timeouts = match self.opened_by_parse.take() {
-                // Already admitted at the Parse that opened this batch.
-                Some((fp, t)) if fp == class.fingerprint => t,
-                _ => match self.admit(class, client).await {
-                    Ok(t) => t,
-                    Err(e) => return self.refuse_statement(b'B', e),
-                },
-            };
-        }
+        // A name the proxy never saw prepared (an SQL `PREPARE`, a guessed name): Postgres
+        // may still know it, so it is admitted and judged like anything unreadable.
+        let class = known.unwrap_or_else(|| self.app.unknown_statement.clone());
+        let timeouts = match self.opened_by_parse.take() {
+            // Already admitted at the Parse that opened this batch.
+            Some((fp, t)) if fp == class.fingerprint => t,
+            _ => match self.admit(&class, client).await {
+                Ok(t) => t,
+                Err(e) => return self.refuse_statement(b'B', e),
+            },
+        };
         if let Err(e) = self.ensure_backend(client).await {
             return self.refuse(b'B', e);
         }
-        if let Some(class) = &class {
-            if let Err(e) = self.apply_effects(class) {
-                return self.refuse_statement(b'B', e);
-            }
-            self.inject_timeouts(timeouts, class, false);
-            self.track_statement(class.clone(), self.ready_sent + 1);
+        if let Err(e) = self.apply_effects(&class) {
+            return self.refuse_statement(b'B', e);
         }
+        self.inject_timeouts(timeouts, &class, false);
+        self.track_statement(class, self.ready_sent + 1);
         if let Some(hash) = self.stmts.get(stmt).map(|s| s.hash) {
             self.retry_start(hash, &frame);
         }
@@ -716,7 +831,7 @@ impl Relay {
             return self.refuse(tag, e);
         }
         let sql = raise_sql(&e);
-        if tag == b'Q' {
+        if tag == b'Q' || tag == b'F' {
             messages::query(&mut self.bout, &sql);
             self.expect_ready(Expect::new(Kind::Query, Mode::Forward));
         } else {
@@ -947,6 +1062,10 @@ impl Relay {
         if self.bout.is_empty() {
             return Ok(());
         }
+        if let Some(h) = self.backstop_cancel.take() {
+            // Its cancel must not reach the backend after our next request does.
+            let _ = h.await;
+        }
         let Some(b) = self.backend.as_mut() else {
             self.bout.clear();
             return Ok(());
@@ -999,22 +1118,18 @@ impl Relay {
         }
     }
 
-    /// Sends a CancelRequest for whatever runs on our backend (no-op when nothing does).
+    /// Sends a CancelRequest for whatever runs on our backend (no-op when nothing does). It
+    /// goes through the session's cancel entry, holding its target while it is delivered:
+    /// the backend cannot be released to another client before the cancel has arrived, and
+    /// if it was released (or lent again) before the cancel could start, none is sent.
     fn cancel_backend_query(&mut self, why: &'static str) -> Option<tokio::task::JoinHandle<()>> {
         if !self.t.in_flight() {
             return None;
         }
         let b = self.backend.as_mut()?;
-        let c = b.conn();
-        let t = cancel::Target {
-            addr: c.addr,
-            pid: c.pid,
-            secret: c.secret.clone(),
-        };
-        tracing::warn!(pool = %self.pool.name, pid = c.pid, why, "cancelling the server query");
-        Some(tokio::spawn(async move {
-            let _ = tokio::time::timeout(Duration::from_secs(5), cancel::send(&t)).await;
-        }))
+        let pid = b.conn().pid;
+        tracing::warn!(pool = %self.pool.name, pid, why, "cancelling the server query");
+        Some(self.cancel.cancel_current(pid))
     }
 
     /// A client CancelRequest reached this session's backend since the last 57014: that one
@@ -1031,10 +1146,10 @@ impl Relay {
     /// `pool.cancel_grace_ms` to answer anything at all.
     fn on_backstop(&mut self) {
         self.backstop = None;
-        if self
-            .cancel_backend_query("statement ran past its timeout and the proxy's backstop")
-            .is_some()
+        if let Some(h) =
+            self.cancel_backend_query("statement ran past its timeout and the proxy's backstop")
         {
+            self.backstop_cancel = Some(h);
             let grace = Duration::from_millis(self.pool.cfg.cancel_grace_ms);
             self.unanswered = Some(Instant::now() + grace);
         }
@@ -1083,10 +1198,22 @@ impl Relay {
                 .pinned_clients
                 .fetch_sub(1, Ordering::Relaxed);
         }
-        let Some(b) = self.backend.take() else { return };
+        let Some(mut b) = self.backend.take() else {
+            return;
+        };
         if matches!(end, End::BackendLost) {
             b.discard();
             return;
+        }
+        // The client left before the proxy knew what its session looks like: settings not yet
+        // read back, a read-back or re-apply still unanswered, budgets not yet put back,
+        // replies still owed. Assume the worst: DISCARD ALL before anyone else gets it.
+        if self.capture_needed
+            || self.t.capturing()
+            || self.restore_after.is_some()
+            || !self.t.idle()
+        {
+            b.conn().dirty.all = true;
         }
         let cleanup = Cleanup {
             pending_ready: self.t.pending_ready() + usize::from(self.t.sync_pending),
@@ -1186,21 +1313,30 @@ impl Cleanup {
 }
 
 /// `DO` block raising `e` inside Postgres (used for refusals within a transaction block).
+/// Every text in it is dollar-quoted (`params::literal`), and the block's own tag is one that
+/// occurs in none of them, so no message, detail or hint can end either quote.
 fn raise_sql(e: &PgError) -> String {
-    let lit = |s: &str| format!("'{}'", s.replace('\'', "''").replace("$pgsl$", ""));
-    let mut sql = format!(
-        "DO $pgsl$BEGIN RAISE EXCEPTION USING ERRCODE = {}, MESSAGE = {}",
+    let lit = params::literal;
+    let mut body = format!(
+        "BEGIN RAISE EXCEPTION USING ERRCODE = {}, MESSAGE = {}",
         lit(e.code),
         lit(&e.message)
     );
     if let Some(d) = &e.detail {
-        sql.push_str(&format!(", DETAIL = {}", lit(d)));
+        body.push_str(&format!(", DETAIL = {}", lit(d)));
     }
     if let Some(h) = &e.hint {
-        sql.push_str(&format!(", HINT = {}", lit(h)));
+        body.push_str(&format!(", HINT = {}", lit(h)));
     }
-    sql.push_str("; END$pgsl$");
-    sql
+    body.push_str("; END");
+    // The outer tag differs from every inner one: those are `$q…$`, this one `$pgsl…$`.
+    let mut tag = String::from("$pgsl$");
+    let mut n = 0u32;
+    while body.contains(&tag) {
+        n += 1;
+        tag = format!("$pgsl{n}$");
+    }
+    format!("DO {tag}{body}{tag}")
 }
 
 /// Rows reported by a CommandComplete tag (`SELECT 5`, `INSERT 0 3`, `UPDATE 2`).

@@ -9,6 +9,10 @@
 //!   PREPARE, LOAD): the client is pinned to its backend for the rest of its session and the
 //!   backend is marked for the matching cleanup before reuse.
 //! - `session_state: pin` pins on any effect; `reject` refuses them with 0A000.
+//! - What the classifier cannot prove harmless (`SessionEffect::Unknown`: a user function, `DO`,
+//!   `CALL`, a FunctionCall message, a text too long to read whole) is never refused — that
+//!   would refuse every stored-function call — but the backend gets `DISCARD ALL` before the
+//!   next client, in every mode; in track mode the client's settings are read back first.
 //!
 //! Pure decisions; the relay applies them.
 
@@ -22,16 +26,17 @@ use crate::protocol::PgError;
 /// `login_user` is the pool's user, whose own identity is not a setting. It runs under the
 /// client's `search_path`, so functions, relations and operators are schema-qualified.
 pub fn capture_sql(login_user: &str) -> String {
-    let user = login_user.replace('\'', "''");
+    let user = super::params::literal(login_user);
     format!(
         "SELECT name, pg_catalog.current_setting(name) FROM pg_catalog.pg_settings \
          WHERE source OPERATOR(pg_catalog.=) 'session' \
          AND name OPERATOR(pg_catalog.<>) ALL ('{{transaction_isolation, \
          transaction_read_only, transaction_deferrable}}'::pg_catalog.text[]) \
+         AND NOT name OPERATOR(pg_catalog.~~) 'pgsluice.%' \
          UNION ALL SELECT 'role', pg_catalog.current_setting('role') \
          WHERE pg_catalog.current_setting('role') OPERATOR(pg_catalog.<>) 'none' \
          UNION ALL SELECT 'session_authorization', session_user::pg_catalog.text \
-         WHERE session_user::pg_catalog.text OPERATOR(pg_catalog.<>) '{user}'"
+         WHERE session_user::pg_catalog.text OPERATOR(pg_catalog.<>) {user}"
     )
 }
 
@@ -57,6 +62,7 @@ pub fn assess(c: &Classified, mode: SessionStateMode) -> Assessment {
     }
     let mut untrackable = None;
     let mut trackable = None;
+    let mut unknown = false;
     for e in &c.effects {
         match e {
             SessionEffect::Set { local: true, .. } => {}
@@ -107,6 +113,12 @@ pub fn assess(c: &Classified, mode: SessionStateMode) -> Assessment {
                 a.dirt.unresettable = true;
                 untrackable.get_or_insert("LOAD");
             }
+            SessionEffect::Unknown => {
+                // Whatever it did is undone by DISCARD ALL before the next client; in track
+                // mode the client's own settings are read back first, so it keeps them.
+                a.dirt.all = true;
+                unknown = true;
+            }
             SessionEffect::Unlisten
             | SessionEffect::AdvisoryUnlock
             | SessionEffect::CloseCursor
@@ -129,6 +141,7 @@ pub fn assess(c: &Classified, mode: SessionStateMode) -> Assessment {
         // Settings are captured and re-applied; no reset needed beyond the usual diff.
         a.dirt.gucs = false;
         a.dirt.role = false;
+        a.capture |= unknown;
     }
     a
 }

@@ -226,11 +226,13 @@ impl Relay {
     }
 
     /// Injects `timeouts` for the next statement so they apply inside its transaction.
-    /// Simple protocol, outside a transaction block: returns the prefix to put in front of
-    /// the client's query text (they then share one implicit transaction). Inside a block:
-    /// a separate swallowed `SET LOCAL`. Extended protocol: a swallowed `set_config(.., true)`
-    /// through a proxy-named statement and portal, which leaves the client's unnamed
-    /// statement and portal alone.
+    /// Every kind that runs a query gets them (DDL too: its `lock_timeout` is what keeps a
+    /// migration from piling up behind a lock). Simple protocol, outside a transaction block:
+    /// returns the prefix to put in front of the client's query text (they then share one
+    /// implicit transaction). Inside a block: a separate swallowed `SET LOCAL`. Extended
+    /// protocol: a swallowed `set_config(.., true)` through a proxy-named statement and
+    /// portal, which leaves the client's unnamed statement and portal alone. Statements that
+    /// need a transaction of their own get session-level budgets around them instead.
     pub(super) fn inject_timeouts(
         &mut self,
         t: Timeouts,
@@ -238,17 +240,31 @@ impl Relay {
         simple: bool,
     ) -> Option<String> {
         if t.is_empty()
-            || !matches!(
-                class.kind,
-                StmtKind::Read | StmtKind::LockingRead | StmtKind::Write
-            )
+            // Transaction control and SET/RESET/LISTEN-like statements run no query of
+            // their own; a SET after our SET LOCAL would also be confusing to read back.
+            || matches!(class.kind, StmtKind::Transaction | StmtKind::Session)
             // SHOW reports settings: it must see the client's, not ours.
             || class.normalized.get(..4).is_some_and(|w| w.eq_ignore_ascii_case("show"))
             || self.t.txn == b'E'
+            // An empty query (or only a comment) must still answer EmptyQueryResponse.
+            || class.normalized.trim().is_empty()
         {
             return None;
         }
         self.arm_backstop(t);
+        if class.own_transaction && self.t.txn == b'I' {
+            // `VACUUM`, `CREATE INDEX CONCURRENTLY`, `CALL`, a FunctionCall: no SET LOCAL can
+            // share their transaction. The budget is set for the session in a request of its
+            // own before theirs and put back after it (`restore_timeouts`). That needs a gap
+            // between requests: in the middle of an extended batch only the backstop holds.
+            if self.t.sync_pending || self.restore_after.is_some() {
+                return None;
+            }
+            messages::query(&mut self.bout, &session_timeout_sql(t));
+            self.t.push(Expect::new(Kind::Query, Mode::Swallow));
+            self.restore_after = Some(restore_timeout_sql(t));
+            return None;
+        }
         let sql = timeout_sql(t);
         if simple {
             if self.t.txn == b'I' {
@@ -258,17 +274,24 @@ impl Relay {
             self.t.push(Expect::new(Kind::Query, Mode::Swallow));
             return None;
         }
-        let hash = xxhash_rust::xxh3::xxh3_64(sql.as_bytes());
+        let hash = xxhash_rust::xxh3::xxh3_64_with_seed(sql.as_bytes(), self.app.statement_seed);
         let name = crate::pool::prepared::server_name(hash);
         const PORTAL: &[u8] = b"_pgsl_timeouts";
-        let conn = self.backend_conn();
-        if !conn.prepared.touch(hash) {
-            if let Some(old) = conn.prepared.insert(hash) {
+        const NO_TYPES: &[u8] = b"\0\0";
+        if !self.is_prepared(hash, sql.as_bytes(), NO_TYPES) {
+            let conn = self.backend_conn();
+            if let Some(i) = conn.stale.iter().position(|h| *h == hash) {
+                conn.stale.swap_remove(i);
+                messages::target(&mut self.bout, b'C', b'S', &name);
+                self.t.push(Expect::new(Kind::Close, Mode::Swallow));
+            }
+            let conn = self.backend_conn();
+            if let Some(old) = conn.prepared.insert(hash, sql.as_bytes(), NO_TYPES) {
                 let old = crate::pool::prepared::server_name(old);
                 messages::target(&mut self.bout, b'C', b'S', &old);
                 self.t.push(Expect::new(Kind::Close, Mode::Swallow));
             }
-            messages::parse_named(&mut self.bout, &name, sql.as_bytes(), b"\0\0");
+            messages::parse_named(&mut self.bout, &name, sql.as_bytes(), NO_TYPES);
             let mut e = Expect::new(Kind::Parse, Mode::Swallow);
             e.stmt = Some(hash);
             self.t.push(e);
@@ -284,6 +307,68 @@ impl Relay {
     }
 }
 
+impl Relay {
+    /// After the request that `inject_timeouts` set session-level budgets for: put the
+    /// client's settings back, in a request of its own.
+    pub(super) fn restore_timeouts(&mut self) {
+        if let Some(sql) = self.restore_after.take() {
+            messages::query(&mut self.bout, &sql);
+            self.t.push(Expect::new(Kind::Query, Mode::Swallow));
+        }
+    }
+}
+
+/// The value to give setting `name` for a budget `d`: the client's own setting when that is
+/// stricter (non-zero and shorter), else the budget — a caller's budget is a ceiling.
+fn budget_expr(name: &str, d: Duration) -> String {
+    let budget = format!("'{}ms'", d.as_millis());
+    let current = format!("pg_catalog.current_setting('{name}')");
+    format!(
+        "CASE WHEN {current}::pg_catalog.interval OPERATOR(pg_catalog.>) '0'::pg_catalog.interval \
+         AND {current}::pg_catalog.interval OPERATOR(pg_catalog.<) \
+         {budget}::pg_catalog.interval THEN {current} ELSE {budget} END"
+    )
+}
+
+fn budgets(t: Timeouts) -> impl Iterator<Item = (&'static str, Duration)> {
+    [("statement_timeout", t.statement), ("lock_timeout", t.lock)]
+        .into_iter()
+        .filter_map(|(n, d)| d.map(|d| (n, d)))
+}
+
+/// Session-level budgets for a statement that runs in a transaction of its own. The
+/// client's setting is remembered in `pgsluice.restore_<name>` first: its value when the
+/// client (or its startup parameters) set it for the session, else empty, meaning "back to
+/// the default" (`set_config(name, NULL, false)` resets).
+fn session_timeout_sql(t: Timeouts) -> String {
+    let parts: Vec<String> = budgets(t)
+        .map(|(name, d)| {
+            format!(
+                "pg_catalog.set_config('pgsluice.restore_{name}', CASE WHEN (SELECT source \
+                 FROM pg_catalog.pg_settings WHERE name OPERATOR(pg_catalog.=) '{name}') \
+                 OPERATOR(pg_catalog.=) 'session' THEN pg_catalog.current_setting('{name}') \
+                 ELSE '' END, false), pg_catalog.set_config('{name}', {}, false)",
+                budget_expr(name, d)
+            )
+        })
+        .collect();
+    format!("SELECT {}", parts.join(", "))
+}
+
+/// Puts back what `session_timeout_sql` remembered, and forgets it.
+fn restore_timeout_sql(t: Timeouts) -> String {
+    let parts: Vec<String> = budgets(t)
+        .map(|(name, _)| {
+            format!(
+                "pg_catalog.set_config('{name}', NULLIF(pg_catalog.current_setting(\
+                 'pgsluice.restore_{name}'), ''), false), \
+                 pg_catalog.set_config('pgsluice.restore_{name}', NULL, false)"
+            )
+        })
+        .collect();
+    format!("SELECT {}", parts.join(", "))
+}
+
 /// `SELECT set_config(..)` that makes each budget in `t` the statement's setting for this
 /// transaction only — unless the client's own setting is stricter (non-zero and shorter), in
 /// which case that stays: a caller's budget is a ceiling. Decided by Postgres from the live
@@ -292,19 +377,13 @@ impl Relay {
 /// operator and type is schema-qualified: a client that puts its own schema first (with its
 /// own `set_config` or `<`) cannot neutralize the budget (TESTS.md B7's lesson).
 fn timeout_sql(t: Timeouts) -> String {
-    let one = |name: &str, d: Duration| {
-        let budget = format!("'{}ms'", d.as_millis());
-        let current = format!("pg_catalog.current_setting('{name}')");
-        format!(
-            "pg_catalog.set_config('{name}', CASE WHEN \
-             {current}::pg_catalog.interval OPERATOR(pg_catalog.>) '0'::pg_catalog.interval \
-             AND {current}::pg_catalog.interval OPERATOR(pg_catalog.<) \
-             {budget}::pg_catalog.interval THEN {current} ELSE {budget} END, true)"
-        )
-    };
-    let parts: Vec<String> = [("statement_timeout", t.statement), ("lock_timeout", t.lock)]
-        .into_iter()
-        .filter_map(|(n, d)| d.map(|d| one(n, d)))
+    let parts: Vec<String> = budgets(t)
+        .map(|(name, d)| {
+            format!(
+                "pg_catalog.set_config('{name}', {}, true)",
+                budget_expr(name, d)
+            )
+        })
         .collect();
     format!("SELECT {}", parts.join(", "))
 }
