@@ -1,0 +1,74 @@
+//! Authentication seen by a hostile client: what the SCRAM exchange reveals about which users
+//! exist.
+
+use bytes::{BufMut, BytesMut};
+use postgres_protocol::authentication::sasl::{ChannelBinding, ScramSha256};
+
+use crate::raw::{Raw, frame, startup};
+use crate::support::pg::{APP_DB, APP_USER, Cluster};
+use crate::support::proxy::{Proxy, ProxyOptions};
+
+/// Starts a SCRAM login as `user` and stops after the server-first message; returns its
+/// salt (base64, as sent) and iteration count. The connection is dropped unfinished.
+async fn server_first(proxy: &Proxy, user: &str) -> (String, u32) {
+    let mut c = Raw::tcp(proxy.addr()).await;
+    c.send(&startup(0, &[("user", user), ("database", APP_DB)]))
+        .await
+        .expect("startup");
+    let (tag, body) = c.recv().await.expect("auth request");
+    assert_eq!(tag, b'R', "expected an authentication request for {user}");
+    assert_eq!(&body[..4], &10i32.to_be_bytes(), "SASL for {user}");
+    let scram = ScramSha256::new(b"wrong password", ChannelBinding::unsupported());
+    let mut b = BytesMut::new();
+    b.put_slice(b"SCRAM-SHA-256\0");
+    b.put_i32(scram.message().len() as i32);
+    b.put_slice(scram.message());
+    c.send(&frame(b'p', &b)).await.expect("SASLInitialResponse");
+    let (tag, body) = c.recv().await.expect("SASLContinue");
+    assert_eq!(tag, b'R', "expected SASLContinue for {user}");
+    assert_eq!(&body[..4], &11i32.to_be_bytes(), "SASLContinue for {user}");
+    let text = std::str::from_utf8(&body[4..]).expect("server-first is text");
+    // r=NONCE,s=SALT,i=ITER
+    let mut salt = None;
+    let mut iter = None;
+    for part in text.split(',') {
+        if let Some(s) = part.strip_prefix("s=") {
+            salt = Some(s.to_owned());
+        } else if let Some(i) = part.strip_prefix("i=") {
+            iter = i.parse().ok();
+        }
+    }
+    (
+        salt.unwrap_or_else(|| panic!("no salt in {text:?}")),
+        iter.unwrap_or_else(|| panic!("no iteration count in {text:?}")),
+    )
+}
+
+fn salt_len(b64: &str) -> usize {
+    use base64::Engine;
+    base64::engine::general_purpose::STANDARD
+        .decode(b64)
+        .unwrap_or_else(|e| panic!("salt {b64:?} is not base64: {e}"))
+        .len()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn scram_salt_does_not_reveal_unknown_users() {
+    let cluster = Cluster::start();
+    let proxy = Proxy::start(&cluster, ProxyOptions::pool(2));
+    let (ghost, ghost_iter) = server_first(&proxy, "ghost_a").await;
+    let (ghost_again, _) = server_first(&proxy, "ghost_a").await;
+    let (other, other_iter) = server_first(&proxy, "ghost_b").await;
+    let (known, known_iter) = server_first(&proxy, APP_USER).await;
+    let (known_again, _) = server_first(&proxy, APP_USER).await;
+    assert_eq!(ghost, ghost_again, "an unknown user's salt is stable");
+    assert_ne!(ghost, other, "two unknown users get different salts");
+    assert_eq!(known, known_again, "a known user's salt is stable");
+    assert_ne!(ghost, known);
+    assert_eq!(salt_len(&ghost), salt_len(&known), "same salt length");
+    assert_eq!(salt_len(&other), salt_len(&known));
+    assert_eq!(ghost_iter, known_iter, "same iteration count");
+    assert_eq!(other_iter, known_iter);
+    crate::raw::oracle(&proxy).await;
+}
+
