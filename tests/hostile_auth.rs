@@ -2,7 +2,8 @@
 //! against a real PostgreSQL started by the harness:
 //!
 //! * `auth` — the SCRAM server-first message does not tell which users exist (per-name mock
-//!   salts).
+//!   salts); the backend password can come from a file instead of the command line, and
+//!   startup errors name where a password came from, never the password.
 
 mod support;
 

@@ -1,5 +1,6 @@
 //! Validation of a parsed [`Config`]: every problem is reported with the field's path and, when
-//! the source text is known, the line it is on. Also the backend URL parser.
+//! the source text is known, the line it is on. Also the backend URL parser, whose errors never
+//! contain the password (they reach stderr, `check-config` and the reload API's answer).
 
 use std::collections::HashSet;
 use std::fmt;
@@ -80,7 +81,7 @@ impl BackendUrl {
             .rsplit_once('@')
             .ok_or("must name a user: postgres://USER:PASSWORD@HOST:PORT/DB")?;
         let (user, password) = match userinfo.split_once(':') {
-            Some((u, p)) => (decode(u)?, Some(decode(p)?)),
+            Some((u, p)) => (decode(u)?, Some(decode_password(p)?)),
             None => (decode(userinfo)?, None),
         };
         if user.is_empty() {
@@ -119,7 +120,32 @@ impl BackendUrl {
     }
 }
 
+/// Percent-decodes a URL segment that is no secret; errors quote it.
 fn decode(s: &str) -> Result<String, String> {
+    percent_decode(s).map_err(|e| e.describe(&format!("`{s}`")))
+}
+
+/// Percent-decodes the password segment; errors never contain its text.
+fn decode_password(s: &str) -> Result<String, String> {
+    percent_decode(s).map_err(|e| e.describe("the password in backend.url (not shown)"))
+}
+
+/// Why a URL segment does not decode.
+enum DecodeError {
+    Percent,
+    Utf8,
+}
+
+impl DecodeError {
+    fn describe(&self, what: &str) -> String {
+        match self {
+            DecodeError::Percent => format!("invalid percent-encoding in {what}"),
+            DecodeError::Utf8 => format!("{what} is not UTF-8 after percent-decoding"),
+        }
+    }
+}
+
+fn percent_decode(s: &str) -> Result<String, DecodeError> {
     let b = s.as_bytes();
     let mut out = Vec::with_capacity(b.len());
     let mut i = 0;
@@ -128,7 +154,7 @@ fn decode(s: &str) -> Result<String, String> {
             let hex = s
                 .get(i + 1..i + 3)
                 .and_then(|h| u8::from_str_radix(h, 16).ok())
-                .ok_or_else(|| format!("invalid percent-encoding in `{s}`"))?;
+                .ok_or(DecodeError::Percent)?;
             out.push(hex);
             i += 3;
         } else {
@@ -136,7 +162,7 @@ fn decode(s: &str) -> Result<String, String> {
             i += 1;
         }
     }
-    String::from_utf8(out).map_err(|_| format!("`{s}` is not UTF-8 after percent-decoding"))
+    String::from_utf8(out).map_err(|_| DecodeError::Utf8)
 }
 
 /// Checks that `s` is `ADDR/LEN` with a sane prefix length.
@@ -249,6 +275,12 @@ impl Config {
             && let Err(e) = BackendUrl::parse(url)
         {
             p.add("backend.url".into(), e);
+        }
+        if self.backend.password_file.as_deref() == Some("") {
+            p.add(
+                "backend.password_file".into(),
+                "must be a path (omit it to use the URL's password)",
+            );
         }
         if self.backend.connect_timeout_ms == 0 {
             p.add("backend.connect_timeout_ms".into(), "must be > 0");
@@ -488,6 +520,32 @@ mod tests {
         assert!(BackendUrl::parse("postgres://h:5432/db").is_err());
         assert!(BackendUrl::parse("postgres://a:b@h:99999/db").is_err());
         assert!(!format!("{u:?}").contains("s@cret"));
+    }
+
+    #[test]
+    fn url_errors_never_contain_the_password() {
+        for (url, secret) in [
+            ("postgres://app:hunter%zz2@db/appdb", "hunter"),
+            ("postgres://app:hunter%2@db/appdb", "hunter"),
+            ("postgres://app:hunter%ff@db/appdb", "hunter"),
+        ] {
+            let e = BackendUrl::parse(url).unwrap_err();
+            assert!(!e.contains(secret), "{e}");
+            assert!(e.contains("the password in backend.url"), "{e}");
+            let text = format!("backend:\n  url: \"{url}\"\n");
+            let errs = Config::from_yaml(&text).unwrap_err();
+            let shown = errs
+                .iter()
+                .map(|e| e.to_string())
+                .collect::<Vec<_>>()
+                .join("\n");
+            assert!(!shown.contains(secret), "{shown}");
+            assert!(shown.contains("backend.url"), "{shown}");
+        }
+        // Segments that are no secret are still quoted.
+        let e = BackendUrl::parse("postgres://ap%zzp:pw@db/appdb").unwrap_err();
+        assert!(e.contains("ap%zzp"), "{e}");
+        assert!(!e.contains("pw"), "{e}");
     }
 
     #[test]

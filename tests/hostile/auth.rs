@@ -1,11 +1,11 @@
 //! Authentication seen by a hostile client: what the SCRAM exchange reveals about which users
-//! exist.
+//! exist, and where the proxy takes its backend password from.
 
 use bytes::{BufMut, BytesMut};
 use postgres_protocol::authentication::sasl::{ChannelBinding, ScramSha256};
 
 use crate::raw::{Raw, frame, startup};
-use crate::support::pg::{APP_DB, APP_USER, Cluster};
+use crate::support::pg::{APP_DB, APP_PASSWORD, APP_USER, Cluster};
 use crate::support::proxy::{Proxy, ProxyOptions};
 
 /// Starts a SCRAM login as `user` and stops after the server-first message; returns its
@@ -72,3 +72,72 @@ async fn scram_salt_does_not_reveal_unknown_users() {
     crate::raw::oracle(&proxy).await;
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn backend_password_from_a_file_keeps_it_off_the_command_line() {
+    let cluster = Cluster::start();
+    let dir = tempfile::tempdir().expect("tempdir");
+    let file = crate::raw::write(dir.path(), "pw", &format!("{APP_PASSWORD}\n"));
+    let proxy = Proxy::start(
+        &cluster,
+        ProxyOptions::pool(2)
+            .without_url_password()
+            .arg("--backend-password-file")
+            .arg(file.display().to_string()),
+    );
+    if proxy.is_direct() {
+        eprintln!("direct mode: no proxy command line to check");
+        return;
+    }
+    let pid = proxy.pid().expect("proxy pid");
+    let argv = std::fs::read(format!("/proc/{pid}/cmdline")).expect("proxy cmdline");
+    let argv = String::from_utf8_lossy(&argv);
+    assert!(
+        !argv.contains(APP_PASSWORD),
+        "the password is on the command line: {argv:?}"
+    );
+    // The app logs in with the file's password, and the proxy logs in to Postgres with it.
+    crate::raw::oracle(&proxy).await;
+    let mut c = Raw::tcp(proxy.addr()).await;
+    let err = c
+        .login(0, APP_USER, "not-the-password", &[])
+        .await
+        .unwrap_err();
+    assert!(err.starts_with("28P01"), "{err}");
+}
+
+/// Runs the proxy binary until it exits (it is expected to refuse to start); its stderr.
+fn refused_start(args: &[&str]) -> String {
+    let out = crate::support::run_with_timeout(
+        {
+            let mut c = std::process::Command::new(env!("CARGO_BIN_EXE_pgsluice"));
+            c.args(["--listen", "127.0.0.1:0", "--admin-listen", "127.0.0.1:0"])
+                .args(args)
+                .env_remove("PGSLUICE_BACKEND_PASSWORD")
+                .env_remove("PGSLUICE_CONFIG");
+            c
+        },
+        std::time::Duration::from_secs(20),
+    );
+    assert!(!out.status.success(), "pgsluice started with {args:?}");
+    String::from_utf8_lossy(&out.stderr).into_owned()
+}
+
+#[test]
+fn startup_errors_name_the_password_source_never_the_password() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let missing = dir.path().join("no-such-file");
+    let shown = missing.display().to_string();
+    let err = refused_start(&[
+        "--backend",
+        "postgres://app@127.0.0.1:1/appdb",
+        "--backend-password-file",
+        &shown,
+    ]);
+    assert!(err.contains(&shown), "the error names the path: {err}");
+    let err = refused_start(&["--backend", "postgres://app:hunter%zz2@127.0.0.1:1/appdb"]);
+    assert!(err.contains("the password in backend.url"), "{err}");
+    assert!(
+        !err.contains("hunter"),
+        "the error shows the password: {err}"
+    );
+}
