@@ -18,7 +18,7 @@ use std::path::{Path, PathBuf};
 
 use serde::Deserialize;
 
-pub use validate::{BackendUrl, ConfigError};
+pub use validate::{BackendUrl, ConfigError, check_dial_addr};
 
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields, default)]

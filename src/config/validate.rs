@@ -196,6 +196,37 @@ fn check_host_port(s: &str) -> Result<(), String> {
     }
 }
 
+/// Checks that `s` is an address worth dialling: an IP socket address (not unspecified, not
+/// multicast, port not 0), or `NAME:PORT` with a DNS-style name (labels of letters, digits,
+/// `-` and `_`, at most 63 bytes each, 253 in all). Used for `fleet.cancel_addr` and for the
+/// cancel addresses other fleet members announce through Redis, which are never dialled
+/// unchecked.
+pub fn check_dial_addr(s: &str) -> Result<(), String> {
+    let err = || {
+        let shown: String = s.chars().take(80).collect();
+        format!("`{shown}` is not IP:PORT, [IPv6]:PORT or HOSTNAME:PORT")
+    };
+    if let Ok(a) = s.parse::<std::net::SocketAddr>() {
+        return if a.port() != 0 && !a.ip().is_unspecified() && !a.ip().is_multicast() {
+            Ok(())
+        } else {
+            Err(err())
+        };
+    }
+    let (host, port) = s.rsplit_once(':').ok_or_else(err)?;
+    let label_ok = |l: &str| {
+        (1..=63).contains(&l.len())
+            && l.bytes()
+                .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_')
+            && !l.starts_with('-')
+            && !l.ends_with('-')
+    };
+    match port.parse::<u16>() {
+        Ok(p) if p != 0 && host.len() <= 253 && host.split('.').all(label_ok) => Ok(()),
+        _ => Err(err()),
+    }
+}
+
 struct Problems<'a> {
     text: Option<&'a str>,
     out: Vec<ConfigError>,
@@ -437,7 +468,7 @@ impl Config {
                 p.add("fleet.key_prefix".into(), "1 to 64 characters");
             }
             if let Some(addr) = &f.cancel_addr
-                && let Err(e) = check_host_port(addr)
+                && let Err(e) = check_dial_addr(addr)
             {
                 p.add("fleet.cancel_addr".into(), e);
             }
@@ -546,6 +577,36 @@ mod tests {
         let e = BackendUrl::parse("postgres://ap%zzp:pw@db/appdb").unwrap_err();
         assert!(e.contains("ap%zzp"), "{e}");
         assert!(!e.contains("pw"), "{e}");
+    }
+
+    #[test]
+    fn dial_addresses_are_checked() {
+        for ok in [
+            "127.0.0.1:6433",
+            "[::1]:6433",
+            "db-proxy-2:6433",
+            "pgsluice_2.internal:1",
+            "localhost:65535",
+        ] {
+            assert_eq!(check_dial_addr(ok), Ok(()), "{ok}");
+        }
+        for bad in [
+            "",
+            "nope",
+            "127.0.0.1:0",
+            "0.0.0.0:6432",
+            "[::]:6432",
+            "224.0.0.1:6432",
+            "a b:6432",
+            "host:port",
+            "-x:1",
+            "x..y:1",
+            "::1:6432",
+            "evil\r\n:1",
+            &format!("{}:1", "a".repeat(64)),
+        ] {
+            assert!(check_dial_addr(bad).is_err(), "{bad:?} accepted");
+        }
     }
 
     #[test]
