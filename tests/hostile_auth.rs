@@ -3,7 +3,8 @@
 //!
 //! * `auth` — the SCRAM server-first message does not tell which users exist (per-name mock
 //!   salts); the backend password can come from a file instead of the command line, and
-//!   startup errors name where a password came from, never the password.
+//!   startup errors name where a password came from, never the password; a password changed
+//!   on reload reaches the pools that already exist.
 
 mod support;
 

@@ -1,12 +1,16 @@
 //! Authentication seen by a hostile client: what the SCRAM exchange reveals about which users
-//! exist, and where the proxy takes its backend password from.
+//! exist, and where the proxy takes its backend password from (and that a reload's new one
+//! reaches the pools that already exist).
+
+use std::time::Duration;
 
 use bytes::{BufMut, BytesMut};
 use postgres_protocol::authentication::sasl::{ChannelBinding, ScramSha256};
 
-use crate::raw::{Raw, frame, startup};
+use crate::raw::{Raw, first_error, first_value, frame, startup};
 use crate::support::pg::{APP_DB, APP_PASSWORD, APP_USER, Cluster};
 use crate::support::proxy::{Proxy, ProxyOptions};
+use crate::support::sql::eventually;
 
 /// Starts a SCRAM login as `user` and stops after the server-first message; returns its
 /// salt (base64, as sent) and iteration count. The connection is dropped unfinished.
@@ -140,4 +144,54 @@ fn startup_errors_name_the_password_source_never_the_password() {
         !err.contains("hunter"),
         "the error shows the password: {err}"
     );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reloaded_backend_password_reaches_existing_pools() {
+    let cluster = Cluster::start();
+    let dir = tempfile::tempdir().expect("tempdir");
+    let file = crate::raw::write(dir.path(), "pw", &format!("{APP_PASSWORD}\n"));
+    let proxy = Proxy::start(
+        &cluster,
+        ProxyOptions::pool(4)
+            .without_url_password()
+            .arg("--backend-password-file")
+            .arg(file.display().to_string()),
+    );
+    if proxy.is_direct() {
+        eprintln!("direct mode: no proxy to reload");
+        return;
+    }
+    // This client holds the pool's only backend, so the next statement needs a new one.
+    let mut holder = Raw::tcp(proxy.addr()).await;
+    holder.app_login().await;
+    let msgs = holder.query("BEGIN; SELECT 1").await.expect("begin");
+    assert_eq!(first_error(&msgs), None, "{msgs:?}");
+
+    cluster.psql("ALTER ROLE app PASSWORD 'rotated-pw'");
+    crate::raw::write(dir.path(), "pw", "rotated-pw\n");
+    crate::raw::signal(&proxy, "HUP");
+    eventually(
+        Duration::from_secs(10),
+        "a login with the new password after SIGHUP",
+        || async {
+            let mut c = Raw::tcp(proxy.addr()).await;
+            c.login(0, APP_USER, "rotated-pw", &[]).await.is_ok()
+        },
+    )
+    .await;
+    let mut c = Raw::tcp(proxy.addr()).await;
+    c.login(0, APP_USER, "rotated-pw", &[])
+        .await
+        .expect("login with the new password");
+    let msgs = c.query("SELECT 1").await.expect("query");
+    assert_eq!(
+        first_error(&msgs),
+        None,
+        "a new backend connection of the existing pool logs in with the new password: {msgs:?}\n{}",
+        proxy.stderr_tail()
+    );
+    assert_eq!(first_value(&msgs).as_deref(), Some("1"));
+    let msgs = holder.query("COMMIT").await.expect("commit");
+    assert_eq!(first_error(&msgs), None, "{msgs:?}");
 }
