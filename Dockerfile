@@ -3,8 +3,8 @@
 # pgsluice container image: a Rust build stage and a small Debian runtime stage.
 #
 #   docker build -t pgsluice .
-#   docker run --rm -p 6432:6432 -p 127.0.0.1:9930:9930 pgsluice \
-#       --backend postgres://app:secret@db.example:5432/appdb
+#   docker run --rm -p 6432:6432 -p 127.0.0.1:9930:9930 -e PGSLUICE_BACKEND_PASSWORD \
+#       pgsluice --backend postgres://app@db.example:5432/appdb
 #
 # The image's default config is config/pgsluice.yaml; the compose stack mounts ./config over
 # /etc/pgsluice instead. Needs BuildKit (the default builder of current Docker) for the

@@ -118,6 +118,8 @@ cmd = services["pgsluice"].get("command") or []
 for flag in ("--config", "--listen", "--admin-listen", "--backend"):
     flag in cmd or die(f"pgsluice command lacks {flag}")
 cmd[cmd.index("--listen") + 1].startswith("0.0.0.0:") or die("pgsluice must listen on 0.0.0.0 in its container")
+url = cmd[cmd.index("--backend") + 1]
+":" not in url.split("://", 1)[-1].rsplit("@", 1)[0] or die("the pgsluice command carries the backend password (argv is public): use PGSLUICE_BACKEND_PASSWORD")
 ports = " ".join(map(str, services["pgsluice"].get("ports") or []))
 ("6432" in ports and "9930" in ports) or die("pgsluice ports 6432 and 9930 not published")
 print(f"  ok: docker-compose.yml parses: services {', '.join(services)}; mounts and dependencies resolve")

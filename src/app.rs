@@ -145,7 +145,8 @@ impl App {
         }))
     }
 
-    /// Swaps in a new configuration: credentials, caller limits and breaker settings.
+    /// Swaps in a new configuration: credentials (a changed backend password also reaches the
+    /// pools that exist, for their new connections), caller limits and breaker settings.
     /// Validation already happened; if the policy refuses it, nothing changes.
     pub fn reload(&self, mut config: Config) -> Result<(), String> {
         if let Some(fleet) = &self.fleet
@@ -169,8 +170,11 @@ impl App {
             .reconfigure(callers, breaker)
             .map_err(|e| format!("callers[{}].{}: {}", e.index, e.field, e.message))?;
         self.metrics.set_callers(&names);
-        self.creds
-            .store(Arc::new(Credentials::from_config(&config)));
+        let creds = Arc::new(Credentials::from_config(&config));
+        for pool in self.pools.all() {
+            pool.set_password(backend_password(&creds, &pool.user));
+        }
+        self.creds.store(creds);
         self.callers.store(Arc::new(caller_matcher(&config)));
         self.config.store(Arc::new(config));
         self.tls.install(tls);
@@ -191,17 +195,20 @@ impl App {
         peers
     }
 
-    /// The pool for a logged-in (database, user), created on first use.
+    /// The pool for a logged-in (database, user), created on first use; an existing one gets
+    /// the current backend password for its new connections.
     pub fn pool_for(&self, database: &str, user: &str) -> Result<Arc<Pool>, PgError> {
         let cfg = self.config.load();
         let creds = self.creds.load();
-        let password = creds.user(user).and_then(|u| u.backend_password.clone());
+        let password = backend_password(&creds, user);
         let (host, port) = match cfg.backend_url() {
             Some(u) => (u.host, u.port),
             None => (cfg.backend.host.clone(), cfg.backend.port),
         };
         let max = cfg.limits.max_pools;
+        let mut created = false;
         let pool = self.pools.get_or_create(database, user, max, || {
+            created = true;
             Pool::new(
                 database,
                 user,
@@ -210,7 +217,7 @@ impl App {
                     host,
                     port,
                     user: user.to_string(),
-                    password,
+                    password: password.clone(),
                     database: database.to_string(),
                     connect_timeout: Duration::from_millis(cfg.backend.connect_timeout_ms),
                     tcp_user_timeout: cfg.backend.tcp_user_timeout(),
@@ -218,7 +225,7 @@ impl App {
                 },
             )
         });
-        pool.ok_or_else(|| {
+        let pool = pool.ok_or_else(|| {
             PgError::fatal(
                 "53300",
                 format!("pgsluice: too many pools: {max} (database, user) pools are in use"),
@@ -227,7 +234,13 @@ impl App {
                 "limits.max_pools is {max}; database \"{database}\""
             ))
             .with_hint("pools without clients and connections are removed; try again later")
-        })
+        })?;
+        if !created {
+            // A reload between the creds read above and a pool created concurrently could
+            // leave that pool with the old password; every login re-aligns it.
+            pool.set_password(password);
+        }
+        Ok(pool)
     }
 
     /// Periodic pool upkeep (idle timeout, min idle) until shutdown.
@@ -245,6 +258,11 @@ impl App {
             self.pools.sweep();
         }
     }
+}
+
+/// What the proxy logs in to Postgres with as `user`.
+fn backend_password(creds: &Credentials, user: &str) -> Option<String> {
+    creds.user(user).and_then(|u| u.backend_password.clone())
 }
 
 /// The cancel-key layout `config` asks for: the instance id only when peers are configured,

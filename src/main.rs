@@ -11,7 +11,7 @@ use tokio::signal::unix::{SignalKind, signal};
 
 use pgsluice::app::App;
 use pgsluice::cli::AdminCmd;
-use pgsluice::config::{Config, ConfigError, LogFormat, Overrides, PoolMode};
+use pgsluice::config::{Config, ConfigError, LogFormat, Overrides, PoolMode, Secret};
 use pgsluice::policy::rules::RuleSet;
 
 #[derive(Parser, Debug)]
@@ -24,9 +24,14 @@ struct Cli {
     /// Address clients connect to [default: 127.0.0.1:6432].
     #[arg(long)]
     listen: Option<SocketAddr>,
-    /// postgres://USER:PASSWORD@HOST:PORT/DB — that user may log in with that password.
+    /// postgres://USER[:PASSWORD]@HOST:PORT/DB — that user may log in with that password.
     #[arg(long)]
     backend: Option<String>,
+    /// File holding the backend user's password (one trailing newline ignored), in place of
+    /// the URL's; keeps it off the command line. PGSLUICE_BACKEND_PASSWORD (the password
+    /// itself) and backend.password_file do the same, with lower precedence. Re-read on reload.
+    #[arg(long, value_name = "PATH")]
+    backend_password_file: Option<PathBuf>,
     /// Backend connections per (database, user) pool.
     #[arg(long)]
     pool_size: Option<usize>,
@@ -72,15 +77,25 @@ fn load(cli: &Cli) -> Result<Config, Vec<ConfigError>> {
         listen: cli.listen,
         admin_listen: cli.admin_listen,
         backend: cli.backend.clone(),
+        backend_password_file: cli.backend_password_file.clone(),
+        backend_password: env_password(),
         pool_size: cli.pool_size,
         pool_mode: cli.pool_mode,
         worker_threads: cli.worker_threads,
     })
 }
 
+/// `PGSLUICE_BACKEND_PASSWORD`, if set (read at start and on every reload).
+fn env_password() -> Option<Secret> {
+    std::env::var_os("PGSLUICE_BACKEND_PASSWORD")
+        .map(|v| Secret::new(v.to_string_lossy().into_owned()))
+}
+
 fn main() -> ExitCode {
     let mut cli = Cli::parse();
     if let Some(Cmd::CheckConfig { file }) = &cli.cmd {
+        // The file alone: the URL and the password may come from flags and the environment
+        // of the host it runs on, and files it names (TLS, password) are read there.
         return match Config::load(file) {
             Ok(_) => {
                 println!("{}: OK", file.display());

@@ -3,7 +3,8 @@
 //! Nothing is applied on a partial failure. A mutation is staged first: the current rules
 //! are copied into a scratch `RuleSet` (through the persisted form), the change is applied
 //! there, the result is written to the rules file (temp file in the same directory, fsync,
-//! rename, fsync of the directory), and only then is the same change applied to the live
+//! rename, fsync of the directory; the temp file has a random name and is created
+//! exclusively, mode 0600, so nothing planted there is followed), and only then is the same change applied to the live
 //! set. If validation or the write fails, the live set was never touched (500 for a failed
 //! write). Mutations and purges are serialised by one async mutex that also remembers the
 //! bytes last written, so the file always holds a state the live set went through.
@@ -261,7 +262,25 @@ async fn write_file(path: PathBuf, bytes: Vec<u8>) -> Result<(), ApiError> {
 
 /// Write `bytes` to `path` so that readers see the old or the new file, never a mix: a temp
 /// file in the same directory, fsync, rename over `path`, fsync of the directory.
+///
+/// The temp file has a random name and is created with `O_EXCL` (`create_new`), mode 0600: a
+/// file or symlink someone planted at that name is never opened, followed or truncated; the
+/// write fails instead (after a few fresh names).
 pub fn write_atomic(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
+    write_atomic_named(path, bytes, || format!("{:016x}", rand::random::<u64>()))
+}
+
+/// Fresh temp names tried before giving up (a clash of random names means someone is
+/// planting files there).
+const TEMP_ATTEMPTS: usize = 4;
+
+/// [`write_atomic`] with the temp names' suffixes from `suffix` (tests plant files there).
+fn write_atomic_named(
+    path: &Path,
+    bytes: &[u8],
+    mut suffix: impl FnMut() -> String,
+) -> std::io::Result<()> {
+    use std::os::unix::fs::OpenOptionsExt;
     let dir = match path.parent() {
         Some(d) if !d.as_os_str().is_empty() => d.to_path_buf(),
         _ => PathBuf::from("."),
@@ -269,19 +288,36 @@ pub fn write_atomic(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
     let name = path
         .file_name()
         .ok_or_else(|| std::io::Error::other("rules_file has no file name"))?;
-    let mut tmp_name = std::ffi::OsString::from(".");
-    tmp_name.push(name);
-    tmp_name.push(format!(".tmp.{}", std::process::id()));
-    let tmp = dir.join(tmp_name);
+    let mut attempt = 0;
+    let (mut f, tmp) = loop {
+        let mut tmp_name = std::ffi::OsString::from(".");
+        tmp_name.push(name);
+        tmp_name.push(format!(".tmp.{}", suffix()));
+        let tmp = dir.join(tmp_name);
+        match std::fs::OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .mode(0o600)
+            .open(&tmp)
+        {
+            Ok(f) => break (f, tmp),
+            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {
+                attempt += 1;
+                if attempt == TEMP_ATTEMPTS {
+                    return Err(e);
+                }
+            }
+            Err(e) => return Err(e),
+        }
+    };
     let result = (|| {
-        let mut f = std::fs::File::create(&tmp)?;
         f.write_all(bytes)?;
         f.sync_all()?;
         std::fs::rename(&tmp, path)?;
         std::fs::File::open(&dir)?.sync_all()
     })();
     if result.is_err() {
-        // Best effort: the temp file may not exist if creating it was what failed.
+        // Best effort; this is the file created above (O_EXCL), nobody else's.
         let _ = std::fs::remove_file(&tmp);
     }
     result
@@ -316,5 +352,58 @@ pub async fn purge_loop(st: Arc<AdminState>) {
         if written.as_ref() != Some(&bytes) && write_file(path, bytes.clone()).await.is_ok() {
             *written = Some(bytes);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::os::unix::fs::PermissionsExt;
+
+    use super::*;
+
+    #[test]
+    fn a_symlink_at_the_temp_name_is_never_written_through() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("rules.json");
+        std::fs::write(&path, b"old").unwrap();
+        let victim = dir.path().join("victim");
+        std::fs::write(&victim, b"precious").unwrap();
+        let planted = dir.path().join(".rules.json.tmp.fixed");
+        std::os::unix::fs::symlink(&victim, &planted).unwrap();
+
+        let err = write_atomic_named(&path, b"new", || "fixed".to_owned()).unwrap_err();
+        assert_eq!(err.kind(), std::io::ErrorKind::AlreadyExists);
+        assert_eq!(std::fs::read(&victim).unwrap(), b"precious");
+        assert_eq!(
+            std::fs::read(&path).unwrap(),
+            b"old",
+            "the file is untouched"
+        );
+        assert!(
+            planted.symlink_metadata().is_ok(),
+            "a file the writer did not create is not removed"
+        );
+
+        // A taken name is skipped for a fresh one.
+        let mut names = ["fixed", "fresh"].into_iter();
+        write_atomic_named(&path, b"new", || names.next().unwrap_or("x").to_owned()).unwrap();
+        assert_eq!(std::fs::read(&path).unwrap(), b"new");
+        assert_eq!(std::fs::read(&victim).unwrap(), b"precious");
+    }
+
+    #[test]
+    fn writes_replace_the_file_with_a_private_one_and_leave_no_temp() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("rules.json");
+        write_atomic(&path, b"one").unwrap();
+        write_atomic(&path, b"two").unwrap();
+        assert_eq!(std::fs::read(&path).unwrap(), b"two");
+        let mode = std::fs::metadata(&path).unwrap().permissions().mode();
+        assert_eq!(mode & 0o777, 0o600);
+        let names: Vec<_> = std::fs::read_dir(dir.path())
+            .unwrap()
+            .map(|e| e.unwrap().file_name())
+            .collect();
+        assert_eq!(names, ["rules.json"]);
     }
 }

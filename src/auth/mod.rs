@@ -2,15 +2,26 @@
 //! (SCRAM-SHA-256 verifiers, md5 hashes, trust) and what the proxy tells Postgres.
 //!
 //! Secrets are derived once, when the config is loaded, so a login costs an HMAC and not a
-//! PBKDF2 run. Unknown users get a dummy verifier and walk the same SCRAM exchange, so unknown
+//! PBKDF2 run. Unknown users get a mock verifier and walk the same SCRAM exchange, so unknown
 //! users and wrong passwords look identical (28P01) in text and timing. No socket I/O here.
+//!
+//! The mock verifier's salt is not shared: like Postgres' mock authentication nonce, it is
+//! HMAC-SHA-256(per-credentials random secret, user name) cut to the length of a real salt,
+//! with a real verifier's iteration count. An unknown name therefore gets the same salt on
+//! every attempt and each name its own, as a real user does, so the server-first message does
+//! not tell which users exist. (Real verifiers get fresh salts when the config is reloaded;
+//! so does the mock secret.)
 
+use std::borrow::Cow;
 use std::collections::HashMap;
 
 use base64::Engine;
 use pgwire::api::auth::sasl::scram::ScramSecret;
 
 use crate::config::{AuthMethod, Config};
+
+/// Salt length of the verifiers the proxy derives (Postgres' `SCRAM_DEFAULT_SALT_LEN`).
+const SALT_LEN: usize = 16;
 
 /// A SCRAM-SHA-256 verifier (`SCRAM-SHA-256$iter:salt$stored:server`), decoded.
 #[derive(Clone)]
@@ -78,10 +89,14 @@ impl std::fmt::Debug for UserAuth {
     }
 }
 
-/// All users that may log in, plus the dummy verifier used for unknown ones.
+/// All users that may log in, plus what unknown ones are tested against.
 pub struct Credentials {
     users: HashMap<String, UserAuth>,
-    dummy: Verifier,
+    /// Keys no password matches and the iteration count of a real verifier; the salt is
+    /// replaced per user name ([`Credentials::verifier_or_mock`]).
+    mock: Verifier,
+    /// Key of the per-name mock salts; random per credentials set, never shown.
+    mock_salt_key: ring::hmac::Key,
 }
 
 impl Credentials {
@@ -108,9 +123,11 @@ impl Credentials {
                 u.method.unwrap_or(cfg.auth.method),
             );
         }
+        let secret: [u8; 32] = rand::random();
         Credentials {
             users,
-            dummy: Verifier::from_password(&random_hex(16)),
+            mock: Verifier::from_password(&random_hex(16)),
+            mock_salt_key: ring::hmac::Key::new(ring::hmac::HMAC_SHA256, &secret),
         }
     }
 
@@ -118,12 +135,16 @@ impl Credentials {
         self.users.get(name)
     }
 
-    /// The verifier to run SCRAM with: the user's, or a dummy that no password matches.
-    pub fn verifier_or_dummy(&self, name: &str) -> &Verifier {
-        self.users
-            .get(name)
-            .and_then(|u| u.verifier.as_ref())
-            .unwrap_or(&self.dummy)
+    /// The verifier to run SCRAM with: the user's, or a mock that no password matches, whose
+    /// salt is stable for `name` and different for every other name (see the module doc).
+    pub fn verifier_or_mock(&self, name: &str) -> Cow<'_, Verifier> {
+        if let Some(v) = self.users.get(name).and_then(|u| u.verifier.as_ref()) {
+            return Cow::Borrowed(v);
+        }
+        let tag = ring::hmac::sign(&self.mock_salt_key, name.as_bytes());
+        let mut mock = self.mock.clone();
+        mock.salt = tag.as_ref()[..SALT_LEN].to_vec();
+        Cow::Owned(mock)
     }
 }
 
@@ -180,6 +201,52 @@ mod tests {
         let s = postgres_protocol::password::scram_sha_256(b"pw");
         assert!(Verifier::parse(&s).is_some());
         assert!(Verifier::parse("SCRAM-SHA-256$x").is_none());
+    }
+
+    fn salt_and_iterations(v: &Verifier) -> (Vec<u8>, usize) {
+        match v.secret() {
+            ScramSecret::Verifier {
+                salt, iterations, ..
+            } => (salt, iterations),
+            _ => panic!("a verifier's secret is a verifier"),
+        }
+    }
+
+    #[test]
+    fn unknown_users_get_a_stable_salt_of_their_own() {
+        let cfg = Config::from_yaml(
+            "auth:\n  users:\n    - { name: alice, password: pw1 }\n    - { name: bob, password: pw2 }\n",
+        )
+        .unwrap();
+        let creds = Credentials::from_config(&cfg);
+        let (ghost, ghost_iter) = salt_and_iterations(&creds.verifier_or_mock("ghost"));
+        let (again, _) = salt_and_iterations(&creds.verifier_or_mock("ghost"));
+        let (other, _) = salt_and_iterations(&creds.verifier_or_mock("phantom"));
+        let (alice, alice_iter) = salt_and_iterations(&creds.verifier_or_mock("alice"));
+        let (bob, _) = salt_and_iterations(&creds.verifier_or_mock("bob"));
+        assert_eq!(
+            ghost, again,
+            "an unknown user's salt is stable across attempts"
+        );
+        assert_ne!(ghost, other, "two unknown users get different salts");
+        assert_ne!(alice, bob);
+        assert_eq!(
+            ghost.len(),
+            alice.len(),
+            "a mock salt is as long as a real one"
+        );
+        assert_eq!(ghost.len(), SALT_LEN);
+        assert_eq!(
+            ghost_iter, alice_iter,
+            "same iteration count as a real verifier"
+        );
+        assert!(![alice.as_slice(), bob.as_slice()].contains(&ghost.as_slice()));
+        // A fresh credentials set (a reload) has a new secret, as real users get new salts.
+        let reloaded = Credentials::from_config(&cfg);
+        assert_ne!(
+            salt_and_iterations(&reloaded.verifier_or_mock("ghost")).0,
+            ghost
+        );
     }
 
     #[test]

@@ -3,16 +3,22 @@
 //!
 //! Imports nothing else of ours. Loading returns a complete, validated [`Config`] or a list of
 //! [`ConfigError`]s; it never half-applies. Reloading is the app's job (it swaps the snapshot).
+//!
+//! Secrets: the backend password may come from a file (`--backend-password-file`,
+//! `backend.password_file`) or `PGSLUICE_BACKEND_PASSWORD` instead of the URL, so it need not
+//! be on a command line; [`Config::apply`] reads it. No error, here or in `validate`, ever
+//! contains a password: they name where it came from instead.
 
 mod validate;
 
 use std::collections::BTreeMap;
+use std::io::Read;
 use std::net::SocketAddr;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 use serde::Deserialize;
 
-pub use validate::{BackendUrl, ConfigError};
+pub use validate::{BackendUrl, ConfigError, check_dial_addr};
 
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields, default)]
@@ -152,6 +158,15 @@ impl Default for AdminConfig {
 pub struct BackendConfig {
     /// `postgres://USER:PASSWORD@HOST:PORT/DB`; its user may log in with its password.
     pub url: Option<String>,
+    /// A file holding the password of `url`'s user (one trailing newline ignored); wins over
+    /// the URL's password, so the secret need not be in the config or on a command line.
+    /// Read at start and on every reload.
+    pub password_file: Option<String>,
+    /// The password [`Config::apply`] read from `--backend-password-file`,
+    /// `PGSLUICE_BACKEND_PASSWORD` or `password_file`; [`Config::backend_url`] puts it in
+    /// place of the URL's. Never part of the file.
+    #[serde(skip)]
+    pub password: Option<Secret>,
     pub host: String,
     pub port: u16,
     pub connect_timeout_ms: u64,
@@ -169,6 +184,8 @@ impl Default for BackendConfig {
     fn default() -> Self {
         BackendConfig {
             url: None,
+            password_file: None,
+            password: None,
             host: "127.0.0.1".into(),
             port: 5432,
             connect_timeout_ms: 5_000,
@@ -186,6 +203,30 @@ impl BackendConfig {
             .then(|| std::time::Duration::from_millis(self.tcp_user_timeout_ms))
     }
 }
+
+/// A secret string; `Debug` never shows it.
+#[derive(Clone, PartialEq, Eq)]
+pub struct Secret(String);
+
+impl Secret {
+    pub fn new(s: String) -> Secret {
+        Secret(s)
+    }
+
+    pub fn expose(&self) -> &str {
+        &self.0
+    }
+}
+
+impl std::fmt::Debug for Secret {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Secret(..)")
+    }
+}
+
+/// Longest backend password file read (far above any real password; a wrong path to a
+/// large file fails instead of being read whole).
+const MAX_PASSWORD_FILE_BYTES: u64 = 4096;
 
 /// How the proxy speaks TLS to Postgres.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
@@ -555,15 +596,44 @@ impl Default for LogConfig {
     }
 }
 
-/// Command-line values that override the file.
+/// Command-line (and environment) values that override the file.
 #[derive(Debug, Clone, Default)]
 pub struct Overrides {
     pub listen: Option<SocketAddr>,
     pub admin_listen: Option<SocketAddr>,
     pub backend: Option<String>,
+    /// `--backend-password-file`: wins over the two below and the URL's password.
+    pub backend_password_file: Option<PathBuf>,
+    /// `PGSLUICE_BACKEND_PASSWORD`: wins over `backend.password_file` and the URL's password.
+    pub backend_password: Option<Secret>,
     pub pool_size: Option<usize>,
     pub pool_mode: Option<PoolMode>,
     pub worker_threads: Option<usize>,
+}
+
+/// A password file's text without one trailing newline (`\n` or `\r\n`). Errors name the
+/// path, never the content.
+fn read_password_file(path: &Path) -> Result<Secret, String> {
+    let shown = path.display();
+    let mut text = String::new();
+    std::fs::File::open(path)
+        .and_then(|f| {
+            f.take(MAX_PASSWORD_FILE_BYTES + 1)
+                .read_to_string(&mut text)
+        })
+        .map_err(|e| format!("cannot read the password file {shown}: {e}"))?;
+    if text.len() as u64 > MAX_PASSWORD_FILE_BYTES {
+        return Err(format!(
+            "the password file {shown} is longer than {MAX_PASSWORD_FILE_BYTES} bytes"
+        ));
+    }
+    if text.ends_with('\n') {
+        text.pop();
+        if text.ends_with('\r') {
+            text.pop();
+        }
+    }
+    Ok(Secret::new(text))
 }
 
 impl Config {
@@ -609,8 +679,49 @@ impl Config {
         if let Some(n) = o.worker_threads {
             self.worker_threads = n;
         }
-        self.validate(None)?;
-        Ok(self)
+        let password = self.backend_password(o);
+        let mut errs = self.validate(None).err().unwrap_or_default();
+        match password {
+            Ok(p) => self.backend.password = p,
+            Err(e) => errs.push(e),
+        }
+        if errs.is_empty() { Ok(self) } else { Err(errs) }
+    }
+
+    /// The backend password from the first source set: `--backend-password-file`,
+    /// `PGSLUICE_BACKEND_PASSWORD`, `backend.password_file` (`None`: the URL's, if any).
+    /// Errors name the source and, for files, the path; never the password.
+    fn backend_password(&self, o: &Overrides) -> Result<Option<Secret>, ConfigError> {
+        let error = |field: &str, message: String| ConfigError {
+            field: field.to_owned(),
+            line: None,
+            message,
+        };
+        let (field, secret) = if let Some(path) = &o.backend_password_file {
+            let field = "--backend-password-file";
+            (
+                field,
+                read_password_file(path).map_err(|m| error(field, m))?,
+            )
+        } else if let Some(s) = &o.backend_password {
+            ("PGSLUICE_BACKEND_PASSWORD", s.clone())
+        } else if let Some(path) = &self.backend.password_file {
+            let field = "backend.password_file";
+            let secret = read_password_file(Path::new(path)).map_err(|m| error(field, m))?;
+            (field, secret)
+        } else {
+            return Ok(None);
+        };
+        if self.backend.url.is_none() {
+            return Err(error(
+                field,
+                "needs backend.url (or --backend): the password is for its user".into(),
+            ));
+        }
+        if secret.expose().is_empty() {
+            return Err(error(field, "the password is empty".into()));
+        }
+        Ok(Some(secret))
     }
 
     /// Runtime threads to start: `worker_threads`, or for 0 the automatic choice (1 with at
@@ -623,12 +734,18 @@ impl Config {
         }
     }
 
-    /// The backend URL, parsed (validated on load, so `None` only when absent).
+    /// The backend URL, parsed (validated on load, so `None` only when absent), with the
+    /// password from a file or the environment in place of the URL's, if one was given.
     pub fn backend_url(&self) -> Option<BackendUrl> {
-        self.backend
+        let mut url = self
+            .backend
             .url
             .as_deref()
-            .and_then(|u| BackendUrl::parse(u).ok())
+            .and_then(|u| BackendUrl::parse(u).ok())?;
+        if let Some(p) = &self.backend.password {
+            url.password = Some(p.expose().to_owned());
+        }
+        Some(url)
     }
 
     /// Effective pool settings for one (database, user).
@@ -653,5 +770,104 @@ impl Config {
             }
         }
         p
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn with_url(password_file: Option<&Path>) -> Config {
+        let mut text = "backend:\n  url: \"postgres://app:from-url@db:5432/appdb\"\n".to_owned();
+        if let Some(p) = password_file {
+            text.push_str(&format!("  password_file: \"{}\"\n", p.display()));
+        }
+        Config::from_yaml(&text).unwrap()
+    }
+
+    fn password(c: &Config) -> Option<String> {
+        c.backend_url().and_then(|u| u.password)
+    }
+
+    #[test]
+    fn the_backend_password_comes_from_a_file_or_the_environment() {
+        let dir = tempfile::tempdir().unwrap();
+        let key_file = dir.path().join("key");
+        std::fs::write(&key_file, "from-key-file\n").unwrap();
+        let flag_file = dir.path().join("flag");
+        std::fs::write(&flag_file, "from-flag-file\r\n").unwrap();
+        let env = Some(Secret::new("from-env".into()));
+
+        let plain = with_url(None).apply(&Overrides::default()).unwrap();
+        assert_eq!(password(&plain).as_deref(), Some("from-url"));
+        let keyed = with_url(Some(&key_file));
+        let c = keyed.clone().apply(&Overrides::default()).unwrap();
+        assert_eq!(password(&c).as_deref(), Some("from-key-file"));
+        let o = Overrides {
+            backend_password: env.clone(),
+            ..Overrides::default()
+        };
+        let c = keyed.clone().apply(&o).unwrap();
+        assert_eq!(password(&c).as_deref(), Some("from-env"));
+        let o = Overrides {
+            backend_password: env,
+            backend_password_file: Some(flag_file.clone()),
+            ..Overrides::default()
+        };
+        let c = keyed.apply(&o).unwrap();
+        assert_eq!(password(&c).as_deref(), Some("from-flag-file"));
+        // The URL without a password gets one; the user and host stay.
+        let o = Overrides {
+            backend: Some("postgres://app@db:5432/appdb".into()),
+            backend_password_file: Some(flag_file),
+            ..Overrides::default()
+        };
+        let c = Config::default().apply(&o).unwrap();
+        let u = c.backend_url().unwrap();
+        assert_eq!(
+            (u.user.as_str(), u.password.as_deref()),
+            ("app", Some("from-flag-file"))
+        );
+        assert!(!format!("{c:?}").contains("from-flag-file"));
+    }
+
+    #[test]
+    fn password_file_errors_name_the_path_never_the_content() {
+        let dir = tempfile::tempdir().unwrap();
+        let missing = dir.path().join("missing");
+        let errs = with_url(Some(&missing))
+            .apply(&Overrides::default())
+            .unwrap_err();
+        assert_eq!(errs[0].field, "backend.password_file");
+        assert!(
+            errs[0].message.contains(&missing.display().to_string()),
+            "{}",
+            errs[0]
+        );
+        let long = dir.path().join("long");
+        std::fs::write(&long, "x".repeat(5000)).unwrap();
+        let o = Overrides {
+            backend_password_file: Some(long),
+            ..Overrides::default()
+        };
+        let errs = with_url(None).apply(&o).unwrap_err();
+        assert_eq!(errs[0].field, "--backend-password-file");
+        assert!(!errs[0].message.contains("xxxx"), "{}", errs[0]);
+        let empty = dir.path().join("empty");
+        std::fs::write(&empty, "\n").unwrap();
+        let errs = with_url(Some(&empty))
+            .apply(&Overrides::default())
+            .unwrap_err();
+        assert!(errs[0].message.contains("empty"), "{}", errs[0]);
+        // A password with no URL whose user it belongs to is a mistake.
+        let o = Overrides {
+            backend_password: Some(Secret::new("lonely".into())),
+            ..Overrides::default()
+        };
+        let errs = Config::default().apply(&o).unwrap_err();
+        assert_eq!(errs[0].field, "PGSLUICE_BACKEND_PASSWORD");
+        assert!(!errs[0].to_string().contains("lonely"));
+        let errs = Config::from_yaml("backend:\n  password_file: \"\"\n").unwrap_err();
+        assert_eq!(errs[0].field, "backend.password_file");
     }
 }

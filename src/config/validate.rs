@@ -1,5 +1,6 @@
 //! Validation of a parsed [`Config`]: every problem is reported with the field's path and, when
-//! the source text is known, the line it is on. Also the backend URL parser.
+//! the source text is known, the line it is on. Also the backend URL parser, whose errors never
+//! contain the password (they reach stderr, `check-config` and the reload API's answer).
 
 use std::collections::HashSet;
 use std::fmt;
@@ -80,7 +81,7 @@ impl BackendUrl {
             .rsplit_once('@')
             .ok_or("must name a user: postgres://USER:PASSWORD@HOST:PORT/DB")?;
         let (user, password) = match userinfo.split_once(':') {
-            Some((u, p)) => (decode(u)?, Some(decode(p)?)),
+            Some((u, p)) => (decode(u)?, Some(decode_password(p)?)),
             None => (decode(userinfo)?, None),
         };
         if user.is_empty() {
@@ -119,7 +120,32 @@ impl BackendUrl {
     }
 }
 
+/// Percent-decodes a URL segment that is no secret; errors quote it.
 fn decode(s: &str) -> Result<String, String> {
+    percent_decode(s).map_err(|e| e.describe(&format!("`{s}`")))
+}
+
+/// Percent-decodes the password segment; errors never contain its text.
+fn decode_password(s: &str) -> Result<String, String> {
+    percent_decode(s).map_err(|e| e.describe("the password in backend.url (not shown)"))
+}
+
+/// Why a URL segment does not decode.
+enum DecodeError {
+    Percent,
+    Utf8,
+}
+
+impl DecodeError {
+    fn describe(&self, what: &str) -> String {
+        match self {
+            DecodeError::Percent => format!("invalid percent-encoding in {what}"),
+            DecodeError::Utf8 => format!("{what} is not UTF-8 after percent-decoding"),
+        }
+    }
+}
+
+fn percent_decode(s: &str) -> Result<String, DecodeError> {
     let b = s.as_bytes();
     let mut out = Vec::with_capacity(b.len());
     let mut i = 0;
@@ -128,7 +154,7 @@ fn decode(s: &str) -> Result<String, String> {
             let hex = s
                 .get(i + 1..i + 3)
                 .and_then(|h| u8::from_str_radix(h, 16).ok())
-                .ok_or_else(|| format!("invalid percent-encoding in `{s}`"))?;
+                .ok_or(DecodeError::Percent)?;
             out.push(hex);
             i += 3;
         } else {
@@ -136,7 +162,7 @@ fn decode(s: &str) -> Result<String, String> {
             i += 1;
         }
     }
-    String::from_utf8(out).map_err(|_| format!("`{s}` is not UTF-8 after percent-decoding"))
+    String::from_utf8(out).map_err(|_| DecodeError::Utf8)
 }
 
 /// Checks that `s` is `ADDR/LEN` with a sane prefix length.
@@ -166,6 +192,37 @@ fn check_host_port(s: &str) -> Result<(), String> {
         (Some(h), Ok(p)) if !h.is_empty() && p != 0 && (!h.contains(':') || s.starts_with('[')) => {
             Ok(())
         }
+        _ => Err(err()),
+    }
+}
+
+/// Checks that `s` is an address worth dialling: an IP socket address (not unspecified, not
+/// multicast, port not 0), or `NAME:PORT` with a DNS-style name (labels of letters, digits,
+/// `-` and `_`, at most 63 bytes each, 253 in all). Used for `fleet.cancel_addr` and for the
+/// cancel addresses other fleet members announce through Redis, which are never dialled
+/// unchecked.
+pub fn check_dial_addr(s: &str) -> Result<(), String> {
+    let err = || {
+        let shown: String = s.chars().take(80).collect();
+        format!("`{shown}` is not IP:PORT, [IPv6]:PORT or HOSTNAME:PORT")
+    };
+    if let Ok(a) = s.parse::<std::net::SocketAddr>() {
+        return if a.port() != 0 && !a.ip().is_unspecified() && !a.ip().is_multicast() {
+            Ok(())
+        } else {
+            Err(err())
+        };
+    }
+    let (host, port) = s.rsplit_once(':').ok_or_else(err)?;
+    let label_ok = |l: &str| {
+        (1..=63).contains(&l.len())
+            && l.bytes()
+                .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_')
+            && !l.starts_with('-')
+            && !l.ends_with('-')
+    };
+    match port.parse::<u16>() {
+        Ok(p) if p != 0 && host.len() <= 253 && host.split('.').all(label_ok) => Ok(()),
         _ => Err(err()),
     }
 }
@@ -249,6 +306,12 @@ impl Config {
             && let Err(e) = BackendUrl::parse(url)
         {
             p.add("backend.url".into(), e);
+        }
+        if self.backend.password_file.as_deref() == Some("") {
+            p.add(
+                "backend.password_file".into(),
+                "must be a path (omit it to use the URL's password)",
+            );
         }
         if self.backend.connect_timeout_ms == 0 {
             p.add("backend.connect_timeout_ms".into(), "must be > 0");
@@ -418,7 +481,7 @@ impl Config {
                 p.add("fleet.key_prefix".into(), "1 to 64 characters");
             }
             if let Some(addr) = &f.cancel_addr
-                && let Err(e) = check_host_port(addr)
+                && let Err(e) = check_dial_addr(addr)
             {
                 p.add("fleet.cancel_addr".into(), e);
             }
@@ -501,6 +564,62 @@ mod tests {
         assert!(BackendUrl::parse("postgres://h:5432/db").is_err());
         assert!(BackendUrl::parse("postgres://a:b@h:99999/db").is_err());
         assert!(!format!("{u:?}").contains("s@cret"));
+    }
+
+    #[test]
+    fn url_errors_never_contain_the_password() {
+        for (url, secret) in [
+            ("postgres://app:hunter%zz2@db/appdb", "hunter"),
+            ("postgres://app:hunter%2@db/appdb", "hunter"),
+            ("postgres://app:hunter%ff@db/appdb", "hunter"),
+        ] {
+            let e = BackendUrl::parse(url).unwrap_err();
+            assert!(!e.contains(secret), "{e}");
+            assert!(e.contains("the password in backend.url"), "{e}");
+            let text = format!("backend:\n  url: \"{url}\"\n");
+            let errs = Config::from_yaml(&text).unwrap_err();
+            let shown = errs
+                .iter()
+                .map(|e| e.to_string())
+                .collect::<Vec<_>>()
+                .join("\n");
+            assert!(!shown.contains(secret), "{shown}");
+            assert!(shown.contains("backend.url"), "{shown}");
+        }
+        // Segments that are no secret are still quoted.
+        let e = BackendUrl::parse("postgres://ap%zzp:pw@db/appdb").unwrap_err();
+        assert!(e.contains("ap%zzp"), "{e}");
+        assert!(!e.contains("pw"), "{e}");
+    }
+
+    #[test]
+    fn dial_addresses_are_checked() {
+        for ok in [
+            "127.0.0.1:6433",
+            "[::1]:6433",
+            "db-proxy-2:6433",
+            "pgsluice_2.internal:1",
+            "localhost:65535",
+        ] {
+            assert_eq!(check_dial_addr(ok), Ok(()), "{ok}");
+        }
+        for bad in [
+            "",
+            "nope",
+            "127.0.0.1:0",
+            "0.0.0.0:6432",
+            "[::]:6432",
+            "224.0.0.1:6432",
+            "a b:6432",
+            "host:port",
+            "-x:1",
+            "x..y:1",
+            "::1:6432",
+            "evil\r\n:1",
+            &format!("{}:1", "a".repeat(64)),
+        ] {
+            assert!(check_dial_addr(bad).is_err(), "{bad:?} accepted");
+        }
     }
 
     #[test]

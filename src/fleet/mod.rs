@@ -30,6 +30,12 @@
 //! `App::cancel_peers` adds the live members to the configured `peers`. Without a configured
 //! `peer_id`, one is claimed in Redis at start ([`claim_peer_id`]) and renewed by heartbeats.
 //!
+//! What Redis holds is input, not trusted state (anyone who can write to it could plant
+//! anything): a member's cancel address is used only if it passes `config::check_dial_addr`
+//! (otherwise that member's keys are not routed, logged once per bad address), and a stored
+//! rule only if it is within the API's size cap ([`MAX_STORED_RULE_BYTES`]) and passes the
+//! validation a PUT passes (`RuleSpec::validate`, including its caller-list cap).
+//!
 //! Degradation: when a Redis call fails or times out, the instance marks the store down
 //! (logged once, `pgsluice_fleet_redis_up 0`), keeps enforcing the rules it last applied,
 //! falls back to local shares of fleet limits (from the last member count it saw), and
@@ -51,8 +57,8 @@ use tokio::time::Instant;
 
 use self::store::{Keys, Member, RuleSnapshot, Scripts};
 use crate::app::App;
-use crate::config::{Config, FleetConfig, PeerConfig};
-use crate::policy::rules::{RuleSet, StoredRule};
+use crate::config::{Config, FleetConfig, PeerConfig, check_dial_addr};
+use crate::policy::rules::{MAX_RULE_JSON_BYTES, RuleSet, StoredRule};
 
 /// How often fleet buckets are topped up even if nobody woke the filler.
 pub const FILL_TICK: Duration = Duration::from_millis(20);
@@ -60,6 +66,9 @@ pub const FILL_TICK: Duration = Duration::from_millis(20);
 const CALL_TIMEOUT: Duration = Duration::from_secs(1);
 const BACKOFF_BASE_MS: u64 = 100;
 const BACKOFF_CAP_MS: u64 = 5_000;
+/// Largest stored rule read from Redis: the API's body cap plus room for what the stored form
+/// adds (fingerprint, time stamps, defaults filled in), so anything a PUT accepted fits.
+pub const MAX_STORED_RULE_BYTES: usize = MAX_RULE_JSON_BYTES + 1024;
 
 /// This instance's view of the fleet; shared by the fleet task, the admin API, metrics and
 /// cancel routing.
@@ -89,6 +98,9 @@ pub struct Fleet {
     same_id_warned: AtomicU64,
     /// Heartbeats in a row that found another instance's entry under this id.
     same_id_streak: AtomicU32,
+    /// (member id, address) of the cancel addresses refused at the last heartbeat, so each
+    /// is logged once rather than every heartbeat.
+    refused_addrs: Mutex<Vec<(String, String)>>,
 }
 
 #[derive(Default)]
@@ -156,6 +168,7 @@ impl Fleet {
             counters: FleetCounters::default(),
             same_id_warned: AtomicU64::new(0),
             same_id_streak: AtomicU32::new(0),
+            refused_addrs: Mutex::new(Vec::new()),
         })))
     }
 
@@ -266,16 +279,14 @@ impl Fleet {
         let mut expired = Vec::new();
         let mut entries = Vec::with_capacity(snap.entries.len());
         for (fp, json) in &snap.entries {
-            match serde_json::from_str::<StoredRule>(json) {
+            match parse_stored_rule(fp, json) {
                 Ok(r) if r.expires_unix_ms.is_some_and(|ms| ms <= now) => {
                     expired.push((fp.clone(), json.clone()));
                 }
-                Ok(r) if r.fingerprint == *fp => entries.push(r),
-                Ok(_) => {
-                    tracing::error!(fingerprint = %fp, "fleet: stored rule names another fingerprint; skipped")
-                }
+                Ok(r) => entries.push(r),
                 Err(e) => {
-                    tracing::error!(fingerprint = %fp, error = %e, "fleet: stored rule does not parse; skipped")
+                    let shown: String = fp.chars().take(32).collect();
+                    tracing::error!(fingerprint = %shown, error = %e, "fleet: stored rule skipped");
                 }
             }
         }
@@ -403,7 +414,16 @@ impl Fleet {
             let ids: Vec<&str> = hb.members.iter().map(|m| m.id.as_str()).collect();
             tracing::info!(members = ?ids, "fleet: membership changed");
         }
-        *self.members.lock() = hb.members;
+        let (members, refused) = checked_members(hb.members);
+        {
+            let mut last = self.refused_addrs.lock();
+            for (id, addr) in refused.iter().filter(|r| !last.contains(r)) {
+                let addr: String = addr.chars().take(80).collect();
+                tracing::warn!(member = %id, cancel_addr = ?addr, "fleet: a member announced a cancel address that is not HOST:PORT; its cancel keys are not routed");
+            }
+            *last = refused;
+        }
+        *self.members.lock() = members;
         app.policy.set_fleet_members(n);
         let stamp = (hb.epoch, hb.version);
         let expired = unix_ms() >= self.next_expiry.load(Ordering::Relaxed);
@@ -468,6 +488,38 @@ impl Fleet {
             }
         }
     }
+}
+
+/// A rule entry as read from Redis: within [`MAX_STORED_RULE_BYTES`], parsed, stored under
+/// its own fingerprint. (Its rule is validated like a PUT when applied, by `RuleSet::sync`.)
+fn parse_stored_rule(fingerprint: &str, json: &str) -> Result<StoredRule, String> {
+    if json.len() > MAX_STORED_RULE_BYTES {
+        return Err(format!(
+            "{} bytes, more than the {MAX_STORED_RULE_BYTES} a rule may have",
+            json.len()
+        ));
+    }
+    let r: StoredRule = serde_json::from_str(json).map_err(|e| format!("does not parse: {e}"))?;
+    if r.fingerprint != fingerprint {
+        return Err("names another fingerprint".into());
+    }
+    Ok(r)
+}
+
+/// Members as read from Redis, with cancel addresses that fail `check_dial_addr` removed
+/// (those members' keys are not routed); also the refused (member id, address) pairs.
+fn checked_members(members: Vec<Member>) -> (Vec<Member>, Vec<(String, String)>) {
+    let mut refused = Vec::new();
+    let members = members
+        .into_iter()
+        .map(|mut m| {
+            if let Some(addr) = m.cancel_addr.take_if(|a| check_dial_addr(a).is_err()) {
+                refused.push((m.id.clone(), addr));
+            }
+            m
+        })
+        .collect();
+    (members, refused)
 }
 
 /// The fleet task: connects, runs [`Fleet::session`], and on failure degrades and retries
@@ -583,14 +635,25 @@ pub async fn claim_peer_id(config: &Config, wait: Duration) -> Option<u8> {
     }
 }
 
+/// What this instance announces as its cancel address; `None` (keys not routed) without a
+/// peer id, or when the address it would fall back to cannot be dialled by others (a
+/// wildcard `listen` such as `0.0.0.0:6432`: set `fleet.cancel_addr`).
 fn cancel_addr(config: &Config, f: &FleetConfig) -> Option<String> {
     if config.peer_id == 0 {
         return None;
     }
-    f.cancel_addr
+    let addr = f
+        .cancel_addr
         .clone()
         .or_else(|| config.peer_listen.map(|a| a.to_string()))
-        .or_else(|| (!config.listen_reuseport).then(|| config.listen.to_string()))
+        .or_else(|| (!config.listen_reuseport).then(|| config.listen.to_string()))?;
+    match check_dial_addr(&addr) {
+        Ok(()) => Some(addr),
+        Err(e) => {
+            tracing::warn!(error = %e, "fleet: no usable cancel address to announce (set fleet.cancel_addr); other members will not route cancels here");
+            None
+        }
+    }
 }
 
 fn instance_id(f: &FleetConfig) -> String {
@@ -615,4 +678,121 @@ fn unix_ms() -> u64 {
         .duration_since(UNIX_EPOCH)
         .map(|d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
         .unwrap_or(0)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn fleet() -> Arc<Fleet> {
+        let config = Config::from_yaml(
+            "peer_id: 3\nfleet:\n  redis_url: \"redis://127.0.0.1:1\"\n  instance_id: me\n  cancel_addr: \"10.0.0.3:6433\"\n",
+        )
+        .unwrap();
+        Fleet::from_config(&config, false).unwrap().unwrap()
+    }
+
+    fn member(id: &str, peer_id: u8, addr: Option<&str>) -> Member {
+        Member {
+            id: id.into(),
+            peer_id,
+            cancel_addr: addr.map(str::to_owned),
+            started_unix_ms: 1,
+        }
+    }
+
+    #[test]
+    fn members_with_undiallable_cancel_addresses_are_not_routed() {
+        let (members, refused) = checked_members(vec![
+            member("a", 1, Some("10.0.0.1:6433")),
+            member("b", 2, Some("proxy-b.internal:6433")),
+            member("c", 4, Some("not an address")),
+            member("d", 5, Some("0.0.0.0:6432")),
+            member("e", 6, None),
+        ]);
+        assert_eq!(members.len(), 5, "members still count for fleet shares");
+        let addrs: Vec<Option<&str>> = members.iter().map(|m| m.cancel_addr.as_deref()).collect();
+        assert_eq!(
+            addrs,
+            [
+                Some("10.0.0.1:6433"),
+                Some("proxy-b.internal:6433"),
+                None,
+                None,
+                None
+            ]
+        );
+        assert_eq!(
+            refused,
+            [
+                ("c".to_owned(), "not an address".to_owned()),
+                ("d".to_owned(), "0.0.0.0:6432".to_owned())
+            ]
+        );
+        let f = fleet();
+        *f.members.lock() = members;
+        let peers: Vec<(u8, String)> = f
+            .cancel_peers()
+            .into_iter()
+            .map(|p| (p.id, p.addr))
+            .collect();
+        assert_eq!(
+            peers,
+            [
+                (1, "10.0.0.1:6433".to_owned()),
+                (2, "proxy-b.internal:6433".to_owned())
+            ]
+        );
+    }
+
+    #[test]
+    fn rules_from_redis_pass_the_api_caps_and_validation() {
+        let stored = |fp: &str, rule: &str| {
+            format!(r#"{{"fingerprint":"{fp}","created_unix_ms":1,"rule":{rule}}}"#)
+        };
+        let ok = "00000000000000a1";
+        let callers = (0..=crate::policy::rules::MAX_RULE_CALLERS)
+            .map(|i| format!("\"c{i}\""))
+            .collect::<Vec<_>>()
+            .join(",");
+        let padded = format!(
+            r#"{{"fingerprint":"00000000000000a2","created_unix_ms":1,"rule":{{"action":"REJECT"}}{}}}"#,
+            " ".repeat(MAX_STORED_RULE_BYTES)
+        );
+        let entries = vec![
+            (ok.to_owned(), stored(ok, r#"{"action":"REJECT"}"#)),
+            ("00000000000000a2".to_owned(), padded),
+            (
+                "00000000000000a3".to_owned(),
+                stored(
+                    "00000000000000a3",
+                    &format!(r#"{{"action":"REJECT","callers":[{callers}]}}"#),
+                ),
+            ),
+            (
+                "00000000000000a4".to_owned(),
+                stored("00000000000000a4", r#"{"action":"THROTTLE","max_qps":-1}"#),
+            ),
+            (
+                "00000000000000a5".to_owned(),
+                stored("00000000000000ff", r#"{"action":"REJECT"}"#),
+            ),
+            ("00000000000000a6".to_owned(), "{not json".to_owned()),
+        ];
+        assert!(parse_stored_rule("00000000000000a2", &entries[1].1).is_err());
+        assert!(parse_stored_rule("00000000000000a5", &entries[4].1).is_err());
+        let rules = RuleSet::new();
+        let f = fleet();
+        let expired = f.apply(
+            RuleSnapshot {
+                epoch: Some("e".into()),
+                version: 1,
+                entries,
+            },
+            &rules,
+        );
+        assert!(expired.is_empty());
+        let live: Vec<String> = rules.stored().into_iter().map(|r| r.fingerprint).collect();
+        assert_eq!(live, [ok], "only the valid rule is applied");
+    }
 }

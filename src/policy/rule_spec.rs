@@ -14,7 +14,9 @@
 //! * `mode: warn` counts and reports what would have been refused and lets the statement run;
 //!   it is meaningless for TIMEOUT and rejected there.
 //! * Free text (`error_message`, `note`, caller names) is bounded and NUL-free because it ends
-//!   up in protocol messages.
+//!   up in protocol messages; the caller list is bounded ([`MAX_RULE_CALLERS`]) because the hot
+//!   path scans it. Every source of rules (API, rules file, a fleet's Redis) passes through
+//!   [`RuleSpec::validate`], so the caps are the same everywhere.
 
 use std::time::Duration;
 
@@ -30,6 +32,9 @@ pub const MAX_TTL_SECONDS: u64 = 10 * 365 * 86_400;
 /// Postgres timeouts are int milliseconds.
 pub const MAX_TIMEOUT_MS: u64 = i32::MAX as u64;
 const MAX_TEXT_BYTES: usize = 1024;
+/// Most caller names one rule may list: every statement a rule sees scans the list, and the
+/// same cap holds for rules PUT over the API, read from a rules file or from a fleet's Redis.
+pub const MAX_RULE_CALLERS: usize = 64;
 const MAX_INFLIGHT: u32 = 1_000_000;
 const MAX_BURST: u32 = 1_000_000;
 
@@ -327,6 +332,15 @@ impl RuleSpec {
                 return Err(RuleError::new(
                     "callers",
                     "must not be empty (omit it to match every caller)",
+                ));
+            }
+            if callers.len() > MAX_RULE_CALLERS {
+                return Err(RuleError::new(
+                    "callers",
+                    format!(
+                        "at most {MAX_RULE_CALLERS} callers ({} given)",
+                        callers.len()
+                    ),
                 ));
             }
             for (i, c) in callers.iter().enumerate() {

@@ -524,3 +524,31 @@ fn fleet_scope_is_for_throttle_only() {
         .unwrap();
     assert_eq!(def.to_spec().scope, None);
 }
+
+#[test]
+fn a_rule_lists_a_bounded_number_of_callers() {
+    let names = |n: usize| {
+        (0..n)
+            .map(|i| format!("\"c{i}\""))
+            .collect::<Vec<_>>()
+            .join(",")
+    };
+    let at_cap = format!(
+        r#"{{"action":"REJECT","callers":[{}]}}"#,
+        names(MAX_RULE_CALLERS)
+    );
+    assert!(spec(&at_cap).unwrap().validate().is_ok());
+    let over = format!(
+        r#"{{"action":"REJECT","callers":[{}]}}"#,
+        names(MAX_RULE_CALLERS + 1)
+    );
+    let e = err(&over);
+    assert_eq!(e.field, "callers");
+    assert!(e.message.contains("at most"), "{e}");
+    // A rules file (and so a fleet's Redis, which shares the loader) is held to the same cap.
+    let file = format!(
+        r#"{{"version":1,"rules":[{{"fingerprint":"00abcdef01234567","created_unix_ms":1,"rule":{over}}}]}}"#
+    );
+    let e = RuleSet::from_json_bytes(file.as_bytes()).unwrap_err();
+    assert!(e.field.ends_with("callers"), "{e}");
+}

@@ -4,6 +4,8 @@
 //! database is failing — so the proxy never causes a reconnect storm of its own.
 //!
 //! Knows nothing of clients: sessions hand it a priority and a deadline, and get a [`Pooled`].
+//! Where and as whom it connects is fixed when it is created, except the password, which a
+//! reload may change for the connections opened after it ([`Pool::set_password`]).
 
 pub mod backend;
 pub mod prepared;
@@ -57,7 +59,9 @@ pub struct Pool {
     pub database: String,
     pub user: String,
     pub cfg: PoolConfig,
-    connect: ConnectParams,
+    /// Where and as whom new connections log in. Behind a lock so that a reload can hand a
+    /// changed backend password to a pool that already exists ([`Pool::set_password`]).
+    connect: Mutex<Arc<ConnectParams>>,
     slots: Arc<Slots>,
     /// Boxed: a connection moves between the idle list, the checkout and the client's guard
     /// on every transaction, and a box moves as one pointer instead of a few hundred bytes.
@@ -83,7 +87,7 @@ impl Pool {
             slots: Slots::new(cfg.size),
             attempts: Semaphore::new(cfg.max_connect_attempts),
             cfg,
-            connect,
+            connect: Mutex::new(Arc::new(connect)),
             idle: Mutex::new(Vec::new()),
             open: AtomicUsize::new(0),
             backoff: Mutex::new(Backoff {
@@ -95,6 +99,26 @@ impl Pool {
             canonical: Mutex::new(HashMap::new()),
             stats: PoolStats::default(),
         })
+    }
+
+    /// The password new backend connections log in with, when a reload changed it (those
+    /// already open stay as they are: Postgres does not re-check a session's password). A
+    /// change also ends a failure backoff, which may be the old password's doing.
+    pub fn set_password(&self, password: Option<String>) {
+        {
+            let mut connect = self.connect.lock();
+            if connect.password == password {
+                return;
+            }
+            let mut next = ConnectParams::clone(&connect);
+            next.password = password;
+            *connect = Arc::new(next);
+        }
+        let mut b = self.backoff.lock();
+        b.failures = 0;
+        b.until = None;
+        b.last_error = None;
+        tracing::info!(pool = %self.name, "backend password changed; new connections use it");
     }
 
     pub fn mode(&self) -> PoolMode {
@@ -169,7 +193,8 @@ impl Pool {
             }
         };
         self.stats.connects.fetch_add(1, Ordering::Relaxed);
-        match BackendConn::connect(&self.connect, self.cfg.prepared_cache_size).await {
+        let params = Arc::clone(&self.connect.lock());
+        match BackendConn::connect(&params, self.cfg.prepared_cache_size).await {
             Ok(mut conn) => {
                 let life = Duration::from_millis(self.cfg.max_lifetime_ms);
                 let jitter = life.mul_f64(rand::random::<f64>() * 0.1);
@@ -267,10 +292,9 @@ impl Pool {
         let idle_now = self.idle.lock().len();
         if idle_now < self.cfg.min_idle {
             let deadline = Instant::now() + Duration::from_millis(100);
+            let connect_timeout = self.connect.lock().connect_timeout;
             if let Ok(permit) = self.slots.acquire(3, deadline).await
-                && let Ok(conn) = self
-                    .open_conn(Instant::now() + self.connect.connect_timeout)
-                    .await
+                && let Ok(conn) = self.open_conn(Instant::now() + connect_timeout).await
             {
                 drop(self.guard(conn, permit).release());
             }

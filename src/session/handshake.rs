@@ -3,7 +3,8 @@
 //!
 //! Everything here runs before the client is trusted, under the caller's handshake timeout:
 //! packets are length-checked before they are read, and unknown users walk the same SCRAM
-//! exchange as known ones against a dummy verifier, so both get the same 28P01.
+//! exchange as known ones against a mock verifier (with a salt of its own per name, see
+//! `auth`), so both get the same 28P01 and the salt does not tell which users exist.
 //!
 //! Negotiation follows Postgres (`backend_startup.c`): each of SSLRequest and GSSENCRequest is
 //! answered at most once with one byte, and a repeat is closed without a reply; bytes the
@@ -337,7 +338,7 @@ async fn authenticate<S: AsyncRead + AsyncWrite + Unpin>(
                     "malformed SASLInitialResponse length",
                 ));
             }
-            let verifier = creds.verifier_or_dummy(user);
+            let verifier = creds.verifier_or_mock(user);
             let (server_first, waiting) = ScramServerAuth::new()
                 .on_client_first_message_with_secret(data, verifier.secret())
                 .map_err(|_| PgError::auth_failed(user))?;

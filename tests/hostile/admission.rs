@@ -75,7 +75,10 @@ async fn function_calls_and_unknown_binds_pass_admission() {
         "a Bind of an unknown name must be admitted (and here refused): {replies:?}"
     );
     // Ordinary statements are untouched by those rules.
-    assert_eq!(c.simple("SELECT 7").await.expect("SELECT"), [Some("7".into())]);
+    assert_eq!(
+        c.simple("SELECT 7").await.expect("SELECT"),
+        [Some("7".into())]
+    );
     env.proxy.assert_healthy().await;
 }
 
@@ -115,7 +118,10 @@ async fn every_statement_kind_runs_with_its_budget() {
         ("DO $$BEGIN PERFORM pg_sleep(5); END$$", "a DO block"),
         ("CALL sleeper()", "a procedure"),
         ("SELECT pg_sleep(5); NOTIFY x", "a string ending in NOTIFY"),
-        ("LOCK TABLE t; SELECT pg_sleep(5)", "a string starting with LOCK"),
+        (
+            "LOCK TABLE t; SELECT pg_sleep(5)",
+            "a string starting with LOCK",
+        ),
     ] {
         let t = Instant::now();
         let r = within(STEP, what, c.batch_execute(sql)).await;
@@ -129,7 +135,10 @@ async fn every_statement_kind_runs_with_its_budget() {
         .expect("hold the lock");
     for (sql, what) in [
         ("ALTER TABLE t ADD COLUMN b int", "ALTER TABLE"),
-        ("CREATE INDEX CONCURRENTLY t_a ON t (a)", "CREATE INDEX CONCURRENTLY"),
+        (
+            "CREATE INDEX CONCURRENTLY t_a ON t (a)",
+            "CREATE INDEX CONCURRENTLY",
+        ),
         ("VACUUM t", "VACUUM"),
     ] {
         let t = Instant::now();

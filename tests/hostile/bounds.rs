@@ -42,7 +42,9 @@ async fn random_database_names_do_not_grow_the_pool_map() {
         return;
     }
     let good = proxy.client().await;
-    let names: Vec<String> = (0..400).map(|_| format!("nodb_{:x}", random_u64())).collect();
+    let names: Vec<String> = (0..400)
+        .map(|_| format!("nodb_{:x}", random_u64()))
+        .collect();
     // Four at a time: with the real pool, at most five are in use at once.
     for (i, chunk) in names.chunks(4).enumerate() {
         let attempts: Vec<_> = chunk
@@ -100,13 +102,22 @@ async fn oversized_messages_are_refused_without_being_buffered() {
         return;
     };
     let mut c = wire(proxy).await;
-    assert_eq!(c.simple("SELECT 1").await.expect("warm up"), [Some("1".into())]);
+    assert_eq!(
+        c.simple("SELECT 1").await.expect("warm up"),
+        [Some("1".into())]
+    );
     let before = peak_rss_kib(pid);
     let huge = format!("SELECT '{}'", "x".repeat(96 << 20));
     for round in 0..2 {
         let e = c.simple(&huge).await.expect_err("an oversized Query");
-        assert!(e.starts_with("54000") && e.contains("max_message_bytes"), "round {round}: {e}");
-        assert_eq!(c.simple("SELECT 2").await.expect("after"), [Some("2".into())]);
+        assert!(
+            e.starts_with("54000") && e.contains("max_message_bytes"),
+            "round {round}: {e}"
+        );
+        assert_eq!(
+            c.simple("SELECT 2").await.expect("after"),
+            [Some("2".into())]
+        );
     }
     let grown = peak_rss_kib(pid).saturating_sub(before);
     assert!(
@@ -115,12 +126,18 @@ async fn oversized_messages_are_refused_without_being_buffered() {
     );
     // Inside a transaction: the transaction is aborted, as by any error.
     c.simple("BEGIN").await.expect("BEGIN");
-    let e = c.simple(&huge).await.expect_err("oversized in a transaction");
+    let e = c
+        .simple(&huge)
+        .await
+        .expect_err("oversized in a transaction");
     assert!(e.starts_with("54000"), "{e}");
     let e = c.simple("SELECT 3").await.expect_err("aborted transaction");
     assert!(e.starts_with("25P02"), "{e}");
     c.simple("ROLLBACK").await.expect("ROLLBACK");
-    assert_eq!(c.simple("SELECT 4").await.expect("after"), [Some("4".into())]);
+    assert_eq!(
+        c.simple("SELECT 4").await.expect("after"),
+        [Some("4".into())]
+    );
     proxy.assert_healthy().await;
 }
 
@@ -141,7 +158,10 @@ async fn prepared_statements_per_session_are_capped() {
     c.sync();
     c.send().await.expect("send");
     let replies = c.until_ready().await.expect("20 Parses");
-    assert!(replies.iter().all(|m| m.error_code().is_none()), "{replies:?}");
+    assert!(
+        replies.iter().all(|m| m.error_code().is_none()),
+        "{replies:?}"
+    );
     c.parse("s20", "SELECT 20").sync();
     c.send().await.expect("send");
     let replies = c.until_ready().await.expect("the 21st");
@@ -155,13 +175,25 @@ async fn prepared_statements_per_session_are_capped() {
         "{refused}"
     );
     // The session goes on; closing one makes room for another.
-    c.close_statement("s0").parse("s20", "SELECT 20").bind("", "s20", &[]);
+    c.close_statement("s0")
+        .parse("s20", "SELECT 20")
+        .bind("", "s20", &[]);
     c.execute("", 0).sync();
     c.send().await.expect("send");
-    let replies = within(Duration::from_secs(20), "after closing one", c.until_ready())
-        .await
-        .expect("replies");
-    assert!(replies.iter().all(|m| m.error_code().is_none()), "{replies:?}");
-    assert!(replies.contains(&Backend::DataRow(vec![Some("20".into())])), "{replies:?}");
+    let replies = within(
+        Duration::from_secs(20),
+        "after closing one",
+        c.until_ready(),
+    )
+    .await
+    .expect("replies");
+    assert!(
+        replies.iter().all(|m| m.error_code().is_none()),
+        "{replies:?}"
+    );
+    assert!(
+        replies.contains(&Backend::DataRow(vec![Some("20".into())])),
+        "{replies:?}"
+    );
     proxy.assert_healthy().await;
 }

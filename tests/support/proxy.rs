@@ -9,6 +9,9 @@
 //! [`ProxyOptions::listen`] replaces `127.0.0.1:0` with a chosen address (a second instance on
 //! a SO_REUSEPORT port, or an address a peer was told about before this proxy started).
 //!
+//! [`ProxyOptions::without_url_password`] leaves the password out of `--backend`
+//! (`postgres://app@...`), for tests that hand it over another way.
+//!
 //! [`ProxyOptions::nofile`] starts the proxy under `prlimit --nofile=N:N` (util-linux), which
 //! lowers the file-descriptor limit of the proxy process alone — not of the test process,
 //! Postgres or the harness — and then execs it, so the child's pid is the proxy's.
@@ -70,6 +73,8 @@ pub struct ProxyOptions {
     pub nofile: Option<u64>,
     /// `--listen` instead of `127.0.0.1:0`.
     pub listen: Option<SocketAddr>,
+    /// Whether `--backend` carries the app password (`postgres://app:secret@...`).
+    pub url_password: bool,
 }
 
 impl ProxyOptions {
@@ -82,7 +87,14 @@ impl ProxyOptions {
             backend_addr: None,
             nofile: None,
             listen: None,
+            url_password: true,
         }
+    }
+
+    /// `--backend postgres://app@...`: the proxy must get the password another way.
+    pub fn without_url_password(mut self) -> ProxyOptions {
+        self.url_password = false;
+        self
     }
 
     /// Listen on `addr` instead of an ephemeral port.
@@ -148,7 +160,11 @@ impl Proxy {
             };
         }
         let backend_addr = options.backend_addr.unwrap_or_else(|| cluster.addr());
-        let backend = format!("postgres://{APP_USER}:{APP_PASSWORD}@{backend_addr}/{APP_DB}");
+        let backend = if options.url_password {
+            format!("postgres://{APP_USER}:{APP_PASSWORD}@{backend_addr}/{APP_DB}")
+        } else {
+            format!("postgres://{APP_USER}@{backend_addr}/{APP_DB}")
+        };
         let bin = env!("CARGO_BIN_EXE_pgsluice");
         let mut cmd = match options.nofile {
             Some(n) => {
