@@ -319,6 +319,7 @@ pub fn policy_inputs(cfg: &Config) -> (Vec<CallerPolicy>, BreakerConfig) {
         db_cpu_threshold_percent: b.db_cpu_threshold_percent,
         open: Duration::from_millis(b.open_ms),
         half_open_max_probes: 1,
+        critical_reserve: b.critical_reserve,
     };
     (callers, breaker)
 }

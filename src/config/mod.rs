@@ -531,6 +531,8 @@ pub struct BreakerConfig {
     pub probe_interval_ms: u64,
     pub consecutive_errors: u32,
     pub open_ms: u64,
+    /// Critical statements admitted at once while the breaker is open or half-open.
+    pub critical_reserve: u32,
 }
 
 impl Default for BreakerConfig {
@@ -542,6 +544,7 @@ impl Default for BreakerConfig {
             probe_interval_ms: 1_000,
             consecutive_errors: 5,
             open_ms: 5_000,
+            critical_reserve: 20,
         }
     }
 }

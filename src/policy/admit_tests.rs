@@ -56,6 +56,7 @@ fn breaker_config() -> BreakerConfig {
         db_cpu_threshold_percent: Some(85.0),
         open: Duration::from_millis(5000),
         half_open_max_probes: 1,
+        critical_reserve: 20,
     }
 }
 

@@ -4,7 +4,8 @@
 //! trip kept and counted. It trips on a streak of backend errors/timeouts
 //! (`consecutive_errors`), on in-flight statements above `max_inflight_threshold`, or on a
 //! health-probe value (e.g. DB CPU %) at or above `db_cpu_threshold_percent`. While open only
-//! `critical` traffic is admitted; after `open` it goes half-open and lets at most
+//! `critical` traffic is admitted, up to `critical_reserve` statements at once; after `open`
+//! it goes half-open and lets at most
 //! `half_open_max_probes` non-critical statements run at once as trials: a success closes it,
 //! a failure reopens it.
 //!
@@ -42,6 +43,10 @@ pub struct BreakerConfig {
     pub open: Duration,
     /// Non-critical trial statements allowed at once while half-open (at least 1).
     pub half_open_max_probes: u32,
+    /// Critical statements allowed in flight at once while the breaker is not closed: a
+    /// reserve, not a bypass. Comment tags are claims a client makes about itself, so
+    /// "critical" must not mean "unlimited" on a database that is already in trouble.
+    pub critical_reserve: u32,
 }
 
 impl Default for BreakerConfig {
@@ -52,6 +57,7 @@ impl Default for BreakerConfig {
             db_cpu_threshold_percent: None,
             open: Duration::from_millis(5000),
             half_open_max_probes: 1,
+            critical_reserve: 20,
         }
     }
 }
@@ -142,6 +148,8 @@ pub struct BreakerRefusal {
     pub reason: Option<TripReason>,
     /// Time until the breaker will try half-open (zero when already half-open).
     pub retry_after: Duration,
+    /// A critical statement found the critical reserve in use.
+    pub reserve_full: bool,
 }
 
 /// Trip counts per reason, for the admin API and metrics.
@@ -187,6 +195,8 @@ struct Shared {
     consecutive: AtomicU32,
     /// Outstanding half-open trial tickets; incremented under the lock, released lock-free.
     probes: AtomicU32,
+    /// Outstanding critical tickets taken while not closed (the reserve in use).
+    critical: AtomicU32,
     /// Mirrors of the two config values the fast paths read (0 = disabled).
     inflight_threshold: AtomicU32,
     error_threshold: AtomicU32,
@@ -210,6 +220,8 @@ struct Inner {
 pub struct BreakerTicket {
     shared: Arc<Shared>,
     probe: bool,
+    /// Taken from the critical reserve (while not closed).
+    reserve: bool,
 }
 
 impl BreakerTicket {
@@ -224,6 +236,9 @@ impl Drop for BreakerTicket {
         self.shared.in_flight.fetch_sub(1, Ordering::AcqRel);
         if self.probe {
             self.shared.probes.fetch_sub(1, Ordering::AcqRel);
+        }
+        if self.reserve {
+            self.shared.critical.fetch_sub(1, Ordering::AcqRel);
         }
     }
 }
@@ -243,6 +258,7 @@ impl Breaker {
             in_flight: AtomicU32::new(0),
             consecutive: AtomicU32::new(0),
             probes: AtomicU32::new(0),
+            critical: AtomicU32::new(0),
             inflight_threshold: AtomicU32::new(config.max_inflight_threshold.unwrap_or(0)),
             error_threshold: AtomicU32::new(config.consecutive_errors),
             inner: Mutex::new(Inner {
@@ -320,8 +336,17 @@ impl Breaker {
                 self.trip(inner, TripReason::Inflight, now, out);
             }
             if priority == Priority::Critical {
+                if s.critical.load(Ordering::Acquire) >= inner.config.critical_reserve.max(1) {
+                    return Err(BreakerRefusal {
+                        reserve_full: true,
+                        ..refusal(inner, inner.state, now)
+                    });
+                }
+                s.critical.fetch_add(1, Ordering::AcqRel);
                 s.in_flight.fetch_add(1, Ordering::AcqRel);
-                return Ok(self.ticket(false));
+                let mut t = self.ticket(false);
+                t.reserve = true;
+                return Ok(t);
             }
             match inner.state {
                 BreakerState::HalfOpen
@@ -463,6 +488,7 @@ impl Breaker {
         BreakerTicket {
             shared: Arc::clone(&self.shared),
             probe,
+            reserve: false,
         }
     }
 
@@ -528,6 +554,7 @@ impl Breaker {
 fn refusal(inner: &Inner, state: BreakerState, now: Instant) -> BreakerRefusal {
     BreakerRefusal {
         state,
+        reserve_full: false,
         reason: inner.reason,
         retry_after: match state {
             BreakerState::Open => inner.open_until.saturating_duration_since(now),
@@ -557,6 +584,7 @@ mod tests {
             db_cpu_threshold_percent: Some(85.0),
             open: Duration::from_secs(5),
             half_open_max_probes: 2,
+            critical_reserve: 20,
         }
     }
 
@@ -594,6 +622,35 @@ mod tests {
         assert_eq!(snap.reason, Some(TripReason::ConsecutiveErrors));
         assert_eq!(snap.trips.consecutive_errors, 1);
         assert_eq!(snap.open_remaining_ms, Some(5000));
+    }
+
+    /// Open: critical traffic is admitted up to the reserve and no further; a ticket handed
+    /// back makes room again; closed, the reserve does not apply.
+    #[tokio::test(start_paused = true)]
+    async fn critical_traffic_is_bounded_by_the_reserve_while_open() {
+        let b = Breaker::new(
+            BreakerConfig {
+                critical_reserve: 2,
+                ..config()
+            },
+            Instant::now(),
+        );
+        let now = Instant::now();
+        let closed: Vec<_> = (0..5)
+            .map(|_| b.allow(Priority::Critical, now).expect("closed: no reserve"))
+            .collect();
+        drop(closed);
+        for _ in 0..3 {
+            b.on_failure(now);
+        }
+        assert_eq!(b.state(now), BreakerState::Open);
+        let first = b.allow(Priority::Critical, now).expect("first of the reserve");
+        let second = b.allow(Priority::Critical, now).expect("second of the reserve");
+        let r = b.allow(Priority::Critical, now).unwrap_err();
+        assert!(r.reserve_full && r.state == BreakerState::Open, "{r:?}");
+        drop(first);
+        let third = b.allow(Priority::Critical, now).expect("room again");
+        drop((second, third));
     }
 
     #[tokio::test(start_paused = true)]

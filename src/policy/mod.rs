@@ -601,17 +601,38 @@ impl Policy {
             None => "tripped".to_owned(),
         };
         let state = match shed.state {
-            BreakerState::HalfOpen => "half-open and its trial slots are busy",
+            BreakerState::HalfOpen if !shed.reserve_full => {
+                "half-open and its trial slots are busy"
+            }
+            BreakerState::HalfOpen => "half-open",
             _ => "open",
         };
-        let what = format!(
-            "circuit breaker is {state}; only critical traffic is admitted (caller {} has priority {})",
-            policy.name, policy.priority
-        );
-        let detail = format!(
-            "limit: circuit_breaker {limit}, open_ms={}",
-            config.open.as_millis()
-        );
+        let (what, detail) = if shed.reserve_full {
+            (
+                format!(
+                    "circuit breaker is {state} and the critical reserve is in use (caller {} \
+                     has priority {})",
+                    policy.name, policy.priority
+                ),
+                format!(
+                    "limit: circuit_breaker critical_reserve={} ({limit}), open_ms={}",
+                    config.critical_reserve,
+                    config.open.as_millis()
+                ),
+            )
+        } else {
+            (
+                format!(
+                    "circuit breaker is {state}; only critical traffic is admitted (caller {} \
+                     has priority {})",
+                    policy.name, policy.priority
+                ),
+                format!(
+                    "limit: circuit_breaker {limit}, open_ms={}",
+                    config.open.as_millis()
+                ),
+            )
+        };
         Reason::new(RefusalKind::CircuitOpen, what, detail, shed.retry_after)
     }
 }
