@@ -97,8 +97,11 @@ fn main() -> ExitCode {
         // The file alone: the URL and the password may come from flags and the environment
         // of the host it runs on, and files it names (TLS, password) are read there.
         return match Config::load(file) {
-            Ok(_) => {
+            Ok(c) => {
                 println!("{}: OK", file.display());
+                for note in c.notes() {
+                    println!("note: {note}");
+                }
                 ExitCode::SUCCESS
             }
             Err(errs) => {
@@ -257,6 +260,9 @@ async fn run(
     println!("pgsluice admin listening on {}", admin.local_addr()?);
     println!("pgsluice listening on {}", listener.local_addr()?);
     tracing::info!(addr = %listener.local_addr()?, "pgsluice listening");
+    for note in app.config.load().notes() {
+        tracing::warn!("{note}");
+    }
 
     let cli = Arc::new(cli);
     let weak: Weak<App> = Arc::downgrade(&app);

@@ -303,6 +303,32 @@ mod tests {
         s.parse().unwrap_or(IpAddr::V4(0.into()))
     }
 
+    /// A tag bound to an identity: the tag alone, from another user or address, is not the
+    /// caller (the default is), so a client cannot claim a critical caller by writing its tag.
+    #[test]
+    fn a_tag_bound_to_a_user_or_network_needs_both() {
+        let m = CallerMatcher::new(vec![
+            CallerRule {
+                tags: vec![t("service", "billing")],
+                user: Some("payments".into()),
+                ..rule("pay")
+            },
+            CallerRule {
+                tags: vec![t("service", "ops")],
+                client_cidr: Some("10.0.0.0/8".parse().expect("cidr")),
+                ..rule("ops")
+            },
+        ]);
+        let billing = [t("service", "billing")];
+        let ops = [t("service", "ops")];
+        let inside: IpAddr = "10.1.2.3".parse().expect("ip");
+        let outside: IpAddr = "192.168.1.1".parse().expect("ip");
+        assert_eq!(m.name(m.resolve(&billing, None, "payments", None)), "pay");
+        assert_eq!(m.name(m.resolve(&billing, None, "app", None)), "default");
+        assert_eq!(m.name(m.resolve(&ops, None, "app", Some(inside))), "ops");
+        assert_eq!(m.name(m.resolve(&ops, None, "app", Some(outside))), "default");
+    }
+
     #[test]
     fn cidr_parse_and_contains() {
         let c: Cidr = "10.1.2.3/8".parse().unwrap_or_else(|e| panic!("{e}"));

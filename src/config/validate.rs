@@ -297,6 +297,39 @@ fn locate(text: &str, field: &str) -> Option<usize> {
 }
 
 impl Config {
+    /// What is valid but probably not what the operator meant, for `check-config` and the
+    /// startup log. Today: a high-priority caller that a comment tag alone selects. Tags are
+    /// written by the client into its own SQL, so any client that can log in can claim them;
+    /// only `match.user` or `match.client_cidr` (both of which the client cannot choose)
+    /// bind a tag to an identity.
+    pub fn notes(&self) -> Vec<String> {
+        self.callers
+            .iter()
+            .enumerate()
+            .filter(|(_, c)| {
+                matches!(c.priority, super::Priority::Critical | super::Priority::High)
+                    && !c.matcher.tag.is_empty()
+                    && c.matcher.user.is_none()
+                    && c.matcher.client_cidr.is_none()
+            })
+            .map(|(i, c)| {
+                let tags: Vec<String> =
+                    c.matcher.tag.iter().map(|(k, v)| format!("{k}:{v}")).collect();
+                let priority = match c.priority {
+                    super::Priority::Critical => "critical",
+                    _ => "high",
+                };
+                format!(
+                    "callers[{i}] ({}, priority {priority}) is selected by the comment tag \
+                     /*{}*/ alone: any client that can log in can write that tag and run as \
+                     it; bind it to an identity with match.user or match.client_cidr",
+                    c.name,
+                    tags.join(",")
+                )
+            })
+            .collect()
+    }
+
     pub(super) fn validate(&self, text: Option<&str>) -> Result<(), Vec<ConfigError>> {
         let mut p = Problems {
             text,
@@ -541,6 +574,30 @@ impl Config {
             p.add("global_defaults.max_concurrency".into(), "must be > 0");
         }
         if p.out.is_empty() { Ok(()) } else { Err(p.out) }
+    }
+}
+
+#[cfg(test)]
+mod notes_tests {
+    use super::super::Config;
+
+    #[test]
+    fn a_critical_caller_selected_by_a_tag_alone_gets_a_note() {
+        let yaml = "callers:\n\
+            - { name: pay, priority: critical, match: { tag: { service: billing } } }\n\
+            - { name: bound, priority: critical, match: { tag: { service: x }, user: app } }\n\
+            - { name: net, priority: high, match: { tag: { service: y }, client_cidr: 10.0.0.0/8 } }\n\
+            - { name: batch, priority: low, match: { tag: { service: z } } }\n";
+        let c = Config::from_yaml(yaml).expect("valid");
+        let notes = c.notes();
+        assert_eq!(notes.len(), 1, "{notes:?}");
+        assert!(
+            notes[0].contains("callers[0] (pay, priority critical)")
+                && notes[0].contains("/*service:billing*/")
+                && notes[0].contains("match.user"),
+            "{}",
+            notes[0]
+        );
     }
 }
 
