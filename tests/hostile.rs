@@ -11,6 +11,8 @@
 //!   with its budget, and statements that need their own transaction still work.
 //! * `bounds` — pools per random database name, oversized messages, prepared statements per
 //!   session.
+//! * `sequences` — random sessions of whole messages and hang-ups, each followed by the
+//!   isolation oracle (a fresh client on the same backend sees a clean session).
 
 mod support;
 
@@ -20,5 +22,7 @@ mod admission;
 mod bounds;
 #[path = "hostile/common.rs"]
 mod common;
+#[path = "hostile/sequences.rs"]
+mod sequences;
 #[path = "hostile/session.rs"]
 mod session;

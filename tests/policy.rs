@@ -953,19 +953,19 @@ callers:
     env.proxy.assert_healthy().await;
 }
 
-/// `DO` blocks are statement kind `other`, which this config gives no budget: they run with
-/// the session's own settings, so they show what the client's `SET`s left in place.
-const SHOW_OWN_SETTINGS: &str = "DO $$ BEGIN RAISE EXCEPTION 'st=% lt=%', \
-     current_setting('statement_timeout'), current_setting('lock_timeout'); END $$";
-
+/// `SHOW` is never given a budget (it must report the session's own settings), so it shows
+/// what the client's `SET`s left in place.
 async fn own_settings(client: &Client) -> String {
-    let t = timed(client, SHOW_OWN_SETTINGS).await;
-    db_error(t.err("the settings probe")).message().to_string()
+    format!(
+        "st={} lt={}",
+        scalar(client, "SHOW statement_timeout").await,
+        scalar(client, "SHOW lock_timeout").await
+    )
 }
 
 /// lock_timeout 200 ms gives 55P03 on a row lock held by another client; the client's own
-/// `SET lock_timeout` / `SET statement_timeout` survive the injected `SET LOCAL`s and govern
-/// its statements that have no budget, while budgeted statements keep the caller's limits.
+/// `SET lock_timeout` / `SET statement_timeout` survive the injected `SET LOCAL`s, while every
+/// statement (a `DO` block too) keeps the caller's limits where they are stricter.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn lock_timeout_and_the_clients_own_settings() {
     let Some(env) = start(4, TIMEOUT_CONFIG) else {
@@ -1034,20 +1034,26 @@ async fn lock_timeout_and_the_clients_own_settings() {
         "the client's SETs survived"
     );
 
-    // A statement without a budget waits for the lock with the client's own 400 ms.
+    // A DO block has no statement budget here (kind `other`), but the lock budget holds for
+    // every kind: 200 ms, not the client's own 400 ms.
     let t = timed(
         &client,
         "DO $$ BEGIN PERFORM 1 FROM locked WHERE id = 1 FOR UPDATE; END $$",
     )
     .await;
     assert_eq!(
-        sqlstate(t.err("DO under the client's own lock_timeout")),
+        sqlstate(t.err("DO under the caller's lock budget")),
         "55P03"
     );
     assert!(
-        t.elapsed >= Duration::from_millis(350) && t.elapsed < Duration::from_millis(1100),
-        "the client's own lock_timeout = 400ms applied: {:?}",
+        t.elapsed >= Duration::from_millis(180) && t.elapsed < Duration::from_millis(350),
+        "the caller's lock_timeout = 200ms applied: {:?}",
         t.elapsed
+    );
+    assert_eq!(
+        own_settings(&client).await,
+        "st=5s lt=400ms",
+        "the client's SETs survived the DO block's budget"
     );
 
     exec(&holder, "ROLLBACK").await;

@@ -326,7 +326,10 @@ mod tests {
         assert_eq!(m.name(m.resolve(&billing, None, "payments", None)), "pay");
         assert_eq!(m.name(m.resolve(&billing, None, "app", None)), "default");
         assert_eq!(m.name(m.resolve(&ops, None, "app", Some(inside))), "ops");
-        assert_eq!(m.name(m.resolve(&ops, None, "app", Some(outside))), "default");
+        assert_eq!(
+            m.name(m.resolve(&ops, None, "app", Some(outside))),
+            "default"
+        );
     }
 
     #[test]

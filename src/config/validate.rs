@@ -307,14 +307,20 @@ impl Config {
             .iter()
             .enumerate()
             .filter(|(_, c)| {
-                matches!(c.priority, super::Priority::Critical | super::Priority::High)
-                    && !c.matcher.tag.is_empty()
+                matches!(
+                    c.priority,
+                    super::Priority::Critical | super::Priority::High
+                ) && !c.matcher.tag.is_empty()
                     && c.matcher.user.is_none()
                     && c.matcher.client_cidr.is_none()
             })
             .map(|(i, c)| {
-                let tags: Vec<String> =
-                    c.matcher.tag.iter().map(|(k, v)| format!("{k}:{v}")).collect();
+                let tags: Vec<String> = c
+                    .matcher
+                    .tag
+                    .iter()
+                    .map(|(k, v)| format!("{k}:{v}"))
+                    .collect();
                 let priority = match c.priority {
                     super::Priority::Critical => "critical",
                     _ => "high",

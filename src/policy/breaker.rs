@@ -637,15 +637,22 @@ mod tests {
         );
         let now = Instant::now();
         let closed: Vec<_> = (0..5)
-            .map(|_| b.allow(Priority::Critical, now).expect("closed: no reserve"))
+            .map(|_| {
+                b.allow(Priority::Critical, now)
+                    .expect("closed: no reserve")
+            })
             .collect();
         drop(closed);
         for _ in 0..3 {
             b.on_failure(now);
         }
         assert_eq!(b.state(now), BreakerState::Open);
-        let first = b.allow(Priority::Critical, now).expect("first of the reserve");
-        let second = b.allow(Priority::Critical, now).expect("second of the reserve");
+        let first = b
+            .allow(Priority::Critical, now)
+            .expect("first of the reserve");
+        let second = b
+            .allow(Priority::Critical, now)
+            .expect("second of the reserve");
         let r = b.allow(Priority::Critical, now).unwrap_err();
         assert!(r.reserve_full && r.state == BreakerState::Open, "{r:?}");
         drop(first);

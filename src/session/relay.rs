@@ -120,8 +120,12 @@ pub struct Relay {
     timer: Option<Pin<Box<tokio::time::Sleep>>>,
     /// Which of client and backend the event loop looks at first (they take turns).
     backend_first: bool,
-    /// Classification of the unnamed prepared statement.
+    /// Classification and text of the unnamed prepared statement.
     unnamed_class: Option<Arc<Classified>>,
+    unnamed_query: Bytes,
+    /// Custom (dotted) settings this client set: Postgres lists no placeholder setting in
+    /// `pg_settings`, so the read-back asks for these by name.
+    custom_gucs: Vec<String>,
     /// `classify.enabled` when the session started.
     classify_on: bool,
     /// Client address, for caller matching by CIDR.
@@ -210,6 +214,8 @@ impl Relay {
             capture_needed: false,
             captured: Vec::new(),
             unnamed_class: None,
+            unnamed_query: Bytes::new(),
+            custom_gucs: Vec::new(),
             retry: None,
             backstop: None,
             backstop_cancel: None,
@@ -531,7 +537,7 @@ impl Relay {
         if let Err(e) = self.ensure_backend(client).await {
             return self.refuse(b'Q', e);
         }
-        if let Err(e) = self.apply_effects(&class) {
+        if let Err(e) = self.apply_effects(&class, Some(sql)) {
             return self.refuse_statement(b'Q', e);
         }
         let prefix = self.inject_timeouts(timeouts, &class, true);
@@ -567,7 +573,7 @@ impl Relay {
         if let Err(e) = self.ensure_backend(client).await {
             return self.refuse(b'F', e);
         }
-        if let Err(e) = self.apply_effects(&class) {
+        if let Err(e) = self.apply_effects(&class, None) {
             return self.refuse_statement(b'F', e);
         }
         self.inject_timeouts(timeouts, &class, true);
@@ -621,6 +627,7 @@ impl Relay {
         }
         if name.is_empty() {
             self.unnamed_class = Some(class);
+            self.unnamed_query = body.slice_ref(query);
             self.t.push(Expect::new(Kind::Parse, Mode::Forward));
             self.bout.extend_from_slice(&frame);
             return Ok(());
@@ -724,7 +731,12 @@ impl Relay {
         if let Err(e) = self.ensure_backend(client).await {
             return self.refuse(b'B', e);
         }
-        if let Err(e) = self.apply_effects(&class) {
+        let text = if stmt.is_empty() {
+            Some(self.unnamed_query.clone())
+        } else {
+            self.stmts.get(stmt).map(|s| s.query.clone())
+        };
+        if let Err(e) = self.apply_effects(&class, text.as_deref()) {
             return self.refuse_statement(b'B', e);
         }
         self.inject_timeouts(timeouts, &class, false);
@@ -790,7 +802,8 @@ impl Relay {
     }
 
     /// Applies a statement's session-state effects: pin, capture, cleanup marks, or refusal.
-    fn apply_effects(&mut self, c: &Classified) -> Result<(), PgError> {
+    /// `sql` is the statement's text, where the proxy has it.
+    fn apply_effects(&mut self, c: &Classified, sql: Option<&[u8]>) -> Result<(), PgError> {
         if c.effects.is_empty() {
             return Ok(());
         }
@@ -819,8 +832,43 @@ impl Relay {
                 .fetch_add(1, Ordering::Relaxed);
             tracing::debug!(pool = %self.pool.name, statement = %c.normalized, "client pinned to its backend");
         }
+        if a.capture && !self.remember_custom_gucs(c, sql) {
+            // A custom setting whose name we cannot tell would escape the read-back.
+            self.backend_conn().dirty.all = true;
+        }
         self.capture_needed |= a.capture;
         Ok(())
+    }
+
+    /// Notes the custom (dotted) settings a tracked statement may set, for the read-back;
+    /// `false` when their names cannot all be known (then only a full reset is safe).
+    fn remember_custom_gucs(&mut self, c: &Classified, sql: Option<&[u8]>) -> bool {
+        const MAX_CUSTOM: usize = 64;
+        let mut names = Vec::new();
+        for e in &c.effects {
+            match e {
+                crate::classify::SessionEffect::Set { name, local: false }
+                | crate::classify::SessionEffect::Reset { name: Some(name) } => {
+                    names.push(name.clone());
+                }
+                crate::classify::SessionEffect::SetConfigSession => {
+                    let Some(found) = sql.and_then(state::set_config_names) else {
+                        return false;
+                    };
+                    names.extend(found);
+                }
+                _ => {}
+            }
+        }
+        for n in names.into_iter().filter(|n| n.contains('.')) {
+            if !self.custom_gucs.contains(&n) {
+                if self.custom_gucs.len() >= MAX_CUSTOM {
+                    return false;
+                }
+                self.custom_gucs.push(n);
+            }
+        }
+        true
     }
 
     /// Refuses one statement. Inside a transaction block the refusal is raised *by Postgres*
@@ -1094,7 +1142,8 @@ impl Relay {
         if pooled && self.capture_needed {
             self.capture_needed = false;
             self.captured.clear();
-            messages::query(&mut self.bout, &state::capture_sql(&self.pool.user));
+            let sql = state::capture_sql(&self.pool.user, &self.custom_gucs);
+            messages::query(&mut self.bout, &sql);
             self.t.push(Expect::new(Kind::Query, Mode::Capture));
             return self.flush_backend().await;
         }

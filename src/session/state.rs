@@ -23,10 +23,25 @@ use crate::protocol::PgError;
 
 /// Reads every session-level setting of a backend (the proxy's capture query). `role` and
 /// `session_authorization` are hidden from `pg_settings`, so they are read explicitly;
-/// `login_user` is the pool's user, whose own identity is not a setting. It runs under the
-/// client's `search_path`, so functions, relations and operators are schema-qualified.
-pub fn capture_sql(login_user: &str) -> String {
+/// `login_user` is the pool's user, whose own identity is not a setting. Custom settings
+/// (`app.tenant_id`) that no loaded module defines are placeholders, which `pg_settings`
+/// does not list either: `custom` names the ones the client set, read one by one (an empty
+/// value is one reset to nothing). It runs under the client's `search_path`, so functions,
+/// relations and operators are schema-qualified.
+pub fn capture_sql(login_user: &str, custom: &[String]) -> String {
     let user = super::params::literal(login_user);
+    let mut extra = String::new();
+    if !custom.is_empty() {
+        let names: Vec<String> = custom.iter().map(|n| super::params::literal(n)).collect();
+        extra = format!(
+            " UNION ALL SELECT n, pg_catalog.current_setting(n, true) FROM \
+             pg_catalog.unnest(ARRAY[{}]::pg_catalog.text[]) AS n \
+             WHERE pg_catalog.current_setting(n, true) OPERATOR(pg_catalog.<>) '' \
+             AND NOT EXISTS (SELECT FROM pg_catalog.pg_settings s \
+             WHERE s.name OPERATOR(pg_catalog.=) n)",
+            names.join(", ")
+        );
+    }
     format!(
         "SELECT name, pg_catalog.current_setting(name) FROM pg_catalog.pg_settings \
          WHERE source OPERATOR(pg_catalog.=) 'session' \
@@ -36,8 +51,61 @@ pub fn capture_sql(login_user: &str) -> String {
          UNION ALL SELECT 'role', pg_catalog.current_setting('role') \
          WHERE pg_catalog.current_setting('role') OPERATOR(pg_catalog.<>) 'none' \
          UNION ALL SELECT 'session_authorization', session_user::pg_catalog.text \
-         WHERE session_user::pg_catalog.text OPERATOR(pg_catalog.<>) {user}"
+         WHERE session_user::pg_catalog.text OPERATOR(pg_catalog.<>) {user}{extra}"
     )
+}
+
+/// The setting names of every `set_config(` call in `sql`, when each one's first argument is
+/// a plain string literal (lowercased, as Postgres compares them); `None` when any is not —
+/// a parameter, an expression, an escape string — and the names cannot be known.
+pub fn set_config_names(sql: &[u8]) -> Option<Vec<String>> {
+    let lower = sql.to_ascii_lowercase();
+    let mut out = Vec::new();
+    let mut from = 0;
+    while let Some(at) = find(&lower[from..], b"set_config") {
+        let mut i = from + at + b"set_config".len();
+        from = i;
+        if lower.get(i) == Some(&b'"') {
+            i += 1;
+        }
+        let skip_ws = |i: &mut usize| {
+            while lower.get(*i).is_some_and(u8::is_ascii_whitespace) {
+                *i += 1;
+            }
+        };
+        skip_ws(&mut i);
+        if lower.get(i) != Some(&b'(') {
+            // Not a call here (a name in a string or comment): nothing to read.
+            continue;
+        }
+        i += 1;
+        skip_ws(&mut i);
+        if lower.get(i) != Some(&b'\'') {
+            return None;
+        }
+        i += 1;
+        let mut name = Vec::new();
+        loop {
+            match lower.get(i) {
+                Some(b'\'') if lower.get(i + 1) == Some(&b'\'') => {
+                    name.push(b'\'');
+                    i += 2;
+                }
+                Some(b'\'') => break,
+                Some(&c) => {
+                    name.push(c);
+                    i += 1;
+                }
+                None => return None,
+            }
+        }
+        out.push(String::from_utf8(name).ok()?);
+    }
+    Some(out)
+}
+
+fn find(hay: &[u8], needle: &[u8]) -> Option<usize> {
+    hay.windows(needle.len()).position(|w| w == needle)
 }
 
 #[derive(Debug, Default, PartialEq, Eq)]
@@ -214,6 +282,26 @@ mod tests {
         assert!(a.forget_prepared);
         let a = assess_sql("SELECT 1", SessionStateMode::Reject);
         assert_eq!(a, Assessment::default());
+    }
+
+    #[test]
+    fn set_config_names_are_read_or_refused() {
+        let names = |s: &str| set_config_names(s.as_bytes());
+        assert_eq!(
+            names(
+                "SELECT set_config('App.Tenant', $1, false), pg_catalog.set_config ( 'x.y', 'v', false)"
+            ),
+            Some(vec!["app.tenant".to_string(), "x.y".to_string()])
+        );
+        assert_eq!(
+            names("SELECT \"set_config\"('a.b', 'c', false)"),
+            Some(vec!["a.b".into()])
+        );
+        assert_eq!(names("SELECT set_config($1, $2, false)"), None);
+        assert_eq!(names("SELECT set_config(lower('A.B'), 'c', false)"), None);
+        assert_eq!(names("SELECT set_config(E'a\\x2eb', 'c', false)"), None);
+        assert_eq!(names("SELECT 'no set_config here'"), Some(vec![]));
+        assert_eq!(names("SELECT set_config('unterminated"), None);
     }
 
     #[test]

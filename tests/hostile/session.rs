@@ -84,6 +84,12 @@ async fn statements_the_classifier_cannot_prove_harmless_reset_the_backend() {
     }
     let long_pad = "x".repeat(2 << 20);
     let cases: Vec<(String, &str)> = vec![
+        // Custom settings are placeholders, which pg_settings does not list: read by name.
+        ("SET app.tenant_id = 42".into(), "a custom setting"),
+        (
+            "SELECT set_config('app.tenant_id', '42', false)".into(),
+            "a custom setting by set_config",
+        ),
         (
             "SELECT \"set_config\"('search_path', 'evil', false)".into(),
             "a quoted set_config",
@@ -118,6 +124,13 @@ async fn statements_the_classifier_cannot_prove_harmless_reset_the_backend() {
             CLEAN,
             "the client after {what} saw its state"
         );
+        if sql.starts_with("SET app.") || sql.starts_with("SELECT set_config('app.") {
+            assert_eq!(
+                scalar(&a, "SELECT current_setting('app.tenant_id')").await,
+                "42",
+                "{what}: the client lost its own setting"
+            );
+        }
         if sql.contains("search_path', 'evil', false") && !sql.contains("true AND") {
             // Track mode keeps the client's own settings (read back before the reset).
             assert_eq!(

@@ -284,6 +284,17 @@ impl WireClient {
             .map_err(|e| format!("send: {e}"))
     }
 
+    /// Writes everything buffered so far but its last `keep_back` bytes (a truncated
+    /// message, for clients that vanish mid-frame); the rest is discarded.
+    pub async fn send_partial(&mut self, keep_back: usize) -> Result<(), String> {
+        let buf = self.wbuf.split();
+        let n = buf.len().saturating_sub(keep_back);
+        self.stream
+            .write_all(&buf[..n])
+            .await
+            .map_err(|e| format!("send: {e}"))
+    }
+
     /// The next backend message; `Err` on EOF, I/O error or a 20 s silence.
     pub async fn recv(&mut self) -> Result<Backend, String> {
         loop {
