@@ -71,6 +71,8 @@ pub struct AppStats {
     pub clients: AtomicUsize,
     pub clients_total: AtomicU64,
     pub handshakes: AtomicUsize,
+    /// Each source address's share of `handshakes` (`limits.max_handshakes_per_address`).
+    pub handshakes_by_address: Arc<crate::per_address::PerAddress>,
     pub client_errors: AtomicU64,
 }
 

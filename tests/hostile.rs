@@ -20,5 +20,7 @@ mod admission;
 mod bounds;
 #[path = "hostile/common.rs"]
 mod common;
+#[path = "hostile/peers.rs"]
+mod peers;
 #[path = "hostile/session.rs"]
 mod session;

@@ -402,6 +402,12 @@ pub struct LimitsConfig {
     pub handshake_timeout_ms: u64,
     /// In-flight handshakes before new connections are refused.
     pub max_handshakes: usize,
+    /// In-flight handshakes from one source address (IPv6: one /64) before its new
+    /// connections are refused, so one host cannot hold every handshake slot.
+    pub max_handshakes_per_address: usize,
+    /// CancelRequests from one source address talking to Postgres or a peer at once; more
+    /// are dropped, so one host cannot hold the process-wide cancel slots.
+    pub max_cancels_per_address: usize,
     /// Graceful shutdown: how long in-flight transactions may run after SIGTERM.
     pub shutdown_timeout_ms: u64,
     /// A client write that makes no progress for this long ends the session (slow reader).
@@ -421,6 +427,8 @@ impl Default for LimitsConfig {
             max_client_conn: 10_000,
             handshake_timeout_ms: 10_000,
             max_handshakes: 512,
+            max_handshakes_per_address: 64,
+            max_cancels_per_address: 8,
             shutdown_timeout_ms: 30_000,
             client_write_timeout_ms: 30_000,
             max_message_bytes: 16 << 20,

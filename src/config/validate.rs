@@ -384,6 +384,12 @@ impl Config {
         if l.max_handshakes == 0 {
             p.add("limits.max_handshakes".into(), "must be > 0");
         }
+        if l.max_handshakes_per_address == 0 {
+            p.add("limits.max_handshakes_per_address".into(), "must be > 0");
+        }
+        if l.max_cancels_per_address == 0 {
+            p.add("limits.max_cancels_per_address".into(), "must be > 0");
+        }
         if l.handshake_timeout_ms == 0 {
             p.add("limits.handshake_timeout_ms".into(), "must be > 0");
         }
@@ -676,6 +682,36 @@ mod tests {
             Config::from_yaml("backend:\n  tls: verify-ca\n  root_cert_file: /r.pem\n").unwrap();
         assert_eq!(c.backend.tls, super::super::BackendTlsMode::VerifyCa);
         assert!(Config::from_yaml("tls:\n  mode: sometimes\n").is_err());
+    }
+
+    #[test]
+    fn per_address_limits_are_positive() {
+        let c = Config::from_yaml("").unwrap();
+        assert_eq!(
+            (
+                c.limits.max_handshakes_per_address,
+                c.limits.max_cancels_per_address
+            ),
+            (64, 8)
+        );
+        let errs = Config::from_yaml(
+            "limits:\n  max_handshakes_per_address: 0\n  max_cancels_per_address: 0\n",
+        )
+        .unwrap_err();
+        let got: Vec<(&str, Option<usize>)> =
+            errs.iter().map(|e| (e.field.as_str(), e.line)).collect();
+        assert_eq!(
+            got,
+            [
+                ("limits.max_handshakes_per_address", Some(2)),
+                ("limits.max_cancels_per_address", Some(3))
+            ]
+        );
+        // At or above the process-wide cap: allowed, and then the process-wide cap is the one.
+        let c =
+            Config::from_yaml("limits:\n  max_handshakes: 8\n  max_handshakes_per_address: 100\n")
+                .unwrap();
+        assert_eq!(c.limits.max_handshakes_per_address, 100);
     }
 
     #[test]
