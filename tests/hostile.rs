@@ -16,6 +16,8 @@ mod support;
 
 #[path = "hostile/admission.rs"]
 mod admission;
+#[path = "hostile/backend_auth.rs"]
+mod backend_auth;
 #[path = "hostile/bounds.rs"]
 mod bounds;
 #[path = "hostile/common.rs"]
