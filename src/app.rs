@@ -413,6 +413,20 @@ pub fn lock_timeout(cfg: &Config, caller: u16) -> Option<Duration> {
         .map(Duration::from_millis)
 }
 
+/// A classification for something the proxy cannot read: kind `Other`, effect `Unknown`.
+fn opaque(fingerprint: u64, normalized: &str) -> Arc<Classified> {
+    Arc::new(Classified {
+        fingerprint,
+        normalized: Arc::from(normalized),
+        kind: StmtKind::Other,
+        effects: vec![crate::classify::SessionEffect::Unknown],
+        tags: Vec::new(),
+        oversized: false,
+        // A FunctionCall runs on its own; a Bind of an unknown name may be anything.
+        own_transaction: true,
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -446,18 +460,4 @@ mod tests {
         let err = app.reload(Config::from_yaml(&moved).unwrap()).unwrap_err();
         assert!(err.contains("fleet"), "{err}");
     }
-}
-
-/// A classification for something the proxy cannot read: kind `Other`, effect `Unknown`.
-fn opaque(fingerprint: u64, normalized: &str) -> Arc<Classified> {
-    Arc::new(Classified {
-        fingerprint,
-        normalized: Arc::from(normalized),
-        kind: StmtKind::Other,
-        effects: vec![crate::classify::SessionEffect::Unknown],
-        tags: Vec::new(),
-        oversized: false,
-        // A FunctionCall runs on its own; a Bind of an unknown name may be anything.
-        own_transaction: true,
-    })
 }
