@@ -71,6 +71,8 @@ pub struct AppStats {
     pub clients: AtomicUsize,
     pub clients_total: AtomicU64,
     pub handshakes: AtomicUsize,
+    /// Each source address's share of `handshakes` (`limits.max_handshakes_per_address`).
+    pub handshakes_by_address: Arc<crate::per_address::PerAddress>,
     pub client_errors: AtomicU64,
 }
 
@@ -100,6 +102,7 @@ impl App {
         claimed_peer_id: bool,
     ) -> Result<Arc<App>, String> {
         let creds = Credentials::from_config(&config);
+        warn_exposed_auth(&config);
         let (callers, breaker) = policy_inputs(&config);
         let metrics = Metrics::new(&caller_names(&callers));
         let policy = Policy::with_rules(callers, breaker, rules)
@@ -164,6 +167,7 @@ impl App {
             return Err("the fleet section changes only at restart".into());
         }
         let tls = crate::tls::Tls::prepare(&config).map_err(|e| e.to_string())?;
+        warn_exposed_auth(&config);
         let (callers, breaker) = policy_inputs(&config);
         let names = caller_names(&callers);
         self.policy
@@ -267,6 +271,27 @@ fn backend_password(creds: &Credentials, user: &str) -> Option<String> {
 
 /// The cancel-key layout `config` asks for: the instance id only when peers are configured,
 /// or in a fleet with a `peer_id`.
+/// `backend.require_auth` may list `password` or `md5` on purpose (an old server, a trusted
+/// network), and then the proxy answers them; without a verified server certificate whoever
+/// answers on the server's address gets the password, or a hash it can replay, so say so at
+/// start and on every reload.
+fn warn_exposed_auth(config: &Config) {
+    if config.backend.tls_verified() {
+        return;
+    }
+    for m in config.backend.allowed_auth() {
+        if m.exposes_password() {
+            tracing::warn!(
+                method = m.name(),
+                tls = ?config.backend.tls,
+                "backend.require_auth allows a method that sends the password (or a replayable \
+                 hash of it) to a server whose certificate is not verified; use backend.tls \
+                 verify-full to be sure who receives it"
+            );
+        }
+    }
+}
+
 fn peer_layout(config: &Config) -> cancel::PeerLayout {
     let routed = !config.peers.is_empty() || (config.fleet.is_some() && config.peer_id != 0);
     cancel::PeerLayout::new(routed.then_some(config.peer_id))
@@ -389,6 +414,20 @@ pub fn lock_timeout(cfg: &Config, caller: u16) -> Option<Duration> {
         .map(Duration::from_millis)
 }
 
+/// A classification for something the proxy cannot read: kind `Other`, effect `Unknown`.
+fn opaque(fingerprint: u64, normalized: &str) -> Arc<Classified> {
+    Arc::new(Classified {
+        fingerprint,
+        normalized: Arc::from(normalized),
+        kind: StmtKind::Other,
+        effects: vec![crate::classify::SessionEffect::Unknown],
+        tags: Vec::new(),
+        oversized: false,
+        // A FunctionCall runs on its own; a Bind of an unknown name may be anything.
+        own_transaction: true,
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -422,18 +461,4 @@ mod tests {
         let err = app.reload(Config::from_yaml(&moved).unwrap()).unwrap_err();
         assert!(err.contains("fleet"), "{err}");
     }
-}
-
-/// A classification for something the proxy cannot read: kind `Other`, effect `Unknown`.
-fn opaque(fingerprint: u64, normalized: &str) -> Arc<Classified> {
-    Arc::new(Classified {
-        fingerprint,
-        normalized: Arc::from(normalized),
-        kind: StmtKind::Other,
-        effects: vec![crate::classify::SessionEffect::Unknown],
-        tags: Vec::new(),
-        oversized: false,
-        // A FunctionCall runs on its own; a Bind of an unknown name may be anything.
-        own_transaction: true,
-    })
 }

@@ -13,10 +13,16 @@
 //! peer's own client address with the budget decremented, under the same in-flight cap as
 //! cancels to Postgres; an exhausted budget or an unknown peer drops it, so a misconfigured
 //! ring cannot loop. The secret is checked only by the owner.
+//!
+//! The in-flight cap is process-wide, and a forged cancel naming a dead or slow peer holds its
+//! slot for the whole forwarding timeout: so each client address also has its own share
+//! ([`Source`], `limits.max_cancels_per_address`), and cancels beyond it are dropped and
+//! counted (`address_limited`) before they take a slot. Cancels a peer passes on carry no
+//! source: the instance that first received them already charged the sender's address.
 //! This module decides and sends; it never reads the configuration itself.
 
 use std::collections::HashMap;
-use std::net::SocketAddr;
+use std::net::{IpAddr, SocketAddr};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU8, Ordering as AtomicOrdering};
 use std::time::Duration;
@@ -30,6 +36,7 @@ use tokio::sync::Semaphore;
 
 use crate::auth::ct_eq;
 use crate::config::PeerConfig;
+use crate::per_address::PerAddress;
 
 /// Hops a cancel may still take when its key is issued (the pid's bits 22..21).
 pub const HOPS: u32 = 3;
@@ -107,6 +114,15 @@ pub enum Phase {
     Running = 0,
     Draining = 1,
     Forcing = 2,
+}
+
+/// Who sent a CancelRequest to the client port, and how many of its source address's cancels
+/// may be in flight at once.
+#[derive(Debug, Clone, Copy)]
+pub struct Source {
+    pub ip: IpAddr,
+    /// `limits.max_cancels_per_address`.
+    pub cap: usize,
 }
 
 /// The backend key to forward a cancel to.
@@ -196,12 +212,16 @@ pub struct Registry {
     /// Cancels talking to Postgres or to a peer at once; more are dropped (a cancel storm
     /// cannot pile up, nor fan out to the other instances).
     in_flight: Semaphore,
+    /// Each source address's share of the cancels being handled ([`Source`]).
+    by_address: Arc<PerAddress>,
     /// The process' [`Phase`], as a `u8`.
     phase: AtomicU8,
     pub sent: std::sync::atomic::AtomicU64,
     pub ignored: std::sync::atomic::AtomicU64,
     /// Passed on to the owning instance (which counts it as sent or ignored).
     pub forwarded: std::sync::atomic::AtomicU64,
+    /// Dropped because their source address already had its share in flight.
+    pub address_limited: std::sync::atomic::AtomicU64,
 }
 
 impl Default for Registry {
@@ -216,10 +236,12 @@ impl Registry {
             map: Mutex::new(HashMap::new()),
             layout,
             in_flight: Semaphore::new(64),
+            by_address: Arc::default(),
             phase: AtomicU8::new(Phase::Running as u8),
             sent: Default::default(),
             ignored: Default::default(),
             forwarded: Default::default(),
+            address_limited: Default::default(),
         }
     }
 
@@ -270,9 +292,28 @@ impl Registry {
         }
     }
 
-    /// Handles a CancelRequest from a new connection; `peers` are the other instances.
-    pub async fn cancel(&self, pid: i32, secret: &[u8], peers: &[PeerConfig]) {
+    /// Handles a CancelRequest from a new connection; `peers` are the other instances. `from`
+    /// is the client that sent it (`None`: passed on by a peer), whose address's share is
+    /// held until the request is done.
+    pub async fn cancel(
+        &self,
+        pid: i32,
+        secret: &[u8],
+        peers: &[PeerConfig],
+        from: Option<Source>,
+    ) {
         use std::sync::atomic::Ordering::Relaxed;
+        let _share = match from {
+            Some(s) => match self.by_address.try_acquire(s.ip, s.cap) {
+                Some(g) => Some(g),
+                None => {
+                    self.address_limited.fetch_add(1, Relaxed);
+                    tracing::debug!(ip = %s.ip, cap = s.cap, "too many cancel requests in flight from one address; dropping one");
+                    return;
+                }
+            },
+            None => None,
+        };
         let addr_of = |id: u8| peers.iter().find(|p| p.id == id).map(|p| p.addr.as_str());
         let key = match self.layout.route(pid, |id| addr_of(id).is_some()) {
             Route::Local(key) => key,
@@ -426,14 +467,78 @@ mod tests {
     }
 
     #[tokio::test]
+    async fn cancels_beyond_an_address_share_are_dropped_while_it_is_held() {
+        use std::sync::atomic::Ordering::Relaxed;
+        // A peer that takes forwarded cancels and never closes: each one holds its slot.
+        let slow = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("bind");
+        let peers = vec![PeerConfig {
+            id: 2,
+            addr: slow.local_addr().expect("addr").to_string(),
+        }];
+        let r = Arc::new(Registry::new(PeerLayout::new(Some(1))));
+        let forged = PeerLayout::new(Some(2)).issue(99);
+        let from = |ip: [u8; 4]| {
+            Some(Source {
+                ip: IpAddr::from(ip),
+                cap: 2,
+            })
+        };
+        let mut held = Vec::new();
+        let mut tasks = Vec::new();
+        for _ in 0..2 {
+            let (r, peers) = (r.clone(), peers.clone());
+            tasks.push(tokio::spawn(async move {
+                r.cancel(forged, &[1, 2, 3, 4], &peers, from([127, 0, 0, 1]))
+                    .await
+            }));
+            held.push(slow.accept().await.expect("a forwarded cancel").0);
+        }
+        // The address's share is held: a third is dropped at once, without a slot.
+        r.cancel(forged, &[1, 2, 3, 4], &peers, from([127, 0, 0, 1]))
+            .await;
+        assert_eq!(r.address_limited.load(Relaxed), 1);
+        assert_eq!(r.in_flight.available_permits(), 62);
+        // Another address still gets through.
+        let other = {
+            let (r, peers) = (r.clone(), peers.clone());
+            tokio::spawn(async move {
+                r.cancel(forged, &[1, 2, 3, 4], &peers, from([127, 0, 0, 2]))
+                    .await
+            })
+        };
+        held.push(slow.accept().await.expect("the other address's cancel").0);
+        // The peer reads them and closes: the shares are given back.
+        for mut s in held {
+            let mut packet = [0u8; 16];
+            s.read_exact(&mut packet)
+                .await
+                .expect("the forwarded packet");
+            assert_eq!(&packet[4..8], &80_877_102i32.to_be_bytes());
+        }
+        for t in tasks {
+            t.await.expect("cancel task");
+        }
+        other.await.expect("cancel task");
+        assert_eq!(r.forwarded.load(Relaxed), 3);
+        assert_eq!(r.by_address.addresses(), 0);
+        assert_eq!(r.in_flight.available_permits(), 64);
+        drop(slow); // the next forward fails at once instead of waiting
+        r.cancel(forged, &[1, 2, 3, 4], &peers, from([127, 0, 0, 1]))
+            .await;
+        assert_eq!(r.address_limited.load(Relaxed), 1, "room again");
+    }
+
+    #[tokio::test]
     async fn keys_are_found_whatever_the_hop_budget() {
         let r = Arc::new(Registry::new(PeerLayout::new(Some(7))));
         let reg = r.register(4);
         assert_eq!(reg.pid as u32 >> PEER_SHIFT, 7);
         let spent = ((reg.pid as u32) & !TTL_MASK) as i32;
         // Idle client: found (not "unknown"), nothing to cancel, so ignored; a wrong secret too.
-        r.cancel(spent, &reg.secret, &[]).await;
-        r.cancel(spent, &[0, 0, 0, 0], &[]).await;
+        r.cancel(spent, &reg.secret, &[], None).await;
+        r.cancel(spent, &[0, 0, 0, 0], &[], None).await;
         assert_eq!(r.ignored.load(std::sync::atomic::Ordering::Relaxed), 2);
         let key = r.layout.key(reg.pid);
         assert!(r.map.lock().contains_key(&key));

@@ -5,6 +5,7 @@
 //!
 //! ```text
 //! server    accept loop, client slots, graceful stop
+//! per_address  each source address's share of handshakes and cancels in flight
 //! session   handshake (SSL/GSS answer, startup, auth) → relay loop (framing, statement
 //!           renaming, replies matched to requests) → release at ReadyForQuery('I')
 //! protocol  header-only framing, message bodies, SQLSTATE errors
@@ -27,6 +28,7 @@ pub mod cli;
 pub mod config;
 pub mod fleet;
 pub mod observe;
+pub mod per_address;
 pub mod policy;
 pub mod pool;
 pub mod probe;

@@ -1,5 +1,6 @@
 //! The accept loop: client slots (with a clear 53300 above `max_client_conn`), a cap on
-//! handshakes in progress (53300 above `max_handshakes`), backoff and rate-limited warnings
+//! handshakes in progress (53300 above `max_handshakes`, or above the client address's
+//! `max_handshakes_per_address`, the DETAIL naming which), backoff and rate-limited warnings
 //! when the process runs out of file descriptors, and the graceful stop on shutdown: the
 //! listener closes at once, sessions finish their transactions for up to
 //! `shutdown_timeout_ms`, then `force` cancels what still runs and the stragglers get a short
@@ -123,21 +124,16 @@ pub async fn serve(app: Arc<App>, listener: TcpListener, login: Option<tokio::ru
         let slot = ClientSlot(app.clone());
         app.stats.clients_total.fetch_add(1, Ordering::Relaxed);
         let handshake = if n >= max {
-            None
+            Err(PgError::too_many_clients(max))
         } else {
-            HandshakeSlot::try_acquire(&app)
+            HandshakeSlot::try_acquire(&app, peer.ip())
         };
-        let Some(handshake) = handshake else {
-            let e = if n >= max {
-                PgError::too_many_clients(max)
-            } else {
-                PgError::fatal(
-                    "53300",
-                    "sorry, too many clients are connecting right now; try again",
-                )
-            };
-            spawn(&tasks, login.as_ref(), refuse(slot, sock, e));
-            continue;
+        let handshake = match handshake {
+            Ok(h) => h,
+            Err(e) => {
+                spawn(&tasks, login.as_ref(), refuse(slot, sock, e));
+                continue;
+            }
         };
         let app2 = app.clone();
         let handover = handover.clone();
@@ -185,7 +181,8 @@ pub async fn serve_peer_cancels(app: Arc<App>, listener: TcpListener) {
             let read = tokio::time::timeout(PEER_READ_TIMEOUT, read_cancel(&mut sock)).await;
             if let Ok(Some((pid, secret))) = read {
                 let peers = app.cancel_peers(&app.config.load());
-                app.cancels.cancel(pid, &secret, &peers).await;
+                // Passed on by a peer, which charged the sender's address already.
+                app.cancels.cancel(pid, &secret, &peers, None).await;
             }
         });
     }

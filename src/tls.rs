@@ -4,8 +4,9 @@
 //!   [`Tls::reload`] swaps atomically on SIGHUP; established sessions keep their own state, so
 //!   a reload never drops anyone. [`ClientStream`] is the client connection, upgraded in place
 //!   from plaintext to TLS by the handshake.
-//! * Backend side: a [`BackendTls`] snapshot (libpq-style `sslmode`) read by every new server
-//!   connection, and [`BackendStream`], the server connection (plain TCP or TLS).
+//! * Backend side: a [`BackendTls`] snapshot (libpq-style `sslmode`, and the authentication
+//!   methods allowed with it) read by every new server connection, and [`BackendStream`], the
+//!   server connection (plain TCP or TLS).
 //!
 //! This module never decides protocol questions (when to answer 'S' or 'N', what a required
 //! mode refuses); the handshake and the backend connector do. It only builds configurations
@@ -33,7 +34,7 @@ use tokio_rustls::rustls::{
 };
 use tokio_rustls::{TlsAcceptor, TlsConnector};
 
-use crate::config::{BackendTlsMode, ClientTlsMode, Config};
+use crate::config::{BackendAuthMethod, BackendTlsMode, ClientTlsMode, Config};
 
 /// The ALPN protocol name Postgres 17 defines (required for direct TLS).
 pub const ALPN_POSTGRESQL: &[u8] = b"postgresql";
@@ -127,16 +128,22 @@ pub struct BackendTls {
     pub mode: BackendTlsMode,
     /// `None` when the mode is `disable`.
     pub connector: Option<TlsConnector>,
+    /// The authentication methods the server may ask for on a connection made with these
+    /// settings ([`crate::config::BackendConfig::allowed_auth`]): it depends on the mode, so
+    /// it is swapped with it.
+    pub require_auth: Vec<BackendAuthMethod>,
 }
 
 impl BackendTls {
     fn build(cfg: &Config) -> Result<BackendTls, TlsError> {
         let mode = cfg.backend.tls;
+        let require_auth = cfg.backend.allowed_auth();
         let verifier: Arc<dyn ServerCertVerifier> = match mode {
             BackendTlsMode::Disable => {
                 return Ok(BackendTls {
                     mode,
                     connector: None,
+                    require_auth,
                 });
             }
             BackendTlsMode::Prefer | BackendTlsMode::Require => Arc::new(NoCertCheck(provider())),
@@ -164,6 +171,7 @@ impl BackendTls {
         Ok(BackendTls {
             mode,
             connector: Some(TlsConnector::from(Arc::new(cc))),
+            require_auth,
         })
     }
 }
@@ -230,11 +238,19 @@ impl BackendTlsHandle {
         self.0.load_full()
     }
 
-    /// Plaintext only (for tests and tools that build connect parameters by hand).
+    /// Plaintext only, any authentication method: for tests and tools that build connect
+    /// parameters by hand (the load tool logs in to whatever server it is pointed at, md5
+    /// included); the proxy's own pools always take `backend.require_auth`.
     pub fn disabled() -> BackendTlsHandle {
+        Self::plain(BackendAuthMethod::ALL.to_vec())
+    }
+
+    /// Plaintext only, allowing the server to ask for `require_auth`.
+    pub fn plain(require_auth: Vec<BackendAuthMethod>) -> BackendTlsHandle {
         BackendTlsHandle(Arc::new(ArcSwap::from_pointee(BackendTls {
             mode: BackendTlsMode::Disable,
             connector: None,
+            require_auth,
         })))
     }
 }

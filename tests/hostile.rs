@@ -11,6 +11,8 @@
 //!   with its budget, and statements that need their own transaction still work.
 //! * `bounds` — pools per random database name, oversized messages, prepared statements per
 //!   session.
+//! * `peers` — per-address shares of handshake and cancel slots (item 12).
+//! * `backend_auth` — which authentication methods the proxy answers toward Postgres (item 14).
 //! * `sequences` — random sessions of whole messages and hang-ups, each followed by the
 //!   isolation oracle (a fresh client on the same backend sees a clean session).
 
@@ -18,10 +20,14 @@ mod support;
 
 #[path = "hostile/admission.rs"]
 mod admission;
+#[path = "hostile/backend_auth.rs"]
+mod backend_auth;
 #[path = "hostile/bounds.rs"]
 mod bounds;
 #[path = "hostile/common.rs"]
 mod common;
+#[path = "hostile/peers.rs"]
+mod peers;
 #[path = "hostile/sequences.rs"]
 mod sequences;
 #[path = "hostile/session.rs"]

@@ -189,6 +189,7 @@ fn scrape(st: &AdminState) -> Scrape {
         cancels_sent: app.cancels.sent.load(Relaxed),
         cancels_ignored: app.cancels.ignored.load(Relaxed),
         cancels_forwarded: app.cancels.forwarded.load(Relaxed),
+        cancels_address_limited: app.cancels.address_limited.load(Relaxed),
         rules: u(app.policy.rules().len()),
         fingerprints_tracked: u(app.fp_stats.len()),
         fleet: app.fleet.as_ref().map(|f| FleetSample {

@@ -26,7 +26,7 @@ use super::normalize::Class;
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(super) enum Call {
     /// Not a function call (keyword syntax, column list, type modifier).
-    NotACall,
+    Not,
     /// A built-in that leaves session state alone.
     Harmless,
     SetConfig,
@@ -372,11 +372,11 @@ pub(super) fn classify(s: &Stmt<'_>, j: usize) -> Call {
                 None => return Call::Unknown,
             }
         }
-        _ => return Call::NotACall,
+        _ => return Call::Not,
     };
     let quoted = s.class(j) == Some(Class::Quoted);
     if !quoted && NOT_CALLS.contains(&name) {
-        return Call::NotACall;
+        return Call::Not;
     }
     // `schema.name(` (and `db.schema.name(`): where the qualified name starts, and whether
     // the schema is pg_catalog.
@@ -397,11 +397,11 @@ pub(super) fn classify(s: &Stmt<'_>, j: usize) -> Call {
     if start > s.lo {
         match s.class(start - 1) {
             // `x::numeric(10, 2)`, a type modifier.
-            Some(Class::DoubleColon) => return Call::NotACall,
+            Some(Class::DoubleColon) => return Call::Not,
             Some(Class::Word) => {
                 let before = s.word(start - 1).unwrap_or("");
                 if RELATION_BEFORE.contains(&before) || before == "as" {
-                    return Call::NotACall;
+                    return Call::Not;
                 }
             }
             _ => {}
@@ -414,7 +414,7 @@ pub(super) fn classify(s: &Stmt<'_>, j: usize) -> Call {
     };
     // Only an unknown name pays for the look past its parentheses.
     if verdict == Call::Unknown && is_cte_name(s, j) {
-        return Call::NotACall;
+        return Call::Not;
     }
     verdict
 }

@@ -352,7 +352,7 @@ fn facts(s: &Stmt<'_>, from: usize, fx: &mut Vec<SessionEffect>) -> Facts {
         let call = s.class(j + 1) == Some(Class::LParen);
         if call {
             match calls::classify(s, j) {
-                Call::NotACall | Call::Harmless => {}
+                Call::Not | Call::Harmless => {}
                 Call::AdvisoryLock => add(fx, SessionEffect::AdvisoryLock),
                 Call::AdvisoryUnlock => add(fx, SessionEffect::AdvisoryUnlock),
                 Call::Unknown => add(fx, SessionEffect::Unknown),

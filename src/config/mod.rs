@@ -178,6 +178,9 @@ pub struct BackendConfig {
     pub tls: BackendTlsMode,
     /// PEM roots for `verify-ca`/`verify-full` (required by both).
     pub root_cert_file: Option<String>,
+    /// The authentication methods the server may ask for (libpq's `require_auth`); unset:
+    /// see [`BackendConfig::allowed_auth`].
+    pub require_auth: Option<Vec<BackendAuthMethod>>,
 }
 
 impl Default for BackendConfig {
@@ -192,11 +195,32 @@ impl Default for BackendConfig {
             tcp_user_timeout_ms: 0,
             tls: BackendTlsMode::Prefer,
             root_cert_file: None,
+            require_auth: None,
         }
     }
 }
 
 impl BackendConfig {
+    /// Whether the server must show a certificate chained to `root_cert_file`.
+    pub fn tls_verified(&self) -> bool {
+        matches!(
+            self.tls,
+            BackendTlsMode::VerifyCa | BackendTlsMode::VerifyFull
+        )
+    }
+
+    /// The methods the server may ask for: `require_auth` when set; else SCRAM-SHA-256 alone
+    /// while the server is not verified (`disable`, `prefer`, `require`), because only SCRAM
+    /// makes the server prove it knows the password and never gives it, or anything replayable,
+    /// to whoever answers; any method once `verify-ca`/`verify-full` has checked the server.
+    pub fn allowed_auth(&self) -> Vec<BackendAuthMethod> {
+        match &self.require_auth {
+            Some(list) => list.clone(),
+            None if self.tls_verified() => BackendAuthMethod::ALL.to_vec(),
+            None => vec![BackendAuthMethod::ScramSha256],
+        }
+    }
+
     /// `tcp_user_timeout_ms` as the socket option wants it (`None` = off).
     pub fn tcp_user_timeout(&self) -> Option<std::time::Duration> {
         (self.tcp_user_timeout_ms > 0)
@@ -242,6 +266,45 @@ pub enum BackendTlsMode {
     VerifyCa,
     /// Like `verify-ca`, and the certificate must name the backend host.
     VerifyFull,
+}
+
+/// An authentication method Postgres may ask the proxy for, by libpq's `require_auth` names.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+pub enum BackendAuthMethod {
+    #[serde(rename = "scram-sha-256")]
+    ScramSha256,
+    #[serde(rename = "md5")]
+    Md5,
+    /// The password in cleartext.
+    #[serde(rename = "password")]
+    Password,
+    /// No authentication at all (pg_hba `trust`; libpq's `none`).
+    #[serde(rename = "trust", alias = "none")]
+    Trust,
+}
+
+impl BackendAuthMethod {
+    pub const ALL: [BackendAuthMethod; 4] = [
+        BackendAuthMethod::ScramSha256,
+        BackendAuthMethod::Md5,
+        BackendAuthMethod::Password,
+        BackendAuthMethod::Trust,
+    ];
+
+    /// The name used in the configuration.
+    pub fn name(self) -> &'static str {
+        match self {
+            BackendAuthMethod::ScramSha256 => "scram-sha-256",
+            BackendAuthMethod::Md5 => "md5",
+            BackendAuthMethod::Password => "password",
+            BackendAuthMethod::Trust => "trust",
+        }
+    }
+
+    /// Whether the server learns the password, or something it can replay, from it.
+    pub fn exposes_password(self) -> bool {
+        matches!(self, BackendAuthMethod::Md5 | BackendAuthMethod::Password)
+    }
 }
 
 /// How the proxy speaks TLS to clients.
@@ -402,6 +465,12 @@ pub struct LimitsConfig {
     pub handshake_timeout_ms: u64,
     /// In-flight handshakes before new connections are refused.
     pub max_handshakes: usize,
+    /// In-flight handshakes from one source address (IPv6: one /64) before its new
+    /// connections are refused, so one host cannot hold every handshake slot.
+    pub max_handshakes_per_address: usize,
+    /// CancelRequests from one source address talking to Postgres or a peer at once; more
+    /// are dropped, so one host cannot hold the process-wide cancel slots.
+    pub max_cancels_per_address: usize,
     /// Graceful shutdown: how long in-flight transactions may run after SIGTERM.
     pub shutdown_timeout_ms: u64,
     /// A client write that makes no progress for this long ends the session (slow reader).
@@ -421,6 +490,8 @@ impl Default for LimitsConfig {
             max_client_conn: 10_000,
             handshake_timeout_ms: 10_000,
             max_handshakes: 512,
+            max_handshakes_per_address: 64,
+            max_cancels_per_address: 8,
             shutdown_timeout_ms: 30_000,
             client_write_timeout_ms: 30_000,
             max_message_bytes: 16 << 20,

@@ -352,6 +352,17 @@ impl Config {
                 "must be a path (omit it to use the URL's password)",
             );
         }
+        if self
+            .backend
+            .require_auth
+            .as_ref()
+            .is_some_and(Vec::is_empty)
+        {
+            p.add(
+                "backend.require_auth".into(),
+                "must list at least one method (scram-sha-256, md5, password, trust)",
+            );
+        }
         if self.backend.connect_timeout_ms == 0 {
             p.add("backend.connect_timeout_ms".into(), "must be > 0");
         }
@@ -422,6 +433,12 @@ impl Config {
         }
         if l.max_handshakes == 0 {
             p.add("limits.max_handshakes".into(), "must be > 0");
+        }
+        if l.max_handshakes_per_address == 0 {
+            p.add("limits.max_handshakes_per_address".into(), "must be > 0");
+        }
+        if l.max_cancels_per_address == 0 {
+            p.add("limits.max_cancels_per_address".into(), "must be > 0");
         }
         if l.handshake_timeout_ms == 0 {
             p.add("limits.handshake_timeout_ms".into(), "must be > 0");
@@ -745,6 +762,61 @@ mod tests {
             Config::from_yaml("backend:\n  tls: verify-ca\n  root_cert_file: /r.pem\n").unwrap();
         assert_eq!(c.backend.tls, super::super::BackendTlsMode::VerifyCa);
         assert!(Config::from_yaml("tls:\n  mode: sometimes\n").is_err());
+    }
+
+    #[test]
+    fn per_address_limits_are_positive() {
+        let c = Config::from_yaml("").unwrap();
+        assert_eq!(
+            (
+                c.limits.max_handshakes_per_address,
+                c.limits.max_cancels_per_address
+            ),
+            (64, 8)
+        );
+        let errs = Config::from_yaml(
+            "limits:\n  max_handshakes_per_address: 0\n  max_cancels_per_address: 0\n",
+        )
+        .unwrap_err();
+        let got: Vec<(&str, Option<usize>)> =
+            errs.iter().map(|e| (e.field.as_str(), e.line)).collect();
+        assert_eq!(
+            got,
+            [
+                ("limits.max_handshakes_per_address", Some(2)),
+                ("limits.max_cancels_per_address", Some(3))
+            ]
+        );
+        // At or above the process-wide cap: allowed, and then the process-wide cap is the one.
+        let c =
+            Config::from_yaml("limits:\n  max_handshakes: 8\n  max_handshakes_per_address: 100\n")
+                .unwrap();
+        assert_eq!(c.limits.max_handshakes_per_address, 100);
+    }
+
+    #[test]
+    fn backend_require_auth_defaults_follow_verification() {
+        use super::super::BackendAuthMethod as M;
+        let c = Config::from_yaml("").unwrap();
+        assert_eq!(
+            c.backend.allowed_auth(),
+            [M::ScramSha256],
+            "prefer: SCRAM only"
+        );
+        for mode in ["disable", "require"] {
+            let c = Config::from_yaml(&format!("backend:\n  tls: {mode}\n")).unwrap();
+            assert_eq!(c.backend.allowed_auth(), [M::ScramSha256], "{mode}");
+        }
+        let c =
+            Config::from_yaml("backend:\n  tls: verify-full\n  root_cert_file: /r.pem\n").unwrap();
+        assert_eq!(c.backend.allowed_auth(), M::ALL);
+        let c = Config::from_yaml("backend:\n  require_auth: [password, none, md5]\n").unwrap();
+        assert_eq!(c.backend.allowed_auth(), [M::Password, M::Trust, M::Md5]);
+        let errs = Config::from_yaml("backend:\n  require_auth: []\n").unwrap_err();
+        assert_eq!(errs[0].field, "backend.require_auth");
+        assert_eq!(errs[0].line, Some(2));
+        let errs = Config::from_yaml("backend:\n  require_auth: [gss]\n").unwrap_err();
+        assert!(errs[0].message.contains("gss"), "{}", errs[0]);
     }
 
     #[test]

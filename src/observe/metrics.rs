@@ -103,6 +103,8 @@ pub struct Scrape {
     pub cancels_ignored: u64,
     /// Passed on to the peer instance that owns the key.
     pub cancels_forwarded: u64,
+    /// Dropped: their source address had `limits.max_cancels_per_address` in flight.
+    pub cancels_address_limited: u64,
     pub rules: u64,
     pub fingerprints_tracked: u64,
     /// Fleet mode only.
@@ -566,7 +568,7 @@ impl ScrapeSeries {
                 r,
                 "pgsluice_cancels_total",
                 "Client cancel requests, by outcome (sent to a backend, forwarded to the owning peer \
-                 instance, ignored).",
+                 instance, ignored, dropped over the address's limit).",
                 &["outcome"],
             ),
             caller_in_flight: gauge_vec(
@@ -652,6 +654,10 @@ impl ScrapeSeries {
         set_counter(
             &self.cancels.with_label_values(&["forwarded"]),
             s.cancels_forwarded,
+        );
+        set_counter(
+            &self.cancels.with_label_values(&["address_limit"]),
+            s.cancels_address_limited,
         );
         self.caller_in_flight.reset();
         self.caller_queued.reset();
@@ -791,6 +797,7 @@ mod tests {
             }],
             cancels_sent: 2,
             cancels_forwarded: 5,
+            cancels_address_limited: 4,
             ..Scrape::default()
         };
         let t = m.render_with(&s);
@@ -815,6 +822,10 @@ mod tests {
         assert_eq!(
             sample(&t, r#"pgsluice_cancels_total{outcome="forwarded"}"#),
             Some(5.0)
+        );
+        assert_eq!(
+            sample(&t, r#"pgsluice_cancels_total{outcome="address_limit"}"#),
+            Some(4.0)
         );
         s.pools.clear();
         assert!(!m.render_with(&s).contains("db/u"));

@@ -3,6 +3,13 @@
 //! per-connection state the session layer needs (applied startup parameters, prepared
 //! statement cache, dirtiness).
 //!
+//! The server chooses the method, so whoever answers on the server's address (with `prefer`, a
+//! man in the middle that says 'N' to TLS) could ask for the password in cleartext: the method
+//! asked for must be in `backend.require_auth` (libpq's `require_auth`; by default SCRAM-SHA-256
+//! alone unless the server's certificate is verified) before anything is sent, an
+//! AuthenticationOk that skips authentication counts as `trust`, and one that ends a SCRAM
+//! exchange before the server has proved itself (SASLFinal) is refused.
+//!
 //! Defensive toward the server too: message lengths are checked against per-type limits, the
 //! SCRAM iteration count the server asks for is capped, and TLS follows `backend.tls` (libpq's
 //! `sslmode`): when it is required, a server that answers 'N' (or a man in the middle that does)
@@ -20,7 +27,7 @@ use tokio::io::{AsyncRead, AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 use tokio::time::Instant;
 
-use crate::config::BackendTlsMode;
+use crate::config::{BackendAuthMethod, BackendTlsMode};
 pub use crate::tls::BackendStream;
 use crate::tls::BackendTlsHandle;
 
@@ -64,6 +71,15 @@ pub enum ConnectError {
     },
     #[error("authentication with the server failed: {0}")]
     Auth(String),
+    /// The server asked for a method `backend.require_auth` does not list; nothing was sent.
+    #[error(
+        "the server asked for {}, which backend.require_auth does not allow (allowed: {allowed})",
+        describe(*.method)
+    )]
+    MethodNotAllowed {
+        method: BackendAuthMethod,
+        allowed: String,
+    },
     #[error("protocol error from the server: {0}")]
     Protocol(String),
 }
@@ -191,7 +207,18 @@ impl BackendConn {
             sock.set_tcp_user_timeout(Some(t))?;
         }
         let addr = tcp.peer_addr()?;
-        let mut stream = negotiate_tls(tcp, p).await?;
+        let tls = p.tls.current();
+        let mut stream = negotiate_tls(tcp, p, &tls).await?;
+        let allow = |method: BackendAuthMethod| {
+            if tls.require_auth.contains(&method) {
+                return Ok(());
+            }
+            let names: Vec<&str> = tls.require_auth.iter().map(|m| m.name()).collect();
+            Err(ConnectError::MethodNotAllowed {
+                method,
+                allowed: names.join(", "),
+            })
+        };
 
         let mut out = BytesMut::new();
         frontend::startup_message(
@@ -203,6 +230,9 @@ impl BackendConn {
 
         let mut buf = BytesMut::with_capacity(1024);
         let mut scram: Option<ScramSha256> = None;
+        // The method the server asked for, and whether its SCRAM proof was checked.
+        let mut asked: Option<BackendAuthMethod> = None;
+        let mut server_proved = false;
         let password = || {
             p.password.as_deref().ok_or_else(|| {
                 ConnectError::Auth("the server wants a password and none is configured".into())
@@ -221,9 +251,28 @@ impl BackendConn {
                     let code = i32::from_be_bytes([body[0], body[1], body[2], body[3]]);
                     let data = &body[4..];
                     match code {
-                        0 => break,
-                        3 => frontend::password_message(password()?.as_bytes(), &mut out)?,
+                        0 => {
+                            match asked {
+                                None => allow(BackendAuthMethod::Trust)?,
+                                Some(BackendAuthMethod::ScramSha256) if !server_proved => {
+                                    return Err(ConnectError::Auth(
+                                        "the server ended SCRAM authentication before proving \
+                                         it knows the password"
+                                            .into(),
+                                    ));
+                                }
+                                Some(_) => {}
+                            }
+                            break;
+                        }
+                        3 => {
+                            allow(BackendAuthMethod::Password)?;
+                            asked = Some(BackendAuthMethod::Password);
+                            frontend::password_message(password()?.as_bytes(), &mut out)?;
+                        }
                         5 => {
+                            allow(BackendAuthMethod::Md5)?;
+                            asked = Some(BackendAuthMethod::Md5);
                             let salt: [u8; 4] = data
                                 .get(..4)
                                 .and_then(|s| s.try_into().ok())
@@ -236,6 +285,8 @@ impl BackendConn {
                             frontend::password_message(h.as_bytes(), &mut out)?;
                         }
                         10 => {
+                            allow(BackendAuthMethod::ScramSha256)?;
+                            asked = Some(BackendAuthMethod::ScramSha256);
                             let mechs: Vec<&[u8]> =
                                 data.split(|&b| b == 0).filter(|m| !m.is_empty()).collect();
                             if !mechs.contains(&&b"SCRAM-SHA-256"[..]) {
@@ -269,6 +320,7 @@ impl BackendConn {
                             })?;
                             s.finish(data)
                                 .map_err(|e| ConnectError::Auth(e.to_string()))?;
+                            server_proved = true;
                         }
                         other => {
                             return Err(ConnectError::Auth(format!(
@@ -398,8 +450,8 @@ impl BackendConn {
 async fn negotiate_tls(
     mut tcp: TcpStream,
     p: &ConnectParams,
+    tls: &crate::tls::BackendTls,
 ) -> Result<BackendStream, ConnectError> {
-    let tls = p.tls.current();
     let Some(connector) = tls.connector.clone() else {
         return Ok(BackendStream::Plain(tcp));
     };
@@ -438,6 +490,16 @@ async fn negotiate_tls(
         other => Err(ConnectError::Protocol(format!(
             "invalid response {other:#04x} to the SSL request"
         ))),
+    }
+}
+
+/// A method as the error about it names it.
+fn describe(method: BackendAuthMethod) -> &'static str {
+    match method {
+        BackendAuthMethod::ScramSha256 => "SCRAM-SHA-256 authentication",
+        BackendAuthMethod::Md5 => "an md5 password (md5)",
+        BackendAuthMethod::Password => "the password in cleartext (password)",
+        BackendAuthMethod::Trust => "no authentication at all (trust)",
     }
 }
 
@@ -504,5 +566,111 @@ pub async fn read_message<S: AsyncRead + Unpin>(
                 "server closed the connection",
             )));
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tokio::net::TcpListener;
+
+    /// A server that reads the startup packet, answers `script` and closes its side, and
+    /// returns everything the client sent after the startup packet until it closed.
+    async fn scripted(script: Vec<u8>) -> (u16, tokio::task::JoinHandle<Vec<u8>>) {
+        let l = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+        let port = l.local_addr().expect("addr").port();
+        let server = tokio::spawn(async move {
+            let (mut s, _) = l.accept().await.expect("accept");
+            let mut len = [0u8; 4];
+            s.read_exact(&mut len).await.expect("startup length");
+            let mut startup = vec![0u8; i32::from_be_bytes(len) as usize - 4];
+            s.read_exact(&mut startup).await.expect("startup");
+            s.write_all(&script).await.expect("script");
+            // Nothing more from us: a client that waits for more sees the end at once.
+            s.shutdown().await.expect("shutdown");
+            let mut rest = Vec::new();
+            let _ = tokio::time::timeout(Duration::from_secs(5), s.read_to_end(&mut rest)).await;
+            rest
+        });
+        (port, server)
+    }
+
+    fn params(port: u16, allowed: &[BackendAuthMethod]) -> ConnectParams {
+        ConnectParams {
+            host: "127.0.0.1".into(),
+            port,
+            user: "app".into(),
+            password: Some("secret".into()),
+            database: "db".into(),
+            connect_timeout: Duration::from_secs(5),
+            tcp_user_timeout: None,
+            tls: BackendTlsHandle::plain(allowed.to_vec()),
+        }
+    }
+
+    /// An Authentication message with `code` and `data`.
+    fn auth(code: i32, data: &[u8]) -> Vec<u8> {
+        let mut m = vec![b'R'];
+        m.extend_from_slice(&(8 + data.len() as i32).to_be_bytes());
+        m.extend_from_slice(&code.to_be_bytes());
+        m.extend_from_slice(data);
+        m
+    }
+
+    #[tokio::test]
+    async fn a_method_not_allowed_gets_nothing() {
+        use BackendAuthMethod as M;
+        for (code, data, method) in [
+            (3, &[][..], M::Password),
+            (5, &[1, 2, 3, 4][..], M::Md5),
+            (0, &[][..], M::Trust),
+        ] {
+            let (port, server) = scripted(auth(code, data)).await;
+            let e = BackendConn::connect(&params(port, &[M::ScramSha256]), 4)
+                .await
+                .err()
+                .expect("refused");
+            match &e {
+                ConnectError::MethodNotAllowed { method: m, allowed } => {
+                    assert_eq!((*m, allowed.as_str()), (method, "scram-sha-256"));
+                }
+                other => panic!("{other:?}"),
+            }
+            let shown = e.to_string();
+            assert!(shown.contains("backend.require_auth"), "{shown}");
+            assert!(shown.contains(&format!("({})", method.name())), "{shown}");
+            assert!(
+                server.await.expect("server").is_empty(),
+                "{method:?}: nothing sent"
+            );
+        }
+    }
+
+    #[tokio::test]
+    async fn allowed_cleartext_is_answered() {
+        let (port, server) = scripted(auth(3, &[])).await;
+        let p = params(port, &[BackendAuthMethod::Password]);
+        let e = BackendConn::connect(&p, 4)
+            .await
+            .err()
+            .expect("server closed");
+        assert!(!matches!(e, ConnectError::MethodNotAllowed { .. }), "{e:?}");
+        let sent = server.await.expect("server");
+        assert_eq!(sent.first(), Some(&b'p'));
+        assert!(sent.ends_with(b"secret\0"), "{sent:?}");
+    }
+
+    #[tokio::test]
+    async fn scram_ended_before_the_server_proof_is_refused() {
+        let mut script = auth(10, b"SCRAM-SHA-256\0\0");
+        script.extend(auth(0, &[]));
+        let (port, server) = scripted(script).await;
+        let p = params(port, &[BackendAuthMethod::ScramSha256]);
+        let e = BackendConn::connect(&p, 4).await.err().expect("refused");
+        assert!(
+            matches!(&e, ConnectError::Auth(m) if m.contains("before proving")),
+            "{e:?}"
+        );
+        assert_eq!(server.await.expect("server").first(), Some(&b'p'));
     }
 }

@@ -78,6 +78,17 @@ impl PgError {
             .with_detail(format!("max_client_conn={max}"))
     }
 
+    /// More handshakes in progress than `limit` (`max_handshakes`, or the client address's
+    /// `max_handshakes_per_address`) allows: the connection is refused before startup.
+    pub fn too_many_handshakes(limit: &'static str, max: usize) -> Self {
+        let message = if limit == "max_handshakes" {
+            "sorry, too many clients are connecting right now; try again"
+        } else {
+            "sorry, too many clients are connecting right now from this address; try again"
+        };
+        Self::fatal("53300", message).with_detail(format!("limits.{limit}={max}"))
+    }
+
     /// Waited longer than the pool's checkout timeout for a backend connection.
     pub fn checkout_timeout(
         pool: &str,

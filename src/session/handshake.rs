@@ -1,5 +1,5 @@
 //! Connection start: SSL/GSS negotiation (and direct TLS), the startup packet, protocol
-//! version negotiation, CancelRequest, and client authentication (SCRAM-SHA-256, md5, trust).
+//! version negotiation, CancelRequest (within the client address's cancel share), and client authentication (SCRAM-SHA-256, md5, trust).
 //!
 //! Everything here runs before the client is trusted, under the caller's handshake timeout:
 //! packets are length-checked before they are read, and unknown users walk the same SCRAM
@@ -19,6 +19,7 @@ use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 
 use crate::app::App;
 use crate::auth;
+use crate::cancel;
 use crate::config::{AuthMethod, ClientTlsMode};
 use crate::protocol::PgError;
 use crate::protocol::framing::{self, Direction, SMALL_LIMIT};
@@ -158,11 +159,13 @@ async fn read_auth_message<S: AsyncRead + Unpin>(
     }
 }
 
-/// Startup up to and including authentication. `buf` keeps any bytes read past it.
+/// Startup up to and including authentication. `buf` keeps any bytes read past it; `peer`
+/// is the client's address (a CancelRequest counts against its share).
 pub async fn startup<S: AsyncRead + AsyncWrite + Unpin>(
     app: &App,
     s: &mut ClientStream<S>,
     buf: &mut BytesMut,
+    peer: std::net::IpAddr,
 ) -> Result<Start, Fail> {
     let mut out = BytesMut::new();
     let tls = app.tls.client();
@@ -222,7 +225,11 @@ pub async fn startup<S: AsyncRead + AsyncWrite + Unpin>(
             StartupPacket::Cancel { pid, secret } => {
                 let config = app.config.load_full();
                 let peers = app.cancel_peers(&config);
-                app.cancels.cancel(pid, &secret, &peers).await;
+                let from = cancel::Source {
+                    ip: peer,
+                    cap: config.limits.max_cancels_per_address,
+                };
+                app.cancels.cancel(pid, &secret, &peers, Some(from)).await;
                 return Ok(Start::Cancelled);
             }
             StartupPacket::Startup {

@@ -22,7 +22,7 @@ mod state;
 mod tracker;
 
 use std::io;
-use std::net::SocketAddr;
+use std::net::{IpAddr, SocketAddr};
 use std::pin::Pin;
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
@@ -36,6 +36,7 @@ use tokio_util::task::TaskTracker;
 
 use crate::app::App;
 use crate::cancel;
+use crate::per_address::AddressGuard;
 use crate::pool::{Pool, Pooled};
 use crate::protocol::PgError;
 use crate::protocol::messages;
@@ -55,25 +56,42 @@ pub enum End {
 }
 
 /// One handshake in progress (counted in `stats.handshakes`, capped by
-/// `limits.max_handshakes`); released when the client is logged in or gone.
-pub struct HandshakeSlot(Arc<App>);
+/// `limits.max_handshakes`, and in the client address's share, capped by
+/// `limits.max_handshakes_per_address`); released when the client is logged in or gone.
+pub struct HandshakeSlot {
+    app: Arc<App>,
+    _address: AddressGuard,
+}
 
 impl HandshakeSlot {
-    /// Takes a slot, or `None` when `max_handshakes` are already in progress.
-    pub fn try_acquire(app: &Arc<App>) -> Option<HandshakeSlot> {
-        let max = app.config.load().limits.max_handshakes;
-        let h = &app.stats.handshakes;
-        h.fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| {
-            (n < max).then_some(n + 1)
+    /// Takes a slot for a client at `ip`, or says which cap is reached: the address's share
+    /// is checked first, so an address over its share never takes a process-wide slot.
+    pub fn try_acquire(app: &Arc<App>, ip: IpAddr) -> Result<HandshakeSlot, PgError> {
+        let limits = &app.config.load().limits;
+        let (max, per_address) = (limits.max_handshakes, limits.max_handshakes_per_address);
+        let address = app
+            .stats
+            .handshakes_by_address
+            .try_acquire(ip, per_address)
+            .ok_or_else(|| {
+                PgError::too_many_handshakes("max_handshakes_per_address", per_address)
+            })?;
+        app.stats
+            .handshakes
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| {
+                (n < max).then_some(n + 1)
+            })
+            .map_err(|_| PgError::too_many_handshakes("max_handshakes", max))?;
+        Ok(HandshakeSlot {
+            app: app.clone(),
+            _address: address,
         })
-        .ok()
-        .map(|_| HandshakeSlot(app.clone()))
     }
 }
 
 impl Drop for HandshakeSlot {
     fn drop(&mut self) {
-        self.0.stats.handshakes.fetch_sub(1, Ordering::AcqRel);
+        self.app.stats.handshakes.fetch_sub(1, Ordering::AcqRel);
     }
 }
 
@@ -113,8 +131,11 @@ pub async fn run<S, G>(
     let mut stream = ClientStream::Plain(WriteTimeout::new(stream, write_timeout));
     let mut buf = BytesMut::with_capacity(8 * 1024);
     let deadline = Instant::now() + Duration::from_millis(limits.handshake_timeout_ms);
-    let started =
-        tokio::time::timeout_at(deadline, handshake::startup(&app, &mut stream, &mut buf)).await;
+    let started = tokio::time::timeout_at(
+        deadline,
+        handshake::startup(&app, &mut stream, &mut buf, peer.ip()),
+    )
+    .await;
     let login = match started {
         Ok(Ok(Start::Login(login))) => login,
         Ok(Ok(Start::Cancelled)) => return,

@@ -143,6 +143,11 @@ pub fn classify(e: &ConnectError) -> Failure {
             retry_after_ms: None,
             fatal: true,
         },
+        ConnectError::MethodNotAllowed { method, .. } => Failure::Error {
+            reason: format!("auth method {} not allowed", method.name()),
+            retry_after_ms: None,
+            fatal: true,
+        },
         ConnectError::Protocol(m) => Failure::Error {
             reason: format!("protocol {}", fold(m)),
             retry_after_ms: None,
