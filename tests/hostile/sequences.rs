@@ -133,7 +133,7 @@ async fn session(proxy: &Proxy, rng: &mut Rng, stmts: &[String], set_config_oid:
         0 => {
             c.terminate();
             let _ = c.send().await;
-            log.push_str("X");
+            log.push('X');
         }
         1 => {
             // Half a message, then gone.
