@@ -406,6 +406,62 @@ async fn deliver(mut s: TcpStream, pid: i32, secret: &[u8]) -> std::io::Result<(
 mod tests {
     use super::*;
 
+    /// A stand-in for Postgres' postmaster: counts CancelRequests for `pid`.
+    async fn counting_server() -> (SocketAddr, Arc<std::sync::atomic::AtomicUsize>) {
+        let l = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("bind");
+        let addr = l.local_addr().expect("addr");
+        let n = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let seen = Arc::clone(&n);
+        tokio::spawn(async move {
+            while let Ok((mut s, _)) = l.accept().await {
+                let mut buf = [0u8; 16];
+                if s.read_exact(&mut buf).await.is_ok() {
+                    seen.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                }
+            }
+        });
+        (addr, n)
+    }
+
+    /// The session's own cancel (backstop, shutdown) reaches the backend only while it is
+    /// still lent for the statement the cancel was started for: released, or lent again
+    /// (even the same backend), before the cancel could start, nothing is sent.
+    #[tokio::test]
+    async fn a_session_cancel_only_reaches_the_lending_it_was_for() {
+        let (addr, sent) = counting_server().await;
+        let r = Arc::new(Registry::new(PeerLayout::new(None)));
+        let reg = r.register(4);
+        let target = || Target {
+            addr,
+            pid: 42,
+            secret: Arc::from(&[1u8, 2, 3, 4][..]),
+        };
+        let count = || sent.load(std::sync::atomic::Ordering::SeqCst);
+        // Still lent: delivered.
+        reg.entry.set(Some(target())).await;
+        reg.entry.cancel_current(42).await.expect("task");
+        assert_eq!(count(), 1);
+        // Released before the cancel ran: nothing.
+        let h = reg.entry.cancel_current(42);
+        reg.entry.set(None).await;
+        h.await.expect("task");
+        // Released and lent again, same backend: still nothing (another statement runs).
+        let h = reg.entry.cancel_current(42);
+        reg.entry.set(None).await;
+        reg.entry.set(Some(target())).await;
+        h.await.expect("task");
+        // Another backend under the same lending: nothing.
+        reg.entry.cancel_current(7).await.expect("task");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        assert_eq!(
+            count(),
+            1,
+            "a cancel reached a statement it was not meant for"
+        );
+    }
+
     #[test]
     fn without_peers_pids_are_31_random_bits_and_local() {
         let l = PeerLayout::new(None);

@@ -422,8 +422,9 @@ impl Relay {
                 continue;
             }
             if self.cbuf.len() < h.total {
-                // Stream big CopyData through instead of buffering it whole.
-                if h.tag == b'd' && self.t.copy_in && self.backend.is_some() && !self.skip_to_sync {
+                // Stream big CopyData through instead of buffering it whole (see below on
+                // why the backend need not have entered COPY yet).
+                if h.tag == b'd' && self.backend.is_some() && !self.skip_to_sync {
                     let have = self.cbuf.len();
                     let chunk = self.cbuf.split();
                     self.bout.extend_from_slice(&chunk);
@@ -464,8 +465,11 @@ impl Relay {
                 )));
             }
             b'd' | b'c' | b'f' => {
-                // Outside COPY these are ignored, as Postgres does.
-                if self.t.copy_in && self.backend.is_some() {
+                // Forwarded whenever a backend is attached, COPY or not: a client may send its
+                // CopyData right behind `COPY … FROM STDIN`, before the server's
+                // CopyInResponse has come back (pgx does), and the server reads them in order.
+                // Outside COPY, Postgres ignores them itself; with no backend we do.
+                if self.backend.is_some() {
                     self.bout.extend_from_slice(&frame);
                 }
                 return Ok(());

@@ -284,6 +284,23 @@ impl WireClient {
             .map_err(|e| format!("send: {e}"))
     }
 
+    /// Writes everything buffered so far in two writes, cut at byte `at`, a moment apart (so
+    /// the reader sees a partial frame).
+    pub async fn send_split(&mut self, at: usize) -> Result<(), String> {
+        let buf = self.wbuf.split();
+        let at = at.min(buf.len());
+        for (i, part) in [&buf[..at], &buf[at..]].into_iter().enumerate() {
+            if i == 1 {
+                tokio::time::sleep(Duration::from_millis(2)).await;
+            }
+            self.stream
+                .write_all(part)
+                .await
+                .map_err(|e| format!("send: {e}"))?;
+        }
+        Ok(())
+    }
+
     /// Writes everything buffered so far but its last `keep_back` bytes (a truncated
     /// message, for clients that vanish mid-frame); the rest is discarded.
     pub async fn send_partial(&mut self, keep_back: usize) -> Result<(), String> {
