@@ -133,3 +133,163 @@ async fn copy_data_sent_before_copy_in_response_reaches_the_server() {
     // 2 modes × (4 + 17 split) sessions × 20 rows.
     assert_eq!(n, 2 * (4 + 17) * 20);
 }
+
+/// Everything a client can see of its own session, run over one connection at `addr`;
+/// returns the observations in order, so a direct connection and the proxy can be compared.
+async fn observe_session(addr: std::net::SocketAddr) -> Vec<String> {
+    let mut c = WireClient::connect(addr, APP_USER, APP_PASSWORD, APP_DB)
+        .await
+        .expect("connect");
+    let mut seen = Vec::new();
+    let q = async |c: &mut WireClient, sql: &str| -> String {
+        match within(STEP, sql, c.simple(sql)).await {
+            Ok(rows) => rows
+                .into_iter()
+                .map(|v| v.unwrap_or_else(|| "NULL".into()))
+                .collect::<Vec<_>>()
+                .join(","),
+            Err(e) => format!("error {}", &e[..5.min(e.len())]),
+        }
+    };
+    // A statement prepared with the protocol keeps its name.
+    c.parse("s1", "SELECT $1::int + 1").sync();
+    c.send().await.expect("send Parse");
+    let replies = c.until_ready().await.expect("Parse");
+    assert!(
+        replies.iter().all(|m| m.error_code().is_none()),
+        "{replies:?}"
+    );
+    let pid = q(&mut c, "SELECT pg_backend_pid()").await;
+    seen.push(
+        q(
+            &mut c,
+            "SELECT name FROM pg_prepared_statements ORDER BY name",
+        )
+        .await,
+    );
+    seen.push(q(&mut c, "EXECUTE s1(41)").await);
+    c.bind("", "s1", &[Some("1")]).execute("", 0).sync();
+    c.send().await.expect("send Bind");
+    let replies = c.until_ready().await.expect("Bind");
+    seen.push(format!("{:?}", support::wire::first_column(&replies)));
+    seen.push(q(&mut c, "DEALLOCATE s1").await);
+    seen.push(q(&mut c, "SELECT count(*) FROM pg_prepared_statements").await);
+    // Settings, temp tables, advisory locks and LISTEN stay with the session.
+    q(&mut c, "SET work_mem = '7MB'").await;
+    q(
+        &mut c,
+        "CREATE TEMP TABLE tt (a int); INSERT INTO tt VALUES (1)",
+    )
+    .await;
+    q(&mut c, "SELECT pg_advisory_lock(5)").await;
+    q(&mut c, "LISTEN ch").await;
+    for _ in 0..3 {
+        q(&mut c, "BEGIN; SELECT 1; COMMIT").await;
+    }
+    seen.push(q(&mut c, "SHOW work_mem").await);
+    seen.push(q(&mut c, "SELECT count(*) FROM tt").await);
+    seen.push(
+        q(
+            &mut c,
+            "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND pid = pg_backend_pid()",
+        )
+        .await,
+    );
+    c.query("NOTIFY ch, 'hi'");
+    c.send().await.expect("send NOTIFY");
+    let replies = c.until_ready().await.expect("NOTIFY");
+    seen.push(format!(
+        "notified: {}",
+        replies
+            .iter()
+            .any(|m| matches!(m, Backend::Notification { payload, .. } if payload == "hi"))
+    ));
+    // COPY out.
+    c.query("COPY (SELECT 7) TO STDOUT");
+    c.send().await.expect("send COPY");
+    let replies = c.until_ready().await.expect("COPY out");
+    seen.push(format!(
+        "copy out: {}",
+        replies.contains(&Backend::CopyData(b"7\n".to_vec()))
+    ));
+    // The same backend all along.
+    seen.push(format!(
+        "same backend: {}",
+        q(&mut c, "SELECT pg_backend_pid()").await == pid
+    ));
+    seen
+}
+
+/// Session mode is byte-transparent for what a client sees of its own session: the same
+/// observations directly and through the proxy, protocol-level names included.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn session_mode_shows_what_a_direct_connection_shows() {
+    let cluster = Cluster::start();
+    let direct = observe_session(cluster.addr()).await;
+    assert_eq!(
+        direct,
+        [
+            "s1",
+            "42",
+            "[Some(\"2\")]",
+            "",
+            "0",
+            "7MB",
+            "1",
+            "1",
+            "notified: true",
+            "copy out: true",
+            "same backend: true"
+        ],
+        "the reference (direct Postgres)"
+    );
+    let proxy = Proxy::start(&cluster, ProxyOptions::pool(2).session());
+    if proxy.is_direct() {
+        return;
+    }
+    assert_eq!(
+        observe_session(proxy.addr()).await,
+        direct,
+        "through the proxy"
+    );
+    proxy.assert_healthy().await;
+}
+
+/// Transaction mode renames protocol-level statements for sharing: SQL EXECUTE/DEALLOCATE of
+/// such a name is refused with a clear 0A000, never run against something else; the protocol
+/// path keeps working.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn transaction_mode_refuses_sql_execute_of_protocol_names() {
+    let cluster = Cluster::start();
+    let proxy = Proxy::start(&cluster, ProxyOptions::pool(2));
+    if proxy.is_direct() {
+        return;
+    }
+    let mut c = WireClient::connect(proxy.addr(), APP_USER, APP_PASSWORD, APP_DB)
+        .await
+        .expect("connect");
+    c.parse("s1", "SELECT $1::int + 1").sync();
+    c.send().await.expect("send Parse");
+    c.until_ready().await.expect("Parse");
+    for sql in ["EXECUTE s1(1)", "/* x */ DEALLOCATE PREPARE \"s1\""] {
+        let e = c.simple(sql).await.expect_err(sql);
+        assert!(
+            e.starts_with("0A000") && e.contains("extended protocol"),
+            "{sql}: {e}"
+        );
+    }
+    // Inside a transaction, the refusal aborts it like any error.
+    c.simple("BEGIN").await.expect("BEGIN");
+    assert!(c.simple("EXECUTE s1(1)").await.is_err());
+    let e = c.simple("SELECT 1").await.expect_err("aborted");
+    assert!(e.starts_with("25P02"), "{e}");
+    c.simple("ROLLBACK").await.expect("ROLLBACK");
+    c.bind("", "s1", &[Some("41")]).execute("", 0).sync();
+    c.send().await.expect("send Bind");
+    let replies = c.until_ready().await.expect("Bind");
+    assert_eq!(support::wire::first_column(&replies), [Some("42".into())]);
+    // A name the client never prepared goes to Postgres, which says it does not exist.
+    let e = c.simple("EXECUTE nope").await.expect_err("unknown name");
+    assert!(e.starts_with("26000"), "{e}");
+    proxy.assert_healthy().await;
+}

@@ -534,6 +534,14 @@ impl Relay {
     ) -> Result<(), End> {
         let sql = messages::query_body(body).ok_or_else(|| Self::malformed("Query"))?;
         let class = self.classify(sql);
+        if self.mode == PoolMode::Transaction
+            && let Some((verb, name)) = state::sql_prepared_target(sql)
+            && self.stmts.contains_key(name.as_slice())
+        {
+            // On the server it has another name (or none yet): never run something else.
+            let e = state::protocol_name_in_sql(verb, &name);
+            return self.refuse_statement(b'Q', e);
+        }
         let timeouts = match self.admit(&class, client).await {
             Ok(t) => t,
             Err(e) => return self.refuse_statement(b'Q', e),
@@ -636,6 +644,22 @@ impl Relay {
             self.bout.extend_from_slice(&frame);
             return Ok(());
         }
+        if self.mode == PoolMode::Session {
+            // The client owns its backend: its names stay its own, as on a direct connection
+            // (`pg_prepared_statements`, SQL EXECUTE/DEALLOCATE, drivers that check them).
+            self.stmts.insert(
+                body.slice_ref(name),
+                Stmt {
+                    hash: 0,
+                    query: body.slice_ref(query),
+                    types: body.slice_ref(types),
+                    class,
+                },
+            );
+            self.t.push(Expect::new(Kind::Parse, Mode::Forward));
+            self.bout.extend_from_slice(&frame);
+            return Ok(());
+        }
         let mut h = Xxh3::with_seed(self.app.statement_seed);
         h.update(query);
         h.update(&[0]);
@@ -695,7 +719,7 @@ impl Relay {
 
     /// Makes sure the client's statement `name` exists on this backend; returns its proxy name.
     fn ensure_prepared(&mut self, name: &[u8]) -> Option<[u8; 22]> {
-        if name.is_empty() {
+        if name.is_empty() || self.mode == PoolMode::Session {
             return None;
         }
         let (hash, query, types) = {
@@ -745,13 +769,14 @@ impl Relay {
         }
         self.inject_timeouts(timeouts, &class, false);
         self.track_statement(class, self.ready_sent + 1);
-        if let Some(hash) = self.stmts.get(stmt).map(|s| s.hash) {
+        let renamed = self.mode == PoolMode::Transaction;
+        if let Some(hash) = self.stmts.get(stmt).map(|s| s.hash).filter(|_| renamed) {
             self.retry_start(hash, &frame);
         }
         // An injected Parse (if any) goes before the Bind, and so does its expectation.
         let server = self.ensure_prepared(stmt);
         let mut e = Expect::new(Kind::Bind, Mode::Forward);
-        e.target = self.stmts.get(stmt).map(|s| s.hash);
+        e.target = self.stmts.get(stmt).map(|s| s.hash).filter(|_| renamed);
         self.t.push(e);
         match server {
             Some(server) => messages::bind_renamed(&mut self.bout, portal, &server, tail),
@@ -768,7 +793,11 @@ impl Relay {
             (b'D', b'S') => {
                 let server = self.ensure_prepared(name);
                 let mut e = Expect::new(Kind::DescribeStmt, Mode::Forward);
-                e.target = self.stmts.get(name).map(|s| s.hash);
+                e.target = self
+                    .stmts
+                    .get(name)
+                    .map(|s| s.hash)
+                    .filter(|_| self.mode == PoolMode::Transaction);
                 self.t.push(e);
                 match server {
                     Some(server) => messages::target(&mut self.bout, b'D', b'S', &server),
@@ -780,12 +809,15 @@ impl Relay {
                     .push(Expect::new(Kind::DescribePortal, Mode::Forward));
                 self.bout.extend_from_slice(&frame);
             }
-            (b'C', b'S') if !name.is_empty() => {
+            (b'C', b'S') if !name.is_empty() && self.mode == PoolMode::Transaction => {
                 // The server statement stays cached for others; only the client's name goes.
                 self.stmts.remove(name);
                 self.t.push(Expect::new(Kind::Close, Mode::Synthetic));
             }
             _ => {
+                if kind == b'S' {
+                    self.stmts.remove(name);
+                }
                 self.t.push(Expect::new(Kind::Close, Mode::Forward));
                 self.bout.extend_from_slice(&frame);
             }

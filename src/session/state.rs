@@ -104,6 +104,73 @@ pub fn set_config_names(sql: &[u8]) -> Option<Vec<String>> {
     Some(out)
 }
 
+/// For an SQL `EXECUTE name …` or `DEALLOCATE [PREPARE] name`: the verb and the name as
+/// Postgres looks it up (unquoted names folded to lower case, quoted ones verbatim).
+/// Leading comments are skipped; anything else is `None`.
+pub fn sql_prepared_target(sql: &[u8]) -> Option<(&'static str, Vec<u8>)> {
+    let mut i = 0;
+    let word = |i: &mut usize| -> Vec<u8> {
+        let start = *i;
+        while sql
+            .get(*i)
+            .is_some_and(|c| c.is_ascii_alphanumeric() || *c == b'_' || *c == b'$' || *c >= 0x80)
+        {
+            *i += 1;
+        }
+        sql[start..*i].to_ascii_lowercase()
+    };
+    let skip = |i: &mut usize| loop {
+        while sql.get(*i).is_some_and(u8::is_ascii_whitespace) {
+            *i += 1;
+        }
+        if sql[*i..].starts_with(b"/*") {
+            *i = find(&sql[*i..], b"*/").map_or(sql.len(), |e| *i + e + 2);
+        } else if sql[*i..].starts_with(b"--") {
+            *i = sql[*i..]
+                .iter()
+                .position(|&c| c == b'\n')
+                .map_or(sql.len(), |e| *i + e + 1);
+        } else {
+            return;
+        }
+    };
+    skip(&mut i);
+    let verb = match word(&mut i).as_slice() {
+        b"execute" => "EXECUTE",
+        b"deallocate" => "DEALLOCATE",
+        _ => return None,
+    };
+    skip(&mut i);
+    if sql.get(i) == Some(&b'"') {
+        let mut name = Vec::new();
+        i += 1;
+        loop {
+            match sql.get(i) {
+                Some(b'"') if sql.get(i + 1) == Some(&b'"') => {
+                    name.push(b'"');
+                    i += 2;
+                }
+                Some(b'"') => return Some((verb, name)),
+                Some(&c) => {
+                    name.push(c);
+                    i += 1;
+                }
+                None => return None,
+            }
+        }
+    }
+    let mut name = word(&mut i);
+    if verb == "DEALLOCATE" && name == b"prepare" {
+        skip(&mut i);
+        return sql_prepared_target(&[b"deallocate ", &sql[i..]].concat());
+    }
+    if name.is_empty() {
+        return None;
+    }
+    name.shrink_to_fit();
+    Some((verb, name))
+}
+
 fn find(hay: &[u8], needle: &[u8]) -> Option<usize> {
     hay.windows(needle.len()).position(|w| w == needle)
 }
@@ -227,6 +294,23 @@ fn session_state_error(what: &str, stmt: &str) -> PgError {
     .with_hint("use a session-mode pool for this client, or set pool.session_state to track or pin")
 }
 
+/// The refusal of an SQL `EXECUTE`/`DEALLOCATE` naming a statement the client prepared with
+/// the protocol: in transaction mode it lives on the servers under a shared proxy name.
+pub fn protocol_name_in_sql(verb: &str, name: &[u8]) -> PgError {
+    let name = String::from_utf8_lossy(name);
+    PgError::error(
+        "0A000",
+        format!(
+            "pgsluice: ERR_SESSION_STATE: SQL {verb} of \"{name}\", a statement prepared with \
+             the extended protocol, is not supported in transaction pooling mode"
+        ),
+    )
+    .with_hint(
+        "run it with Bind/Execute and remove it with Close, or use a session-mode pool for this \
+         client",
+    )
+}
+
 /// Parses one DataRow of the capture query: (name, value).
 pub fn capture_row(body: &[u8]) -> Option<(String, String)> {
     let cols = i16::from_be_bytes([*body.first()?, *body.get(1)?]);
@@ -302,6 +386,29 @@ mod tests {
         assert_eq!(names("SELECT set_config(E'a\\x2eb', 'c', false)"), None);
         assert_eq!(names("SELECT 'no set_config here'"), Some(vec![]));
         assert_eq!(names("SELECT set_config('unterminated"), None);
+    }
+
+    #[test]
+    fn sql_prepared_targets() {
+        let t = |s: &str| {
+            sql_prepared_target(s.as_bytes()).map(|(v, n)| (v, String::from_utf8(n).unwrap()))
+        };
+        assert_eq!(t("EXECUTE S1(1, 2)"), Some(("EXECUTE", "s1".into())));
+        assert_eq!(
+            t("  /*x*/ -- c\n execute \"S1\""),
+            Some(("EXECUTE", "S1".into()))
+        );
+        assert_eq!(
+            t("DEALLOCATE PREPARE s2"),
+            Some(("DEALLOCATE", "s2".into()))
+        );
+        assert_eq!(
+            t("deallocate \"a\"\"b\""),
+            Some(("DEALLOCATE", "a\"b".into()))
+        );
+        assert_eq!(t("deallocate all"), Some(("DEALLOCATE", "all".into())));
+        assert_eq!(t("SELECT 1"), None);
+        assert_eq!(t("execute"), None);
     }
 
     #[test]
