@@ -117,7 +117,9 @@ fn own_transaction(s: &Stmt<'_>) -> bool {
     }
     match s.word(i) {
         Some("vacuum" | "call" | "do" | "cluster") => true,
-        Some("alter") => s.is(i + 1, "system") || s.is(i + 1, "database"),
+        Some("alter") => {
+            s.is(i + 1, "system") || s.is(i + 1, "database") || s.is(i + 1, "subscription")
+        }
         Some("create" | "drop" | "reindex") => {
             s.is(i + 1, "database")
                 || s.is(i + 1, "tablespace")
