@@ -223,6 +223,7 @@ admin:
   listen: 127.0.0.1:$ADMIN_PORT
 backend:
   url: postgres://postgres:$PASSWORD@127.0.0.1:$PGPORT/bench
+  require_auth: [scram-sha-256, trust]   # the throwaway cluster above uses trust auth
 pool:
   size: $POOL
 auth:
