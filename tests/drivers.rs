@@ -2,19 +2,22 @@
 //! byte-transparent).
 //!
 //! Each test runs one small program from `tests/drivers/` — pgx v4 (Go), ruby-pg, DBD::Pg
-//! (Perl) — first against PostgreSQL directly and then through `pgsluice --pool-mode session`,
-//! and asserts that both print the same lines, which must also be the expected ones. What the
-//! programs exercise is what these drivers really do on the wire: pgx pipelines a batch and
-//! streams binary COPY data before the server's CopyInResponse; all three prepare statements
-//! under names of their own choosing and expect `pg_prepared_statements` and SQL
-//! `EXECUTE`/`DEALLOCATE` to see those names.
+//! (Perl), SQLAlchemy on psycopg2 (Python) — first against PostgreSQL directly and then through
+//! `pgsluice --pool-mode session`, and asserts that both print the same lines, which must also
+//! be the expected ones. The programs do what these drivers really do on the wire: pgx
+//! pipelines a batch and streams binary COPY data before the server's CopyInResponse; pgx,
+//! ruby-pg and DBD::Pg prepare statements under names of their own choosing and expect
+//! `pg_prepared_statements` and SQL `EXECUTE`/`DEALLOCATE` to see those names; SQLAlchemy
+//! (simple protocol only) adds savepoints, a server-side cursor, SQL `PREPARE` and COPY.
 //!
-//! Every run is bounded by a timeout, so a hang fails the test (with the program's output so far)
-//! instead of hanging the suite. The drivers come from Debian packages that `.ci/run` installs
-//! (`golang-go`, `golang-github-jackc-pgx-v4-dev`, `ruby-pg`, `libdbd-pg-perl`); when one is
-//! missing the test fails and says what to install — it never skips. The Go program is built
-//! once per test run, in GOPATH mode against the packaged sources under `/usr/share/gocode`
-//! (Debian ships them for exactly that; no module download is involved).
+//! Every run is bounded by a timeout, so a hang fails the test (with the program's output so
+//! far) instead of hanging the suite. The drivers come from Debian packages that `.ci/run`
+//! installs (`golang-go`, `golang-github-jackc-pgx-v4-dev`, `ruby-pg`, `libdbd-pg-perl`,
+//! `python3-sqlalchemy`, `python3-psycopg2`); when one is missing the test fails and says what
+//! to install — it never skips. The Python script runs under Debian's own interpreter
+//! ([`DEBIAN_PYTHON`]), the one those packages install into, whatever else is on `PATH`. The
+//! Go program is built once per test run, in GOPATH mode against the packaged sources under
+//! `/usr/share/gocode` (Debian ships them for exactly that; no module download is involved).
 
 mod support;
 
@@ -33,6 +36,8 @@ const RUN_LIMIT: Duration = Duration::from_secs(30);
 const BUILD_LIMIT: Duration = Duration::from_secs(300);
 /// Where Debian's golang-*-dev packages put their sources (a GOPATH entry).
 const DEBIAN_GOPATH: &str = "/usr/share/gocode";
+/// The interpreter Debian's python3-* packages belong to.
+const DEBIAN_PYTHON: &str = "/usr/bin/python3";
 /// How many times the pgx scenario runs through the proxy: the COPY hang it guards against
 /// showed up in two runs out of three.
 const PGX_PROXY_RUNS: usize = 5;
@@ -294,6 +299,63 @@ async fn dbd_pg_server_prepare_and_copy() {
         let (out, _) = run(
             &what,
             perl(proxy.connect_str(APP_USER, APP_PASSWORD, APP_DB), &table),
+        )
+        .await;
+        assert_eq!(lines(&out), lines(&direct), "{what}");
+    }
+    proxy.assert_healthy().await;
+}
+
+/// SQLAlchemy 1.4 on psycopg2: ORM inserts (executemany) in a transaction, a SAVEPOINT rolled
+/// back, a server-side cursor streamed in batches, SQL `PREPARE`/`EXECUTE`/`DEALLOCATE` on a
+/// pooled connection, and `COPY … FROM STDIN` through the raw DBAPI connection.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sqlalchemy_orm_session() {
+    let mut check = Command::new(DEBIAN_PYTHON);
+    check.args(["-c", "import sqlalchemy, psycopg2"]);
+    require(
+        check,
+        "Debian's Python with SQLAlchemy and psycopg2",
+        "python3-sqlalchemy python3-psycopg2",
+    );
+    let cluster = Cluster::start();
+    let proxy = Proxy::start(&cluster, ProxyOptions::pool(2).session());
+
+    let python = |conninfo: String, table: &str| {
+        let mut cmd = Command::new(DEBIAN_PYTHON);
+        cmd.arg(program("sqlalchemy_orm.py"))
+            .arg(conninfo)
+            .arg(table);
+        cmd
+    };
+    fresh_table(&cluster, "sqla_direct");
+    let (direct, _) = run(
+        "SQLAlchemy directly",
+        python(
+            cluster.connect_str(APP_USER, APP_PASSWORD, APP_DB),
+            "sqla_direct",
+        ),
+    )
+    .await;
+    // Ids 1..=50 from the ORM, 1000 kept past the savepoint, 2000..2300 from the COPY.
+    let expected = [
+        "after executemany rows 50 sum 1275",
+        "after savepoint rollback rows 51 sum 2275",
+        "server-side cursors while streaming 1",
+        "streamed 51 first 1 last 1000",
+        "EXECUTE plus_one(41) 42",
+        "prepared [('plus_one', True)]",
+        "copied 300",
+        "at the end rows 351 sum 647125",
+    ];
+    assert_eq!(lines(&direct), expected, "the reference (direct Postgres)");
+    for i in 1..=2 {
+        let table = format!("sqla_proxy_{i}");
+        fresh_table(&cluster, &table);
+        let what = format!("SQLAlchemy through the proxy, run {i}");
+        let (out, _) = run(
+            &what,
+            python(proxy.connect_str(APP_USER, APP_PASSWORD, APP_DB), &table),
         )
         .await;
         assert_eq!(lines(&out), lines(&direct), "{what}");
