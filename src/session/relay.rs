@@ -638,8 +638,17 @@ impl Relay {
             self.inject_timeouts(t, &class, false);
         }
         if name.is_empty() {
+            // Its text is kept only when the read-back needs names from it: a kept slice
+            // would pin the client buffer it was cut from, and every read would allocate.
+            self.unnamed_query = if class
+                .effects
+                .contains(&crate::classify::SessionEffect::SetConfigSession)
+            {
+                Bytes::copy_from_slice(query)
+            } else {
+                Bytes::new()
+            };
             self.unnamed_class = Some(class);
-            self.unnamed_query = body.slice_ref(query);
             self.t.push(Expect::new(Kind::Parse, Mode::Forward));
             self.bout.extend_from_slice(&frame);
             return Ok(());
