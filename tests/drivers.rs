@@ -150,6 +150,42 @@ fn build_pgx(dir: &Path) -> PathBuf {
 /// pgx v4: in a transaction a pipelined batch of 100 INSERTs, then `CopyFrom` (binary COPY) of
 /// 1000 rows, commit; then `Prepare(ctx, "s1", …)`, which `pg_prepared_statements` and SQL
 /// `EXECUTE s1(…)` (simple and extended protocol) must see. Five runs through the proxy.
+/// Starts a cluster and a session-mode proxy, runs `program` (given a conninfo and a fresh
+/// table's name) directly, checks it printed `expected`, then `proxy_runs` times through the
+/// proxy, each of which must print the same. `name` names the runs and prefixes the tables.
+async fn direct_then_proxy(
+    name: &str,
+    proxy_runs: usize,
+    expected: &[&str],
+    program: impl Fn(String, &str) -> Command,
+) {
+    let cluster = Cluster::start();
+    let proxy = Proxy::start(&cluster, ProxyOptions::pool(2).session());
+    let table = |suffix: &str| {
+        let t = format!(
+            "{}_{suffix}",
+            name.replace(['-', ':', ' '], "_").to_lowercase()
+        );
+        fresh_table(&cluster, &t);
+        t
+    };
+    let t = table("direct");
+    let conninfo = cluster.connect_str(APP_USER, APP_PASSWORD, APP_DB);
+    let (direct, _) = run(&format!("{name} directly"), program(conninfo, &t)).await;
+    assert_eq!(lines(&direct), expected, "the reference (direct Postgres)");
+    let mut took = Vec::new();
+    for i in 1..=proxy_runs {
+        let t = table(&format!("proxy_{i}"));
+        let what = format!("{name} through the proxy, run {i} of {proxy_runs}");
+        let conninfo = proxy.connect_str(APP_USER, APP_PASSWORD, APP_DB);
+        let (out, d) = run(&what, program(conninfo, &t)).await;
+        assert_eq!(lines(&out), lines(&direct), "{what}");
+        took.push(d);
+    }
+    eprintln!("{name} through the proxy: {took:?}");
+    proxy.assert_healthy().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn pgx_batch_copy_and_prepared_names() {
     let build_dir = tempfile::tempdir().expect("temp dir for the Go build");
@@ -159,23 +195,6 @@ async fn pgx_batch_copy_and_prepared_names() {
     })
     .await
     .unwrap_or_else(|e| std::panic::resume_unwind(e.into_panic()));
-    let cluster = Cluster::start();
-    let proxy = Proxy::start(&cluster, ProxyOptions::pool(2).session());
-
-    let pgx = |conninfo: String, table: &str| {
-        let mut cmd = Command::new(&bin);
-        cmd.arg(conninfo).arg(table);
-        cmd
-    };
-    fresh_table(&cluster, "pgx_direct");
-    let (direct, _) = run(
-        "pgx directly",
-        pgx(
-            cluster.connect_str(APP_USER, APP_PASSWORD, APP_DB),
-            "pgx_direct",
-        ),
-    )
-    .await;
     // 100 batch rows (ids 0..100) and 1000 copied rows (ids 100..1100).
     let expected = [
         "batch inserted 100",
@@ -187,23 +206,12 @@ async fn pgx_batch_copy_and_prepared_names() {
         "extended EXECUTE s1(2) 3",
         "s1 after deallocate 0",
     ];
-    assert_eq!(lines(&direct), expected, "the reference (direct Postgres)");
-
-    let mut took = Vec::new();
-    for i in 1..=PGX_PROXY_RUNS {
-        let table = format!("pgx_proxy_{i}");
-        fresh_table(&cluster, &table);
-        let what = format!("pgx through the proxy, run {i} of {PGX_PROXY_RUNS}");
-        let (out, t) = run(
-            &what,
-            pgx(proxy.connect_str(APP_USER, APP_PASSWORD, APP_DB), &table),
-        )
-        .await;
-        assert_eq!(lines(&out), lines(&direct), "{what}");
-        took.push(t);
-    }
-    eprintln!("pgx through the proxy: {took:?}");
-    proxy.assert_healthy().await;
+    direct_then_proxy("pgx", PGX_PROXY_RUNS, &expected, |conninfo, table| {
+        let mut cmd = Command::new(&bin);
+        cmd.arg(conninfo).arg(table);
+        cmd
+    })
+    .await;
 }
 
 /// ruby-pg: `prepare('s1', …)`, `exec_prepared`, `pg_prepared_statements`, SQL `EXECUTE` and
@@ -213,19 +221,6 @@ async fn ruby_pg_prepare_and_sql_deallocate() {
     let mut check = Command::new("ruby");
     check.args(["-e", "require 'pg'"]);
     require(check, "Ruby with the pg extension", "ruby-pg");
-    let cluster = Cluster::start();
-    let proxy = Proxy::start(&cluster, ProxyOptions::pool(2).session());
-
-    let ruby = |conninfo: String| {
-        let mut cmd = Command::new("ruby");
-        cmd.arg(program("ruby_pg_prepare.rb")).arg(conninfo);
-        cmd
-    };
-    let (direct, _) = run(
-        "ruby-pg directly",
-        ruby(cluster.connect_str(APP_USER, APP_PASSWORD, APP_DB)),
-    )
-    .await;
     let expected = [
         "exec_prepared s1(41) 42",
         "prepared s1",
@@ -239,17 +234,12 @@ async fn ruby_pg_prepare_and_sql_deallocate() {
         "re-prepared s1 again x",
         "after DEALLOCATE ALL 0",
     ];
-    assert_eq!(lines(&direct), expected, "the reference (direct Postgres)");
-    for i in 1..=2 {
-        let what = format!("ruby-pg through the proxy, run {i}");
-        let (out, _) = run(
-            &what,
-            ruby(proxy.connect_str(APP_USER, APP_PASSWORD, APP_DB)),
-        )
-        .await;
-        assert_eq!(lines(&out), lines(&direct), "{what}");
-    }
-    proxy.assert_healthy().await;
+    direct_then_proxy("ruby-pg", 2, &expected, |conninfo, _table| {
+        let mut cmd = Command::new("ruby");
+        cmd.arg(program("ruby_pg_prepare.rb")).arg(conninfo);
+        cmd
+    })
+    .await;
 }
 
 /// DBD::Pg with `pg_server_prepare => 1`: an INSERT prepared on the server and executed five
@@ -261,25 +251,6 @@ async fn dbd_pg_server_prepare_and_copy() {
     let mut check = Command::new("perl");
     check.args(["-MDBD::Pg", "-e", "1"]);
     require(check, "Perl with DBD::Pg", "libdbd-pg-perl");
-    let cluster = Cluster::start();
-    let proxy = Proxy::start(&cluster, ProxyOptions::pool(2).session());
-
-    let perl = |conninfo: String, table: &str| {
-        let mut cmd = Command::new("perl");
-        cmd.arg(program("dbd_pg_prepare_copy.pl"))
-            .arg(conninfo)
-            .arg(table);
-        cmd
-    };
-    fresh_table(&cluster, "dbd_direct");
-    let (direct, _) = run(
-        "DBD::Pg directly",
-        perl(
-            cluster.connect_str(APP_USER, APP_PASSWORD, APP_DB),
-            "dbd_direct",
-        ),
-    )
-    .await;
     // Ids 1..=5 from the prepared INSERT, 100..600 from the COPY.
     let expected = [
         "inserted 5",
@@ -291,19 +262,14 @@ async fn dbd_pg_server_prepare_and_copy() {
         "rows 505 sum 174765",
         "protocol statements after destroy 0",
     ];
-    assert_eq!(lines(&direct), expected, "the reference (direct Postgres)");
-    for i in 1..=2 {
-        let table = format!("dbd_proxy_{i}");
-        fresh_table(&cluster, &table);
-        let what = format!("DBD::Pg through the proxy, run {i}");
-        let (out, _) = run(
-            &what,
-            perl(proxy.connect_str(APP_USER, APP_PASSWORD, APP_DB), &table),
-        )
-        .await;
-        assert_eq!(lines(&out), lines(&direct), "{what}");
-    }
-    proxy.assert_healthy().await;
+    direct_then_proxy("DBD::Pg", 2, &expected, |conninfo, table| {
+        let mut cmd = Command::new("perl");
+        cmd.arg(program("dbd_pg_prepare_copy.pl"))
+            .arg(conninfo)
+            .arg(table);
+        cmd
+    })
+    .await;
 }
 
 /// SQLAlchemy 1.4 on psycopg2: ORM inserts (executemany) in a transaction, a SAVEPOINT rolled
@@ -318,25 +284,6 @@ async fn sqlalchemy_orm_session() {
         "Debian's Python with SQLAlchemy and psycopg2",
         "python3-sqlalchemy python3-psycopg2",
     );
-    let cluster = Cluster::start();
-    let proxy = Proxy::start(&cluster, ProxyOptions::pool(2).session());
-
-    let python = |conninfo: String, table: &str| {
-        let mut cmd = Command::new(DEBIAN_PYTHON);
-        cmd.arg(program("sqlalchemy_orm.py"))
-            .arg(conninfo)
-            .arg(table);
-        cmd
-    };
-    fresh_table(&cluster, "sqla_direct");
-    let (direct, _) = run(
-        "SQLAlchemy directly",
-        python(
-            cluster.connect_str(APP_USER, APP_PASSWORD, APP_DB),
-            "sqla_direct",
-        ),
-    )
-    .await;
     // Ids 1..=50 from the ORM, 1000 kept past the savepoint, 2000..2300 from the COPY.
     let expected = [
         "after executemany rows 50 sum 1275",
@@ -348,17 +295,12 @@ async fn sqlalchemy_orm_session() {
         "copied 300",
         "at the end rows 351 sum 647125",
     ];
-    assert_eq!(lines(&direct), expected, "the reference (direct Postgres)");
-    for i in 1..=2 {
-        let table = format!("sqla_proxy_{i}");
-        fresh_table(&cluster, &table);
-        let what = format!("SQLAlchemy through the proxy, run {i}");
-        let (out, _) = run(
-            &what,
-            python(proxy.connect_str(APP_USER, APP_PASSWORD, APP_DB), &table),
-        )
-        .await;
-        assert_eq!(lines(&out), lines(&direct), "{what}");
-    }
-    proxy.assert_healthy().await;
+    direct_then_proxy("SQLAlchemy", 2, &expected, |conninfo, table| {
+        let mut cmd = Command::new(DEBIAN_PYTHON);
+        cmd.arg(program("sqlalchemy_orm.py"))
+            .arg(conninfo)
+            .arg(table);
+        cmd
+    })
+    .await;
 }
