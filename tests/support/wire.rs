@@ -284,6 +284,11 @@ impl WireClient {
             .map_err(|e| format!("send: {e}"))
     }
 
+    /// Bytes buffered and not yet sent.
+    pub fn pending(&self) -> usize {
+        self.wbuf.len()
+    }
+
     /// Writes everything buffered so far in two writes, cut at byte `at`, a moment apart (so
     /// the reader sees a partial frame).
     pub async fn send_split(&mut self, at: usize) -> Result<(), String> {
