@@ -37,9 +37,10 @@ async fn settings_changed_just_before_a_disconnect_do_not_leak() {
     for round in 0..4 {
         for sql in &sets {
             let mut a = wire(&proxy).await;
-            // The change is made, then the client hangs up while the statement after it
-            // still runs: the proxy never gets to read the settings back.
-            a.query(&format!("{sql}; SELECT pg_sleep(0.2)"));
+            // The change is made (and committed: a request of its own), then the client hangs
+            // up while the request after it still runs: the proxy reads settings back only
+            // once nothing is in flight, so it never gets to.
+            a.query(sql).query("SELECT pg_sleep(0.2)");
             a.send().await.expect("send");
             tokio::time::sleep(Duration::from_millis(50 * (round + 1))).await;
             if round % 2 == 1 {
