@@ -104,19 +104,20 @@ pub fn client_settings(raw: &[(String, String)]) -> Result<(Settings, Vec<String
 
 /// `s` as an SQL string literal: dollar-quoted with a tag that does not occur in `s`.
 pub fn literal(s: &str) -> String {
-    dollar_tag(s, |tag| format!("{tag}{s}{tag}"))
+    let tag = dollar_tag(s, "q");
+    format!("{tag}{s}{tag}")
 }
 
-/// Calls `f` with a dollar-quote tag (`$q$`, `$q1$`, …) that occurs nowhere in `body`.
-pub fn dollar_tag(body: &str, f: impl FnOnce(&str) -> String) -> String {
-    let mut tag = String::from("$q$");
+/// A dollar-quote tag `$name$`, `$name1$`, … that occurs nowhere in `body` and cannot meet its
+/// end either (`$q$` after a body ending in `$q` would close early).
+pub fn dollar_tag(body: &str, name: &str) -> String {
+    let mut tag = format!("${name}$");
     let mut n = 0u32;
-    // `$q$` ends a string that ends in `$q`: the tag must not meet the body's edges either.
     while body.contains(&tag) || body.ends_with(&tag[..tag.len() - 1]) {
         n += 1;
-        tag = format!("$q{n}$");
+        tag = format!("${name}{n}$");
     }
-    f(&tag)
+    tag
 }
 
 /// SQL that turns a backend carrying `applied` into one carrying `desired` (both sorted), or

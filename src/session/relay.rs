@@ -534,7 +534,17 @@ impl Relay {
     ) -> Result<(), End> {
         let sql = messages::query_body(body).ok_or_else(|| Self::malformed("Query"))?;
         let class = self.classify(sql);
+        // Only SQL EXECUTE (an Unknown effect) and DEALLOCATE can name a statement, so
+        // ordinary queries never pay for reading the name.
         if self.mode == PoolMode::Transaction
+            && !self.stmts.is_empty()
+            && class.effects.iter().any(|e| {
+                matches!(
+                    e,
+                    crate::classify::SessionEffect::Unknown
+                        | crate::classify::SessionEffect::Deallocate
+                )
+            })
             && let Some((verb, name)) = state::sql_prepared_target(sql)
             && self.stmts.contains_key(name.as_slice())
         {
@@ -768,7 +778,13 @@ impl Relay {
         if let Err(e) = self.ensure_backend(client).await {
             return self.refuse(b'B', e);
         }
-        let text = if stmt.is_empty() {
+        // The text is only read for `set_config` names; other statements skip the lookup.
+        let text = if !class
+            .effects
+            .contains(&crate::classify::SessionEffect::SetConfigSession)
+        {
+            None
+        } else if stmt.is_empty() {
             Some(self.unnamed_query.clone())
         } else {
             self.stmts.get(stmt).map(|s| s.query.clone())
@@ -1424,12 +1440,7 @@ fn raise_sql(e: &PgError) -> String {
     }
     body.push_str("; END");
     // The outer tag differs from every inner one: those are `$q…$`, this one `$pgsl…$`.
-    let mut tag = String::from("$pgsl$");
-    let mut n = 0u32;
-    while body.contains(&tag) {
-        n += 1;
-        tag = format!("$pgsl{n}$");
-    }
+    let tag = params::dollar_tag(&body, "pgsl");
     format!("DO {tag}{body}{tag}")
 }
 

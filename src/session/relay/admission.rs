@@ -279,22 +279,7 @@ impl Relay {
         const PORTAL: &[u8] = b"_pgsl_timeouts";
         const NO_TYPES: &[u8] = b"\0\0";
         if !self.is_prepared(hash, sql.as_bytes(), NO_TYPES) {
-            let conn = self.backend_conn();
-            if let Some(i) = conn.stale.iter().position(|h| *h == hash) {
-                conn.stale.swap_remove(i);
-                messages::target(&mut self.bout, b'C', b'S', &name);
-                self.t.push(Expect::new(Kind::Close, Mode::Swallow));
-            }
-            let conn = self.backend_conn();
-            if let Some(old) = conn.prepared.insert(hash, sql.as_bytes(), NO_TYPES) {
-                let old = crate::pool::prepared::server_name(old);
-                messages::target(&mut self.bout, b'C', b'S', &old);
-                self.t.push(Expect::new(Kind::Close, Mode::Swallow));
-            }
-            messages::parse_named(&mut self.bout, &name, sql.as_bytes(), NO_TYPES);
-            let mut e = Expect::new(Kind::Parse, Mode::Swallow);
-            e.stmt = Some(hash);
-            self.t.push(e);
+            self.prepare_on_backend(hash, sql.as_bytes(), NO_TYPES, Mode::Swallow);
         }
         // No parameters, text results.
         messages::bind_renamed(&mut self.bout, PORTAL, &name, b"\0\0\0\0\0\0");
