@@ -16,7 +16,7 @@ use std::time::Duration;
 use criterion::{Criterion, criterion_group, criterion_main};
 use pgsluice::policy::breaker::BreakerConfig;
 use pgsluice::policy::rules::RuleSpec;
-use pgsluice::policy::{AdmitRequest, CallerPolicy, Policy, Priority};
+use pgsluice::policy::{AdmitRequest, CallerPolicy, Policy, Priority, RetryPolicy};
 use tokio::runtime::Runtime;
 use tokio::time::Instant;
 
@@ -43,6 +43,7 @@ fn callers() -> Vec<CallerPolicy> {
     ];
     let mut v: Vec<CallerPolicy> = (0..CALLERS)
         .map(|i| CallerPolicy {
+            retry: RetryPolicy::default(),
             name: format!("service_{i}"),
             max_concurrency: 64,
             queue_depth: 100,
@@ -56,6 +57,7 @@ fn callers() -> Vec<CallerPolicy> {
         })
         .collect();
     v.push(CallerPolicy {
+        retry: RetryPolicy::default(),
         name: "default".into(),
         max_concurrency: 120,
         queue_depth: 1_000,

@@ -17,7 +17,7 @@ use crate::observe::metrics::Metrics;
 use crate::observe::stats::FingerprintStats;
 use crate::policy::breaker::BreakerConfig;
 use crate::policy::rules::RuleSet;
-use crate::policy::{CallerPolicy, Policy, Priority, Scope};
+use crate::policy::{CallerPolicy, Policy, Priority, RetryPolicy, Scope};
 use crate::pool::{ConnectParams, Pool, Pools};
 use crate::protocol::PgError;
 
@@ -180,6 +180,9 @@ impl App {
         }
         self.creds.store(creds);
         self.callers.store(Arc::new(caller_matcher(&config)));
+        for note in config.notes() {
+            tracing::warn!("{note}");
+        }
         self.config.store(Arc::new(config));
         self.tls.install(tls);
         Ok(())
@@ -325,6 +328,11 @@ pub fn policy_inputs(cfg: &Config) -> (Vec<CallerPolicy>, BreakerConfig) {
                 cfgmod::Scope::Instance => Scope::Instance,
                 cfgmod::Scope::Fleet => Scope::Fleet,
             },
+            retry: retry_policy(
+                c.retry_base_ms.unwrap_or(g.retry_base_ms),
+                c.retry_cap_ms.unwrap_or(g.retry_cap_ms),
+                c.retry_floor_ms.unwrap_or(g.retry_floor_ms),
+            ),
         })
         .collect();
     callers.push(CallerPolicy {
@@ -336,6 +344,7 @@ pub fn policy_inputs(cfg: &Config) -> (Vec<CallerPolicy>, BreakerConfig) {
         max_qps: None,
         burst: None,
         scope: Scope::Instance,
+        retry: connection_retry(cfg),
     });
     let b = &g.circuit_breaker;
     let breaker = BreakerConfig {
@@ -343,10 +352,25 @@ pub fn policy_inputs(cfg: &Config) -> (Vec<CallerPolicy>, BreakerConfig) {
         max_inflight_threshold: b.max_inflight_threshold,
         db_cpu_threshold_percent: b.db_cpu_threshold_percent,
         open: Duration::from_millis(b.open_ms),
-        half_open_max_probes: 1,
+        half_open_max_probes: b.half_open_trials,
         critical_reserve: b.critical_reserve,
     };
     (callers, breaker)
+}
+
+fn retry_policy(base_ms: u64, cap_ms: u64, floor_ms: u64) -> RetryPolicy {
+    RetryPolicy {
+        base: Duration::from_millis(base_ms),
+        cap: Duration::from_millis(cap_ms),
+        floor: Duration::from_millis(floor_ms),
+    }
+}
+
+/// The retry hints of connection-level refusals (and the `default` caller's):
+/// `global_defaults`' `retry_*_ms`.
+pub fn connection_retry(cfg: &Config) -> RetryPolicy {
+    let g = &cfg.global_defaults;
+    retry_policy(g.retry_base_ms, g.retry_cap_ms, g.retry_floor_ms)
 }
 
 /// Caller matching rules from config (validated, so CIDRs parse).

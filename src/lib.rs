@@ -23,6 +23,7 @@ pub mod admin;
 pub mod app;
 pub mod auth;
 pub mod cancel;
+pub mod check;
 pub mod classify;
 pub mod cli;
 pub mod config;

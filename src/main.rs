@@ -53,8 +53,15 @@ struct Cli {
 
 #[derive(Subcommand, Debug)]
 enum Cmd {
-    /// Validate a configuration file and print precise errors, without starting.
-    CheckConfig { file: PathBuf },
+    /// Validate a configuration file and print precise errors, without starting. With a
+    /// backend URL (the file's or --backend) it also logs in once: pool sizes are compared
+    /// with max_connections and the breaker probe is run.
+    CheckConfig {
+        file: PathBuf,
+        /// postgres://USER[:PASSWORD]@HOST:PORT/DB to check against, in place of the file's.
+        #[arg(long)]
+        backend: Option<String>,
+    },
     #[command(flatten)]
     Admin(AdminCmd),
 }
@@ -91,24 +98,56 @@ fn env_password() -> Option<Secret> {
         .map(|v| Secret::new(v.to_string_lossy().into_owned()))
 }
 
+/// `check-config`: the file (plus `--backend`), then what the database says about it. The
+/// environment's password and password files apply as at start.
+fn check_config(file: &PathBuf, backend: Option<String>) -> ExitCode {
+    let overrides = Overrides {
+        backend,
+        backend_password: env_password(),
+        ..Overrides::default()
+    };
+    let config = match Config::load(file).and_then(|c| {
+        // Without a URL there is no login to check against (and the start-up check that a
+        // probe has one would fail here, where the URL may still come from the command line).
+        if overrides.backend.is_some() || c.backend.url.is_some() {
+            c.apply(&overrides)
+        } else {
+            Ok(c)
+        }
+    }) {
+        Ok(c) => c,
+        Err(errs) => {
+            print_errors(&errs, Some(file));
+            return ExitCode::from(1);
+        }
+    };
+    let findings = match tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(rt) => rt.block_on(pgsluice::check::online(&config)),
+        Err(e) => {
+            eprintln!("cannot start a runtime: {e}");
+            return ExitCode::from(1);
+        }
+    };
+    for e in &findings.errors {
+        eprintln!("{}: {e}", file.display());
+    }
+    if !findings.errors.is_empty() {
+        return ExitCode::from(1);
+    }
+    println!("{}: OK", file.display());
+    for note in config.notes().iter().chain(&findings.notes) {
+        println!("note: {note}");
+    }
+    ExitCode::SUCCESS
+}
+
 fn main() -> ExitCode {
     let mut cli = Cli::parse();
-    if let Some(Cmd::CheckConfig { file }) = &cli.cmd {
-        // The file alone: the URL and the password may come from flags and the environment
-        // of the host it runs on, and files it names (TLS, password) are read there.
-        return match Config::load(file) {
-            Ok(c) => {
-                println!("{}: OK", file.display());
-                for note in c.notes() {
-                    println!("note: {note}");
-                }
-                ExitCode::SUCCESS
-            }
-            Err(errs) => {
-                print_errors(&errs, Some(file));
-                ExitCode::from(1)
-            }
-        };
+    if let Some(Cmd::CheckConfig { file, backend }) = &cli.cmd {
+        return check_config(file, backend.clone());
     }
     // Only `Admin` or nothing is left, so taking it loses nothing.
     if let Some(Cmd::Admin(cmd)) = cli.cmd.take() {
@@ -284,7 +323,7 @@ async fn run(
         }
     });
     tokio::spawn(app.clone().maintain());
-    tokio::spawn(pgsluice::probe::run(app.clone()));
+    pgsluice::probe::spawn(app.clone())?;
     let fleet = tokio::spawn(pgsluice::fleet::run(app.clone()));
     if let Some(peer) = peer {
         tokio::spawn(pgsluice::server::serve_peer_cancels(app.clone(), peer));

@@ -124,7 +124,10 @@ pub async fn serve(app: Arc<App>, listener: TcpListener, login: Option<tokio::ru
         let slot = ClientSlot(app.clone());
         app.stats.clients_total.fetch_add(1, Ordering::Relaxed);
         let handshake = if n >= max {
-            Err(PgError::too_many_clients(max))
+            Err(PgError::too_many_clients(
+                max,
+                app.policy.connection_hint_ms(),
+            ))
         } else {
             HandshakeSlot::try_acquire(&app, peer.ip())
         };

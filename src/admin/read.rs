@@ -156,6 +156,7 @@ fn scrape(st: &AdminState) -> Scrape {
                 connect_attempts: p.connects,
                 connect_failures: p.connect_failures,
                 checkout_timeouts: p.checkout_timeouts,
+                waiting_refused: p.waiting_refused,
                 name: p.name,
             })
             .collect(),
@@ -181,11 +182,12 @@ fn scrape(st: &AdminState) -> Scrape {
         },
         breaker_trips: vec![
             ("consecutive_errors", breaker.trips.consecutive_errors),
-            ("inflight", breaker.trips.inflight),
             ("probe", breaker.trips.probe),
             ("trial_failed", breaker.trips.trial_failed),
         ],
         in_flight: breaker.in_flight.into(),
+        breaker_inflight_sheds: breaker.inflight_sheds,
+        breaker_probe_value: breaker.last_probe_value,
         cancels_sent: app.cancels.sent.load(Relaxed),
         cancels_ignored: app.cancels.ignored.load(Relaxed),
         cancels_forwarded: app.cancels.forwarded.load(Relaxed),

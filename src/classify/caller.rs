@@ -11,8 +11,11 @@
 //! then user, then client_cidr — and the tiers are tried in that order, rules in config order
 //! within a tier. So the first tag rule that matches wins over any application_name rule, even
 //! one earlier in the file; a rule `{tags: [service: billing], user: app}` is a tag rule that
-//! additionally requires the user. A rule that sets no field never matches (config validation
-//! should reject it). Unmatched traffic is the `default` caller, id `rules.len()`.
+//! additionally requires the user. A rule that sets no field is matched *by its name*
+//! ([`CallerRule::by_name`], the design article's callers without `match`): in the tag tier
+//! when the `service` tag equals the name, in the application tier when `application_name`
+//! does, in the user tier when the login user does. Unmatched traffic is the `default`
+//! caller, id `rules.len()`.
 //! Tag keys compare ASCII-case-insensitively (extraction lowercases them); values, names and
 //! users compare exactly. IPv4-mapped IPv6 client addresses match IPv4 networks.
 
@@ -35,6 +38,20 @@ pub struct CallerRule {
     pub user: Option<String>,
     pub client_cidr: Option<Cidr>,
 }
+
+impl CallerRule {
+    /// A rule that sets no match field: it is matched by its name (the `service` comment tag,
+    /// `application_name` or the login user equal to it).
+    pub fn by_name(&self) -> bool {
+        self.tags.is_empty()
+            && self.application_name.is_none()
+            && self.user.is_none()
+            && self.client_cidr.is_none()
+    }
+}
+
+/// The comment tag that names a caller matched by name.
+pub const NAME_TAG: &str = "service";
 
 /// An IPv4 or IPv6 network. Host bits in the input are masked off (`10.1.2.3/8` is
 /// `10.0.0.0/8`); a bare address is a single host.
@@ -181,6 +198,14 @@ impl CallerMatcher {
             for (k, _) in &mut rule.tags {
                 k.make_ascii_lowercase();
             }
+            // `i` < CallerId::MAX by the truncate above.
+            let id = CallerId::try_from(i).unwrap_or(CallerId::MAX);
+            if rule.by_name() {
+                for tier in [Tier::Tags, Tier::Application, Tier::User] {
+                    tiers[tier as usize].push(id);
+                }
+                continue;
+            }
             let tier = if !rule.tags.is_empty() {
                 Tier::Tags
             } else if rule.application_name.is_some() {
@@ -192,8 +217,7 @@ impl CallerMatcher {
             } else {
                 continue;
             };
-            // `i` < CallerId::MAX by the truncate above.
-            tiers[tier as usize].push(CallerId::try_from(i).unwrap_or(CallerId::MAX));
+            tiers[tier as usize].push(id);
         }
         CallerMatcher { rules, tiers }
     }
@@ -217,7 +241,11 @@ impl CallerMatcher {
             }
             for &id in ids {
                 if let Some(rule) = self.rules.get(usize::from(id))
-                    && matches(rule, tags, application_name, user, addr)
+                    && if rule.by_name() {
+                        named(rule, tier, tags, application_name, user)
+                    } else {
+                        matches(rule, tags, application_name, user, addr)
+                    }
                 {
                     return id;
                 }
@@ -258,6 +286,23 @@ impl CallerMatcher {
 
     pub fn rules(&self) -> &[CallerRule] {
         &self.rules
+    }
+}
+
+/// A by-name rule in one tier: the identity that tier reads equals the rule's name.
+fn named(
+    rule: &CallerRule,
+    tier: usize,
+    tags: &[(String, String)],
+    application_name: Option<&str>,
+    user: &str,
+) -> bool {
+    let name = rule.name.as_str();
+    match tier {
+        t if t == Tier::Tags as usize => tags.iter().any(|(k, v)| k == NAME_TAG && v == name),
+        t if t == Tier::Application as usize => application_name == Some(name),
+        t if t == Tier::User as usize => user == name,
+        _ => false,
     }
 }
 
@@ -392,7 +437,7 @@ mod tests {
                 user: Some("app".into()),
                 ..rule("billing_pay")
             },
-            rule("matches_nothing"),
+            rule("matched_by_name"),
         ];
         let m = CallerMatcher::new(rules);
         assert_eq!(m.len(), 7);
@@ -432,6 +477,39 @@ mod tests {
         assert_eq!(m.id_of("default"), Some(6));
         assert_eq!(m.id_of("by_app"), Some(2));
         assert_eq!(m.name(999), "default");
+    }
+
+    /// The design article's callers have no `match`: a caller is then the client whose
+    /// `service` tag, application_name or login user is its name, in the usual tier order.
+    #[test]
+    fn a_caller_without_match_is_matched_by_its_name() {
+        let m = CallerMatcher::new(vec![
+            CallerRule {
+                application_name: Some("service_analytics".into()),
+                ..rule("by_app")
+            },
+            rule("service_payment"),
+            rule("service_analytics"),
+        ]);
+        let name = |tags: &[(String, String)], app, user| m.name(m.resolve(tags, app, user, None));
+        let pay = [t("service", "service_payment")];
+        assert_eq!(name(&pay, None, "app"), "service_payment");
+        assert_eq!(name(&[], Some("service_payment"), "app"), "service_payment");
+        assert_eq!(name(&[], None, "service_payment"), "service_payment");
+        // The tag tier comes first: a by-name tag wins over an explicit application rule.
+        let analytics = [t("service", "service_analytics")];
+        assert_eq!(
+            name(&analytics, Some("service_analytics"), "app"),
+            "service_analytics"
+        );
+        // Within the application tier config order decides.
+        assert_eq!(name(&[], Some("service_analytics"), "app"), "by_app");
+        // Other tag keys and near names do not match.
+        assert_eq!(
+            name(&[t("team", "service_payment")], None, "app"),
+            "default"
+        );
+        assert_eq!(name(&[], Some("service_payment2"), "app"), "default");
     }
 
     #[test]

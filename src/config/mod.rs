@@ -9,6 +9,7 @@
 //! be on a command line; [`Config::apply`] reads it. No error, here or in `validate`, ever
 //! contains a password: they name where it came from instead.
 
+mod notes;
 mod validate;
 
 use std::collections::BTreeMap;
@@ -373,8 +374,12 @@ pub struct PoolConfig {
     pub idle_timeout_ms: u64,
     /// Connections are closed on release after this age (plus up to 10% jitter).
     pub max_lifetime_ms: u64,
-    /// How long a client waits for a backend before 53300.
+    /// How long a client waits for a backend before 53300 (capped by its caller's
+    /// `queue_timeout_ms`).
     pub checkout_timeout_ms: u64,
+    /// Clients waiting for a backend at once; beyond it a checkout is refused at once with
+    /// 53300 `ERR_QUEUE_FULL` (critical callers are never refused by it).
+    pub max_waiting: usize,
     /// A connection idle longer than this is health-checked before reuse.
     pub health_check_after_ms: u64,
     /// Concurrent connection attempts per pool.
@@ -398,7 +403,8 @@ impl Default for PoolConfig {
             min_idle: 0,
             idle_timeout_ms: 600_000,
             max_lifetime_ms: 3_600_000,
-            checkout_timeout_ms: 5_000,
+            checkout_timeout_ms: 2_000,
+            max_waiting: 2_000,
             health_check_after_ms: 30_000,
             max_connect_attempts: 4,
             connect_backoff_base_ms: 100,
@@ -562,6 +568,10 @@ pub struct CallerConfig {
     pub burst: Option<u32>,
     pub statement_timeout_ms: Option<KindTimeouts>,
     pub lock_timeout_ms: Option<u64>,
+    /// Retry hints of this caller's refusals (default: `global_defaults`').
+    pub retry_base_ms: Option<u64>,
+    pub retry_cap_ms: Option<u64>,
+    pub retry_floor_ms: Option<u64>,
     /// `fleet`: `max_qps` and `max_concurrency` hold across the fleet (needs `fleet`).
     #[serde(default)]
     pub scope: Scope,
@@ -575,6 +585,12 @@ pub struct GlobalDefaults {
     pub queue_timeout_ms: u64,
     pub statement_timeout_ms: Option<KindTimeouts>,
     pub lock_timeout_ms: Option<u64>,
+    /// Retry hints (`retry_after_ms`) of refusals: `max(limit's floor, retry_floor_ms) +
+    /// random(0, min(retry_cap_ms, retry_base_ms · 2^k))`, `k` the refusals in the burst.
+    /// Callers may set their own; connection-level refusals use these.
+    pub retry_base_ms: u64,
+    pub retry_cap_ms: u64,
+    pub retry_floor_ms: u64,
     pub circuit_breaker: BreakerConfig,
 }
 
@@ -585,9 +601,12 @@ impl Default for GlobalDefaults {
             // timeout is what bounds waiting.
             max_concurrency: 10_000,
             queue_depth: 10_000,
-            queue_timeout_ms: 5_000,
+            queue_timeout_ms: 500,
             statement_timeout_ms: None,
             lock_timeout_ms: None,
+            retry_base_ms: 50,
+            retry_cap_ms: 5_000,
+            retry_floor_ms: 0,
             circuit_breaker: BreakerConfig::default(),
         }
     }
@@ -596,12 +615,18 @@ impl Default for GlobalDefaults {
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct BreakerConfig {
+    /// While more statements than this are in flight proxy-wide, non-critical ones are shed
+    /// (critical ones up to `critical_reserve` more); the breaker does not open for it.
     pub max_inflight_threshold: Option<u32>,
+    /// Open when the probe reads at or above this: `probe_sql`'s number, or without it the
+    /// built-in database-load estimate in percent (see `probe.rs`).
     pub db_cpu_threshold_percent: Option<f64>,
     pub probe_sql: Option<String>,
     pub probe_interval_ms: u64,
     pub consecutive_errors: u32,
     pub open_ms: u64,
+    /// Half-open: non-critical trial statements at once, and the successes that close it.
+    pub half_open_trials: u32,
     /// Critical statements admitted at once while the breaker is open or half-open.
     pub critical_reserve: u32,
 }
@@ -615,6 +640,7 @@ impl Default for BreakerConfig {
             probe_interval_ms: 1_000,
             consecutive_errors: 5,
             open_ms: 5_000,
+            half_open_trials: 1,
             critical_reserve: 20,
         }
     }
@@ -755,6 +781,26 @@ impl Config {
         }
         let password = self.backend_password(o);
         let mut errs = self.validate(None).err().unwrap_or_default();
+        let b = &self.global_defaults.circuit_breaker;
+        if self.backend.url.is_none() {
+            for (key, set) in [
+                (
+                    "db_cpu_threshold_percent",
+                    b.db_cpu_threshold_percent.is_some(),
+                ),
+                ("probe_sql", b.probe_sql.is_some()),
+            ] {
+                if set {
+                    errs.push(ConfigError {
+                        field: format!("global_defaults.circuit_breaker.{key}"),
+                        line: None,
+                        message: "its probe logs in as backend.url's user: set backend.url \
+                                  (or --backend), or the breaker would never read the load"
+                            .into(),
+                    });
+                }
+            }
+        }
         match password {
             Ok(p) => self.backend.password = p,
             Err(e) => errs.push(e),

@@ -296,46 +296,25 @@ fn locate(text: &str, field: &str) -> Option<usize> {
     found.map(|l| l + 1)
 }
 
-impl Config {
-    /// What is valid but probably not what the operator meant, for `check-config` and the
-    /// startup log. Today: a high-priority caller that a comment tag alone selects. Tags are
-    /// written by the client into its own SQL, so any client that can log in can claim them;
-    /// only `match.user` or `match.client_cidr` (both of which the client cannot choose)
-    /// bind a tag to an identity.
-    pub fn notes(&self) -> Vec<String> {
-        self.callers
-            .iter()
-            .enumerate()
-            .filter(|(_, c)| {
-                matches!(
-                    c.priority,
-                    super::Priority::Critical | super::Priority::High
-                ) && !c.matcher.tag.is_empty()
-                    && c.matcher.user.is_none()
-                    && c.matcher.client_cidr.is_none()
-            })
-            .map(|(i, c)| {
-                let tags: Vec<String> = c
-                    .matcher
-                    .tag
-                    .iter()
-                    .map(|(k, v)| format!("{k}:{v}"))
-                    .collect();
-                let priority = match c.priority {
-                    super::Priority::Critical => "critical",
-                    _ => "high",
-                };
-                format!(
-                    "callers[{i}] ({}, priority {priority}) is selected by the comment tag \
-                     /*{}*/ alone: any client that can log in can write that tag and run as \
-                     it; bind it to an identity with match.user or match.client_cidr",
-                    c.name,
-                    tags.join(",")
-                )
-            })
-            .collect()
+/// A retry policy's keys: a positive base no larger than the cap, everything within 10 min.
+fn check_retry(p: &mut Problems<'_>, at: &str, base: u64, cap: u64, floor: u64) {
+    if !(1..=600_000).contains(&base) {
+        p.add(
+            format!("{at}.retry_base_ms"),
+            "must be between 1 and 600000",
+        );
+    } else if !(base..=600_000).contains(&cap) {
+        p.add(
+            format!("{at}.retry_cap_ms"),
+            format!("must be between retry_base_ms ({base}) and 600000"),
+        );
     }
+    if floor > 600_000 {
+        p.add(format!("{at}.retry_floor_ms"), "must be at most 600000");
+    }
+}
 
+impl Config {
     pub(super) fn validate(&self, text: Option<&str>) -> Result<(), Vec<ConfigError>> {
         let mut p = Problems {
             text,
@@ -387,6 +366,12 @@ impl Config {
         }
         if pool.checkout_timeout_ms == 0 {
             p.add("pool.checkout_timeout_ms".into(), "must be > 0");
+        }
+        if pool.max_waiting == 0 {
+            p.add(
+                "pool.max_waiting".into(),
+                "must be > 0 (0 would refuse every client that finds the pool busy)",
+            );
         }
         if pool.max_connect_attempts == 0 {
             p.add("pool.max_connect_attempts".into(), "must be > 0");
@@ -519,7 +504,23 @@ impl Config {
             {
                 p.add(format!("callers[{i}].match.client_cidr"), e);
             }
+            let g = &self.global_defaults;
+            check_retry(
+                &mut p,
+                &format!("callers[{i}]"),
+                c.retry_base_ms.unwrap_or(g.retry_base_ms),
+                c.retry_cap_ms.unwrap_or(g.retry_cap_ms),
+                c.retry_floor_ms.unwrap_or(g.retry_floor_ms),
+            );
         }
+        let g = &self.global_defaults;
+        check_retry(
+            &mut p,
+            "global_defaults",
+            g.retry_base_ms,
+            g.retry_cap_ms,
+            g.retry_floor_ms,
+        );
         if let Some(f) = &self.fleet {
             if let Err(e) = redis::Client::open(f.redis_url.as_str()) {
                 p.add("fleet.redis_url".into(), format!("not a Redis URL: {e}"));
@@ -593,34 +594,31 @@ impl Config {
                 "must be between 0 and 100",
             );
         }
+        let field = |k: &str| format!("global_defaults.circuit_breaker.{k}");
+        if b.max_inflight_threshold == Some(0) {
+            p.add(
+                field("max_inflight_threshold"),
+                "must be > 0 (omit it to turn it off)",
+            );
+        }
+        if !(1..=1000).contains(&b.half_open_trials) {
+            p.add(field("half_open_trials"), "must be between 1 and 1000");
+        }
+        if !(100..=600_000).contains(&b.probe_interval_ms) {
+            p.add(field("probe_interval_ms"), "must be between 100 and 600000");
+        }
+        if let Some(sql) = &b.probe_sql
+            && (sql.trim().is_empty() || sql.trim().trim_end_matches(';').contains(';'))
+        {
+            p.add(
+                field("probe_sql"),
+                "must be one statement returning a number in its first column",
+            );
+        }
         if self.global_defaults.max_concurrency == 0 {
             p.add("global_defaults.max_concurrency".into(), "must be > 0");
         }
         if p.out.is_empty() { Ok(()) } else { Err(p.out) }
-    }
-}
-
-#[cfg(test)]
-mod notes_tests {
-    use super::super::Config;
-
-    #[test]
-    fn a_critical_caller_selected_by_a_tag_alone_gets_a_note() {
-        let yaml = "callers:\n\
-            - { name: pay, priority: critical, match: { tag: { service: billing } } }\n\
-            - { name: bound, priority: critical, match: { tag: { service: x }, user: app } }\n\
-            - { name: net, priority: high, match: { tag: { service: y }, client_cidr: 10.0.0.0/8 } }\n\
-            - { name: batch, priority: low, match: { tag: { service: z } } }\n";
-        let c = Config::from_yaml(yaml).expect("valid");
-        let notes = c.notes();
-        assert_eq!(notes.len(), 1, "{notes:?}");
-        assert!(
-            notes[0].contains("callers[0] (pay, priority critical)")
-                && notes[0].contains("/*service:billing*/")
-                && notes[0].contains("match.user"),
-            "{}",
-            notes[0]
-        );
     }
 }
 

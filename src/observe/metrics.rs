@@ -73,6 +73,8 @@ pub struct PoolSample {
     pub connect_attempts: u64,
     pub connect_failures: u64,
     pub checkout_timeouts: u64,
+    /// Checkouts refused at once: `max_waiting` clients were already waiting.
+    pub waiting_refused: u64,
 }
 
 /// One caller at scrape time.
@@ -99,6 +101,11 @@ pub struct Scrape {
     pub breaker_trips: Vec<(&'static str, u64)>,
     /// Statements holding a breaker ticket, proxy-wide.
     pub in_flight: u64,
+    /// Statements shed while in flight was above `max_inflight_threshold`.
+    pub breaker_inflight_sheds: u64,
+    /// The breaker probe's last reading (the built-in database-load estimate or
+    /// `probe_sql`'s value); `None` before the first or without a probe.
+    pub breaker_probe_value: Option<f64>,
     pub cancels_sent: u64,
     pub cancels_ignored: u64,
     /// Passed on to the peer instance that owns the key.
@@ -237,12 +244,15 @@ struct ScrapeSeries {
     connect_attempts: IntCounterVec,
     connect_failures: IntCounterVec,
     checkout_timeouts: IntCounterVec,
+    waiting_refused: IntCounterVec,
     clients: IntGauge,
     clients_accepted: IntCounter,
     handshakes: IntGauge,
     client_errors: IntCounter,
     breaker_state: IntGauge,
     breaker_trips: IntCounterVec,
+    breaker_inflight_sheds: IntCounter,
+    breaker_probe_value: prometheus::Gauge,
     in_flight: IntGauge,
     cancels: IntCounterVec,
     caller_in_flight: IntGaugeVec,
@@ -534,6 +544,12 @@ impl ScrapeSeries {
                 "Clients that gave up waiting for a backend connection.",
                 &["pool"],
             ),
+            waiting_refused: counter_vec(
+                r,
+                "pgsluice_pool_waiting_refused_total",
+                "Checkouts refused at once because pool.max_waiting clients were already waiting.",
+                &["pool"],
+            ),
             clients: gauge(
                 "pgsluice_client_connections",
                 "Client connections currently open.",
@@ -559,6 +575,22 @@ impl ScrapeSeries {
                 "pgsluice_breaker_trips_total",
                 "Times the circuit breaker opened, by reason.",
                 &["reason"],
+            ),
+            breaker_inflight_sheds: reg(
+                r,
+                IntCounter::new(
+                    "pgsluice_breaker_inflight_sheds_total",
+                    "Statements shed because more than max_inflight_threshold were in flight \
+                     (the breaker does not open for this).",
+                ),
+            ),
+            breaker_probe_value: reg(
+                r,
+                prometheus::Gauge::new(
+                    "pgsluice_breaker_probe_value",
+                    "Last reading of the circuit breaker's probe: the built-in database load \
+                     estimate in percent, or the value of probe_sql (NaN before the first).",
+                ),
             ),
             in_flight: gauge(
                 "pgsluice_in_flight_statements",
@@ -606,6 +638,7 @@ impl ScrapeSeries {
         self.connect_attempts.reset();
         self.connect_failures.reset();
         self.checkout_timeouts.reset();
+        self.waiting_refused.reset();
         for p in capped_pools(&s.pools) {
             let l = [p.name.as_str()];
             let conn = |state: &str, v: u64| {
@@ -636,6 +669,10 @@ impl ScrapeSeries {
                 &self.checkout_timeouts.with_label_values(&l),
                 p.checkout_timeouts,
             );
+            set_counter(
+                &self.waiting_refused.with_label_values(&l),
+                p.waiting_refused,
+            );
         }
         self.clients.set(gauge_value(s.client_connections));
         set_counter(&self.clients_accepted, s.client_connections_accepted);
@@ -645,6 +682,9 @@ impl ScrapeSeries {
         for (reason, n) in &s.breaker_trips {
             set_counter(&self.breaker_trips.with_label_values(&[*reason]), *n);
         }
+        set_counter(&self.breaker_inflight_sheds, s.breaker_inflight_sheds);
+        self.breaker_probe_value
+            .set(s.breaker_probe_value.unwrap_or(f64::NAN));
         self.in_flight.set(gauge_value(s.in_flight));
         set_counter(&self.cancels.with_label_values(&["sent"]), s.cancels_sent);
         set_counter(
@@ -699,6 +739,7 @@ fn capped_pools(pools: &[PoolSample]) -> Vec<PoolSample> {
         other.connect_attempts += p.connect_attempts;
         other.connect_failures += p.connect_failures;
         other.checkout_timeouts += p.checkout_timeouts;
+        other.waiting_refused += p.waiting_refused;
     }
     kept.iter()
         .map(|p| (*p).clone())

@@ -17,6 +17,7 @@ const FP: u64 = 0x1234_5678_9abc_def0;
 fn callers() -> Vec<CallerPolicy> {
     vec![
         CallerPolicy {
+            retry: RetryPolicy::default(),
             name: "service_payment".into(),
             max_concurrency: 2,
             queue_depth: 20,
@@ -27,6 +28,7 @@ fn callers() -> Vec<CallerPolicy> {
             scope: Scope::Instance,
         },
         CallerPolicy {
+            retry: RetryPolicy::default(),
             name: "service_analytics".into(),
             max_concurrency: 5,
             queue_depth: 0,
@@ -37,6 +39,7 @@ fn callers() -> Vec<CallerPolicy> {
             scope: Scope::Instance,
         },
         CallerPolicy {
+            retry: RetryPolicy::default(),
             name: "default".into(),
             max_concurrency: 10,
             queue_depth: 10,
@@ -107,7 +110,10 @@ async fn seed_scenario_sixth_analytics_query_is_refused_at_once() {
         r.detail
     );
     assert!(r.retry_after_ms <= 50, "first refusal: window is the base");
-    assert_eq!(r.hint(), format!("retry_after_ms={}", r.retry_after_ms));
+    assert_eq!(
+        r.hint(),
+        Some(format!("retry_after_ms={}", r.retry_after_ms))
+    );
     assert_eq!((r.caller, r.fingerprint), (ANALYTICS, FP));
     // The other caller is unaffected.
     let pay = p.admit(&req(PAYMENT, FP)).await.unwrap();
@@ -213,8 +219,9 @@ async fn rule_refusal_wins_over_caller_limits_and_costs_no_slot() {
     );
     assert_eq!(
         r.detail,
-        "limit: rule on fingerprint 123456789abcdef0 action=REJECT"
+        "limit: rule on fingerprint 123456789abcdef0 action=REJECT (not retryable)"
     );
+    assert_eq!(r.hint(), None, "a blocked pattern carries no retry hint");
     assert_eq!(p.callers()[1].in_flight, 5);
     assert_eq!(p.callers()[1].refusals.query_blocked, 1);
     assert_eq!(p.rules().get(FP).unwrap().refusals(), 1);
@@ -333,7 +340,7 @@ async fn warn_mode_admits_with_a_notice() {
         vec![
             "pgsluice: rule in warn mode would refuse this statement with ERR_QUERY_BLOCKED: fingerprint \
              123456789abcdef0 is blocked by a rule: would be blocked (limit: rule on fingerprint \
-             123456789abcdef0 action=REJECT)"
+             123456789abcdef0 action=REJECT (not retryable))"
                 .to_owned()
         ]
     );
@@ -420,22 +427,23 @@ async fn probe_trips_and_open_breaker_fails_fast_instead_of_queueing() {
 }
 
 #[tokio::test(start_paused = true)]
-async fn inflight_threshold_trips_the_breaker() {
+async fn inflight_threshold_sheds_non_critical_while_over() {
     let mut config = breaker_config();
     config.max_inflight_threshold = Some(3);
     let p = Policy::new(callers(), config).unwrap();
-    let _held = futures(&p, DEFAULT, FP, 3).await;
+    let held = futures(&p, DEFAULT, FP, 3).await;
     let r = refused(&p, DEFAULT, FP).await;
     assert_eq!(r.kind, RefusalKind::CircuitOpen);
-    assert_eq!(
-        r.detail,
-        "limit: circuit_breaker max_inflight_threshold=3, open_ms=5000"
-    );
+    assert_eq!(r.detail, "limit: circuit_breaker max_inflight_threshold=3");
+    assert!(r.message.contains("only critical traffic"), "{}", r.message);
     assert_eq!(
         p.callers()[2].in_flight,
         3,
         "the refused statement's caller slot came back"
     );
+    drop(held);
+    // Not opened: below the threshold the next statement is admitted at once.
+    let _again = futures(&p, DEFAULT, FP, 1).await;
 }
 
 #[tokio::test(start_paused = true)]

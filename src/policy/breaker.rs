@@ -2,12 +2,16 @@
 //!
 //! An explicit state machine — closed → open → half-open → closed — with the reason for every
 //! trip kept and counted. It trips on a streak of backend errors/timeouts
-//! (`consecutive_errors`), on in-flight statements above `max_inflight_threshold`, or on a
-//! health-probe value (e.g. DB CPU %) at or above `db_cpu_threshold_percent`. While open only
-//! `critical` traffic is admitted, up to `critical_reserve` statements at once; after `open`
-//! it goes half-open and lets at most
-//! `half_open_max_probes` non-critical statements run at once as trials: a success closes it,
-//! a failure reopens it.
+//! (`consecutive_errors`) or on a health-probe value (e.g. DB load %) at or above
+//! `db_cpu_threshold_percent`. While open only `critical` traffic is admitted, up to
+//! `critical_reserve` statements at once; after `open` it goes half-open and lets at most
+//! `half_open_max_probes` non-critical statements run at once as trials: that many successes
+//! close it, a failure reopens it.
+//!
+//! In-flight statements above `max_inflight_threshold` do not open it (the design article's
+//! `AllowQuery`): while the count is over the threshold non-critical statements are shed and
+//! critical ones are admitted up to `critical_reserve` above it; once the count drops, all
+//! traffic flows again at once. Those sheds are counted apart from trips.
 //!
 //! What it must not do: classify errors. The session decides which failures are backend faults
 //! (DESIGN: only those feed the breaker) and reports them with `on_success`/`on_failure`.
@@ -20,7 +24,7 @@
 //! are reported to an observer callback (for logs and metrics) after the mutex is released.
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU8, AtomicU32, Ordering};
+use std::sync::atomic::{AtomicU8, AtomicU32, AtomicU64, Ordering};
 use std::time::Duration;
 
 use parking_lot::{Mutex, RwLock};
@@ -34,14 +38,16 @@ use super::Priority;
 pub struct BreakerConfig {
     /// Backend errors/timeouts in a row that trip the breaker; 0 disables this trigger.
     pub consecutive_errors: u32,
-    /// Trip when more statements than this are in flight proxy-wide; `None` disables.
+    /// Shed non-critical statements while more than this are in flight proxy-wide (critical
+    /// ones up to `critical_reserve` more); `None` disables.
     pub max_inflight_threshold: Option<u32>,
     /// Trip when a health-probe value is at or above this; `None` disables.
     pub db_cpu_threshold_percent: Option<f64>,
     /// How long the breaker stays open before trying half-open.
     #[serde(rename = "open_ms", serialize_with = "super::ser_ms")]
     pub open: Duration,
-    /// Non-critical trial statements allowed at once while half-open (at least 1).
+    /// Non-critical trial statements allowed at once while half-open, and the successes that
+    /// close it (at least 1).
     pub half_open_max_probes: u32,
     /// Critical statements allowed in flight at once while the breaker is not closed: a
     /// reserve, not a bypass. Comment tags are claims a client makes about itself, so
@@ -104,7 +110,7 @@ impl BreakerState {
 pub enum TripReason {
     /// `consecutive_errors` backend errors/timeouts in a row.
     ConsecutiveErrors,
-    /// In-flight statements above `max_inflight_threshold`.
+    /// In-flight statements above `max_inflight_threshold`: a shed reason, never a trip.
     Inflight,
     /// Health-probe value at or above `db_cpu_threshold_percent`.
     Probe,
@@ -156,7 +162,6 @@ pub struct BreakerRefusal {
 #[derive(Debug, Clone, Default, PartialEq, Serialize)]
 pub struct TripCounts {
     pub consecutive_errors: u64,
-    pub inflight: u64,
     pub probe: u64,
     pub trial_failed: u64,
 }
@@ -176,7 +181,11 @@ pub struct BreakerSnapshot {
     pub trips: TripCounts,
     pub consecutive_errors: u32,
     pub in_flight: u32,
+    /// Statements shed while in flight was above `max_inflight_threshold` (since start).
+    pub inflight_sheds: u64,
     pub half_open_probes: u32,
+    /// Successful statements since the breaker went half-open.
+    pub half_open_successes: u32,
     pub last_probe_value: Option<f64>,
     pub config: BreakerConfig,
 }
@@ -197,9 +206,12 @@ struct Shared {
     probes: AtomicU32,
     /// Outstanding critical tickets taken while not closed (the reserve in use).
     critical: AtomicU32,
-    /// Mirrors of the two config values the fast paths read (0 = disabled).
+    /// Mirrors of the config values the fast paths read (thresholds: 0 = disabled).
     inflight_threshold: AtomicU32,
     error_threshold: AtomicU32,
+    critical_reserve: AtomicU32,
+    /// Statements shed by the in-flight threshold.
+    inflight_sheds: AtomicU64,
     inner: Mutex<Inner>,
     observer: RwLock<Option<TransitionObserver>>,
 }
@@ -212,6 +224,8 @@ struct Inner {
     open_until: Instant,
     transitions: u64,
     trips: [u64; 4],
+    /// Successes since entering half-open.
+    trial_successes: u32,
     last_probe: Option<f64>,
 }
 
@@ -261,6 +275,8 @@ impl Breaker {
             critical: AtomicU32::new(0),
             inflight_threshold: AtomicU32::new(config.max_inflight_threshold.unwrap_or(0)),
             error_threshold: AtomicU32::new(config.consecutive_errors),
+            critical_reserve: AtomicU32::new(config.critical_reserve.max(1)),
+            inflight_sheds: AtomicU64::new(0),
             inner: Mutex::new(Inner {
                 config,
                 state: BreakerState::Closed,
@@ -269,6 +285,7 @@ impl Breaker {
                 open_until: now,
                 transitions: 0,
                 trips: [0; 4],
+                trial_successes: 0,
                 last_probe: None,
             }),
             observer: RwLock::new(None),
@@ -293,6 +310,9 @@ impl Breaker {
         self.shared
             .error_threshold
             .store(config.consecutive_errors, Ordering::Release);
+        self.shared
+            .critical_reserve
+            .store(config.critical_reserve.max(1), Ordering::Release);
         inner.config = config;
     }
 
@@ -312,28 +332,16 @@ impl Breaker {
         self.shared.in_flight.load(Ordering::Acquire)
     }
 
-    /// Admit a statement of `priority`, or shed it. Critical traffic is always admitted (and
-    /// counted in flight). The ticket must be held until the statement finishes.
+    /// Admit a statement of `priority`, or shed it. The ticket must be held until the
+    /// statement finishes.
     pub fn allow(&self, priority: Priority, now: Instant) -> Result<BreakerTicket, BreakerRefusal> {
         let s = &self.shared;
         if s.state.load(Ordering::Acquire) == BreakerState::Closed.to_u8() {
-            let n = s.in_flight.fetch_add(1, Ordering::AcqRel) + 1;
-            let threshold = s.inflight_threshold.load(Ordering::Acquire);
-            if threshold == 0 || n <= threshold {
-                return Ok(self.ticket(false));
-            }
-            // Over the threshold: undo and take the slow path, which trips under the lock.
-            s.in_flight.fetch_sub(1, Ordering::AcqRel);
+            return self.allow_closed(priority);
         }
-        self.locked(now, |inner, out| {
+        self.locked(now, |inner, _| {
             if inner.state == BreakerState::Closed {
-                let threshold = s.inflight_threshold.load(Ordering::Acquire);
-                let n = s.in_flight.load(Ordering::Acquire) + 1;
-                if threshold == 0 || n <= threshold {
-                    s.in_flight.fetch_add(1, Ordering::AcqRel);
-                    return Ok(self.ticket(false));
-                }
-                self.trip(inner, TripReason::Inflight, now, out);
+                return self.allow_closed(priority);
             }
             if priority == Priority::Critical {
                 if s.critical.load(Ordering::Acquire) >= inner.config.critical_reserve.max(1) {
@@ -359,6 +367,29 @@ impl Breaker {
                 }
                 state => Err(refusal(inner, state, now)),
             }
+        })
+    }
+
+    /// Closed: everything is admitted up to the in-flight threshold, critical statements up
+    /// to `critical_reserve` beyond it. Lock-free.
+    fn allow_closed(&self, priority: Priority) -> Result<BreakerTicket, BreakerRefusal> {
+        let s = &self.shared;
+        let n = s.in_flight.fetch_add(1, Ordering::AcqRel) + 1;
+        let threshold = s.inflight_threshold.load(Ordering::Acquire);
+        if threshold == 0 || n <= threshold {
+            return Ok(self.ticket(false));
+        }
+        let critical = priority == Priority::Critical;
+        if critical && n <= threshold.saturating_add(s.critical_reserve.load(Ordering::Acquire)) {
+            return Ok(self.ticket(false));
+        }
+        s.in_flight.fetch_sub(1, Ordering::AcqRel);
+        s.inflight_sheds.fetch_add(1, Ordering::Relaxed);
+        Err(BreakerRefusal {
+            state: BreakerState::Closed,
+            reason: Some(TripReason::Inflight),
+            retry_after: Duration::ZERO,
+            reserve_full: critical,
         })
     }
 
@@ -396,6 +427,10 @@ impl Breaker {
         }
         self.locked(now, |inner, out| {
             if inner.state == BreakerState::HalfOpen {
+                inner.trial_successes = inner.trial_successes.saturating_add(1);
+                if inner.trial_successes < inner.config.half_open_max_probes.max(1) {
+                    return;
+                }
                 self.set_state(
                     inner,
                     BreakerState::HalfOpen,
@@ -472,13 +507,14 @@ impl Breaker {
             transitions: inner.transitions,
             trips: TripCounts {
                 consecutive_errors: inner.trips[TripReason::ConsecutiveErrors.index()],
-                inflight: inner.trips[TripReason::Inflight.index()],
                 probe: inner.trips[TripReason::Probe.index()],
                 trial_failed: inner.trips[TripReason::TrialFailed.index()],
             },
             consecutive_errors: s.consecutive.load(Ordering::Acquire),
             in_flight: s.in_flight.load(Ordering::Acquire),
+            inflight_sheds: s.inflight_sheds.load(Ordering::Relaxed),
             half_open_probes: s.probes.load(Ordering::Acquire),
+            half_open_successes: inner.trial_successes,
             last_probe_value: inner.last_probe,
             config: inner.config.clone(),
         })
@@ -540,6 +576,7 @@ impl Breaker {
     ) {
         inner.state = to;
         inner.since = now;
+        inner.trial_successes = 0;
         inner.transitions += 1;
         self.shared.state.store(to.to_u8(), Ordering::Release);
         out.push(Transition {
@@ -693,7 +730,10 @@ mod tests {
         drop(t1);
         let t3 = b.allow(Priority::Normal, now).unwrap();
         assert!(t3.is_probe());
-        // A trial succeeds: closed, everything flows.
+        // Two trials succeed (half_open_max_probes = 2): closed, everything flows.
+        b.on_success(now);
+        assert_eq!(b.state(now), BreakerState::HalfOpen, "one success of two");
+        assert_eq!(b.snapshot(now).half_open_successes, 1);
         b.on_success(now);
         assert_eq!(b.state(now), BreakerState::Closed);
         assert!(!b.allow(Priority::Low, now).unwrap().is_probe());
@@ -727,18 +767,44 @@ mod tests {
         assert_eq!(snap.open_remaining_ms, Some(5000));
     }
 
+    /// Over the in-flight threshold non-critical statements are shed and critical ones get
+    /// `critical_reserve` more; the breaker never opens, and once the count drops everything
+    /// flows again with no open period.
     #[tokio::test(start_paused = true)]
-    async fn inflight_above_threshold_trips() {
-        let b = Breaker::new(config(), Instant::now());
+    async fn inflight_above_threshold_sheds_without_opening() {
+        let b = Breaker::new(
+            BreakerConfig {
+                critical_reserve: 2,
+                ..config()
+            },
+            Instant::now(),
+        );
+        let log = recording(&b);
         let now = Instant::now();
-        let held: Vec<_> = (0..4)
+        let mut held: Vec<_> = (0..4)
             .map(|_| b.allow(Priority::Normal, now).unwrap())
             .collect();
-        let r = b.allow(Priority::Normal, now).unwrap_err();
-        assert_eq!(r.reason, Some(TripReason::Inflight));
-        assert_eq!(b.state(now), BreakerState::Open);
-        assert_eq!(b.in_flight(), 4);
-        drop(held);
+        for p in [Priority::High, Priority::Normal, Priority::Low] {
+            let r = b.allow(p, now).unwrap_err();
+            assert_eq!(
+                (r.state, r.reason, r.reserve_full),
+                (BreakerState::Closed, Some(TripReason::Inflight), false)
+            );
+        }
+        let c1 = b.allow(Priority::Critical, now).expect("critical: reserve");
+        let c2 = b.allow(Priority::Critical, now).expect("critical: reserve");
+        let r = b.allow(Priority::Critical, now).unwrap_err();
+        assert!(r.reserve_full, "{r:?}");
+        assert_eq!(b.state(now), BreakerState::Closed);
+        assert_eq!(b.in_flight(), 6);
+        let snap = b.snapshot(now);
+        assert_eq!((snap.inflight_sheds, snap.transitions), (4, 0));
+        drop((c1, c2));
+        held.pop();
+        // Below the threshold again: admitted at once, no open period.
+        let again = b.allow(Priority::Low, now).expect("room again");
+        assert!(states(&log).is_empty(), "never opened");
+        drop((held, again));
         assert_eq!(b.in_flight(), 0);
     }
 

@@ -68,7 +68,7 @@ use self::limiter::{CallerPermit, LimitRefusal, Limiter, Limits};
 use self::refusal::{Backoff, Reason};
 use self::rules::{RuleAction, RuleCheck, RuleGuard, RuleSet, RuleViolation, fingerprint_hex};
 
-pub use self::refusal::{Refusal, RefusalKind};
+pub use self::refusal::{Refusal, RefusalKind, RetryPolicy};
 
 /// Caller priority. Derived order is serving order: `Critical < High < Normal < Low`.
 #[derive(
@@ -145,6 +145,8 @@ pub struct CallerPolicy {
     pub burst: Option<u32>,
     /// `Fleet`: `max_qps` and `max_concurrency` hold for the whole fleet.
     pub scope: Scope,
+    /// The retry hints its refusals carry.
+    pub retry: RetryPolicy,
 }
 
 /// The caller table or breaker settings were unusable; nothing was applied.
@@ -570,6 +572,22 @@ impl Policy {
         )
     }
 
+    /// A retry hint for a refusal outside admission (a pool checkout that timed out, a
+    /// database that cannot be reached) for caller `id`: its retry policy and refusal streak.
+    pub fn retry_hint_ms(&self, id: u16) -> u64 {
+        let (_, caller) = self.caller(id);
+        caller
+            .stats
+            .backoff
+            .retry_after_ms(&caller.policy.retry, Duration::ZERO, Instant::now())
+    }
+
+    /// A retry hint for a connection refused before its caller is known (too many clients
+    /// or handshakes, no backend at login): the `default` caller's policy and streak.
+    pub fn connection_hint_ms(&self) -> u64 {
+        self.retry_hint_ms(u16::MAX)
+    }
+
     fn refuse(
         &self,
         id: u16,
@@ -579,7 +597,14 @@ impl Policy {
         now: Instant,
     ) -> Refusal {
         caller.stats.refusals[reason.kind.index()].fetch_add(1, Ordering::Relaxed);
-        let retry = caller.stats.backoff.retry_after_ms(reason.floor, now);
+        let retry = if reason.kind.retryable() {
+            caller
+                .stats
+                .backoff
+                .retry_after_ms(&caller.policy.retry, reason.floor, now)
+        } else {
+            0
+        };
         reason.into_refusal(retry, id, fingerprint)
     }
 
@@ -600,6 +625,35 @@ impl Policy {
             Some(breaker::TripReason::TrialFailed) => "a half-open trial failed".to_owned(),
             None => "tripped".to_owned(),
         };
+        if shed.reason == Some(breaker::TripReason::Inflight) && shed.state == BreakerState::Closed
+        {
+            let threshold = config.max_inflight_threshold.unwrap_or(0);
+            let (what, detail) = if shed.reserve_full {
+                (
+                    format!(
+                        "more than max_inflight_threshold={threshold} statements are in flight \
+                         and the critical reserve above it is in use (caller {} has priority {})",
+                        policy.name, policy.priority
+                    ),
+                    format!(
+                        "limit: circuit_breaker max_inflight_threshold={threshold}, \
+                         critical_reserve={}",
+                        config.critical_reserve
+                    ),
+                )
+            } else {
+                (
+                    format!(
+                        "more than max_inflight_threshold={threshold} statements are in flight; \
+                         only critical traffic is admitted until fewer are (caller {} has \
+                         priority {})",
+                        policy.name, policy.priority
+                    ),
+                    format!("limit: circuit_breaker max_inflight_threshold={threshold}"),
+                )
+            };
+            return Reason::new(RefusalKind::CircuitOpen, what, detail, shed.retry_after);
+        }
         let state = match shed.state {
             BreakerState::HalfOpen if !shed.reserve_full => {
                 "half-open and its trial slots are busy"
@@ -715,7 +769,7 @@ fn rule_reason(fp: u64, def: &rules::RuleDef, violation: &RuleViolation) -> Reas
         (RuleViolation::Blocked, _) => Reason::new(
             RefusalKind::QueryBlocked,
             format!("fingerprint {hex} is blocked by a rule{suffix}"),
-            format!("limit: rule on fingerprint {hex} action=REJECT"),
+            format!("limit: rule on fingerprint {hex} action=REJECT (not retryable)"),
             Duration::ZERO,
         ),
     }

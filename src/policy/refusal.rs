@@ -5,12 +5,15 @@
 //! the full-jitter retry hint. It does not send anything: the protocol layer turns a
 //! [`Refusal`] into an ErrorResponse (message, DETAIL = `detail`, HINT = [`Refusal::hint`]).
 //!
-//! Retry hint: `retry_after_ms = floor + random(0, min(CAP, BASE · 2^k))` where `floor` is
-//! the time the limit itself says nothing can change (a bucket's time to the next token, the
-//! rest of a breaker's open period) and `k` is the number of refusals the same caller got in
-//! the preceding burst (reset after [`BACKOFF_WINDOW`] without refusals). A flooding caller's
-//! clients therefore spread their retries over a growing window instead of returning as a
-//! herd, while an occasional refusal suggests a retry within [`BACKOFF_BASE`].
+//! Retry hint: `retry_after_ms = max(floor, retry_floor) + random(0, min(cap, base · 2^k))`
+//! where `floor` is the time the limit itself says nothing can change (a bucket's time to the
+//! next token, the rest of a breaker's open period), `retry_floor`/`base`/`cap` are the
+//! caller's [`RetryPolicy`] (defaults [`BACKOFF_BASE`], [`BACKOFF_CAP`], no floor) and `k` is
+//! the number of refusals the same caller got in the preceding burst (reset after
+//! [`BACKOFF_WINDOW`] without refusals). A flooding caller's clients therefore spread their
+//! retries over a growing window instead of returning as a herd, while an occasional refusal
+//! suggests a retry within `base`. A blocked pattern (`ERR_QUERY_BLOCKED`) is not retryable:
+//! it carries no hint, and its DETAIL says so.
 
 use std::time::Duration;
 
@@ -24,6 +27,37 @@ pub const BACKOFF_BASE: Duration = Duration::from_millis(50);
 pub const BACKOFF_CAP: Duration = Duration::from_secs(5);
 /// A caller with no refusal for this long starts again at `BACKOFF_BASE`.
 pub const BACKOFF_WINDOW: Duration = Duration::from_secs(1);
+
+/// How a caller's clients are told to come back.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+pub struct RetryPolicy {
+    /// Jitter window of a burst's first refusal.
+    #[serde(rename = "retry_base_ms", serialize_with = "super::ser_ms")]
+    pub base: Duration,
+    /// Largest jitter window.
+    #[serde(rename = "retry_cap_ms", serialize_with = "super::ser_ms")]
+    pub cap: Duration,
+    /// Least wait suggested, before the jitter (e.g. 5–15 s for a saturated database).
+    #[serde(rename = "retry_floor_ms", serialize_with = "super::ser_ms")]
+    pub floor: Duration,
+}
+
+impl Default for RetryPolicy {
+    fn default() -> Self {
+        RetryPolicy {
+            base: BACKOFF_BASE,
+            cap: BACKOFF_CAP,
+            floor: Duration::ZERO,
+        }
+    }
+}
+
+impl RetryPolicy {
+    /// The hint for the `k`-th refusal of a burst, over a limit that says `floor`.
+    pub fn hint_ms(&self, floor: Duration, k: u32) -> u64 {
+        floor_ms(floor.max(self.floor)).saturating_add(jitter_ms(self.base, self.cap, k))
+    }
+}
 
 /// Why a statement was refused. `reason()` is the bounded metrics label.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize)]
@@ -96,6 +130,11 @@ impl RefusalKind {
     pub(super) fn index(self) -> usize {
         self as usize
     }
+
+    /// Whether the same statement can succeed later: all but a blocked pattern.
+    pub fn retryable(self) -> bool {
+        self != Self::QueryBlocked
+    }
 }
 
 /// A refused statement, ready for the protocol layer to send as an ErrorResponse.
@@ -118,9 +157,11 @@ pub struct Refusal {
 }
 
 impl Refusal {
-    /// HINT text.
-    pub fn hint(&self) -> String {
-        format!("retry_after_ms={}", self.retry_after_ms)
+    /// HINT text; `None` for a refusal that retrying cannot change (a blocked pattern).
+    pub fn hint(&self) -> Option<String> {
+        self.kind
+            .retryable()
+            .then(|| format!("retry_after_ms={}", self.retry_after_ms))
     }
 }
 
@@ -181,7 +222,7 @@ impl Backoff {
     }
 
     /// Record a refusal at `now` and return its retry hint in ms.
-    pub fn retry_after_ms(&self, floor: Duration, now: Instant) -> u64 {
+    pub fn retry_after_ms(&self, retry: &RetryPolicy, floor: Duration, now: Instant) -> u64 {
         let k = {
             let mut st = self.state.lock();
             let streak = match *st {
@@ -193,14 +234,14 @@ impl Backoff {
             *st = Some((now, streak));
             streak
         };
-        floor_ms(floor).saturating_add(jitter_ms(k))
+        retry.hint_ms(floor, k)
     }
 }
 
-/// `random(0, min(CAP, BASE · 2^k))` in ms.
-pub(super) fn jitter_ms(k: u32) -> u64 {
-    let base = floor_ms(BACKOFF_BASE);
-    let cap = floor_ms(BACKOFF_CAP);
+/// `random(0, min(cap, base · 2^k))` in ms.
+pub fn jitter_ms(base: Duration, cap: Duration, k: u32) -> u64 {
+    let base = floor_ms(base);
+    let cap = floor_ms(cap);
     let window = base.checked_shl(k.min(32)).unwrap_or(cap).min(cap);
     rand::random_range(0..=window)
 }
@@ -213,6 +254,8 @@ fn floor_ms(d: Duration) -> u64 {
 
 #[cfg(test)]
 mod tests {
+    use std::ops::Not;
+
     use super::*;
 
     #[test]
@@ -269,14 +312,38 @@ mod tests {
 
     #[test]
     fn jitter_window_grows_and_caps() {
+        let j = |k| jitter_ms(BACKOFF_BASE, BACKOFF_CAP, k);
         for _ in 0..200 {
-            assert!(jitter_ms(0) <= 50);
-            assert!(jitter_ms(3) <= 400);
-            assert!(jitter_ms(7) <= 5000);
-            assert!(jitter_ms(u32::MAX) <= 5000);
+            assert!(j(0) <= 50);
+            assert!(j(3) <= 400);
+            assert!(j(7) <= 5000);
+            assert!(j(u32::MAX) <= 5000);
         }
         // Over many draws the cap is actually reached for, not stuck at the base.
-        assert!((0..200).map(|_| jitter_ms(10)).max().unwrap_or(0) > 1000);
+        assert!((0..200).map(|_| j(10)).max().unwrap_or(0) > 1000);
+    }
+
+    /// A caller's own base, cap and floor shape its hints; a blocked pattern has none.
+    #[test]
+    fn retry_policy_sets_base_cap_and_floor() {
+        let saturated = RetryPolicy {
+            base: Duration::from_secs(1),
+            cap: Duration::from_secs(10),
+            floor: Duration::from_secs(5),
+        };
+        let hints: Vec<u64> = (0..300)
+            .map(|_| saturated.hint_ms(Duration::ZERO, 0))
+            .collect();
+        assert!(hints.iter().all(|h| (5000..=6000).contains(h)), "{hints:?}");
+        assert!(
+            hints.iter().any(|h| *h > 5500),
+            "jitter spreads over the base"
+        );
+        // A limit's own floor above the caller's wins; the cap bounds the jitter.
+        let h = saturated.hint_ms(Duration::from_secs(8), 30);
+        assert!((8000..=18_000).contains(&h), "{h}");
+        assert!(RefusalKind::QueryBlocked.retryable().not());
+        assert!(RefusalKind::ALL.iter().filter(|k| !k.retryable()).count() == 1);
     }
 
     #[tokio::test(start_paused = true)]
@@ -284,15 +351,15 @@ mod tests {
         let b = Backoff::new();
         let floor = Duration::from_micros(300);
         for _ in 0..20 {
-            b.retry_after_ms(floor, Instant::now());
+            b.retry_after_ms(&RetryPolicy::default(), floor, Instant::now());
         }
         let hot = (0..50)
-            .map(|_| b.retry_after_ms(floor, Instant::now()))
+            .map(|_| b.retry_after_ms(&RetryPolicy::default(), floor, Instant::now()))
             .max()
             .unwrap_or(0);
         assert!(hot > 100, "a long streak widens the window: {hot}");
         tokio::time::advance(BACKOFF_WINDOW).await;
-        let cool = b.retry_after_ms(floor, Instant::now());
+        let cool = b.retry_after_ms(&RetryPolicy::default(), floor, Instant::now());
         assert!(
             (1..=51).contains(&cool),
             "floor rounds up to 1 ms, window back to base: {cool}"

@@ -33,6 +33,8 @@ pub enum CheckoutError {
     Timeout { waited: Duration, limit: Duration },
     /// Connecting failed (or we are backing off after failures).
     Connect(Arc<ConnectError>),
+    /// No slot free and `max_waiting` clients already waiting: refused at once.
+    Full { max_waiting: usize },
 }
 
 /// Counters read by the admin API and metrics.
@@ -44,6 +46,8 @@ pub struct PoolStats {
     pub resets: AtomicU64,
     pub checkouts: AtomicU64,
     pub checkout_timeouts: AtomicU64,
+    /// Checkouts refused at once because `max_waiting` clients were already waiting.
+    pub waiting_refused: AtomicU64,
     pub pinned_clients: AtomicUsize,
 }
 
@@ -132,6 +136,17 @@ impl Pool {
         deadline: Instant,
     ) -> Result<Pooled, CheckoutError> {
         let started = Instant::now();
+        // Critical waiters are never turned away by the cap: it is there to keep the rest of
+        // a storm from piling up, and critical traffic has its own limits.
+        if priority > 0
+            && self.slots.available() == 0
+            && self.slots.waiting() >= self.cfg.max_waiting
+        {
+            self.stats.waiting_refused.fetch_add(1, Ordering::Relaxed);
+            return Err(CheckoutError::Full {
+                max_waiting: self.cfg.max_waiting,
+            });
+        }
         let permit = self.slots.acquire(priority, deadline).await.map_err(|_| {
             self.stats.checkout_timeouts.fetch_add(1, Ordering::Relaxed);
             CheckoutError::Timeout {
@@ -319,6 +334,8 @@ impl Pool {
             connects: self.stats.connects.load(Ordering::Relaxed),
             connect_failures: self.stats.connect_failures.load(Ordering::Relaxed),
             checkout_timeouts: self.stats.checkout_timeouts.load(Ordering::Relaxed),
+            max_waiting: self.cfg.max_waiting,
+            waiting_refused: self.stats.waiting_refused.load(Ordering::Relaxed),
         }
     }
 }
@@ -336,6 +353,8 @@ pub struct PoolSnapshot {
     pub connects: u64,
     pub connect_failures: u64,
     pub checkout_timeouts: u64,
+    pub max_waiting: usize,
+    pub waiting_refused: u64,
 }
 
 /// `random(0, min(cap, base * 2^attempt))` in milliseconds.
@@ -348,15 +367,15 @@ pub fn full_jitter(base_ms: u64, cap_ms: u64, attempt: u32) -> u64 {
 }
 
 impl CheckoutError {
-    /// The error the client sees.
-    pub fn to_pg(&self, pool: &str) -> PgError {
+    /// The error the client sees; `retry_after_ms` is its hint (the caller's retry policy).
+    pub fn to_pg(&self, pool: &str, retry_after_ms: u64) -> PgError {
         match self {
             CheckoutError::Timeout { waited, limit } => PgError::checkout_timeout(
                 pool,
                 waited.as_millis(),
                 // The deadline was taken a moment before the wait started: round up.
                 limit.as_micros().div_ceil(1000),
-                full_jitter(50, 5_000, 3),
+                retry_after_ms,
             ),
             CheckoutError::Connect(e) => match &**e {
                 ConnectError::Server { code, message, .. } => {
@@ -369,10 +388,26 @@ impl CheckoutError {
                         "57P03" => "57P03",
                         _ => "08006",
                     };
-                    PgError::error(code, message.clone())
+                    let e = PgError::error(code, message.clone());
+                    // Too many connections or a server starting: retrying later can help.
+                    match code {
+                        "53300" | "57P03" | "08006" => {
+                            e.with_hint(format!("retry_after_ms={retry_after_ms}"))
+                        }
+                        _ => e,
+                    }
                 }
-                other => PgError::backend_unavailable(other, full_jitter(100, 5_000, 2)),
+                other => PgError::backend_unavailable(other, retry_after_ms),
             },
+            CheckoutError::Full { max_waiting } => PgError::error(
+                "53300",
+                format!(
+                    "pgsluice: ERR_QUEUE_FULL: no backend connection of pool {pool} is free and \
+                     {max_waiting} clients are already waiting for one"
+                ),
+            )
+            .with_detail(format!("limit: pool {pool} max_waiting={max_waiting}"))
+            .with_hint(format!("retry_after_ms={retry_after_ms}")),
         }
     }
 }

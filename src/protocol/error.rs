@@ -73,20 +73,23 @@ impl PgError {
         )
     }
 
-    pub fn too_many_clients(max: usize) -> Self {
+    pub fn too_many_clients(max: usize, retry_after_ms: u64) -> Self {
         Self::fatal("53300", "pgsluice: sorry, too many clients already")
-            .with_detail(format!("max_client_conn={max}"))
+            .with_detail(format!("limits.max_client_conn={max}"))
+            .with_hint(format!("retry_after_ms={retry_after_ms}"))
     }
 
     /// More handshakes in progress than `limit` (`max_handshakes`, or the client address's
     /// `max_handshakes_per_address`) allows: the connection is refused before startup.
-    pub fn too_many_handshakes(limit: &'static str, max: usize) -> Self {
+    pub fn too_many_handshakes(limit: &'static str, max: usize, retry_after_ms: u64) -> Self {
         let message = if limit == "max_handshakes" {
             "sorry, too many clients are connecting right now; try again"
         } else {
             "sorry, too many clients are connecting right now from this address; try again"
         };
-        Self::fatal("53300", message).with_detail(format!("limits.{limit}={max}"))
+        Self::fatal("53300", message)
+            .with_detail(format!("limits.{limit}={max}"))
+            .with_hint(format!("retry_after_ms={retry_after_ms}"))
     }
 
     /// Waited longer than the pool's checkout timeout for a backend connection.

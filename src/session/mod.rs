@@ -74,14 +74,20 @@ impl HandshakeSlot {
             .handshakes_by_address
             .try_acquire(ip, per_address)
             .ok_or_else(|| {
-                PgError::too_many_handshakes("max_handshakes_per_address", per_address)
+                PgError::too_many_handshakes(
+                    "max_handshakes_per_address",
+                    per_address,
+                    app.policy.connection_hint_ms(),
+                )
             })?;
         app.stats
             .handshakes
             .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| {
                 (n < max).then_some(n + 1)
             })
-            .map_err(|_| PgError::too_many_handshakes("max_handshakes", max))?;
+            .map_err(|_| {
+                PgError::too_many_handshakes("max_handshakes", max, app.policy.connection_hint_ms())
+            })?;
         Ok(HandshakeSlot {
             app: app.clone(),
             _address: address,
@@ -185,7 +191,7 @@ async fn logged_in<S: AsyncRead + AsyncWrite + Unpin>(
 ) {
     let prepared = tokio::time::timeout_at(deadline, async {
         let pool = app.pool_for(&login.database, &login.user)?;
-        let status = login_params(&pool, &login).await?;
+        let status = login_params(&app, &pool, &login).await?;
         Ok::<_, Fail>((pool, status))
     })
     .await;
@@ -308,7 +314,11 @@ async fn send_error<S: AsyncWrite + Unpin>(stream: &mut S, e: &PgError) {
 /// The ParameterStatus list for a new client: the server's values, with the client's own
 /// startup settings as the server reports them. Learns the server's spelling once per value
 /// (one round trip on a pooled backend), then answers from the pool's cache.
-async fn login_params(pool: &Arc<Pool>, login: &Login) -> Result<Vec<(String, String)>, PgError> {
+async fn login_params(
+    app: &App,
+    pool: &Arc<Pool>,
+    login: &Login,
+) -> Result<Vec<(String, String)>, PgError> {
     let mut known = pool.server_params();
     let all_known = known.is_some()
         && login
@@ -317,11 +327,11 @@ async fn login_params(pool: &Arc<Pool>, login: &Login) -> Result<Vec<(String, St
             .all(|(k, v)| pool.canonical(k, v).is_some());
     if !all_known {
         let deadline = Instant::now() + Duration::from_millis(pool.cfg.checkout_timeout_ms);
-        let mut b = pool
-            .checkout(2, deadline)
-            .await
-            .map_err(|e| e.to_pg(&pool.name).into_fatal())?;
-        learn_settings(&mut b, pool, login).await?;
+        let mut b = pool.checkout(2, deadline).await.map_err(|e| {
+            e.to_pg(&pool.name, app.policy.connection_hint_ms())
+                .into_fatal()
+        })?;
+        learn_settings(app, &mut b, pool, login).await?;
         b.release().await;
         known = pool.server_params();
     }
@@ -343,7 +353,12 @@ async fn login_params(pool: &Arc<Pool>, login: &Login) -> Result<Vec<(String, St
 }
 
 /// Applies the client's settings on `b`, recording how the server reports each of them.
-async fn learn_settings(b: &mut Pooled, pool: &Pool, login: &Login) -> Result<(), PgError> {
+async fn learn_settings(
+    app: &App,
+    b: &mut Pooled,
+    pool: &Pool,
+    login: &Login,
+) -> Result<(), PgError> {
     let conn = b.conn();
     let Some(sql) = params::apply_sql(&conn.applied, &login.settings) else {
         for (k, v) in &login.settings {
@@ -359,7 +374,10 @@ async fn learn_settings(b: &mut Pooled, pool: &Pool, login: &Login) -> Result<()
     };
     let mut out = BytesMut::new();
     messages::query(&mut out, &sql);
-    let io = |e: std::io::Error| PgError::backend_unavailable(e, 100).into_fatal();
+    let lost = |e: &dyn std::fmt::Display| {
+        PgError::backend_unavailable(e, app.policy.connection_hint_ms()).into_fatal()
+    };
+    let io = |e: std::io::Error| lost(&e);
     conn.stream.write_all(&out).await.map_err(io)?;
     let mut buf = BytesMut::new();
     let mut reported: Vec<(String, String)> = Vec::new();
@@ -367,7 +385,7 @@ async fn learn_settings(b: &mut Pooled, pool: &Pool, login: &Login) -> Result<()
     loop {
         let (tag, body) = crate::pool::backend::read_message(&mut conn.stream, &mut buf)
             .await
-            .map_err(|e| PgError::backend_unavailable(e, 100).into_fatal())?;
+            .map_err(|e| lost(&e))?;
         match tag {
             b'S' => {
                 let mut parts = body.split(|&c| c == 0);

@@ -985,7 +985,10 @@ impl Relay {
             if matches!(e, crate::pool::CheckoutError::Connect(_)) {
                 self.app.policy.record_backend_result(false);
             }
-            e.to_pg(&self.pool.name)
+            e.to_pg(
+                &self.pool.name,
+                self.app.policy.retry_hint_ms(self.unit_caller),
+            )
         })?;
         let conn = b.conn();
         if let Some(sql) = params::apply_sql(&conn.applied, &self.login.settings) {

@@ -47,9 +47,11 @@ impl Timeouts {
 }
 
 fn refusal_error(r: &Refusal) -> PgError {
-    PgError::error(r.sqlstate, r.message.clone())
-        .with_detail(r.detail.clone())
-        .with_hint(r.hint())
+    let e = PgError::error(r.sqlstate, r.message.clone()).with_detail(r.detail.clone());
+    match r.hint() {
+        Some(h) => e.with_hint(h),
+        None => e,
+    }
 }
 
 /// SQLSTATEs that say the backend (not the client's SQL) is in trouble: they feed the breaker.

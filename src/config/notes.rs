@@ -1,0 +1,174 @@
+//! Notes on a valid configuration: what `check-config`, the startup log and every reload say
+//! about settings that work but may not do what the operator meant — how a caller without
+//! `match` is identified, a high-priority caller a client can select by itself, and settings
+//! that are accepted but inert in this combination (each names the key and why).
+//!
+//! Pure: reads the [`Config`] only. Errors (settings that cannot work at all) are
+//! `validate.rs`'s.
+
+use super::{ClientTlsMode, Config, PoolMode, Priority};
+
+impl Config {
+    /// What is valid but worth saying, for `check-config`, the startup log and reload: how a
+    /// caller without `match` is identified, a high-priority caller that the client can select
+    /// by itself, and settings that are accepted but inert in this combination. Tags (and
+    /// `application_name`) are written by the client, so any client that can log in can claim
+    /// them; only `match.user` or `match.client_cidr` bind a caller to an identity.
+    pub fn notes(&self) -> Vec<String> {
+        let mut out = Vec::new();
+        for (i, c) in self.callers.iter().enumerate() {
+            let priority = match c.priority {
+                Priority::Critical => Some("critical"),
+                Priority::High => Some("high"),
+                _ => None,
+            };
+            let m = &c.matcher;
+            let by_name = m.tag.is_empty()
+                && m.application_name.is_none()
+                && m.user.is_none()
+                && m.client_cidr.is_none();
+            if by_name {
+                let mut note = format!(
+                    "callers[{i}] ({name}) has no match: it is matched by its name, i.e. a \
+                     client whose comment tag /*service:{name}*/, application_name or login \
+                     user is `{name}`",
+                    name = c.name
+                );
+                if let Some(p) = priority {
+                    note.push_str(&format!(
+                        "; as priority {p}, note that the tag and application_name are \
+                         chosen by the client: bind it to an identity with match.user or \
+                         match.client_cidr"
+                    ));
+                }
+                out.push(note);
+            } else if let Some(p) = priority
+                && !m.tag.is_empty()
+                && m.user.is_none()
+                && m.client_cidr.is_none()
+            {
+                let tags: Vec<String> = m.tag.iter().map(|(k, v)| format!("{k}:{v}")).collect();
+                out.push(format!(
+                    "callers[{i}] ({}, priority {p}) is selected by the comment tag \
+                     /*{}*/ alone: any client that can log in can write that tag and run as \
+                     it; bind it to an identity with match.user or match.client_cidr",
+                    c.name,
+                    tags.join(",")
+                ));
+            }
+        }
+        self.inert(&mut out);
+        out
+    }
+
+    /// Settings that are accepted but do nothing in this combination.
+    fn inert(&self, out: &mut Vec<String>) {
+        let mut say = |key: &str, why: &str| out.push(format!("{key} has no effect: {why}"));
+        let b = &self.global_defaults.circuit_breaker;
+        if b.probe_sql.is_some() && b.db_cpu_threshold_percent.is_none() {
+            say(
+                "global_defaults.circuit_breaker.probe_sql",
+                "without db_cpu_threshold_percent its value trips nothing (only its failures \
+                 count as backend errors)",
+            );
+        }
+        if b.consecutive_errors == 0 && b.db_cpu_threshold_percent.is_none() {
+            say(
+                "global_defaults.circuit_breaker.open_ms (and half_open_trials)",
+                "with consecutive_errors: 0 and no db_cpu_threshold_percent the breaker never \
+                 opens",
+            );
+        }
+        if self.pool.mode == PoolMode::Session {
+            say(
+                "pool.session_state",
+                "session mode keeps each client on its own backend, so there is no session \
+                 state to track, pin or reject",
+            );
+        }
+        for (i, o) in self.pools.iter().enumerate() {
+            let mode = o.mode.unwrap_or(self.pool.mode);
+            if mode == PoolMode::Session && o.session_state.is_some() {
+                say(
+                    &format!("pools[{i}].session_state"),
+                    "that pool is in session mode",
+                );
+            }
+        }
+        if self.tls.mode == ClientTlsMode::Disable
+            && (self.tls.cert_file.is_some() || self.tls.key_file.is_some())
+        {
+            say("tls.cert_file / tls.key_file", "tls.mode is disable");
+        }
+        if self.backend.root_cert_file.is_some() && !self.backend.tls_verified() {
+            say(
+                "backend.root_cert_file",
+                "backend.tls is not verify-ca or verify-full, so no certificate is checked",
+            );
+        }
+        if self.admin.open_reads && self.admin.read_token.is_some() {
+            say(
+                "admin.read_token",
+                "admin.open_reads serves the read endpoints without a token",
+            );
+        }
+        if self.limits.max_handshakes_per_address >= self.limits.max_handshakes {
+            say(
+                "limits.max_handshakes_per_address",
+                "it is not below limits.max_handshakes, so one address can take every slot",
+            );
+        }
+        if !self.classify.enabled {
+            say(
+                "callers[].match.tag and fingerprint rules",
+                "classify.enabled is false: no statement is tagged or fingerprinted",
+            );
+        }
+        for (i, c) in self.callers.iter().enumerate() {
+            if c.burst.is_some() && c.max_qps.is_none() {
+                say(&format!("callers[{i}].burst"), "it needs max_qps");
+            }
+            if c.scope == super::Scope::Fleet && c.max_qps.is_none() && c.max_concurrency.is_none()
+            {
+                say(
+                    &format!("callers[{i}].scope"),
+                    "fleet scope shares max_qps and max_concurrency, and it sets neither",
+                );
+            }
+        }
+        for (i, c) in self.callers.iter().enumerate() {
+            if c.queue_depth == Some(0) && c.queue_timeout_ms.is_some_and(|t| t > 0) {
+                // The timeout still caps the pool checkout wait: not inert, but say so.
+                out.push(format!(
+                    "callers[{i}] ({}) has queue_depth 0: it never waits for a caller slot; \
+                     queue_timeout_ms caps only its wait for a backend connection",
+                    c.name
+                ));
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod notes_tests {
+    use super::super::Config;
+
+    #[test]
+    fn a_critical_caller_selected_by_a_tag_alone_gets_a_note() {
+        let yaml = "callers:\n\
+            - { name: pay, priority: critical, match: { tag: { service: billing } } }\n\
+            - { name: bound, priority: critical, match: { tag: { service: x }, user: app } }\n\
+            - { name: net, priority: high, match: { tag: { service: y }, client_cidr: 10.0.0.0/8 } }\n\
+            - { name: batch, priority: low, match: { tag: { service: z } } }\n";
+        let c = Config::from_yaml(yaml).expect("valid");
+        let notes = c.notes();
+        assert_eq!(notes.len(), 1, "{notes:?}");
+        assert!(
+            notes[0].contains("callers[0] (pay, priority critical)")
+                && notes[0].contains("/*service:billing*/")
+                && notes[0].contains("match.user"),
+            "{}",
+            notes[0]
+        );
+    }
+}
