@@ -402,16 +402,11 @@ pub fn caller_matcher(cfg: &Config) -> CallerMatcher {
 pub fn statement_timeout(cfg: &Config, caller: u16, kind: &str) -> Option<Duration> {
     let pick = |t: &cfgmod::KindTimeouts| match t {
         cfgmod::KindTimeouts::All(ms) => Some(*ms),
-        cfgmod::KindTimeouts::PerKind {
-            read,
-            write,
-            ddl,
-            other,
-        } => match kind {
-            "read" | "locking_read" => *read,
-            "write" => *write,
-            "ddl" => *ddl,
-            _ => *other,
+        cfgmod::KindTimeouts::PerKind(t) => match kind {
+            "read" | "locking_read" => t.read,
+            "write" => t.write,
+            "ddl" => t.ddl,
+            _ => t.other,
         },
     };
     cfg.callers
@@ -455,6 +450,31 @@ fn opaque(fingerprint: u64, normalized: &str) -> Arc<Classified> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// `{ ddl, other }` and one number reach DDL and other statements; a caller's kinds left
+    /// out fall back to `global_defaults`; a misspelt kind is a config error.
+    #[test]
+    fn statement_timeouts_per_kind_reach_ddl_and_other() {
+        let yaml = "global_defaults:\n  statement_timeout_ms: { ddl: 30000, other: 5000 }\n\
+                    callers:\n  - { name: api, statement_timeout_ms: { read: 800 }, \
+                    match: { user: api } }\n  - { name: etl, statement_timeout_ms: 60000, \
+                    match: { user: etl } }\n";
+        let cfg = Config::from_yaml(yaml).unwrap();
+        let ms = |caller, kind| statement_timeout(&cfg, caller, kind).map(|d| d.as_millis());
+        assert_eq!(ms(0, "read"), Some(800));
+        assert_eq!(ms(0, "ddl"), Some(30_000), "falls back to global_defaults");
+        assert_eq!(ms(0, "other"), Some(5_000));
+        assert_eq!(ms(0, "write"), None, "no write budget anywhere");
+        for kind in ["read", "write", "ddl", "other"] {
+            assert_eq!(ms(1, kind), Some(60_000), "{kind}");
+        }
+        assert_eq!(ms(2, "ddl"), Some(30_000), "the default caller");
+        let bad = "global_defaults:\n  statement_timeout_ms: { reads: 800 }\n";
+        assert!(
+            Config::from_yaml(bad).is_err(),
+            "a misspelt kind is refused"
+        );
+    }
 
     #[tokio::test]
     async fn reload_keeps_the_cancel_key_layout() {

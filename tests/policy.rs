@@ -181,6 +181,16 @@ fn assert_refusal<'a>(
         db.detail().is_some_and(|d| !d.is_empty()),
         "a refusal's DETAIL names the limit: {db:?}"
     );
+    if err_code == "ERR_QUERY_BLOCKED" {
+        // Not retryable: no hint, and the DETAIL says so.
+        assert_eq!(
+            db.hint(),
+            None,
+            "a blocked pattern carries no retry hint: {db:?}"
+        );
+        assert!(detail(db).ends_with("(not retryable)"), "{db:?}");
+        return (db, 0);
+    }
     let retry = retry_after_ms(db);
     (db, retry)
 }
@@ -515,6 +525,7 @@ async fn pool_waiters_are_served_critical_first_and_leave_when_they_disconnect()
         r#"
 admin: { open_reads: true }
 pool: { checkout_timeout_ms: 8000 }
+global_defaults: { queue_timeout_ms: 8000 }
 callers:
   - name: service_payment
     match: { tag: { service: billing } }

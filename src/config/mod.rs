@@ -541,16 +541,21 @@ pub struct CallerMatch {
 #[serde(untagged)]
 pub enum KindTimeouts {
     All(u64),
-    PerKind {
-        #[serde(default)]
-        read: Option<u64>,
-        #[serde(default)]
-        write: Option<u64>,
-        #[serde(default)]
-        ddl: Option<u64>,
-        #[serde(default)]
-        other: Option<u64>,
-    },
+    PerKind(PerKindTimeouts),
+}
+
+/// `{ read, write, ddl, other }`; a misspelt kind is an error, not a timeout that never applies.
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PerKindTimeouts {
+    #[serde(default)]
+    pub read: Option<u64>,
+    #[serde(default)]
+    pub write: Option<u64>,
+    #[serde(default)]
+    pub ddl: Option<u64>,
+    #[serde(default)]
+    pub other: Option<u64>,
 }
 
 #[derive(Debug, Clone, Deserialize)]
@@ -601,7 +606,7 @@ impl Default for GlobalDefaults {
             // timeout is what bounds waiting.
             max_concurrency: 10_000,
             queue_depth: 10_000,
-            queue_timeout_ms: 500,
+            queue_timeout_ms: 2_000,
             statement_timeout_ms: None,
             lock_timeout_ms: None,
             retry_base_ms: 50,

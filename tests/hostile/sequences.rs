@@ -9,8 +9,8 @@ use std::time::Duration;
 
 use crate::common::{CLEAN, fresh_state};
 use crate::session::function_call;
-use crate::support::pg::{APP_DB, APP_PASSWORD, APP_USER, Cluster, OTHER_ROLE};
-use crate::support::proxy::{Proxy, ProxyOptions};
+use crate::support::pg::{APP_DB, APP_PASSWORD, APP_USER, OTHER_ROLE};
+use crate::support::proxy::Proxy;
 use crate::support::sql::scalar;
 use crate::support::wire::WireClient;
 use crate::support::{note_skipped, random_u64, within};
@@ -149,16 +149,21 @@ async fn session(proxy: &Proxy, rng: &mut Rng, stmts: &[String], set_config_oid:
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn random_sessions_never_leave_state_for_the_next_client() {
-    let cluster = Cluster::start();
-    cluster.psql_on(
-        APP_DB,
-        &format!(
-            "CREATE FUNCTION public.leak() RETURNS int LANGUAGE plpgsql AS $$ BEGIN \
-             PERFORM set_config('search_path', 'evil', false); PERFORM pg_advisory_lock(99); \
-             RETURN 1; END $$; GRANT EXECUTE ON FUNCTION public.leak() TO {APP_USER};"
-        ),
-    );
-    let proxy = Proxy::start(&cluster, ProxyOptions::pool(1));
+    // One backend, and a session that hangs up mid-statement leaves it to a cleanup (cancel,
+    // drain, roll back, DISCARD ALL) that can outlast the default 2 s wait on a busy box.
+    let yaml =
+        "pool: { checkout_timeout_ms: 15000 }\nglobal_defaults: { queue_timeout_ms: 15000 }\n";
+    let env = crate::common::start(1, yaml, |cluster| {
+        cluster.psql_on(
+            APP_DB,
+            &format!(
+                "CREATE FUNCTION public.leak() RETURNS int LANGUAGE plpgsql AS $$ BEGIN \
+                 PERFORM set_config('search_path', 'evil', false); PERFORM pg_advisory_lock(99); \
+                 RETURN 1; END $$; GRANT EXECUTE ON FUNCTION public.leak() TO {APP_USER};"
+            ),
+        );
+    });
+    let proxy = &env.proxy;
     if proxy.is_direct() {
         note_skipped("backend sharing (direct mode has none)");
         return;
@@ -179,11 +184,11 @@ async fn random_sessions_never_leave_state_for_the_next_client() {
     .parse()
     .expect("oid");
     for i in 0..150 {
-        let sent = session(&proxy, &mut rng, &stmts, oid).await;
+        let sent = session(proxy, &mut rng, &stmts, oid).await;
         let state = within(
             Duration::from_secs(30),
             "the next client",
-            fresh_state(&proxy),
+            fresh_state(proxy),
         )
         .await;
         assert_eq!(
