@@ -44,6 +44,7 @@ fn callers() -> Vec<CallerPolicy> {
     let mut v: Vec<CallerPolicy> = (0..CALLERS)
         .map(|i| CallerPolicy {
             retry: RetryPolicy::default(),
+            idle_transaction_timeout: None,
             name: format!("service_{i}"),
             max_concurrency: 64,
             queue_depth: 100,
@@ -58,6 +59,7 @@ fn callers() -> Vec<CallerPolicy> {
         .collect();
     v.push(CallerPolicy {
         retry: RetryPolicy::default(),
+        idle_transaction_timeout: None,
         name: "default".into(),
         max_concurrency: 120,
         queue_depth: 1_000,

@@ -328,6 +328,10 @@ pub fn policy_inputs(cfg: &Config) -> (Vec<CallerPolicy>, BreakerConfig) {
                 cfgmod::Scope::Instance => Scope::Instance,
                 cfgmod::Scope::Fleet => Scope::Fleet,
             },
+            idle_transaction_timeout: idle_timeout(
+                c.idle_transaction_timeout_ms
+                    .or(g.idle_transaction_timeout_ms),
+            ),
             retry: retry_policy(
                 c.retry_base_ms.unwrap_or(g.retry_base_ms),
                 c.retry_cap_ms.unwrap_or(g.retry_cap_ms),
@@ -345,6 +349,7 @@ pub fn policy_inputs(cfg: &Config) -> (Vec<CallerPolicy>, BreakerConfig) {
         burst: None,
         scope: Scope::Instance,
         retry: connection_retry(cfg),
+        idle_transaction_timeout: idle_timeout(g.idle_transaction_timeout_ms),
     });
     let b = &g.circuit_breaker;
     let breaker = BreakerConfig {
@@ -356,6 +361,11 @@ pub fn policy_inputs(cfg: &Config) -> (Vec<CallerPolicy>, BreakerConfig) {
         critical_reserve: b.critical_reserve,
     };
     (callers, breaker)
+}
+
+/// `Some` for a positive number of milliseconds (0 = off).
+fn idle_timeout(ms: Option<u64>) -> Option<Duration> {
+    ms.filter(|ms| *ms > 0).map(Duration::from_millis)
 }
 
 fn retry_policy(base_ms: u64, cap_ms: u64, floor_ms: u64) -> RetryPolicy {
@@ -450,6 +460,46 @@ fn opaque(fingerprint: u64, normalized: &str) -> Arc<Classified> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The caller table and breaker the policy gets carry every caller and breaker key of the
+    /// file: retry hints (own or inherited), the breaker's reserve and half-open trials, and
+    /// the CIDR match.
+    #[test]
+    fn policy_inputs_carry_retry_breaker_and_match_keys() {
+        let yaml = "global_defaults:\n  retry_base_ms: 100\n  retry_cap_ms: 8000\n  \
+                    retry_floor_ms: 0\n  circuit_breaker:\n    critical_reserve: 7\n    \
+                    half_open_trials: 3\n    max_inflight_threshold: 40\n\
+                    callers:\n  - { name: sync, retry_floor_ms: 5000, retry_cap_ms: 15000, \
+                    match: { client_cidr: 10.1.0.0/16 } }\n  - { name: web, \
+                    match: { application_name: web } }\n";
+        let cfg = Config::from_yaml(yaml).unwrap();
+        let (callers, breaker) = policy_inputs(&cfg);
+        let ms = |d: Duration| d.as_millis();
+        let r = |i: usize| {
+            let p = &callers[i].retry;
+            (ms(p.base), ms(p.cap), ms(p.floor))
+        };
+        assert_eq!(
+            r(0),
+            (100, 15_000, 5_000),
+            "own floor and cap, inherited base"
+        );
+        assert_eq!(r(1), (100, 8_000, 0), "all inherited");
+        assert_eq!(r(2), (100, 8_000, 0), "the default caller");
+        assert_eq!(
+            (
+                breaker.critical_reserve,
+                breaker.half_open_max_probes,
+                breaker.max_inflight_threshold
+            ),
+            (7, 3, Some(40))
+        );
+        let m = caller_matcher(&cfg);
+        let inside = "10.1.2.3".parse().ok();
+        let outside = "10.2.0.1".parse().ok();
+        assert_eq!(m.name(m.resolve(&[], None, "app", inside)), "sync");
+        assert_eq!(m.name(m.resolve(&[], None, "app", outside)), "default");
+    }
 
     /// `{ ddl, other }` and one number reach DDL and other statements; a caller's kinds left
     /// out fall back to `global_defaults`; a misspelt kind is a config error.

@@ -524,7 +524,8 @@ async fn pool_waiters_are_served_critical_first_and_leave_when_they_disconnect()
         2,
         r#"
 admin: { open_reads: true }
-pool: { checkout_timeout_ms: 8000 }
+# No critical reserve: this test is about the order of waiters on an exhausted pool.
+pool: { checkout_timeout_ms: 8000, critical_reserve: 0 }
 global_defaults: { queue_timeout_ms: 8000 }
 callers:
   - name: service_payment
@@ -654,7 +655,8 @@ async fn queue_timeouts_refuse_after_about_200ms_never_later() {
     let Some(env) = start(
         2,
         r#"
-pool: { checkout_timeout_ms: 200 }
+# No critical reserve: the fillers must be able to exhaust the pool.
+pool: { checkout_timeout_ms: 200, critical_reserve: 0 }
 callers:
   - name: service_payment
     match: { tag: { service: billing } }

@@ -157,6 +157,7 @@ fn scrape(st: &AdminState) -> Scrape {
                 connect_failures: p.connect_failures,
                 checkout_timeouts: p.checkout_timeouts,
                 waiting_refused: p.waiting_refused,
+                critical_reserve: u(p.critical_reserve),
                 name: p.name,
             })
             .collect(),

@@ -377,6 +377,10 @@ pub struct PoolConfig {
     /// How long a client waits for a backend before 53300 (capped by its caller's
     /// `queue_timeout_ms`).
     pub checkout_timeout_ms: u64,
+    /// Backends only critical callers may take (the last free ones), so lower priorities can
+    /// never hold the whole pool while critical work waits. Unset: a tenth of `size` (at
+    /// least 1) when some caller is `critical`, else none. At most `size - 1`.
+    pub critical_reserve: Option<usize>,
     /// Clients waiting for a backend at once; beyond it a checkout is refused at once with
     /// 53300 `ERR_QUEUE_FULL` (critical callers are never refused by it).
     pub max_waiting: usize,
@@ -404,6 +408,7 @@ impl Default for PoolConfig {
             idle_timeout_ms: 600_000,
             max_lifetime_ms: 3_600_000,
             checkout_timeout_ms: 2_000,
+            critical_reserve: None,
             max_waiting: 2_000,
             health_check_after_ms: 30_000,
             max_connect_attempts: 4,
@@ -573,6 +578,9 @@ pub struct CallerConfig {
     pub burst: Option<u32>,
     pub statement_timeout_ms: Option<KindTimeouts>,
     pub lock_timeout_ms: Option<u64>,
+    /// A client of this caller idle inside a transaction this long is disconnected with
+    /// FATAL 25P03 and its transaction rolled back (default: `global_defaults`'; 0 = off).
+    pub idle_transaction_timeout_ms: Option<u64>,
     /// Retry hints of this caller's refusals (default: `global_defaults`').
     pub retry_base_ms: Option<u64>,
     pub retry_cap_ms: Option<u64>,
@@ -590,6 +598,10 @@ pub struct GlobalDefaults {
     pub queue_timeout_ms: u64,
     pub statement_timeout_ms: Option<KindTimeouts>,
     pub lock_timeout_ms: Option<u64>,
+    /// A client idle inside a transaction this long holds a backend (and its locks) for
+    /// nothing: it is disconnected with FATAL 25P03 and the transaction rolled back. Unset:
+    /// off.
+    pub idle_transaction_timeout_ms: Option<u64>,
     /// Retry hints (`retry_after_ms`) of refusals: `max(limit's floor, retry_floor_ms) +
     /// random(0, min(retry_cap_ms, retry_base_ms · 2^k))`, `k` the refusals in the burst.
     /// Callers may set their own; connection-level refusals use these.
@@ -609,6 +621,7 @@ impl Default for GlobalDefaults {
             queue_timeout_ms: 2_000,
             statement_timeout_ms: None,
             lock_timeout_ms: None,
+            idle_transaction_timeout_ms: None,
             retry_base_ms: 50,
             retry_cap_ms: 5_000,
             retry_floor_ms: 0,
@@ -894,6 +907,14 @@ impl Config {
                 p.session_state = s;
             }
         }
+        let critical = self
+            .callers
+            .iter()
+            .any(|c| c.priority == Priority::Critical);
+        let reserve = p
+            .critical_reserve
+            .unwrap_or(if critical { p.size.div_ceil(10) } else { 0 });
+        p.critical_reserve = Some(reserve.min(p.size.saturating_sub(1)));
         p
     }
 }

@@ -95,6 +95,17 @@ impl Config {
                 );
             }
         }
+        if self.pool.critical_reserve.is_some_and(|r| r > 0)
+            && !self
+                .callers
+                .iter()
+                .any(|c| c.priority == Priority::Critical)
+        {
+            say(
+                "pool.critical_reserve",
+                "no caller is critical, so no one may use the reserved backends (they stay idle)",
+            );
+        }
         if self.tls.mode == ClientTlsMode::Disable
             && (self.tls.cert_file.is_some() || self.tls.key_file.is_some())
         {

@@ -367,6 +367,17 @@ impl Config {
         if pool.checkout_timeout_ms == 0 {
             p.add("pool.checkout_timeout_ms".into(), "must be > 0");
         }
+        if let Some(r) = pool.critical_reserve
+            && r >= pool.size
+        {
+            p.add(
+                "pool.critical_reserve".into(),
+                format!(
+                    "must be below pool.size ({}): other callers need a backend too",
+                    pool.size
+                ),
+            );
+        }
         if pool.max_waiting == 0 {
             p.add(
                 "pool.max_waiting".into(),

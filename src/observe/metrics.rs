@@ -75,6 +75,8 @@ pub struct PoolSample {
     pub checkout_timeouts: u64,
     /// Checkouts refused at once: `max_waiting` clients were already waiting.
     pub waiting_refused: u64,
+    /// Backends only critical callers may take.
+    pub critical_reserve: u64,
 }
 
 /// One caller at scrape time.
@@ -245,6 +247,7 @@ struct ScrapeSeries {
     connect_failures: IntCounterVec,
     checkout_timeouts: IntCounterVec,
     waiting_refused: IntCounterVec,
+    pool_critical_reserve: IntGaugeVec,
     clients: IntGauge,
     clients_accepted: IntCounter,
     handshakes: IntGauge,
@@ -544,6 +547,12 @@ impl ScrapeSeries {
                 "Clients that gave up waiting for a backend connection.",
                 &["pool"],
             ),
+            pool_critical_reserve: gauge_vec(
+                r,
+                "pgsluice_pool_critical_reserve",
+                "Backends of the pool only critical callers may take (pool.critical_reserve).",
+                &["pool"],
+            ),
             waiting_refused: counter_vec(
                 r,
                 "pgsluice_pool_waiting_refused_total",
@@ -639,6 +648,7 @@ impl ScrapeSeries {
         self.connect_failures.reset();
         self.checkout_timeouts.reset();
         self.waiting_refused.reset();
+        self.pool_critical_reserve.reset();
         for p in capped_pools(&s.pools) {
             let l = [p.name.as_str()];
             let conn = |state: &str, v: u64| {
@@ -673,6 +683,9 @@ impl ScrapeSeries {
                 &self.waiting_refused.with_label_values(&l),
                 p.waiting_refused,
             );
+            self.pool_critical_reserve
+                .with_label_values(&l)
+                .set(gauge_value(p.critical_reserve));
         }
         self.clients.set(gauge_value(s.client_connections));
         set_counter(&self.clients_accepted, s.client_connections_accepted);
@@ -740,6 +753,7 @@ fn capped_pools(pools: &[PoolSample]) -> Vec<PoolSample> {
         other.connect_failures += p.connect_failures;
         other.checkout_timeouts += p.checkout_timeouts;
         other.waiting_refused += p.waiting_refused;
+        other.critical_reserve += p.critical_reserve;
     }
     kept.iter()
         .map(|p| (*p).clone())

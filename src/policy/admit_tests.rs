@@ -18,6 +18,7 @@ fn callers() -> Vec<CallerPolicy> {
     vec![
         CallerPolicy {
             retry: RetryPolicy::default(),
+            idle_transaction_timeout: None,
             name: "service_payment".into(),
             max_concurrency: 2,
             queue_depth: 20,
@@ -29,6 +30,7 @@ fn callers() -> Vec<CallerPolicy> {
         },
         CallerPolicy {
             retry: RetryPolicy::default(),
+            idle_transaction_timeout: None,
             name: "service_analytics".into(),
             max_concurrency: 5,
             queue_depth: 0,
@@ -40,6 +42,7 @@ fn callers() -> Vec<CallerPolicy> {
         },
         CallerPolicy {
             retry: RetryPolicy::default(),
+            idle_transaction_timeout: None,
             name: "default".into(),
             max_concurrency: 10,
             queue_depth: 10,

@@ -147,6 +147,8 @@ pub struct CallerPolicy {
     pub scope: Scope,
     /// The retry hints its refusals carry.
     pub retry: RetryPolicy,
+    /// Longest a client of this caller may sit idle inside a transaction; `None` = no limit.
+    pub idle_transaction_timeout: Option<Duration>,
 }
 
 /// The caller table or breaker settings were unusable; nothing was applied.
@@ -491,6 +493,14 @@ impl Policy {
     /// How long caller `id` may wait for a slot (also bounds its wait for a backend).
     pub fn queue_timeout(&self, id: u16) -> Duration {
         self.caller(id).1.policy.queue_timeout
+    }
+
+    /// How long a client of caller `id` may stay idle inside a transaction, and its name.
+    pub fn idle_transaction_timeout(&self, id: u16) -> Option<(Duration, String)> {
+        let (_, c) = self.caller(id);
+        c.policy
+            .idle_transaction_timeout
+            .map(|t| (t, c.policy.name.clone()))
     }
 
     /// The priority of caller `id` (unknown ids are the default caller).

@@ -88,7 +88,7 @@ impl Pool {
             name: format!("{database}/{user}"),
             database: database.to_string(),
             user: user.to_string(),
-            slots: Slots::new(cfg.size),
+            slots: Slots::new(cfg.size, cfg.critical_reserve.unwrap_or(0)),
             attempts: Semaphore::new(cfg.max_connect_attempts),
             cfg,
             connect: Mutex::new(Arc::new(connect)),
@@ -334,6 +334,7 @@ impl Pool {
             connects: self.stats.connects.load(Ordering::Relaxed),
             connect_failures: self.stats.connect_failures.load(Ordering::Relaxed),
             checkout_timeouts: self.stats.checkout_timeouts.load(Ordering::Relaxed),
+            critical_reserve: self.slots.reserve(),
             max_waiting: self.cfg.max_waiting,
             waiting_refused: self.stats.waiting_refused.load(Ordering::Relaxed),
         }
@@ -353,6 +354,8 @@ pub struct PoolSnapshot {
     pub connects: u64,
     pub connect_failures: u64,
     pub checkout_timeouts: u64,
+    /// Backends only critical callers may take.
+    pub critical_reserve: usize,
     pub max_waiting: usize,
     pub waiting_refused: u64,
 }

@@ -1,5 +1,8 @@
 //! Backend slots of one pool: a counting semaphore whose waiters are served by priority
-//! (critical → low), FIFO within a priority, each with its own deadline.
+//! (critical → low), FIFO within a priority, each with its own deadline. The last `reserve`
+//! free slots are the critical priority's alone: other priorities take a slot only while
+//! more than `reserve` are free, so a storm of lower-priority work can never hold every
+//! backend while critical work waits.
 //!
 //! A slot is handed to a waiter *as a permit value* through a oneshot channel, so a waiter that
 //! times out or whose client disconnects at the exact moment of the hand-off drops the permit,
@@ -21,12 +24,21 @@ pub struct Slots {
 
 struct Inner {
     available: usize,
+    /// Free slots only priority 0 may take.
+    reserve: usize,
     waiters: [VecDeque<oneshot::Sender<SlotPermit>>; PRIORITIES],
 }
 
 impl Inner {
+    /// The next live waiter that may have the slot being released: a critical one, or any
+    /// other while the free slots (not counting this one) still cover the reserve.
     fn pop_waiter(&mut self) -> Option<oneshot::Sender<SlotPermit>> {
-        self.waiters.iter_mut().find_map(|q| {
+        let queues = if self.available >= self.reserve {
+            &mut self.waiters[..]
+        } else {
+            &mut self.waiters[..1]
+        };
+        queues.iter_mut().find_map(|q| {
             while let Some(tx) = q.pop_front() {
                 if !tx.is_closed() {
                     return Some(tx);
@@ -55,10 +67,13 @@ impl Drop for SlotPermit {
 pub struct SlotTimeout;
 
 impl Slots {
-    pub fn new(capacity: usize) -> Arc<Slots> {
+    /// `capacity` slots, `reserve` of which (at most `capacity - 1`) only critical waiters
+    /// may take.
+    pub fn new(capacity: usize, reserve: usize) -> Arc<Slots> {
         Arc::new(Slots {
             inner: Mutex::new(Inner {
                 available: capacity,
+                reserve: reserve.min(capacity.saturating_sub(1)),
                 waiters: Default::default(),
             }),
         })
@@ -76,7 +91,8 @@ impl Slots {
             let ahead = g.waiters[..=priority.min(PRIORITIES - 1)]
                 .iter()
                 .any(|q| q.iter().any(|tx| !tx.is_closed()));
-            if g.available > 0 && !ahead {
+            let free = if priority == 0 { 0 } else { g.reserve };
+            if g.available > free && !ahead {
                 g.available -= 1;
                 return Ok(SlotPermit {
                     slots: self.clone(),
@@ -129,6 +145,11 @@ impl Slots {
     pub fn available(&self) -> usize {
         self.inner.lock().available
     }
+
+    /// Slots only critical waiters may take.
+    pub fn reserve(&self) -> usize {
+        self.inner.lock().reserve
+    }
 }
 
 #[cfg(test)]
@@ -138,7 +159,7 @@ mod tests {
 
     #[tokio::test(start_paused = true)]
     async fn serves_by_priority_then_fifo() {
-        let s = Slots::new(1);
+        let s = Slots::new(1, 0);
         let far = Instant::now() + Duration::from_secs(10);
         let first = s.acquire(2, far).await.unwrap();
         let order = Arc::new(Mutex::new(Vec::new()));
@@ -167,9 +188,49 @@ mod tests {
         assert_eq!(s.available(), 1);
     }
 
+    /// With 3 slots and a reserve of 1, lower priorities get 2; the third goes to a critical
+    /// waiter, and a released slot goes to a low waiter only while the reserve stays free.
+    #[tokio::test(start_paused = true)]
+    async fn the_reserve_is_for_critical_waiters_only() {
+        let s = Slots::new(3, 1);
+        let now = Instant::now();
+        let soon = now + Duration::from_millis(100);
+        let a = s.acquire(3, soon).await.expect("low 1");
+        let b = s.acquire(2, soon).await.expect("normal");
+        assert!(
+            s.acquire(3, soon).await.is_err(),
+            "the last slot is reserved"
+        );
+        let c = s
+            .acquire(0, soon)
+            .await
+            .expect("critical takes the reserve");
+        // All taken; a low waiter queues, and a released slot goes to it only if the
+        // reserve would still be free: release the critical one → the reserve is back, the
+        // low waiter keeps waiting.
+        let s2 = s.clone();
+        let low = tokio::spawn(async move { s2.acquire(3, now + Duration::from_secs(5)).await });
+        tokio::task::yield_now().await;
+        drop(c);
+        tokio::task::yield_now().await;
+        assert!(!low.is_finished(), "the freed slot is the reserve");
+        assert_eq!(s.available(), 1);
+        // A low slot comes back: now two are free, so the waiter gets one.
+        drop(a);
+        let got = low.await.expect("task").expect("the low waiter runs");
+        assert_eq!(s.available(), 1, "the reserve stays free");
+        drop((b, got));
+        assert_eq!(s.available(), 3);
+        assert_eq!(
+            Slots::new(1, 5).reserve(),
+            0,
+            "a pool of one has no reserve"
+        );
+    }
+
     #[tokio::test(start_paused = true)]
     async fn deadline_and_dropped_waiters_never_leak() {
-        let s = Slots::new(1);
+        let s = Slots::new(1, 0);
         let start = Instant::now();
         let held = s.acquire(2, start + Duration::from_secs(1)).await.unwrap();
         let r = s.acquire(2, start + Duration::from_millis(200)).await;

@@ -114,8 +114,11 @@ pub struct Relay {
     /// query already on the wire) is served rather than told 57P01, which is what makes a
     /// rolling restart lose no new connection.
     idle_grace: Option<Instant>,
-    /// The one timer behind `backstop`, `unanswered` and `idle_grace` (the earliest of
-    /// them), kept across loop turns and moved only when that deadline changes: a sleep
+    /// Armed while the client sits idle inside a transaction (its caller's
+    /// `idle_transaction_timeout_ms`): the session ends with 25P03 when it passes.
+    idle_txn: Option<Instant>,
+    /// The one timer behind `backstop`, `unanswered`, `idle_grace` and `idle_txn` (the
+    /// earliest of them), kept across loop turns and moved only when that deadline changes: a sleep
     /// made per turn would enter and leave the timer wheel for every message.
     timer: Option<Pin<Box<tokio::time::Sleep>>>,
     /// Which of client and backend the event loop looks at first (they take turns).
@@ -163,6 +166,8 @@ enum Event {
     Shutdown,
     /// The moment after shutdown given to a client between transactions is over.
     IdleGrace,
+    /// The client stayed idle inside a transaction past its caller's limit.
+    IdleTransaction,
     /// The shutdown grace period is over: cancel what runs and leave now.
     Force,
 }
@@ -224,6 +229,7 @@ impl Relay {
             draining: false,
             cancels_seen: 0,
             idle_grace: None,
+            idle_txn: None,
             timer: None,
             backend_first: false,
             peer_ip: Some(peer.ip()),
@@ -256,7 +262,10 @@ impl Relay {
             let ev = std::future::poll_fn(|cx| self.poll_event(cx, client)).await;
             let r = match ev {
                 Event::Client(Ok(0)) | Event::Client(Err(_)) => return End::ClientClosed,
-                Event::Client(Ok(_)) => self.on_client_data(client).await,
+                Event::Client(Ok(_)) => {
+                    self.idle_txn = None;
+                    self.on_client_data(client).await
+                }
                 Event::Backend(Ok(0)) | Event::Backend(Err(_)) => return self.backend_gone(),
                 Event::Backend(Ok(_)) => {
                     // The server is alive: whatever the cancel does, it will be answered.
@@ -278,6 +287,7 @@ impl Relay {
                     self.idle_grace = None;
                     self.maybe_release().await
                 }
+                Event::IdleTransaction => return self.idle_transaction_over(),
                 Event::Force => {
                     // Wait for the cancel to reach Postgres: the process is about to exit,
                     // and a spawned task could die with it, leaving an orphan query.
@@ -290,7 +300,47 @@ impl Relay {
             if let Err(end) = r {
                 return end;
             }
+            self.arm_idle_transaction();
         }
+    }
+
+    /// Arms the idle-in-transaction deadline when the client owes the next move inside an
+    /// open transaction (nothing in flight, nothing unsent) and its caller has a limit;
+    /// disarms it otherwise. The limit is looked up once per idle period.
+    fn arm_idle_transaction(&mut self) {
+        let idle_in_txn = self.backend.is_some()
+            && self.t.txn != b'I'
+            && !self.t.in_flight()
+            && self.bout.is_empty();
+        if !idle_in_txn {
+            self.idle_txn = None;
+        } else if self.idle_txn.is_none()
+            && let Some((limit, _)) = self.app.policy.idle_transaction_timeout(self.unit_caller)
+        {
+            self.idle_txn = Some(Instant::now() + limit);
+        }
+    }
+
+    /// The client sat idle inside its transaction past its caller's limit: end the session
+    /// as Postgres' own `idle_in_transaction_session_timeout` does (FATAL 25P03); the cleanup
+    /// rolls the transaction back and the backend goes back to the pool.
+    fn idle_transaction_over(&mut self) -> End {
+        let (limit, caller) = self
+            .app
+            .policy
+            .idle_transaction_timeout(self.unit_caller)
+            .unwrap_or_default();
+        tracing::info!(caller = %caller, limit_ms = limit.as_millis(), "idle-in-transaction timeout");
+        End::Error(
+            PgError::fatal(
+                "25P03",
+                "pgsluice: terminating connection due to idle-in-transaction timeout",
+            )
+            .with_detail(format!(
+                "limit: caller {caller} idle_transaction_timeout_ms={}",
+                limit.as_millis()
+            )),
+        )
     }
 
     /// The next thing to act on. Client and backend reads come first, in turns so neither
@@ -341,10 +391,15 @@ impl Relay {
     /// Fires at the earliest of `unanswered`, `backstop` and `idle_grace` (each handler clears
     /// or moves the deadline it served).
     fn poll_timer(&mut self, cx: &mut Context<'_>) -> Poll<Event> {
-        let next = [self.unanswered, self.backstop, self.idle_grace]
-            .into_iter()
-            .flatten()
-            .min();
+        let next = [
+            self.unanswered,
+            self.backstop,
+            self.idle_grace,
+            self.idle_txn,
+        ]
+        .into_iter()
+        .flatten()
+        .min();
         let Some(at) = next else {
             self.timer = None;
             return Poll::Pending;
@@ -365,8 +420,10 @@ impl Relay {
             Event::Unanswered
         } else if self.backstop == Some(at) {
             Event::Backstop
-        } else {
+        } else if self.idle_grace == Some(at) {
             Event::IdleGrace
+        } else {
+            Event::IdleTransaction
         })
     }
 
