@@ -53,7 +53,7 @@ pub enum AdminCmd {
     Top {
         #[command(flatten)]
         conn: AdminConn,
-        /// total_time, calls, errors or refusals.
+        /// total_time, calls, errors, refusals or qps.
         #[arg(long, default_value = "total_time")]
         sort: String,
         #[arg(long, default_value_t = 20)]
@@ -441,6 +441,13 @@ fn ms(v: &Value, k: &str) -> String {
         .map_or_else(|| "-".to_owned(), |f| format!("{f:.2}"))
 }
 
+/// A rate: one decimal.
+fn rate(v: &Value, k: &str) -> String {
+    v.get(k)
+        .and_then(Value::as_f64)
+        .map_or_else(|| "-".to_owned(), |f| format!("{f:.1}"))
+}
+
 fn text(v: &Value, k: &str) -> String {
     v.get(k).and_then(Value::as_str).unwrap_or("-").to_owned()
 }
@@ -546,7 +553,11 @@ fn top_table(v: &Value) -> String {
             vec![
                 text(f, "fingerprint"),
                 num(f, "calls"),
+                rate(f, "qps"),
                 num(f, "errors"),
+                num(f, "lock_not_available"),
+                ms(f, "lock_wait_ms"),
+                num(f, "statement_timeouts"),
                 num(f, "refusals"),
                 ms(f, "total_ms"),
                 ms(f, "mean_ms"),
@@ -559,7 +570,11 @@ fn top_table(v: &Value) -> String {
         &[
             "FINGERPRINT",
             "CALLS",
+            "QPS",
             "ERRORS",
+            "55P03",
+            "LOCK_MS",
+            "TIMEOUTS",
             "REFUSED",
             "TOTAL_MS",
             "MEAN_MS",
@@ -607,6 +622,25 @@ mod tests {
             v,
             serde_json::json!({"action":"THROTTLE","max_qps":2.0,"ttl_seconds":60,"callers":["app"]})
         );
+    }
+
+    #[test]
+    fn top_shows_rate_and_lock_evidence() {
+        let v = serde_json::json!({"fingerprints": [{
+            "fingerprint": "00000000000000ff", "calls": 12, "qps": 2.345, "errors": 3,
+            "lock_not_available": 2, "lock_wait_ms": 401.5, "statement_timeouts": 1,
+            "refusals": 0, "total_ms": 500.0, "mean_ms": 41.7, "p99_ms": 210.0,
+            "normalized": "SELECT ? FROM t FOR UPDATE NOWAIT"
+        }]});
+        let t = top_table(&v);
+        let mut lines = t.lines();
+        let head: Vec<&str> = lines.next().unwrap().split_whitespace().collect();
+        let row: Vec<&str> = lines.next().unwrap().split_whitespace().collect();
+        let col = |name: &str| row[head.iter().position(|h| *h == name).unwrap()];
+        assert_eq!(col("QPS"), "2.3");
+        assert_eq!(col("55P03"), "2");
+        assert_eq!(col("LOCK_MS"), "401.50");
+        assert_eq!(col("TIMEOUTS"), "1");
     }
 
     #[test]
