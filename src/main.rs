@@ -1,5 +1,5 @@
-//! `pgsluice` command line: run the proxy, check a config file, or talk to a running proxy's
-//! admin API (`rules`, `top`).
+//! `pgsluice` command line: run the proxy, check a config file, fingerprint a statement
+//! offline, or talk to a running proxy's admin API (`rules`, `top`).
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -55,6 +55,8 @@ struct Cli {
 enum Cmd {
     /// Validate a configuration file and print precise errors, without starting.
     CheckConfig { file: PathBuf },
+    /// Print the normal form and fingerprint the proxy gives a statement (no proxy needed).
+    Fingerprint(pgsluice::cli::FingerprintArgs),
     #[command(flatten)]
     Admin(AdminCmd),
 }
@@ -106,6 +108,15 @@ fn main() -> ExitCode {
             }
             Err(errs) => {
                 print_errors(&errs, Some(file));
+                ExitCode::from(1)
+            }
+        };
+    }
+    if let Some(Cmd::Fingerprint(args)) = &cli.cmd {
+        return match pgsluice::cli::fingerprint(args) {
+            Ok(()) => ExitCode::SUCCESS,
+            Err(e) => {
+                eprintln!("pgsluice: {e:#}");
                 ExitCode::from(1)
             }
         };
