@@ -413,8 +413,9 @@ done
 ok "the CLI has the flags the compose file and the image use"
 
 # Smoke start: the example config with the flags the image/compose use, on ephemeral
-# loopback ports, in a scratch working directory (the rules file is relative). The backend
-# is never contacted: no client connects.
+# loopback ports, in a scratch working directory (the rules file is relative). No client
+# connects; the example's min_idle makes the proxy try to warm its pool at a port where
+# nothing listens, which fails and backs off without affecting the checks.
 BIN_ABS=$(cd "$(dirname "${PGSLUICE_BIN}")" && pwd)/$(basename "${PGSLUICE_BIN}")
 (
     cd "${WORK}"

@@ -25,6 +25,10 @@ pub struct App {
     pub config: ArcSwap<Config>,
     pub creds: ArcSwap<Credentials>,
     pub pools: Pools,
+    /// The pools the config names that keep `min_idle` connections open from the start
+    /// ([`App::warm_pools`]); held here so the sweep of unused pools leaves them (and their
+    /// connect backoff) alone.
+    warm: parking_lot::Mutex<Vec<Arc<Pool>>>,
     pub cancels: Arc<cancel::Registry>,
     pub stats: AppStats,
     /// Admission control: caller limits, rate buckets, breaker, runtime fingerprint rules.
@@ -140,6 +144,7 @@ impl App {
             config: ArcSwap::from_pointee(config),
             creds: ArcSwap::from_pointee(creds),
             pools: Pools::default(),
+            warm: parking_lot::Mutex::new(Vec::new()),
             cancels,
             stats: AppStats::default(),
             shutdown: CancellationToken::new(),
@@ -250,7 +255,8 @@ impl App {
         Ok(pool)
     }
 
-    /// Periodic pool upkeep (idle timeout, min idle) until shutdown.
+    /// Periodic pool upkeep (idle timeout, min idle) until shutdown; the first round runs at
+    /// once, so `min_idle` connections open at start.
     pub async fn maintain(self: Arc<Self>) {
         let mut tick = tokio::time::interval(Duration::from_secs(1));
         loop {
@@ -258,12 +264,44 @@ impl App {
                 _ = tick.tick() => {}
                 _ = self.shutdown.cancelled() => return,
             }
+            self.warm_pools();
             for p in self.pools.all() {
                 p.maintain().await;
             }
             // After the upkeep (which may have closed a pool's last idle connection).
             self.pools.sweep();
         }
+    }
+
+    /// Creates the pools the config names whose `min_idle` is above 0 — each `pools[]`
+    /// entry and the (database, user) of `backend.url` — so their connections are open
+    /// before the first client arrives; other pools exist from their first login on. Runs
+    /// every upkeep round, so a reload that names a new pool warms it too.
+    fn warm_pools(&self) {
+        let cfg = self.config.load();
+        let mut named: Vec<(String, String)> = cfg
+            .pools
+            .iter()
+            .map(|o| (o.database.clone(), o.user.clone()))
+            .collect();
+        if let Some(url) = cfg.backend_url() {
+            named.push((url.database, url.user));
+        }
+        let mut warm = Vec::new();
+        for (database, user) in named {
+            if cfg.pool_for(&database, &user).min_idle == 0
+                || warm
+                    .iter()
+                    .any(|p: &Arc<Pool>| p.database == database && p.user == user)
+            {
+                continue;
+            }
+            // Fails only with `limits.max_pools` pools in use: tried again next round.
+            if let Ok(p) = self.pool_for(&database, &user) {
+                warm.push(p);
+            }
+        }
+        *self.warm.lock() = warm;
     }
 }
 

@@ -1,4 +1,6 @@
-//! `pgsluice rules …` and `pgsluice top`: a terminal client for a running proxy's admin API.
+//! `pgsluice rules …` and `pgsluice top`: a terminal client for a running proxy's admin API;
+//! and `pgsluice fingerprint`, which needs no proxy: it runs the proxy's own classifier on a
+//! statement and prints the normal form and the fingerprint a rule is written for.
 //!
 //! Owns the clap subcommands and a deliberately tiny HTTP/1.1 client (one request per TCP
 //! connection, `Connection: close`, plain HTTP to the admin port, which binds to loopback by
@@ -16,6 +18,7 @@ use serde_json::Value;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 
+use crate::classify::{Classifier, DEFAULT_MAX_TEXT_BYTES, fingerprint_hex};
 use crate::policy::rules::RuleSpec;
 
 /// Whole exchange (connect, send, read the answer).
@@ -53,7 +56,7 @@ pub enum AdminCmd {
     Top {
         #[command(flatten)]
         conn: AdminConn,
-        /// total_time, calls, errors or refusals.
+        /// total_time, calls, errors, refusals or qps.
         #[arg(long, default_value = "total_time")]
         sort: String,
         #[arg(long, default_value_t = 20)]
@@ -441,6 +444,13 @@ fn ms(v: &Value, k: &str) -> String {
         .map_or_else(|| "-".to_owned(), |f| format!("{f:.2}"))
 }
 
+/// A rate: one decimal.
+fn rate(v: &Value, k: &str) -> String {
+    v.get(k)
+        .and_then(Value::as_f64)
+        .map_or_else(|| "-".to_owned(), |f| format!("{f:.1}"))
+}
+
 fn text(v: &Value, k: &str) -> String {
     v.get(k).and_then(Value::as_str).unwrap_or("-").to_owned()
 }
@@ -546,7 +556,11 @@ fn top_table(v: &Value) -> String {
             vec![
                 text(f, "fingerprint"),
                 num(f, "calls"),
+                rate(f, "qps"),
                 num(f, "errors"),
+                num(f, "lock_not_available"),
+                ms(f, "lock_wait_ms"),
+                num(f, "statement_timeouts"),
                 num(f, "refusals"),
                 ms(f, "total_ms"),
                 ms(f, "mean_ms"),
@@ -559,7 +573,11 @@ fn top_table(v: &Value) -> String {
         &[
             "FINGERPRINT",
             "CALLS",
+            "QPS",
             "ERRORS",
+            "55P03",
+            "LOCK_MS",
+            "TIMEOUTS",
             "REFUSED",
             "TOTAL_MS",
             "MEAN_MS",
@@ -568,6 +586,66 @@ fn top_table(v: &Value) -> String {
         ],
         &rows,
     )
+}
+
+/// `pgsluice fingerprint`: what the proxy makes of one statement, computed offline.
+#[derive(Args, Debug)]
+pub struct FingerprintArgs {
+    /// The statement as the application sends it (quote it); `-` reads it from standard input.
+    /// A text that starts with a `--` comment is taken as text, not as an option.
+    #[arg(allow_hyphen_values = true)]
+    pub sql: String,
+    /// The proxy's `classify.max_text_bytes`, if its config changes it (longer texts are read
+    /// by a simpler scanner, which can give another fingerprint).
+    #[arg(long, default_value_t = DEFAULT_MAX_TEXT_BYTES)]
+    pub max_text_bytes: usize,
+    /// Print JSON (`fingerprint`, `normalized`, `kind`) instead of labelled lines.
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// The text `pgsluice fingerprint` prints for `sql`: fingerprint, normal form and kind, from
+/// the classifier the proxy runs on every statement (the cache off, which changes nothing
+/// but the speed). An input without a statement is an error.
+pub fn fingerprint_report(sql: &str, max_text_bytes: usize, json: bool) -> anyhow::Result<String> {
+    if sql.trim().is_empty() {
+        bail!(
+            "no SQL given: pass the statement as one quoted argument, \
+             e.g. pgsluice fingerprint \"SELECT * FROM users WHERE id = 1\", or - to read it \
+             from standard input"
+        );
+    }
+    let class = Classifier::new(0, max_text_bytes).classify(sql);
+    if class.normalized.trim().is_empty() {
+        bail!("the input holds no statement (only comments or semicolons)");
+    }
+    let hash = fingerprint_hex(class.fingerprint);
+    if json {
+        let v = serde_json::json!({
+            "fingerprint": hash,
+            "normalized": &*class.normalized,
+            "kind": class.kind.as_str(),
+        });
+        return pretty(&v);
+    }
+    Ok(format!(
+        "fingerprint  {hash}\nnormalized   {}\nkind         {}\n",
+        one_line(&class.normalized, usize::MAX),
+        class.kind.as_str()
+    ))
+}
+
+/// Runs `pgsluice fingerprint`, printing to stdout.
+pub fn fingerprint(args: &FingerprintArgs) -> anyhow::Result<()> {
+    let sql = if args.sql == "-" {
+        let mut text = String::new();
+        std::io::Read::read_to_string(&mut std::io::stdin().lock(), &mut text)
+            .context("cannot read the statement from standard input")?;
+        text
+    } else {
+        args.sql.clone()
+    };
+    emit(&fingerprint_report(&sql, args.max_text_bytes, args.json)?)
 }
 
 #[cfg(test)]
@@ -607,6 +685,61 @@ mod tests {
             v,
             serde_json::json!({"action":"THROTTLE","max_qps":2.0,"ttl_seconds":60,"callers":["app"]})
         );
+    }
+
+    #[test]
+    fn fingerprint_report_matches_the_proxys_classifier() {
+        let sql = "SELECT * FROM users WHERE id = 1204 AND status = 'active'";
+        let out = fingerprint_report(sql, DEFAULT_MAX_TEXT_BYTES, false).unwrap();
+        let proxy = Classifier::new(100, DEFAULT_MAX_TEXT_BYTES).classify(sql);
+        let other = Classifier::new(100, DEFAULT_MAX_TEXT_BYTES)
+            .classify("select *  from users where id=7 and status='x' /*service:a*/");
+        assert_eq!(proxy.fingerprint, other.fingerprint);
+        let lines: Vec<&str> = out.lines().collect();
+        assert_eq!(
+            lines[0],
+            format!("fingerprint  {}", fingerprint_hex(proxy.fingerprint))
+        );
+        assert_eq!(lines[1], format!("normalized   {}", proxy.normalized));
+        assert_eq!(lines[2], "kind         read");
+        let hash = lines[0].rsplit(' ').next().unwrap();
+        assert_eq!(hash.len(), 16);
+        assert!(
+            hash.bytes()
+                .all(|b| b.is_ascii_hexdigit() && !b.is_ascii_uppercase())
+        );
+        let v: Value =
+            serde_json::from_str(&fingerprint_report(sql, DEFAULT_MAX_TEXT_BYTES, true).unwrap())
+                .unwrap();
+        assert_eq!(v["fingerprint"], hash);
+        assert_eq!(v["normalized"], &*proxy.normalized);
+        for empty in ["", "  \n\t", "/* nothing */", ";"] {
+            let err = fingerprint_report(empty, DEFAULT_MAX_TEXT_BYTES, false).unwrap_err();
+            let msg = err.to_string();
+            assert!(
+                msg.contains("no SQL given") || msg.contains("holds no statement"),
+                "{empty:?}: {msg}"
+            );
+        }
+    }
+
+    #[test]
+    fn top_shows_rate_and_lock_evidence() {
+        let v = serde_json::json!({"fingerprints": [{
+            "fingerprint": "00000000000000ff", "calls": 12, "qps": 2.345, "errors": 3,
+            "lock_not_available": 2, "lock_wait_ms": 401.5, "statement_timeouts": 1,
+            "refusals": 0, "total_ms": 500.0, "mean_ms": 41.7, "p99_ms": 210.0,
+            "normalized": "SELECT ? FROM t FOR UPDATE NOWAIT"
+        }]});
+        let t = top_table(&v);
+        let mut lines = t.lines();
+        let head: Vec<&str> = lines.next().unwrap().split_whitespace().collect();
+        let row: Vec<&str> = lines.next().unwrap().split_whitespace().collect();
+        let col = |name: &str| row[head.iter().position(|h| *h == name).unwrap()];
+        assert_eq!(col("QPS"), "2.3");
+        assert_eq!(col("55P03"), "2");
+        assert_eq!(col("LOCK_MS"), "401.50");
+        assert_eq!(col("TIMEOUTS"), "1");
     }
 
     #[test]

@@ -1,5 +1,5 @@
-//! `pgsluice` command line: run the proxy, check a config file, or talk to a running proxy's
-//! admin API (`rules`, `top`).
+//! `pgsluice` command line: run the proxy, check a config file, fingerprint a statement
+//! offline, or talk to a running proxy's admin API (`rules`, `top`).
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -62,6 +62,8 @@ enum Cmd {
         #[arg(long)]
         backend: Option<String>,
     },
+    /// Print the normal form and fingerprint the proxy gives a statement (no proxy needed).
+    Fingerprint(pgsluice::cli::FingerprintArgs),
     #[command(flatten)]
     Admin(AdminCmd),
 }
@@ -148,6 +150,15 @@ fn main() -> ExitCode {
     let mut cli = Cli::parse();
     if let Some(Cmd::CheckConfig { file, backend }) = &cli.cmd {
         return check_config(file, backend.clone());
+    }
+    if let Some(Cmd::Fingerprint(args)) = &cli.cmd {
+        return match pgsluice::cli::fingerprint(args) {
+            Ok(()) => ExitCode::SUCCESS,
+            Err(e) => {
+                eprintln!("pgsluice: {e:#}");
+                ExitCode::from(1)
+            }
+        };
     }
     // Only `Admin` or nothing is left, so taking it loses nothing.
     if let Some(Cmd::Admin(cmd)) = cli.cmd.take() {

@@ -679,6 +679,126 @@ async fn fingerprints_endpoint_validates_and_sorts() {
     }
 }
 
+async fn post_sql(r: &Router, token: Option<&str>, body: &Value) -> Resp {
+    let body = serde_json::to_vec(body).expect("json");
+    call(
+        r,
+        "POST",
+        "/v1/rules/fingerprint",
+        token,
+        Some(("application/json", body)),
+    )
+    .await
+}
+
+#[tokio::test]
+async fn unseen_fingerprints_get_a_warning_and_rules_come_from_sql() {
+    let app = app_with(config(None));
+    let r = api(&app);
+    // Never seen: 201, kept, with a warning naming the hash.
+    let resp = put_rule(&r, FP, Some(W), &throttle()).await;
+    assert_eq!(resp.status, StatusCode::CREATED, "{}", resp.text());
+    let v = resp.json();
+    assert!(v["warning"].as_str().is_some_and(|w| w.contains(FP)), "{v}");
+    assert!(app.policy.rules().get(0xdead_beef).is_some());
+    // Replaced, still unseen: 200 and the warning again.
+    let resp = put_rule(&r, FP, Some(W), &throttle()).await;
+    assert_eq!(resp.status, StatusCode::OK);
+    assert!(resp.json()["warning"].is_string());
+    // Seen (a statement with it ended): no warning, status as before.
+    let text: Arc<str> = Arc::from("select 1");
+    let ok = Outcome::Ok { rows: 1 };
+    app.fp_stats.record(
+        0xdead_beef,
+        &text,
+        "read",
+        "app",
+        Duration::from_micros(5),
+        ok,
+    );
+    let resp = put_rule(&r, FP, Some(W), &throttle()).await;
+    assert_eq!(resp.status, StatusCode::OK);
+    assert!(resp.json().get("warning").is_none(), "{}", resp.text());
+
+    // From SQL: stored under the proxy's own fingerprint of the text.
+    let sql = "SELECT * FROM users WHERE id = 1204 AND status = 'active'";
+    let fp = app.classifier.classify(sql).fingerprint;
+    let hex = format!("{fp:016x}");
+    let mut body = throttle();
+    body["sql"] = json!(sql);
+    let resp = post_sql(&r, Some(W), &body).await;
+    assert_eq!(resp.status, StatusCode::CREATED, "{}", resp.text());
+    assert_eq!(
+        resp.headers[header::LOCATION],
+        format!("/v1/rules/fingerprint/{hex}")
+    );
+    let v = resp.json();
+    assert_eq!(v["fingerprint"], hex.as_str());
+    assert_eq!(
+        v["normalized"],
+        "SELECT * FROM users WHERE id = ? AND status = ?"
+    );
+    assert_eq!(v["max_qps"], 2.0);
+    assert!(v["warning"].is_string(), "{v}");
+    let rule = app.policy.rules().get(fp).expect("live");
+    assert_eq!(rule.def().action.name(), "THROTTLE");
+    // Other literals name the same rule: 200.
+    body["sql"] = json!("select * from users where id=7 and status='x' /*service:a*/");
+    let resp = post_sql(&r, Some(W), &body).await;
+    assert_eq!(resp.status, StatusCode::OK, "{}", resp.text());
+    assert_eq!(app.policy.rules().len(), 2);
+
+    // Field-level 400s, nothing stored; writes need the write token.
+    let mut bad_rule = throttle();
+    bad_rule["sql"] = json!("SELECT 2");
+    bad_rule["max_qps"] = json!(-1);
+    for (b, field) in [
+        (json!({"action": "REJECT"}), "sql"),
+        (json!({"sql": 5, "action": "REJECT"}), "sql"),
+        (json!({"sql": "", "action": "REJECT"}), "sql"),
+        (
+            json!({"sql": "-- only a comment", "action": "REJECT"}),
+            "sql",
+        ),
+        (json!({"sql": "SELECT 2"}), "action"),
+        (bad_rule, "max_qps"),
+    ] {
+        assert_error(
+            &post_sql(&r, Some(W), &b).await,
+            StatusCode::BAD_REQUEST,
+            field,
+        );
+    }
+    let mut with_sql = throttle();
+    with_sql["sql"] = json!("SELECT 2");
+    assert_error(
+        &put_rule(&r, "00000000000000aa", Some(W), &with_sql).await,
+        StatusCode::BAD_REQUEST,
+        "sql",
+    );
+    assert_eq!(
+        post_sql(&r, Some(R), &body).await.status,
+        StatusCode::FORBIDDEN
+    );
+    assert_eq!(app.policy.rules().len(), 2);
+}
+
+#[tokio::test]
+async fn with_classification_off_every_rule_is_warned_about() {
+    let mut c = config(None);
+    c.classify.enabled = false;
+    let r = api(&app_with(c));
+    let resp = put_rule(&r, FP, Some(W), &throttle()).await;
+    assert_eq!(resp.status, StatusCode::CREATED);
+    let v = resp.json();
+    assert!(
+        v["warning"]
+            .as_str()
+            .is_some_and(|w| w.contains("classify.enabled")),
+        "{v}"
+    );
+}
+
 #[tokio::test]
 async fn callers_pools_breaker() {
     let mut c = config(None);
@@ -768,6 +888,7 @@ async fn openapi_document_covers_every_route() {
         ("/v1/openapi.json", "get"),
         ("/metrics", "get"),
         ("/v1/rules", "get"),
+        ("/v1/rules/fingerprint", "post"),
         ("/v1/rules/fingerprint/{hash}", "get"),
         ("/v1/rules/fingerprint/{hash}", "put"),
         ("/v1/rules/fingerprint/{hash}", "delete"),

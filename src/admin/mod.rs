@@ -8,7 +8,8 @@
 //! open   GET  /healthz  /readyz  /v1/openapi.json
 //! read   GET  /metrics  /v1/rules  /v1/rules/fingerprint/{hash}  /v1/fingerprints
 //!             /v1/callers  /v1/pools  /v1/breaker  /v1/fleet (fleet mode)
-//! write  PUT|DELETE /v1/rules/fingerprint/{hash}   POST /v1/reload
+//! write  PUT|DELETE /v1/rules/fingerprint/{hash}   POST /v1/rules/fingerprint (from SQL)
+//!        POST /v1/reload
 //! ```
 //!
 //! Layout: [`auth`] decides who may call what (by method, so new endpoints are protected by
@@ -78,6 +79,7 @@ pub fn router_with_env(app: Arc<App>, env: EnvTokens) -> Router {
         .route("/v1/openapi.json", get(openapi))
         .route("/metrics", get(read::metrics))
         .route("/v1/rules", get(rules::list))
+        .route("/v1/rules/fingerprint", post(rules::post_sql))
         .route(
             "/v1/rules/fingerprint/{hash}",
             get(rules::get).put(rules::put).delete(rules::delete),

@@ -1,5 +1,13 @@
 //! `/v1/rules`: runtime fingerprint rules over HTTP, persisted to `admin.rules_file`.
 //!
+//! A rule is stored under a fingerprint given as 16 hex digits (`PUT
+//! /v1/rules/fingerprint/{hash}`) or computed from SQL text (`POST /v1/rules/fingerprint`
+//! with `sql` beside the rule fields: the server names the resource, as a POST to a
+//! collection does, through the proxy's own classifier, so the hash is exactly the one its
+//! statements get). Either way the answer carries a `warning` when this instance has no
+//! statistics row for the fingerprint (never seen since start, or evicted from the top-K):
+//! the rule is kept, since the pattern may come later, but a mistyped hash shows at once.
+//!
 //! Nothing is applied on a partial failure. A mutation is staged first: the current rules
 //! are copied into a scratch `RuleSet` (through the persisted form), the change is applied
 //! there, the result is written to the rules file (temp file in the same directory, fsync,
@@ -24,14 +32,16 @@ use std::time::Duration;
 
 use axum::Json;
 use axum::extract::State;
-use axum::http::StatusCode;
+use axum::http::{StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use serde::Serialize;
 use tokio::time::Instant;
 
 use super::AdminState;
 use super::error::{ApiError, Fingerprint, JsonBody, NoQuery};
-use crate::policy::rules::{RuleInfo, RuleSet, RuleSpec, fingerprint_hex};
+use crate::policy::rules::{
+    MAX_RULE_JSON_BYTES, RuleError, RuleInfo, RuleSet, RuleSpec, fingerprint_hex,
+};
 
 /// How often expired rules are removed and the file rewritten.
 pub const PURGE_INTERVAL: Duration = Duration::from_secs(2);
@@ -47,6 +57,13 @@ struct StoredRule {
     rule: RuleInfo,
     /// False when no `admin.rules_file` is configured (the rule is lost on restart).
     persisted: bool,
+    /// For a rule made from SQL: the statement's normal form (what `GET /v1/fingerprints`
+    /// shows for it).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    normalized: Option<String>,
+    /// Why the rule may not match anything yet ([`unseen_warning`]).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    warning: Option<String>,
 }
 
 #[derive(Serialize)]
@@ -83,7 +100,108 @@ pub async fn put(
     _: NoQuery,
     JsonBody(body): JsonBody,
 ) -> Result<Response, ApiError> {
-    let spec = RuleSpec::from_json(&body)?;
+    let spec = RuleSpec::from_json(&body).map_err(|e| {
+        if e.field == SQL_FIELD {
+            RuleError::new(
+                SQL_FIELD,
+                "not taken with a hash: POST the rule with its sql to /v1/rules/fingerprint \
+                 (the fingerprint is computed from the text)",
+            )
+        } else {
+            e
+        }
+    })?;
+    let (status, body) = store(&st, fp, spec, None).await?;
+    Ok((status, Json(body)).into_response())
+}
+
+/// The body field that carries SQL text in `POST /v1/rules/fingerprint`.
+const SQL_FIELD: &str = "sql";
+
+/// `POST /v1/rules/fingerprint`: the rule fields plus `sql`, a statement whose fingerprint
+/// the rule is for. 201 when created, 200 when replaced; `Location` names the rule.
+pub async fn post_sql(
+    State(st): State<Arc<AdminState>>,
+    _: NoQuery,
+    JsonBody(body): JsonBody,
+) -> Result<Response, ApiError> {
+    let (sql, spec) = split_sql(&body)?;
+    let class = st.app.classifier.classify(&sql);
+    if class.normalized.trim().is_empty() {
+        return Err(RuleError::new(
+            SQL_FIELD,
+            "holds no statement (only whitespace, comments or semicolons)",
+        )
+        .into());
+    }
+    let fp = class.fingerprint;
+    let (status, body) = store(&st, fp, spec, Some(class.normalized.to_string())).await?;
+    let location = format!("/v1/rules/fingerprint/{}", fingerprint_hex(fp));
+    Ok((status, [(header::LOCATION, location)], Json(body)).into_response())
+}
+
+/// The `sql` string of a rule body and the rule made of the other fields.
+fn split_sql(bytes: &[u8]) -> Result<(String, RuleSpec), RuleError> {
+    if bytes.len() > MAX_RULE_JSON_BYTES {
+        // Same limit and wording as a PUT body.
+        return RuleSpec::from_json(bytes).map(|s| (String::new(), s));
+    }
+    let mut value: serde_json::Value = serde_json::from_slice(bytes)
+        .map_err(|e| RuleError::new("body", format!("invalid JSON: {e}")))?;
+    let Some(map) = value.as_object_mut() else {
+        return Err(RuleError::new("body", "must be a JSON object"));
+    };
+    let sql = match map.remove(SQL_FIELD) {
+        Some(serde_json::Value::String(s)) => s,
+        Some(_) => return Err(RuleError::new(SQL_FIELD, "must be a string")),
+        None => {
+            return Err(RuleError::new(
+                SQL_FIELD,
+                "required: the statement whose fingerprint the rule is for (or PUT the rule \
+                 to /v1/rules/fingerprint/{hash})",
+            ));
+        }
+    };
+    if sql.trim().is_empty() {
+        return Err(RuleError::new(SQL_FIELD, "must not be empty"));
+    }
+    if sql.contains('\0') {
+        return Err(RuleError::new(SQL_FIELD, "must not contain NUL characters"));
+    }
+    Ok((sql, RuleSpec::from_value(value)?))
+}
+
+/// Why a rule for `fp` may match nothing yet, if it may: statements get no fingerprint at
+/// all, or this instance has no statistics row for it.
+fn unseen_warning(st: &AdminState, fp: u64) -> Option<String> {
+    if !st.app.config.load().classify.enabled {
+        return Some(
+            "classify.enabled is false: statements get no fingerprint, so no rule matches \
+             until it is turned on"
+                .to_owned(),
+        );
+    }
+    if st.app.fp_stats.contains(fp) {
+        return None;
+    }
+    Some(format!(
+        "no statement with fingerprint {} has been seen by this instance since it started \
+         (or it is no longer among the tracked fingerprints); the rule is kept and applies \
+         as soon as the pattern arrives. Check the hash against GET /v1/fingerprints, or let \
+         `pgsluice fingerprint \"SQL\"` or POST /v1/rules/fingerprint with {{\"sql\": ...}} \
+         compute it",
+        fingerprint_hex(fp)
+    ))
+}
+
+/// Validates `spec` and stores it as the rule of `fp` (fleet first, when there is one; else
+/// the rules file, then the live set). The status is 201 when no rule existed, else 200.
+async fn store(
+    st: &AdminState,
+    fp: u64,
+    spec: RuleSpec,
+    normalized: Option<String>,
+) -> Result<(StatusCode, StoredRule), ApiError> {
     spec.validate()?;
     let live = st.app.policy.rules();
     let mut written = st.rules_file.lock().await;
@@ -108,12 +226,16 @@ pub async fn put(
             .await?;
         (live.put(fp, spec)?, persisted)
     };
+    let warning = unseen_warning(st, fp);
     tracing::info!(
         fingerprint = %fingerprint_hex(fp),
         action = rule.def().action.name(),
         fleet = st.app.fleet.is_some(),
         "admin API: rule stored"
     );
+    if let Some(w) = &warning {
+        tracing::warn!(fingerprint = %fingerprint_hex(fp), "admin API: {w}");
+    }
     let status = if existed {
         StatusCode::OK
     } else {
@@ -122,8 +244,10 @@ pub async fn put(
     let body = StoredRule {
         rule: rule.info(Instant::now()),
         persisted,
+        normalized,
+        warning,
     };
-    Ok((status, Json(body)).into_response())
+    Ok((status, body))
 }
 
 /// `DELETE /v1/rules/fingerprint/{hash}`: 404 when there is no live rule.
@@ -389,6 +513,30 @@ mod tests {
         write_atomic_named(&path, b"new", || names.next().unwrap_or("x").to_owned()).unwrap();
         assert_eq!(std::fs::read(&path).unwrap(), b"new");
         assert_eq!(std::fs::read(&victim).unwrap(), b"precious");
+    }
+
+    #[test]
+    fn a_body_with_sql_splits_into_the_text_and_the_rule() {
+        let (sql, spec) =
+            split_sql(br#"{"sql":"SELECT * FROM t WHERE id = 1","action":"REJECT"}"#).unwrap();
+        assert_eq!(sql, "SELECT * FROM t WHERE id = 1");
+        assert_eq!(spec.action.as_deref(), Some("REJECT"));
+        assert!(spec.validate().is_ok());
+        for (body, field) in [
+            (r#"{"action":"REJECT"}"#, "sql"),
+            (r#"{"sql":1,"action":"REJECT"}"#, "sql"),
+            (r#"{"sql":" \n ","action":"REJECT"}"#, "sql"),
+            (r#"{"sql":"SELECT 1\u0000","action":"REJECT"}"#, "sql"),
+            (r#"{"sql":"SELECT 1","action":"REJECT","hash":"x"}"#, "hash"),
+            (r#"{"sql":"SELECT 1","max_qps":"two"}"#, "max_qps"),
+            ("[]", "body"),
+            ("{", "body"),
+        ] {
+            let err = split_sql(body.as_bytes()).unwrap_err();
+            assert_eq!(err.field, field, "{body}: {err}");
+        }
+        let huge = format!(r#"{{"sql":"{}"}}"#, "x".repeat(MAX_RULE_JSON_BYTES));
+        assert_eq!(split_sql(huge.as_bytes()).unwrap_err().field, "body");
     }
 
     #[test]

@@ -1,8 +1,9 @@
 //! Per-fingerprint statistics: the proxy's own `pg_stat_statements`.
 //!
 //! Owns: counting calls, errors, refusals (by reason), rows and client-observed time per
-//! fingerprint, with a latency histogram for p50/p95/p99 and a per-caller breakdown, in
-//! bounded memory. It takes the fingerprint as a `u64` and formats the hex itself; it imports
+//! fingerprint, with a latency histogram for p50/p95/p99, the current call rate, lock-wait
+//! evidence (55P03 and 57014 counts, time of the statements that ended in 55P03) and a
+//! per-caller breakdown, in bounded memory. It takes the fingerprint as a `u64` and formats the hex itself; it imports
 //! no other pgsluice module, does no I/O and never holds a lock across an `.await` (the API is
 //! synchronous; each call takes one short shard lock).
 //!
@@ -26,6 +27,21 @@
 //! every outcome, refusals included. The histogram has 4 log-spaced buckets per doubling from
 //! 1 µs to ~67 s (longer times land in the last bucket); a quantile is the geometric middle of
 //! its bucket clamped to the observed min/max, so it is within ~9% of the true value.
+//!
+//! Current rate (`qps`): calls per second over the last [`RATE_WINDOW_MS`], estimated from two
+//! fixed windows aligned to multiples of it on the wall clock — the previous window's count,
+//! weighted by the share of it the sliding window still covers, plus the current one's (the
+//! sliding-window estimate of rate limiters). Recording is O(1): one division and two
+//! additions, with the timestamp the record already takes. An entry younger than the window is
+//! divided by its age, so a pattern that just appeared shows its real rate at once.
+//!
+//! Lock-wait evidence: 55P03 (`lock_not_available`: a `lock_timeout` expired or `NOWAIT` found
+//! the lock taken) and 57014 that the client did not ask for (`statement_timeout`, the proxy's
+//! backstop cancel, `pg_cancel_backend` by someone else) are counted apart from other errors
+//! (and in `errors` too), and the time of the statements that ended in 55P03 is summed: for a
+//! `lock_timeout` that is about the time spent waiting for the lock. Statistics are kept per
+//! client request, so when one request carries several statements (a pipeline, a
+//! multi-statement Query) and fails, each of them is counted with that outcome.
 
 use std::cmp::Reverse;
 use std::collections::hash_map::HashMap;
@@ -49,13 +65,35 @@ pub const OTHER: &str = "other";
 const MAX_SHARDS: usize = 16;
 const SUB_BUCKETS: u32 = 4;
 const BUCKETS: usize = 26 * SUB_BUCKETS as usize;
+/// The span `qps` is measured over.
+pub const RATE_WINDOW_MS: u64 = 10_000;
 
 /// How a statement ended.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Outcome {
-    Ok { rows: u64 },
+    Ok {
+        rows: u64,
+    },
+    /// Postgres answered with an error other than the two below.
     Error,
+    /// 55P03 `lock_not_available`: `lock_timeout` expired, or `NOWAIT` found the lock taken.
+    LockNotAvailable,
+    /// 57014 `query_canceled` the client did not ask for: `statement_timeout`, the proxy's
+    /// backstop cancel, or a cancel by someone else.
+    StatementTimeout,
     Refused(&'static str),
+}
+
+impl Outcome {
+    /// The outcome of a statement that Postgres answered with an ErrorResponse of `sqlstate`;
+    /// `client_cancel`: the client had sent a CancelRequest, so a 57014 is its own doing.
+    pub fn of_error(sqlstate: Option<&str>, client_cancel: bool) -> Outcome {
+        match sqlstate {
+            Some("55P03") => Outcome::LockNotAvailable,
+            Some("57014") if !client_cancel => Outcome::StatementTimeout,
+            _ => Outcome::Error,
+        }
+    }
 }
 
 /// Ordering for `FingerprintStats::top`.
@@ -65,6 +103,8 @@ pub enum SortKey {
     Calls,
     Errors,
     Refusals,
+    /// Current rate (`qps`).
+    Qps,
 }
 
 /// An unknown `sort=` value.
@@ -75,7 +115,7 @@ impl fmt::Display for UnknownSortKey {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(
             f,
-            "unknown sort key `{}`: expected one of total_time, calls, errors, refusals",
+            "unknown sort key `{}`: expected one of total_time, calls, errors, refusals, qps",
             self.0
         )
     }
@@ -92,6 +132,7 @@ impl FromStr for SortKey {
             "calls" => Ok(SortKey::Calls),
             "errors" => Ok(SortKey::Errors),
             "refusals" => Ok(SortKey::Refusals),
+            "qps" => Ok(SortKey::Qps),
             other => Err(UnknownSortKey(other.to_owned())),
         }
     }
@@ -114,7 +155,15 @@ pub struct FingerprintSnapshot {
     pub normalized: String,
     pub kind: String,
     pub calls: u64,
+    /// Calls per second over the last [`RATE_WINDOW_MS`] (refused ones included, like `calls`).
+    pub qps: f64,
     pub errors: u64,
+    /// 55P03 errors (also counted in `errors`).
+    pub lock_not_available: u64,
+    /// Total time of the statements that ended in 55P03.
+    pub lock_wait_ms: f64,
+    /// 57014 errors the client did not ask for (also counted in `errors`).
+    pub statement_timeouts: u64,
     pub refusals: u64,
     pub refusals_by_reason: BTreeMap<String, u64>,
     pub rows: u64,
@@ -179,11 +228,74 @@ fn ns_to_ms(ns: u64) -> f64 {
     ns as f64 / 1e6
 }
 
+/// Calls in the current and the previous [`RATE_WINDOW_MS`] window (see the module doc).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+struct Rate {
+    /// Start of the current window, unix ms, a multiple of the window.
+    start_ms: u64,
+    current: u64,
+    previous: u64,
+}
+
+impl Rate {
+    /// Moves to the window of `now_ms`. A clock that went back keeps the current window.
+    fn roll(&mut self, now_ms: u64) {
+        let start = now_ms - now_ms % RATE_WINDOW_MS;
+        if start <= self.start_ms {
+            return;
+        }
+        self.previous = if start - self.start_ms == RATE_WINDOW_MS {
+            self.current
+        } else {
+            0
+        };
+        self.current = 0;
+        self.start_ms = start;
+    }
+
+    fn add(&mut self, now_ms: u64) {
+        self.roll(now_ms);
+        self.current += 1;
+    }
+
+    fn merge(&mut self, o: &Rate, now_ms: u64) {
+        let mut o = *o;
+        o.roll(now_ms);
+        self.roll(now_ms);
+        self.current += o.current;
+        self.previous += o.previous;
+    }
+
+    /// Calls per second over the last window, or over the time since `first_ms` when that
+    /// is shorter (at least a second).
+    fn per_second(&self, now_ms: u64, first_ms: u64) -> f64 {
+        let mut r = *self;
+        r.roll(now_ms);
+        // What the estimate covers: the sliding window, or the counting's life if shorter.
+        let from = now_ms.saturating_sub(RATE_WINDOW_MS).max(first_ms);
+        // How long the previous window counted, and how much of that lies after `from`.
+        let prev_start = r.start_ms.saturating_sub(RATE_WINDOW_MS);
+        let counted = r.start_ms.saturating_sub(prev_start.max(first_ms));
+        let covered = r.start_ms.saturating_sub(from).min(counted);
+        let previous = if counted == 0 {
+            0.0
+        } else {
+            r.previous as f64 * covered as f64 / counted as f64
+        };
+        let span_ms = now_ms.saturating_sub(from).max(1000);
+        (previous + r.current as f64) * 1000.0 / span_ms as f64
+    }
+}
+
 /// Statistics of one fingerprint (or of "other").
 #[derive(Debug, Clone)]
 struct Agg {
     calls: u64,
+    rate: Rate,
     errors: u64,
+    lock_not_available: u64,
+    lock_wait_ns: u64,
+    statement_timeouts: u64,
     refusals: u64,
     reasons: Vec<(&'static str, u64)>,
     rows: u64,
@@ -200,7 +312,11 @@ impl Agg {
     fn new(now_ms: u64) -> Self {
         Agg {
             calls: 0,
+            rate: Rate::default(),
             errors: 0,
+            lock_not_available: 0,
+            lock_wait_ns: 0,
+            statement_timeouts: 0,
             refusals: 0,
             reasons: Vec::new(),
             rows: 0,
@@ -244,6 +360,7 @@ impl Agg {
 
     fn record(&mut self, caller: &str, ns: u64, outcome: Outcome, now_ms: u64) {
         self.calls += 1;
+        self.rate.add(now_ms);
         self.total_ns = self.total_ns.saturating_add(ns);
         self.min_ns = self.min_ns.min(ns);
         self.max_ns = self.max_ns.max(ns);
@@ -255,9 +372,15 @@ impl Agg {
         c.total_ns = c.total_ns.saturating_add(ns);
         match outcome {
             Outcome::Ok { rows } => self.rows = self.rows.saturating_add(rows),
-            Outcome::Error => {
+            Outcome::Error | Outcome::LockNotAvailable | Outcome::StatementTimeout => {
                 c.errors += 1;
                 self.errors += 1;
+                if outcome == Outcome::LockNotAvailable {
+                    self.lock_not_available += 1;
+                    self.lock_wait_ns = self.lock_wait_ns.saturating_add(ns);
+                } else if outcome == Outcome::StatementTimeout {
+                    self.statement_timeouts += 1;
+                }
             }
             Outcome::Refused(reason) => {
                 c.refusals += 1;
@@ -267,9 +390,13 @@ impl Agg {
         }
     }
 
-    fn merge(&mut self, o: &Agg) {
+    fn merge(&mut self, o: &Agg, now_ms: u64) {
         self.calls += o.calls;
+        self.rate.merge(&o.rate, now_ms);
         self.errors += o.errors;
+        self.lock_not_available += o.lock_not_available;
+        self.lock_wait_ns = self.lock_wait_ns.saturating_add(o.lock_wait_ns);
+        self.statement_timeouts += o.statement_timeouts;
         self.refusals += o.refusals;
         for &(r, n) in &o.reasons {
             self.add_reason(r, n);
@@ -311,7 +438,7 @@ impl Agg {
         )
     }
 
-    fn sort_value(&self, sort: SortKey, caller: Option<&str>) -> Option<u64> {
+    fn sort_value(&self, sort: SortKey, caller: Option<&str>, now_ms: u64) -> Option<u64> {
         let (calls, errors, refusals, total_ns) = match caller {
             None => (self.calls, self.errors, self.refusals, self.total_ns),
             Some(name) => {
@@ -324,17 +451,29 @@ impl Agg {
             SortKey::Calls => calls,
             SortKey::Errors => errors,
             SortKey::Refusals => refusals,
+            // Milli-calls per second: the row's rate, also with a caller (who only filters).
+            SortKey::Qps => (self.rate.per_second(now_ms, self.first_ms) * 1000.0) as u64,
         })
     }
 
-    fn snapshot(&self, fingerprint: String, normalized: &str, kind: &str) -> FingerprintSnapshot {
+    fn snapshot(
+        &self,
+        fingerprint: String,
+        normalized: &str,
+        kind: &str,
+        now_ms: u64,
+    ) -> FingerprintSnapshot {
         let calls = self.calls.max(1) as f64;
         FingerprintSnapshot {
             fingerprint,
             normalized: normalized.to_owned(),
             kind: kind.to_owned(),
             calls: self.calls,
+            qps: self.rate.per_second(now_ms, self.first_ms),
             errors: self.errors,
+            lock_not_available: self.lock_not_available,
+            lock_wait_ms: ns_to_ms(self.lock_wait_ns),
+            statement_timeouts: self.statement_timeouts,
             refusals: self.refusals,
             refusals_by_reason: self
                 .reasons
@@ -397,7 +536,7 @@ impl Shard {
             if let Some(e) = self.map.remove(&fp) {
                 self.other
                     .get_or_insert_with(|| Agg::new(now_ms))
-                    .merge(&e.agg);
+                    .merge(&e.agg, now_ms);
             }
             return prio;
         }
@@ -491,6 +630,7 @@ impl FingerprintStats {
         limit: usize,
         caller: Option<&str>,
     ) -> Vec<FingerprintSnapshot> {
+        let now_ms = unix_ms();
         let mut rows: Vec<(u64, FingerprintSnapshot)> = Vec::new();
         let mut other: Option<Agg> = None;
         for shard in self.shards.iter() {
@@ -498,7 +638,7 @@ impl FingerprintStats {
             let mut keyed: Vec<(u64, u64)> = s
                 .map
                 .iter()
-                .filter_map(|(&fp, e)| e.agg.sort_value(sort, caller).map(|v| (v, fp)))
+                .filter_map(|(&fp, e)| e.agg.sort_value(sort, caller, now_ms).map(|v| (v, fp)))
                 .collect();
             keyed.sort_unstable_by(|a, b| b.0.cmp(&a.0).then(a.1.cmp(&b.1)));
             keyed.truncate(limit);
@@ -506,20 +646,28 @@ impl FingerprintStats {
                 if let Some(e) = s.map.get(&fp) {
                     rows.push((
                         v,
-                        e.agg.snapshot(format!("{fp:016x}"), &e.normalized, e.kind),
+                        e.agg
+                            .snapshot(format!("{fp:016x}"), &e.normalized, e.kind, now_ms),
                     ));
                 }
             }
             if let Some(o) = &s.other {
-                other.get_or_insert_with(|| Agg::new(o.first_ms)).merge(o);
+                other
+                    .get_or_insert_with(|| Agg::new(o.first_ms))
+                    .merge(o, now_ms);
             }
         }
         if let Some(o) = other
-            && let Some(v) = o.sort_value(sort, caller)
+            && let Some(v) = o.sort_value(sort, caller, now_ms)
         {
             rows.push((
                 v,
-                o.snapshot(OTHER.to_owned(), "(fingerprints not tracked)", OTHER),
+                o.snapshot(
+                    OTHER.to_owned(),
+                    "(fingerprints not tracked)",
+                    OTHER,
+                    now_ms,
+                ),
             ));
         }
         rows.sort_by(|a, b| {
@@ -528,6 +676,15 @@ impl FingerprintStats {
         });
         rows.truncate(limit);
         rows.into_iter().map(|(_, r)| r).collect()
+    }
+
+    /// Whether `fingerprint` has a row of its own: a statement with it ended (or was refused)
+    /// since the start or the last reset, and it was not evicted into "other" since.
+    pub fn contains(&self, fingerprint: u64) -> bool {
+        self.shard(fingerprint)
+            .lock()
+            .map
+            .contains_key(&fingerprint)
     }
 
     /// Tracked fingerprints, plus one if the "other" row is non-empty.
@@ -572,7 +729,9 @@ mod tests {
         let err = "p99".parse::<SortKey>().err().map(|e| e.to_string());
         assert_eq!(
             err.as_deref(),
-            Some("unknown sort key `p99`: expected one of total_time, calls, errors, refusals")
+            Some(
+                "unknown sort key `p99`: expected one of total_time, calls, errors, refusals, qps"
+            )
         );
     }
 
@@ -735,6 +894,180 @@ mod tests {
             .map(|r| r.calls)
             .sum();
         assert_eq!(calls, 1_000_000);
+    }
+
+    /// `n` calls spread evenly over `[from_ms, to_ms)`.
+    fn spread(r: &mut Rate, from_ms: u64, to_ms: u64, n: u64) {
+        for i in 0..n {
+            r.add(from_ms + (to_ms - from_ms) * i / n);
+        }
+    }
+
+    #[test]
+    fn rate_is_calls_per_second_over_the_sliding_window() {
+        let w = RATE_WINDOW_MS;
+        let base = 1_000 * w; // a window boundary
+        // Steady 10/s since long ago: 10 at every point of a window.
+        let start = base - 3 * w;
+        let steady = |to: u64| {
+            let mut r = Rate::default();
+            spread(&mut r, start, to, (to - start) / 100);
+            r
+        };
+        for at in [base + 1, base + w / 4, base + w / 2, base + w - 1] {
+            let q = steady(at).per_second(at, 0);
+            assert!((q - 10.0).abs() < 0.5, "at +{} ms: {q}", at - base);
+        }
+        // Quiet from base + w/2 on: the estimate fades with the previous window's share of
+        // the sliding window (its 50 calls are taken as spread over it), then is 0.
+        let r = steady(base + w / 2);
+        let q = r.per_second(base + w + w / 2, 0);
+        assert!((q - 2.5).abs() < 0.1, "{q}");
+        assert_eq!(r.per_second(base + 3 * w, 0), 0.0);
+
+        // A pattern that appeared 2 s ago at 50/s shows 50/s, not 100 calls / 10 s.
+        let mut young = Rate::default();
+        let first = base + w / 2;
+        spread(&mut young, first, first + 2_000, 100);
+        let q = young.per_second(first + 2_000, first);
+        assert!((q - 50.0).abs() < 1.0, "{q}");
+        // ... and across a window boundary, its half-filled previous window counts fully.
+        let mut across = Rate::default();
+        spread(&mut across, base + w / 2, base + w + w / 2, 100);
+        let q = across.per_second(base + w + w / 2, base + w / 2);
+        assert!((q - 10.0).abs() < 0.5, "{q}");
+        // One call just now reads as one per second, not as a burst.
+        let mut one = Rate::default();
+        one.add(base + 5);
+        assert_eq!(one.per_second(base + 5, base + 5), 1.0);
+        // A clock that went back counts in the current window.
+        one.add(base - 3 * w);
+        assert_eq!(one.current, 2);
+        // Merging aligns both to now.
+        let mut a = Rate::default();
+        a.add(base - w + 1);
+        let mut b = Rate::default();
+        b.add(base + 1);
+        a.merge(&b, base + 2);
+        assert_eq!((a.previous, a.current, a.start_ms), (1, 1, base));
+    }
+
+    #[test]
+    fn lock_and_timeout_errors_are_counted_apart() {
+        assert_eq!(
+            Outcome::of_error(Some("55P03"), false),
+            Outcome::LockNotAvailable
+        );
+        assert_eq!(
+            Outcome::of_error(Some("55P03"), true),
+            Outcome::LockNotAvailable
+        );
+        assert_eq!(
+            Outcome::of_error(Some("57014"), false),
+            Outcome::StatementTimeout
+        );
+        assert_eq!(Outcome::of_error(Some("57014"), true), Outcome::Error);
+        assert_eq!(Outcome::of_error(Some("23505"), false), Outcome::Error);
+        assert_eq!(Outcome::of_error(None, false), Outcome::Error);
+
+        let st = FingerprintStats::new(10);
+        let t = text("SELECT * FROM t WHERE id = ? FOR UPDATE");
+        let a = "app";
+        st.record(
+            9,
+            &t,
+            "read",
+            a,
+            Duration::from_millis(200),
+            Outcome::LockNotAvailable,
+        );
+        st.record(
+            9,
+            &t,
+            "read",
+            a,
+            Duration::from_millis(300),
+            Outcome::LockNotAvailable,
+        );
+        st.record(
+            9,
+            &t,
+            "read",
+            a,
+            Duration::from_millis(50),
+            Outcome::StatementTimeout,
+        );
+        st.record(9, &t, "read", a, Duration::from_millis(1), Outcome::Error);
+        st.record(
+            9,
+            &t,
+            "read",
+            a,
+            Duration::from_millis(1),
+            Outcome::Ok { rows: 1 },
+        );
+        assert!(st.contains(9));
+        assert!(!st.contains(10));
+        let r = &st.top(SortKey::Calls, 1, None)[0];
+        assert_eq!(r.calls, 5);
+        assert_eq!(r.errors, 4);
+        assert_eq!(r.lock_not_available, 2);
+        assert_eq!(r.statement_timeouts, 1);
+        assert!((r.lock_wait_ms - 500.0).abs() < 1e-9, "{}", r.lock_wait_ms);
+        assert_eq!(r.by_caller[a].errors, 4);
+        // Five calls within the last second.
+        assert!(r.qps >= 4.0 && r.qps <= 5.0, "{}", r.qps);
+        // Evicted into "other": the counts go with it, the row is gone.
+        let small = FingerprintStats::new(1);
+        small.record(
+            1,
+            &t,
+            "read",
+            a,
+            Duration::from_millis(7),
+            Outcome::LockNotAvailable,
+        );
+        small.record(
+            2,
+            &t,
+            "read",
+            a,
+            Duration::from_secs(1),
+            Outcome::Ok { rows: 0 },
+        );
+        assert!(!small.contains(1) && small.contains(2));
+        let other = small
+            .top(SortKey::Calls, 10, None)
+            .into_iter()
+            .find(|r| r.fingerprint == OTHER)
+            .unwrap();
+        assert_eq!((other.lock_not_available, other.errors), (1, 1));
+        st.reset();
+        assert!(!st.contains(9));
+    }
+
+    #[test]
+    fn top_sorts_by_current_rate() {
+        let st = FingerprintStats::new(10);
+        let t = text("q");
+        let ok = Outcome::Ok { rows: 0 };
+        // 1 is slow and rare, 2 cheap and frequent.
+        st.record(1, &t, "read", "a", Duration::from_secs(5), ok);
+        for _ in 0..20 {
+            st.record(2, &t, "read", "b", Duration::from_micros(10), ok);
+        }
+        let fps = |k| -> Vec<String> {
+            st.top(k, 2, None)
+                .into_iter()
+                .map(|r| r.fingerprint)
+                .collect()
+        };
+        assert_eq!(fps(SortKey::TotalTime)[0], "0000000000000001");
+        assert_eq!(fps(SortKey::Qps)[0], "0000000000000002");
+        assert_eq!("qps".parse::<SortKey>(), Ok(SortKey::Qps));
+        let rows = st.top(SortKey::Qps, 5, Some("a"));
+        assert_eq!(rows.len(), 1);
+        assert!(rows[0].qps > 0.0);
     }
 
     #[test]

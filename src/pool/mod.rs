@@ -281,8 +281,9 @@ impl Pool {
         }
     }
 
-    /// Closes idle connections past `idle_timeout_ms` (above `min_idle`) and opens up to
-    /// `min_idle`. Called periodically by the app.
+    /// Closes idle connections past their lifetime, and those idle longer than
+    /// `idle_timeout_ms` while more than `min_idle` are idle; then opens connections until
+    /// `min_idle` are idle. Called every second by the app.
     pub async fn maintain(self: &Arc<Self>) {
         let idle_timeout = Duration::from_millis(self.cfg.idle_timeout_ms);
         let now = Instant::now();
@@ -291,9 +292,14 @@ impl Pool {
             let keep = self.cfg.min_idle;
             let mut stale = Vec::new();
             let mut i = 0;
-            while i < idle.len() && idle.len() > keep {
+            while i < idle.len() {
                 let c = &idle[i];
-                if now.saturating_duration_since(c.idle_since) >= idle_timeout || c.expires <= now {
+                // An expired connection goes even at `min_idle` (the refill below replaces it
+                // with a fresh one); one merely idle for long only above `min_idle`.
+                let expired = c.expires <= now;
+                let unneeded = idle.len() > keep
+                    && now.saturating_duration_since(c.idle_since) >= idle_timeout;
+                if expired || unneeded {
                     stale.push(idle.remove(i));
                 } else {
                     i += 1;
@@ -304,15 +310,34 @@ impl Pool {
         for c in stale {
             self.close(c);
         }
-        let idle_now = self.idle.lock().len();
-        if idle_now < self.cfg.min_idle {
-            let deadline = Instant::now() + Duration::from_millis(100);
-            let connect_timeout = self.connect.lock().connect_timeout;
-            if let Ok(permit) = self.slots.acquire(3, deadline).await
-                && let Ok(conn) = self.open_conn(Instant::now() + connect_timeout).await
-            {
-                drop(self.guard(conn, permit).release());
+        self.fill_min_idle().await;
+    }
+
+    /// Opens connections, one at a time, until `min_idle` are idle. Each is opened under a
+    /// low-priority slot taken only if one is free within 100 ms (clients come first), and
+    /// only while fewer than `size` are open; the first failure ends the round (the connect
+    /// backoff then applies to the next one). The connection goes to the idle list itself:
+    /// it is fresh, with no session state to reset.
+    async fn fill_min_idle(self: &Arc<Self>) {
+        let missing = self.cfg.min_idle.saturating_sub(self.idle.lock().len());
+        let connect_timeout = self.connect.lock().connect_timeout;
+        for _ in 0..missing {
+            if self.idle.lock().len() >= self.cfg.min_idle {
+                return;
             }
+            let deadline = Instant::now() + Duration::from_millis(100);
+            let Ok(permit) = self.slots.acquire(3, deadline).await else {
+                return;
+            };
+            if self.open.load(Ordering::Relaxed) >= self.cfg.size {
+                return;
+            }
+            let Ok(conn) = self.open_conn(Instant::now() + connect_timeout).await else {
+                return;
+            };
+            self.put_idle(conn);
+            // After the connection is idle, so a client woken by this slot finds it.
+            drop(permit);
         }
     }
 

@@ -153,6 +153,8 @@ pub struct Relay {
     /// Rows and errors of the current request, from CommandComplete / ErrorResponse.
     rows: u64,
     errored: bool,
+    /// How the current request's error is counted in the per-fingerprint statistics.
+    failure: crate::observe::stats::Outcome,
 }
 
 enum Event {
@@ -245,6 +247,7 @@ impl Relay {
             ready_seen: 0,
             rows: 0,
             errored: false,
+            failure: crate::observe::stats::Outcome::Error,
         }
     }
 
@@ -1148,11 +1151,11 @@ impl Relay {
                     b'E' => {
                         self.errored = true;
                         let code = crate::protocol::error::sqlstate_of(body);
-                        if code.is_some_and(admission::is_backend_fault)
-                            && !(code == Some("57014") && self.client_cancelled())
-                        {
+                        let asked = code == Some("57014") && self.client_cancelled();
+                        if code.is_some_and(admission::is_backend_fault) && !asked {
                             self.fault = true;
                         }
+                        self.failure = crate::observe::stats::Outcome::of_error(code, asked);
                     }
                     _ => {}
                 }

@@ -176,6 +176,7 @@ impl Relay {
         if done == 0 {
             self.rows = 0;
             self.errored = false;
+            self.failure = Outcome::Error;
             self.fault = false;
             return;
         }
@@ -188,7 +189,7 @@ impl Relay {
             // Every statement that reached the backend tells the breaker how it went.
             self.app.policy.record_backend_result(!self.fault);
             let outcome = if self.errored {
-                Outcome::Error
+                self.failure
             } else {
                 // Rows go to the last statement of the group (CommandComplete counts).
                 Outcome::Ok {
@@ -206,6 +207,7 @@ impl Relay {
         }
         self.rows = 0;
         self.errored = false;
+        self.failure = Outcome::Error;
         self.fault = false;
     }
 
