@@ -77,7 +77,24 @@ pub struct AppStats {
     pub handshakes: AtomicUsize,
     /// Each source address's share of `handshakes` (`limits.max_handshakes_per_address`).
     pub handshakes_by_address: Arc<crate::per_address::PerAddress>,
+    /// Handshakes finished (logged in or gone) since start, and how fast they finish: the
+    /// retry hint of a refused handshake is the time the ones in progress need.
+    pub handshakes_done: AtomicU64,
+    pub handshake_drain: crate::policy::drain::DrainRate,
     pub client_errors: AtomicU64,
+}
+
+impl AppStats {
+    /// The expected wait for a handshake slot: the handshakes in progress at the rate they
+    /// have been finishing (`None` until that rate is known).
+    pub fn handshake_wait(&self) -> Option<Duration> {
+        let done = self
+            .handshakes_done
+            .load(std::sync::atomic::Ordering::Relaxed);
+        let now = self.handshakes.load(std::sync::atomic::Ordering::Relaxed) as u64;
+        self.handshake_drain
+            .expected_wait(done, now.saturating_sub(1), tokio::time::Instant::now())
+    }
 }
 
 impl App {

@@ -126,7 +126,7 @@ pub async fn serve(app: Arc<App>, listener: TcpListener, login: Option<tokio::ru
         let handshake = if n >= max {
             Err(PgError::too_many_clients(
                 max,
-                app.policy.connection_hint_ms(),
+                app.policy.connection_hint_ms(None),
             ))
         } else {
             HandshakeSlot::try_acquire(&app, peer.ip())

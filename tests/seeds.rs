@@ -115,22 +115,34 @@ async fn the_articles_callers_yaml_limits_as_the_article_says() {
         assert!(err.is_none(), "the first five run: {err:?}");
     }
 
-    // service_payment waits up to its queue_timeout_ms (200) for a backend, then is refused:
-    // the 20 backends are held by the default caller (max_concurrency: 120). Long sleeps:
-    // opening the 15 further backends (4 at a time) takes a while on a busy box.
+    // The default caller (max_concurrency: 120) can take 18 of the 20 backends: with a
+    // critical caller configured, a tenth of the pool is reserved for it. Long sleeps:
+    // opening the further backends (4 at a time) takes a while on a busy box.
     // (Connected first: a login whose settings the pool has not seen needs a backend.)
     let payment = client(&proxy, "checkout-web").await;
     let mut holders = Vec::new();
-    for _ in 0..20 {
+    for _ in 0..18 {
         holders.push(client(&proxy, "batch").await);
     }
-    let held: Vec<_> = holders
+    let sleep = |c: &Arc<Client>, sql: &'static str| {
+        let c = Arc::clone(c);
+        tokio::spawn(async move { timed(&c, sql).await })
+    };
+    let mut held: Vec<_> = holders
         .iter()
-        .map(|c| {
-            let c = Arc::clone(c);
-            tokio::spawn(async move { timed(&c, "SELECT pg_sleep(5)").await })
-        })
+        .map(|c| sleep(c, "SELECT pg_sleep(5)"))
         .collect();
+    eventually(Duration::from_secs(10), "18 batch sleepers", || {
+        let cluster = &cluster;
+        async move { sleeping(cluster).await == 18 }
+    })
+    .await;
+    // The reserve is service_payment's: two of its statements run at once.
+    for _ in 0..2 {
+        let c = client(&proxy, "checkout-web").await;
+        held.push(sleep(&c, "/*service:service_payment*/ SELECT pg_sleep(5)"));
+        holders.push(c);
+    }
     eventually(
         Duration::from_secs(10),
         "the pool held by 20 sleepers",
@@ -140,6 +152,8 @@ async fn the_articles_callers_yaml_limits_as_the_article_says() {
         },
     )
     .await;
+    // Now service_payment waits up to its queue_timeout_ms (200) for a backend, then is
+    // refused.
     let (took, err) = timed(&payment, "/*service:service_payment*/ SELECT 1").await;
     let (state, message) = err.unwrap_or_else(|| {
         panic!("payment is refused once its 200 ms are up; it ran after {took:?}")

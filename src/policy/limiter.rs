@@ -61,6 +61,8 @@ pub struct Limiter {
 struct State {
     limits: Limits,
     in_flight: u32,
+    /// Slots given back since start (the drain rate's count).
+    released: u64,
     waiters: VecDeque<Waiter>,
     /// Identifies waiters so a dropped one can find and remove itself.
     next_id: u64,
@@ -75,6 +77,7 @@ impl State {
     /// A slot is being given back: pass it to the oldest live waiter if the (possibly lowered)
     /// limit still has room for it, otherwise really free it.
     fn release_one(&mut self) {
+        self.released = self.released.wrapping_add(1);
         if self.in_flight <= self.limits.max_concurrency {
             while let Some(w) = self.waiters.pop_front() {
                 if w.grant.send(()).is_ok() {
@@ -155,6 +158,7 @@ impl Limiter {
             shared: Arc::new(Mutex::new(State {
                 limits,
                 in_flight: 0,
+                released: 0,
                 waiters: VecDeque::new(),
                 next_id: 0,
             })),
@@ -182,6 +186,15 @@ impl Limiter {
     /// Waiters currently queued.
     pub fn queued(&self) -> u32 {
         u32::try_from(self.shared.lock().waiters.len()).unwrap_or(u32::MAX)
+    }
+
+    /// Slots given back since start, and the waiters now: what the drain rate is read from.
+    pub fn drain_counts(&self) -> (u64, u32) {
+        let st = self.shared.lock();
+        (
+            st.released,
+            u32::try_from(st.waiters.len()).unwrap_or(u32::MAX),
+        )
     }
 
     /// A permit if a slot is free right now (and nobody is queued ahead), else `None`.

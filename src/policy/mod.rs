@@ -37,6 +37,7 @@
 
 pub mod breaker;
 pub mod bucket;
+pub mod drain;
 pub mod lease;
 pub mod limiter;
 pub mod refusal;
@@ -63,6 +64,7 @@ use self::breaker::{
     TransitionObserver,
 };
 use self::bucket::{MAX_RATE, TokenBucket};
+use self::drain::DrainRate;
 use self::lease::{FleetGate, Rate};
 use self::limiter::{CallerPermit, LimitRefusal, Limiter, Limits};
 use self::refusal::{Backoff, Reason};
@@ -260,6 +262,8 @@ struct CallerStats {
     admitted: AtomicU64,
     refusals: [AtomicU64; RefusalKind::ALL.len()],
     backoff: Backoff,
+    /// How fast the caller's slots come back (for the retry hints of its queue).
+    drain: DrainRate,
 }
 
 impl Policy {
@@ -583,19 +587,23 @@ impl Policy {
     }
 
     /// A retry hint for a refusal outside admission (a pool checkout that timed out, a
-    /// database that cannot be reached) for caller `id`: its retry policy and refusal streak.
-    pub fn retry_hint_ms(&self, id: u16) -> u64 {
+    /// database that cannot be reached) for caller `id`: its retry policy and refusal streak,
+    /// or — with the refusing queue's `expected` wait — spread around that wait.
+    pub fn retry_hint_ms(&self, id: u16, expected: Option<Duration>) -> u64 {
         let (_, caller) = self.caller(id);
-        caller
-            .stats
-            .backoff
-            .retry_after_ms(&caller.policy.retry, Duration::ZERO, Instant::now())
+        caller.stats.backoff.retry_after_ms(
+            &caller.policy.retry,
+            Duration::ZERO,
+            expected,
+            Instant::now(),
+        )
     }
 
     /// A retry hint for a connection refused before its caller is known (too many clients
-    /// or handshakes, no backend at login): the `default` caller's policy and streak.
-    pub fn connection_hint_ms(&self) -> u64 {
-        self.retry_hint_ms(u16::MAX)
+    /// or handshakes, no backend at login): the `default` caller's policy and streak, or the
+    /// refusing queue's `expected` wait.
+    pub fn connection_hint_ms(&self, expected: Option<Duration>) -> u64 {
+        self.retry_hint_ms(u16::MAX, expected)
     }
 
     fn refuse(
@@ -608,10 +616,21 @@ impl Policy {
     ) -> Refusal {
         caller.stats.refusals[reason.kind.index()].fetch_add(1, Ordering::Relaxed);
         let retry = if reason.kind.retryable() {
+            // A full queue or a wait that ran out: say when a slot is expected to be free.
+            let expected = match reason.kind {
+                RefusalKind::CallerLimitExceeded | RefusalKind::QueueTimeout => {
+                    let (released, queued) = caller.limiter.drain_counts();
+                    caller
+                        .stats
+                        .drain
+                        .expected_wait(released, u64::from(queued), now)
+                }
+                _ => None,
+            };
             caller
                 .stats
                 .backoff
-                .retry_after_ms(&caller.policy.retry, reason.floor, now)
+                .retry_after_ms(&caller.policy.retry, reason.floor, expected, now)
         } else {
             0
         };
@@ -888,6 +907,7 @@ fn build_table(
                     admitted: AtomicU64::new(0),
                     refusals: Default::default(),
                     backoff: Backoff::new(),
+                    drain: DrainRate::new(),
                 }),
                 bucket,
                 policy,

@@ -53,9 +53,21 @@ impl Default for RetryPolicy {
 }
 
 impl RetryPolicy {
-    /// The hint for the `k`-th refusal of a burst, over a limit that says `floor`.
-    pub fn hint_ms(&self, floor: Duration, k: u32) -> u64 {
-        floor_ms(floor.max(self.floor)).saturating_add(jitter_ms(self.base, self.cap, k))
+    /// The hint for the `k`-th refusal of a burst, over a limit that says `floor`. With an
+    /// `expected` wait until there is room (the drain rate of the queue that refused), the
+    /// retries are spread over `[W/2, 3W/2]` around it (`W` at least `base`) instead of the
+    /// streak's window, so clients that honour it come back when there is room.
+    pub fn hint_ms(&self, floor: Duration, k: u32, expected: Option<Duration>) -> u64 {
+        let least = floor_ms(floor.max(self.floor));
+        match expected {
+            Some(w) => {
+                let w = floor_ms(w.max(self.base));
+                least
+                    .saturating_add(w / 2)
+                    .saturating_add(rand::random_range(0..=w))
+            }
+            None => least.saturating_add(jitter_ms(self.base, self.cap, k)),
+        }
     }
 }
 
@@ -221,8 +233,15 @@ impl Backoff {
         }
     }
 
-    /// Record a refusal at `now` and return its retry hint in ms.
-    pub fn retry_after_ms(&self, retry: &RetryPolicy, floor: Duration, now: Instant) -> u64 {
+    /// Record a refusal at `now` and return its retry hint in ms (`expected`: the refusing
+    /// queue's expected wait, when known).
+    pub fn retry_after_ms(
+        &self,
+        retry: &RetryPolicy,
+        floor: Duration,
+        expected: Option<Duration>,
+        now: Instant,
+    ) -> u64 {
         let k = {
             let mut st = self.state.lock();
             let streak = match *st {
@@ -234,7 +253,7 @@ impl Backoff {
             *st = Some((now, streak));
             streak
         };
-        retry.hint_ms(floor, k)
+        retry.hint_ms(floor, k, expected)
     }
 }
 
@@ -332,7 +351,7 @@ mod tests {
             floor: Duration::from_secs(5),
         };
         let hints: Vec<u64> = (0..300)
-            .map(|_| saturated.hint_ms(Duration::ZERO, 0))
+            .map(|_| saturated.hint_ms(Duration::ZERO, 0, None))
             .collect();
         assert!(hints.iter().all(|h| (5000..=6000).contains(h)), "{hints:?}");
         assert!(
@@ -340,8 +359,21 @@ mod tests {
             "jitter spreads over the base"
         );
         // A limit's own floor above the caller's wins; the cap bounds the jitter.
-        let h = saturated.hint_ms(Duration::from_secs(8), 30);
+        let h = saturated.hint_ms(Duration::from_secs(8), 30, None);
         assert!((8000..=18_000).contains(&h), "{h}");
+        // A known wait of 2 s: retries spread over 1–3 s (plus the floor), whatever the
+        // streak; a tiny one still gets the base as its window.
+        let plain = RetryPolicy::default();
+        let spread: Vec<u64> = (0..300)
+            .map(|_| plain.hint_ms(Duration::ZERO, 9, Some(Duration::from_secs(2))))
+            .collect();
+        assert!(
+            spread.iter().all(|h| (1000..=3000).contains(h)),
+            "{spread:?}"
+        );
+        assert!(spread.iter().any(|h| *h < 1500) && spread.iter().any(|h| *h > 2500));
+        let tiny = plain.hint_ms(Duration::ZERO, 0, Some(Duration::from_millis(1)));
+        assert!((25..=75).contains(&tiny), "{tiny}");
         assert!(RefusalKind::QueryBlocked.retryable().not());
         assert!(RefusalKind::ALL.iter().filter(|k| !k.retryable()).count() == 1);
     }
@@ -351,15 +383,15 @@ mod tests {
         let b = Backoff::new();
         let floor = Duration::from_micros(300);
         for _ in 0..20 {
-            b.retry_after_ms(&RetryPolicy::default(), floor, Instant::now());
+            b.retry_after_ms(&RetryPolicy::default(), floor, None, Instant::now());
         }
         let hot = (0..50)
-            .map(|_| b.retry_after_ms(&RetryPolicy::default(), floor, Instant::now()))
+            .map(|_| b.retry_after_ms(&RetryPolicy::default(), floor, None, Instant::now()))
             .max()
             .unwrap_or(0);
         assert!(hot > 100, "a long streak widens the window: {hot}");
         tokio::time::advance(BACKOFF_WINDOW).await;
-        let cool = b.retry_after_ms(&RetryPolicy::default(), floor, Instant::now());
+        let cool = b.retry_after_ms(&RetryPolicy::default(), floor, None, Instant::now());
         assert!(
             (1..=51).contains(&cool),
             "floor rounds up to 1 ms, window back to base: {cool}"

@@ -80,6 +80,8 @@ pub struct Pool {
     /// (parameter, value as the client sent it) → value as the server reports it.
     canonical: Mutex<HashMap<(String, String), String>>,
     pub stats: PoolStats,
+    /// How fast checkouts are served (the retry hints of its waiters).
+    drain: crate::policy::drain::DrainRate,
 }
 
 impl Pool {
@@ -102,6 +104,7 @@ impl Pool {
             server_params: Mutex::new(None),
             canonical: Mutex::new(HashMap::new()),
             stats: PoolStats::default(),
+            drain: crate::policy::drain::DrainRate::new(),
         })
     }
 
@@ -123,6 +126,14 @@ impl Pool {
         b.until = None;
         b.last_error = None;
         tracing::info!(pool = %self.name, "backend password changed; new connections use it");
+    }
+
+    /// The expected wait for a backend of this pool: the clients waiting, at the rate
+    /// checkouts have been served (`None` until that rate is known).
+    pub fn expected_wait(&self) -> Option<Duration> {
+        let served = self.stats.checkouts.load(Ordering::Relaxed);
+        let waiting = self.slots.waiting() as u64;
+        self.drain.expected_wait(served, waiting, Instant::now())
     }
 
     pub fn mode(&self) -> PoolMode {

@@ -77,7 +77,7 @@ impl HandshakeSlot {
                 PgError::too_many_handshakes(
                     "max_handshakes_per_address",
                     per_address,
-                    app.policy.connection_hint_ms(),
+                    app.policy.connection_hint_ms(app.stats.handshake_wait()),
                 )
             })?;
         app.stats
@@ -86,7 +86,12 @@ impl HandshakeSlot {
                 (n < max).then_some(n + 1)
             })
             .map_err(|_| {
-                PgError::too_many_handshakes("max_handshakes", max, app.policy.connection_hint_ms())
+                let wait = app.stats.handshake_wait();
+                PgError::too_many_handshakes(
+                    "max_handshakes",
+                    max,
+                    app.policy.connection_hint_ms(wait),
+                )
             })?;
         Ok(HandshakeSlot {
             app: app.clone(),
@@ -98,6 +103,10 @@ impl HandshakeSlot {
 impl Drop for HandshakeSlot {
     fn drop(&mut self) {
         self.app.stats.handshakes.fetch_sub(1, Ordering::AcqRel);
+        self.app
+            .stats
+            .handshakes_done
+            .fetch_add(1, Ordering::Relaxed);
     }
 }
 
@@ -328,8 +337,11 @@ async fn login_params(
     if !all_known {
         let deadline = Instant::now() + Duration::from_millis(pool.cfg.checkout_timeout_ms);
         let mut b = pool.checkout(2, deadline).await.map_err(|e| {
-            e.to_pg(&pool.name, app.policy.connection_hint_ms())
-                .into_fatal()
+            e.to_pg(
+                &pool.name,
+                app.policy.connection_hint_ms(pool.expected_wait()),
+            )
+            .into_fatal()
         })?;
         learn_settings(app, &mut b, pool, login).await?;
         b.release().await;
@@ -375,7 +387,7 @@ async fn learn_settings(
     let mut out = BytesMut::new();
     messages::query(&mut out, &sql);
     let lost = |e: &dyn std::fmt::Display| {
-        PgError::backend_unavailable(e, app.policy.connection_hint_ms()).into_fatal()
+        PgError::backend_unavailable(e, app.policy.connection_hint_ms(None)).into_fatal()
     };
     let io = |e: std::io::Error| lost(&e);
     conn.stream.write_all(&out).await.map_err(io)?;

@@ -1047,7 +1047,9 @@ impl Relay {
             }
             e.to_pg(
                 &self.pool.name,
-                self.app.policy.retry_hint_ms(self.unit_caller),
+                self.app
+                    .policy
+                    .retry_hint_ms(self.unit_caller, self.pool.expected_wait()),
             )
         })?;
         let conn = b.conn();

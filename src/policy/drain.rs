@@ -1,0 +1,114 @@
+//! How fast a queue drains, and so how long a newcomer would wait: the estimate behind a
+//! refusal's retry hint (DESIGN §5: the jitter window should be the *expected time until
+//! there is room*, not a fixed base, or honouring clients come back as retries that cost a
+//! new login while the queue still needs seconds).
+//!
+//! Owns [`DrainRate`]: fed a monotonic count of completions (slots given back, checkouts
+//! served, logins finished) that its owner already keeps, it samples that count only when
+//! asked — at a refusal — so the hot path pays nothing. The rate is the completions since the
+//! previous sample over the time between, smoothed over about a second. Pure: time comes in.
+
+use std::time::Duration;
+
+use parking_lot::Mutex;
+use tokio::time::Instant;
+
+/// Samples closer than this reuse the last rate (a burst of refusals samples once).
+const MIN_SPAN: Duration = Duration::from_millis(200);
+/// Time constant of the smoothing.
+const SMOOTHING: Duration = Duration::from_secs(1);
+/// Longest wait ever estimated (a stalled queue is "come back much later", not infinity).
+pub const MAX_WAIT: Duration = Duration::from_secs(60);
+
+/// A completion-rate estimate; cheap to share behind a reference.
+#[derive(Debug, Default)]
+pub struct DrainRate {
+    sample: Mutex<Option<Sample>>,
+}
+
+#[derive(Debug, Clone, Copy)]
+struct Sample {
+    at: Instant,
+    count: u64,
+    /// Completions per second; `None` until two samples exist.
+    rate: Option<f64>,
+}
+
+impl DrainRate {
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Completions per second given the count now; `None` before the second sample.
+    pub fn rate(&self, count: u64, now: Instant) -> Option<f64> {
+        let mut s = self.sample.lock();
+        let Some(prev) = *s else {
+            *s = Some(Sample {
+                at: now,
+                count,
+                rate: None,
+            });
+            return None;
+        };
+        let span = now.saturating_duration_since(prev.at);
+        if span < MIN_SPAN {
+            return prev.rate;
+        }
+        let seen = count.saturating_sub(prev.count) as f64 / span.as_secs_f64();
+        let rate = match prev.rate {
+            // Weight the new reading by how much of the smoothing window it covers.
+            Some(r) => {
+                let w = (span.as_secs_f64() / SMOOTHING.as_secs_f64()).min(1.0);
+                r + w * (seen - r)
+            }
+            None => seen,
+        };
+        *s = Some(Sample {
+            at: now,
+            count,
+            rate: Some(rate),
+        });
+        Some(rate)
+    }
+
+    /// The expected wait of one more arrival with `ahead` already waiting: `(ahead + 1) /
+    /// rate`, capped at [`MAX_WAIT`]. `None` while the rate is unknown; [`MAX_WAIT`] when
+    /// nothing completes.
+    pub fn expected_wait(&self, count: u64, ahead: u64, now: Instant) -> Option<Duration> {
+        let rate = self.rate(count, now)?;
+        if rate <= 0.0 {
+            return Some(MAX_WAIT);
+        }
+        let secs = (ahead as f64 + 1.0) / rate;
+        Some(Duration::from_secs_f64(secs.min(MAX_WAIT.as_secs_f64())))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// 100 completions a second with 49 waiting: the 50th waits half a second; the
+    /// estimate follows a slowdown within about a second, caps a stall and reuses the last
+    /// rate for samples too close together.
+    #[tokio::test(start_paused = true)]
+    async fn expected_wait_follows_the_drain_rate() {
+        let d = DrainRate::new();
+        let t0 = Instant::now();
+        assert_eq!(d.expected_wait(0, 49, t0), None, "one sample is no rate");
+        tokio::time::advance(Duration::from_secs(1)).await;
+        let w = d.expected_wait(100, 49, Instant::now()).expect("a rate");
+        assert_eq!(w, Duration::from_millis(500));
+        // Ten times slower for two seconds: the estimate moves all the way.
+        tokio::time::advance(Duration::from_secs(2)).await;
+        let w = d.expected_wait(120, 49, Instant::now()).expect("a rate");
+        assert_eq!(w, Duration::from_secs(5));
+        // Within MIN_SPAN: the last rate, whatever the count says.
+        tokio::time::advance(Duration::from_millis(50)).await;
+        let w = d.expected_wait(10_000, 9, Instant::now()).expect("a rate");
+        assert_eq!(w, Duration::from_secs(1));
+        // Nothing completes: capped, not infinite.
+        tokio::time::advance(Duration::from_secs(5)).await;
+        assert_eq!(d.expected_wait(120, 9, Instant::now()), Some(MAX_WAIT));
+    }
+}

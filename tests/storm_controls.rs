@@ -1,0 +1,294 @@
+//! The controls that keep a storm from holding the database hostage (issue 17), against a
+//! real PostgreSQL: a client idle inside its transaction past its caller's
+//! `idle_transaction_timeout_ms` is disconnected with FATAL 25P03, its transaction rolled
+//! back and its backend returned (a critical caller without the limit keeps its
+//! transaction); and the pool's critical reserve keeps a backend that lower priorities cannot
+//! take, so a critical statement runs at once while batch work queues — and the batch work
+//! still completes instead of being refused.
+//!
+//! With `PGSLUICE_TEST_DIRECT=1` these tests are skipped (they are about the proxy).
+
+mod support;
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use tokio_postgres::Client;
+
+use support::pg::{APP_DB, APP_PASSWORD, APP_USER, Cluster};
+use support::proxy::{ADMIN_READ_TOKEN, Proxy, ProxyOptions};
+use support::sql::{STEP, eventually, scalar, sqlstate};
+use support::wire::{Backend, WireClient};
+use support::{direct_mode, note_skipped, within};
+
+struct Env {
+    proxy: Proxy,
+    cluster: Cluster,
+    _dir: tempfile::TempDir,
+}
+
+fn start(pool: usize, yaml: &str) -> Option<Env> {
+    if direct_mode() {
+        note_skipped("storm controls (they need the proxy)");
+        return None;
+    }
+    let dir = tempfile::tempdir().expect("temp dir");
+    let path: PathBuf = dir.path().join("pgsluice.yaml");
+    std::fs::write(&path, yaml).expect("write the config");
+    let cluster = Cluster::start();
+    cluster.psql_on(
+        APP_DB,
+        &format!(
+            "CREATE TABLE acct (id int PRIMARY KEY, v int); INSERT INTO acct VALUES (1, 0); \
+             ALTER TABLE acct OWNER TO {APP_USER};"
+        ),
+    );
+    let proxy = Proxy::start(&cluster, ProxyOptions::pool(pool).config_file(&path));
+    Some(Env {
+        proxy,
+        cluster,
+        _dir: dir,
+    })
+}
+
+async fn client(proxy: &Proxy, application_name: &str) -> Arc<Client> {
+    let mut cfg = proxy.app_config();
+    cfg.application_name(application_name);
+    Arc::new(proxy.client_with(&cfg).await.0)
+}
+
+const IDLE_YAML: &str = "\
+global_defaults:
+  idle_transaction_timeout_ms: 400
+callers:
+  - name: payment
+    priority: critical
+    idle_transaction_timeout_ms: 0
+    match: { application_name: payment }
+";
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_idle_in_its_transaction_is_ended_and_its_backend_returned() {
+    let Some(env) = start(1, IDLE_YAML) else {
+        return;
+    };
+    let proxy = &env.proxy;
+    // A default-caller client takes a row lock inside a transaction and goes quiet.
+    let mut idle = WireClient::connect(proxy.addr(), APP_USER, APP_PASSWORD, APP_DB)
+        .await
+        .expect("wire client");
+    idle.simple("BEGIN").await.expect("BEGIN");
+    idle.simple("UPDATE acct SET v = 42 WHERE id = 1")
+        .await
+        .expect("UPDATE");
+    let quiet = Instant::now();
+    let fatal = within(
+        Duration::from_secs(10),
+        "the idle-in-transaction FATAL",
+        idle.recv(),
+    )
+    .await
+    .expect("an ErrorResponse before the connection closes");
+    let waited = quiet.elapsed();
+    assert_eq!(fatal.error_code(), Some("25P03"), "{fatal:?}");
+    assert!(
+        waited >= Duration::from_millis(350) && waited < Duration::from_secs(4),
+        "ended after its 400 ms, not before and not much later: {waited:?}"
+    );
+    if let Backend::Error { message, .. } = &fatal {
+        assert!(message.contains("idle-in-transaction timeout"), "{message}");
+    }
+    assert!(
+        idle.recv().await.is_err(),
+        "the connection is closed after the FATAL"
+    );
+
+    // The only backend came back, rolled back: the lock is free and the update is gone.
+    let other = client(proxy, "web").await;
+    let t = Instant::now();
+    let v = within(
+        STEP,
+        "the row the idle client locked",
+        other.simple_query("UPDATE acct SET v = v + 1 WHERE id = 1 RETURNING v"),
+    )
+    .await
+    .expect("the row is free again");
+    let v = support::sql::simple_values(&v);
+    assert_eq!(
+        v,
+        vec![Some("1".to_owned())],
+        "the idle client's update was rolled back"
+    );
+    assert!(t.elapsed() < Duration::from_secs(2), "{:?}", t.elapsed());
+
+    // A critical caller with the limit turned off keeps its transaction open across a pause.
+    let payment = client(proxy, "payment").await;
+    within(STEP, "BEGIN", payment.batch_execute("BEGIN; SELECT 1"))
+        .await
+        .expect("BEGIN");
+    tokio::time::sleep(Duration::from_millis(900)).await;
+    within(
+        STEP,
+        "COMMIT",
+        payment.batch_execute("UPDATE acct SET v = 7; COMMIT"),
+    )
+    .await
+    .expect("the critical transaction survives the pause");
+    assert_eq!(scalar(&other, "SELECT v FROM acct").await, "7");
+    proxy.assert_healthy().await;
+}
+
+const RESERVE_YAML: &str = "\
+callers:
+  - name: payment
+    priority: critical
+    match: { application_name: payment }
+  - name: batch
+    priority: low
+    match: { application_name: batch }
+";
+
+/// Backends of the proxy running `pg_sleep`, seen from the database.
+async fn sleeping(cluster: &Cluster) -> usize {
+    cluster
+        .monitor()
+        .await
+        .active_queries_like("pg_sleep")
+        .await
+        .len()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_critical_reserve_is_free_while_batch_work_queues_and_completes() {
+    // Pool of 4 with a critical caller: one backend (a tenth, at least 1) is reserved.
+    let Some(env) = start(4, RESERVE_YAML) else {
+        return;
+    };
+    let proxy = &env.proxy;
+    let (status, pools) = proxy
+        .admin_request("GET", "/v1/pools", ADMIN_READ_TOKEN, None)
+        .await;
+    assert_eq!(status, 200, "{pools}");
+    let mut batch = Vec::new();
+    for _ in 0..5 {
+        batch.push(client(proxy, "batch").await);
+    }
+    let payment = client(proxy, "payment").await;
+    let started = Instant::now();
+    let tasks: Vec<_> = batch
+        .iter()
+        .map(|c| {
+            let c = Arc::clone(c);
+            tokio::spawn(async move {
+                let r = within(STEP, "batch", c.simple_query("SELECT pg_sleep(0.8)")).await;
+                (r.map(|_| ()).map_err(|e| sqlstate(&e)), Instant::now())
+            })
+        })
+        .collect();
+    // Three of the five run; the reserve stays free.
+    eventually(
+        Duration::from_secs(10),
+        "three batch statements running",
+        || async { sleeping(&env.cluster).await == 3 },
+    )
+    .await;
+    assert_eq!(
+        sleeping(&env.cluster).await,
+        3,
+        "the fourth backend is reserved"
+    );
+    let t = Instant::now();
+    within(STEP, "payment", payment.simple_query("SELECT 1"))
+        .await
+        .expect("the critical statement runs");
+    let critical_took = t.elapsed();
+    assert!(
+        critical_took < Duration::from_millis(400),
+        "the critical statement did not wait for batch work: {critical_took:?}"
+    );
+    // Every batch statement completes (queued, not refused), in two waves.
+    let mut last = started;
+    for t in tasks {
+        let (r, at) = within(STEP, "batch task", t).await.expect("task");
+        assert_eq!(r, Ok(()), "batch work queues and runs");
+        last = last.max(at);
+    }
+    assert!(
+        last.duration_since(started) >= Duration::from_millis(1500),
+        "five 0.8 s statements on three backends take two waves: {:?}",
+        last.duration_since(started)
+    );
+    let (_, pools) = proxy
+        .admin_request("GET", "/v1/pools", ADMIN_READ_TOKEN, None)
+        .await;
+    let v: serde_json::Value = serde_json::from_str(&pools).expect("JSON");
+    assert_eq!(v["pools"][0]["critical_reserve"], 1, "{pools}");
+    let (_, metrics) = proxy
+        .admin_request("GET", "/metrics", ADMIN_READ_TOKEN, None)
+        .await;
+    assert!(
+        metrics.contains("pgsluice_pool_critical_reserve{pool=\"appdb/app\"} 1"),
+        "{metrics}"
+    );
+    proxy.assert_healthy().await;
+}
+
+const DRAIN_YAML: &str = "\
+callers:
+  - name: sync
+    max_concurrency: 1
+    queue_depth: 0
+    match: { application_name: sync }
+";
+
+/// N from a `retry_after_ms=N` HINT.
+fn hint_ms(e: &tokio_postgres::Error) -> u64 {
+    let db = e.as_db_error().expect("an ErrorResponse");
+    db.hint()
+        .and_then(|h| h.strip_prefix("retry_after_ms="))
+        .and_then(|n| n.parse().ok())
+        .unwrap_or_else(|| panic!("a retry hint: {db:?}"))
+}
+
+/// A caller whose one slot is busy with 0.4 s statements drains about 2.5 statements a
+/// second: once the proxy has seen that rate, its refusals say "come back in about 0.4 s"
+/// (spread over half to one and a half of it) however long the streak of refusals — not a
+/// window that doubles with every refusal up to 5 s.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn refusals_hint_the_expected_wait_of_the_queue_that_refused() {
+    let Some(env) = start(4, DRAIN_YAML) else {
+        return;
+    };
+    let proxy = &env.proxy;
+    let busy = client(proxy, "sync").await;
+    let worker = tokio::spawn(async move {
+        for _ in 0..12 {
+            let _ = busy.simple_query("SELECT pg_sleep(0.4)").await;
+        }
+    });
+    let refused = client(proxy, "sync").await;
+    let mut hints = Vec::new();
+    let until = Instant::now() + Duration::from_secs(3);
+    while Instant::now() < until {
+        if let Err(e) = within(
+            STEP,
+            "a refused statement",
+            refused.simple_query("SELECT 1"),
+        )
+        .await
+        {
+            assert_eq!(sqlstate(&e), "53300", "{e:?}");
+            hints.push(hint_ms(&e));
+        }
+        tokio::time::sleep(Duration::from_millis(60)).await;
+    }
+    worker.abort();
+    assert!(hints.len() >= 10, "the slot stayed busy: {hints:?}");
+    let last = &hints[hints.len() - 5..];
+    assert!(
+        last.iter().all(|h| (150..=1200).contains(h)),
+        "hints follow the 0.4 s drain, not the streak: {hints:?}"
+    );
+    proxy.assert_healthy().await;
+}
