@@ -51,12 +51,13 @@ pub enum Probe {
 
 impl Probe {
     /// The probe `cfg` asks for, if any: `probe_sql`, else the built-in one when a load
-    /// threshold is set.
+    /// threshold is set or a pool runs the adaptive limit.
     pub fn of(cfg: &Config) -> Option<Probe> {
         let b = &cfg.global_defaults.circuit_breaker;
         match (&b.probe_sql, b.db_cpu_threshold_percent) {
             (Some(sql), _) => Some(Probe::Sql(sql.clone())),
             (None, Some(_)) => Some(Probe::Load),
+            (None, None) if cfg.adaptive_wanted() => Some(Probe::Load),
             (None, None) => None,
         }
     }
@@ -147,7 +148,12 @@ pub async fn run(app: Arc<App>) {
                 if let Some(c) = conn.as_mut() {
                     let limit = interval.max(Duration::from_secs(1));
                     match tokio::time::timeout(limit, read(c, &probe, &mut load)).await {
-                        Ok(Ok(Some(v))) => app.policy.on_probe(v),
+                        Ok(Ok(Some(v))) => {
+                            app.policy.on_probe(v);
+                            for pool in app.pools.all() {
+                                pool.on_load(v);
+                            }
+                        }
                         Ok(Ok(None)) => tracing::warn!("breaker probe returned no number"),
                         Ok(Err(e)) => {
                             tracing::warn!(error = %e, "breaker probe failed");

@@ -158,6 +158,7 @@ fn scrape(st: &AdminState) -> Scrape {
                 checkout_timeouts: p.checkout_timeouts,
                 waiting_refused: p.waiting_refused,
                 critical_reserve: u(p.critical_reserve),
+                adaptive_limit: p.adaptive_limit.map(u),
                 name: p.name,
             })
             .collect(),

@@ -381,6 +381,14 @@ pub struct PoolConfig {
     /// never hold the whole pool while critical work waits. Unset: a tenth of `size` (at
     /// least 1) when some caller is `critical`, else none. At most `size - 1`.
     pub critical_reserve: Option<usize>,
+    /// The adaptive concurrency limit: non-critical priorities may hold fewer backends while
+    /// the database's measured load is above `adaptive_target_percent` (lowest priority cut
+    /// first). Unset: on when some caller has a priority other than `normal`.
+    pub adaptive: Option<bool>,
+    /// The adaptive limit's lowest value.
+    pub adaptive_floor: usize,
+    /// Load (the breaker probe's reading, percent) above which the adaptive limit falls.
+    pub adaptive_target_percent: f64,
     /// Clients waiting for a backend at once; beyond it a checkout is refused at once with
     /// 53300 `ERR_QUEUE_FULL` (critical callers are never refused by it).
     pub max_waiting: usize,
@@ -409,6 +417,9 @@ impl Default for PoolConfig {
             max_lifetime_ms: 3_600_000,
             checkout_timeout_ms: 2_000,
             critical_reserve: None,
+            adaptive: None,
+            adaptive_floor: 2,
+            adaptive_target_percent: 50.0,
             max_waiting: 2_000,
             health_check_after_ms: 30_000,
             max_connect_attempts: 4,
@@ -915,7 +926,17 @@ impl Config {
             .critical_reserve
             .unwrap_or(if critical { p.size.div_ceil(10) } else { 0 });
         p.critical_reserve = Some(reserve.min(p.size.saturating_sub(1)));
+        let prioritised = self.callers.iter().any(|c| c.priority != Priority::Normal);
+        p.adaptive = Some(p.adaptive.unwrap_or(prioritised));
         p
+    }
+
+    /// Whether any pool this file describes runs the adaptive limit (so the load probe must
+    /// run even without a breaker threshold).
+    pub fn adaptive_wanted(&self) -> bool {
+        let on = |d: &str, u: &str| self.pool_for(d, u).adaptive == Some(true);
+        // A name no `pools:` entry uses stands for every pool without an override.
+        on("\0", "\0") || self.pools.iter().any(|o| on(&o.database, &o.user))
     }
 }
 

@@ -106,6 +106,13 @@ impl Config {
                 "no caller is critical, so no one may use the reserved backends (they stay idle)",
             );
         }
+        if self.pool.adaptive == Some(true) && self.backend.url.is_none() {
+            say(
+                "pool.adaptive",
+                "its load probe logs in as backend.url's user and there is none in this file \
+                 (give --backend at start): without it the limit stays at the pool size",
+            );
+        }
         if self.tls.mode == ClientTlsMode::Disable
             && (self.tls.cert_file.is_some() || self.tls.key_file.is_some())
         {

@@ -378,6 +378,18 @@ impl Config {
                 ),
             );
         }
+        if pool.adaptive_floor == 0 {
+            p.add(
+                "pool.adaptive_floor".into(),
+                "must be at least 1 (a pool smaller than it is never limited)",
+            );
+        }
+        if !(pool.adaptive_target_percent > 0.0 && pool.adaptive_target_percent <= 100.0) {
+            p.add(
+                "pool.adaptive_target_percent".into(),
+                "must be above 0 and at most 100",
+            );
+        }
         if pool.max_waiting == 0 {
             p.add(
                 "pool.max_waiting".into(),

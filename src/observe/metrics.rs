@@ -77,6 +77,8 @@ pub struct PoolSample {
     pub waiting_refused: u64,
     /// Backends only critical callers may take.
     pub critical_reserve: u64,
+    /// The adaptive concurrency limit (`None`: off).
+    pub adaptive_limit: Option<u64>,
 }
 
 /// One caller at scrape time.
@@ -248,6 +250,7 @@ struct ScrapeSeries {
     checkout_timeouts: IntCounterVec,
     waiting_refused: IntCounterVec,
     pool_critical_reserve: IntGaugeVec,
+    pool_adaptive_limit: IntGaugeVec,
     clients: IntGauge,
     clients_accepted: IntCounter,
     handshakes: IntGauge,
@@ -553,6 +556,13 @@ impl ScrapeSeries {
                 "Backends of the pool only critical callers may take (pool.critical_reserve).",
                 &["pool"],
             ),
+            pool_adaptive_limit: gauge_vec(
+                r,
+                "pgsluice_pool_adaptive_limit",
+                "Backends the normal priority may hold now under the adaptive concurrency limit \
+                 (pools with pool.adaptive on).",
+                &["pool"],
+            ),
             waiting_refused: counter_vec(
                 r,
                 "pgsluice_pool_waiting_refused_total",
@@ -649,6 +659,7 @@ impl ScrapeSeries {
         self.checkout_timeouts.reset();
         self.waiting_refused.reset();
         self.pool_critical_reserve.reset();
+        self.pool_adaptive_limit.reset();
         for p in capped_pools(&s.pools) {
             let l = [p.name.as_str()];
             let conn = |state: &str, v: u64| {
@@ -686,6 +697,11 @@ impl ScrapeSeries {
             self.pool_critical_reserve
                 .with_label_values(&l)
                 .set(gauge_value(p.critical_reserve));
+            if let Some(a) = p.adaptive_limit {
+                self.pool_adaptive_limit
+                    .with_label_values(&l)
+                    .set(gauge_value(a));
+            }
         }
         self.clients.set(gauge_value(s.client_connections));
         set_counter(&self.clients_accepted, s.client_connections_accepted);

@@ -7,6 +7,7 @@
 //! Where and as whom it connects is fixed when it is created, except the password, which a
 //! reload may change for the connections opened after it ([`Pool::set_password`]).
 
+pub mod adaptive;
 pub mod backend;
 pub mod prepared;
 pub mod slots;
@@ -82,10 +83,21 @@ pub struct Pool {
     pub stats: PoolStats,
     /// How fast checkouts are served (the retry hints of its waiters).
     drain: crate::policy::drain::DrainRate,
+    /// The adaptive concurrency limit, when `adaptive` is on.
+    adaptive: Option<Mutex<adaptive::AdaptiveLimit>>,
 }
 
 impl Pool {
     pub fn new(database: &str, user: &str, cfg: PoolConfig, connect: ConnectParams) -> Arc<Pool> {
+        let adaptive = (cfg.adaptive == Some(true)).then(|| {
+            Mutex::new(adaptive::AdaptiveLimit::new(
+                cfg.size,
+                adaptive::AdaptiveConfig {
+                    floor: cfg.adaptive_floor,
+                    target_percent: cfg.adaptive_target_percent,
+                },
+            ))
+        });
         Arc::new(Pool {
             name: format!("{database}/{user}"),
             database: database.to_string(),
@@ -105,6 +117,7 @@ impl Pool {
             canonical: Mutex::new(HashMap::new()),
             stats: PoolStats::default(),
             drain: crate::policy::drain::DrainRate::new(),
+            adaptive,
         })
     }
 
@@ -126,6 +139,18 @@ impl Pool {
         b.until = None;
         b.last_error = None;
         tracing::info!(pool = %self.name, "backend password changed; new connections use it");
+    }
+
+    /// A database-load reading (percent): moves the adaptive limit, if this pool has one,
+    /// and hands any new room to waiters.
+    pub fn on_load(&self, load: f64) {
+        let Some(a) = &self.adaptive else { return };
+        let caps = {
+            let mut a = a.lock();
+            a.on_load(load);
+            a.caps()
+        };
+        self.slots.set_caps(caps);
     }
 
     /// The expected wait for a backend of this pool: the clients waiting, at the rate
@@ -371,6 +396,8 @@ impl Pool {
             connect_failures: self.stats.connect_failures.load(Ordering::Relaxed),
             checkout_timeouts: self.stats.checkout_timeouts.load(Ordering::Relaxed),
             critical_reserve: self.slots.reserve(),
+            adaptive_limit: self.adaptive.as_ref().map(|a| a.lock().limit()),
+            priority_caps: self.slots.caps(),
             max_waiting: self.cfg.max_waiting,
             waiting_refused: self.stats.waiting_refused.load(Ordering::Relaxed),
         }
@@ -392,6 +419,10 @@ pub struct PoolSnapshot {
     pub checkout_timeouts: u64,
     /// Backends only critical callers may take.
     pub critical_reserve: usize,
+    /// The adaptive limit now (`None`: off).
+    pub adaptive_limit: Option<usize>,
+    /// Most backends each priority (critical, high, normal, low) may hold now.
+    pub priority_caps: [usize; slots::PRIORITIES],
     pub max_waiting: usize,
     pub waiting_refused: u64,
 }

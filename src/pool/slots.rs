@@ -26,39 +26,50 @@ struct Inner {
     available: usize,
     /// Free slots only priority 0 may take.
     reserve: usize,
+    /// Slots each priority holds now.
+    held: [usize; PRIORITIES],
+    /// Most slots each priority may hold (the adaptive limit's shares; all by default).
+    caps: [usize; PRIORITIES],
     waiters: [VecDeque<oneshot::Sender<SlotPermit>>; PRIORITIES],
 }
 
 impl Inner {
-    /// The next live waiter that may have the slot being released: a critical one, or any
-    /// other while the free slots (not counting this one) still cover the reserve.
-    fn pop_waiter(&mut self) -> Option<oneshot::Sender<SlotPermit>> {
-        let queues = if self.available >= self.reserve {
-            &mut self.waiters[..]
-        } else {
-            &mut self.waiters[..1]
-        };
-        queues.iter_mut().find_map(|q| {
-            while let Some(tx) = q.pop_front() {
+    /// Whether priority `p` may take a free slot now: one is free beyond the reserve (for
+    /// non-critical priorities) and `p` is below its cap.
+    fn may_take(&self, p: usize) -> bool {
+        let keep = if p == 0 { 0 } else { self.reserve };
+        self.available > keep && self.held[p] < self.caps[p]
+    }
+
+    /// Takes a slot for the most urgent live waiter allowed one, if any.
+    fn pop_eligible(&mut self) -> Option<(usize, oneshot::Sender<SlotPermit>)> {
+        for p in 0..PRIORITIES {
+            if !self.may_take(p) {
+                continue;
+            }
+            while let Some(tx) = self.waiters[p].pop_front() {
                 if !tx.is_closed() {
-                    return Some(tx);
+                    self.available -= 1;
+                    self.held[p] += 1;
+                    return Some((p, tx));
                 }
             }
-            None
-        })
+        }
+        None
     }
 }
 
 /// The right to hold one backend connection of the pool.
 pub struct SlotPermit {
     slots: Arc<Slots>,
+    priority: usize,
     armed: bool,
 }
 
 impl Drop for SlotPermit {
     fn drop(&mut self) {
         if self.armed {
-            self.slots.release();
+            self.slots.release(self.priority);
         }
     }
 }
@@ -74,6 +85,8 @@ impl Slots {
             inner: Mutex::new(Inner {
                 available: capacity,
                 reserve: reserve.min(capacity.saturating_sub(1)),
+                held: [0; PRIORITIES],
+                caps: [capacity; PRIORITIES],
                 waiters: Default::default(),
             }),
         })
@@ -85,22 +98,24 @@ impl Slots {
         priority: usize,
         deadline: Instant,
     ) -> Result<SlotPermit, SlotTimeout> {
+        let priority = priority.min(PRIORITIES - 1);
         let rx = {
             let mut g = self.inner.lock();
             // Someone of equal or higher priority already waiting goes first.
-            let ahead = g.waiters[..=priority.min(PRIORITIES - 1)]
+            let ahead = g.waiters[..=priority]
                 .iter()
                 .any(|q| q.iter().any(|tx| !tx.is_closed()));
-            let free = if priority == 0 { 0 } else { g.reserve };
-            if g.available > free && !ahead {
+            if !ahead && g.may_take(priority) {
                 g.available -= 1;
+                g.held[priority] += 1;
                 return Ok(SlotPermit {
                     slots: self.clone(),
+                    priority,
                     armed: true,
                 });
             }
             let (tx, rx) = oneshot::channel();
-            g.waiters[priority.min(PRIORITIES - 1)].push_back(tx);
+            g.waiters[priority].push_back(tx);
             rx
         };
         match tokio::time::timeout_at(deadline, rx).await {
@@ -109,28 +124,61 @@ impl Slots {
         }
     }
 
-    fn release(self: &Arc<Self>) {
+    /// A slot comes back: straight to the most urgent waiter allowed it (one lock).
+    fn release(self: &Arc<Self>, priority: usize) {
+        let next = {
+            let mut g = self.inner.lock();
+            g.held[priority] = g.held[priority].saturating_sub(1);
+            g.available += 1;
+            g.pop_eligible()
+        };
+        if let Some((p, tx)) = next
+            && !self.hand(p, tx)
+        {
+            self.grant();
+        }
+    }
+
+    /// Hands free slots to the waiters allowed them, most urgent first.
+    fn grant(self: &Arc<Self>) {
         loop {
-            let tx = {
+            let Some((priority, tx)) = self.inner.lock().pop_eligible() else {
+                return;
+            };
+            self.hand(priority, tx);
+        }
+    }
+
+    /// Sends a slot taken for a waiter of `priority`; `false` (and the slot back) when the
+    /// waiter left between the check and the send.
+    fn hand(self: &Arc<Self>, priority: usize, tx: oneshot::Sender<SlotPermit>) -> bool {
+        let permit = SlotPermit {
+            slots: self.clone(),
+            priority,
+            armed: true,
+        };
+        match tx.send(permit) {
+            Ok(()) => true,
+            Err(mut p) => {
+                p.armed = false;
                 let mut g = self.inner.lock();
-                match g.pop_waiter() {
-                    Some(tx) => tx,
-                    None => {
-                        g.available += 1;
-                        return;
-                    }
-                }
-            };
-            let permit = SlotPermit {
-                slots: self.clone(),
-                armed: true,
-            };
-            match tx.send(permit) {
-                Ok(()) => return,
-                // The waiter left between our check and the send: try the next one.
-                Err(mut p) => p.armed = false,
+                g.held[priority] = g.held[priority].saturating_sub(1);
+                g.available += 1;
+                false
             }
         }
+    }
+
+    /// The adaptive limit's shares (most slots per priority); new room goes to waiters.
+    pub fn set_caps(self: &Arc<Self>, caps: [usize; PRIORITIES]) {
+        {
+            let mut g = self.inner.lock();
+            if g.caps == caps {
+                return;
+            }
+            g.caps = caps;
+        }
+        self.grant();
     }
 
     /// Clients currently waiting for a slot.
@@ -149,6 +197,11 @@ impl Slots {
     /// Slots only critical waiters may take.
     pub fn reserve(&self) -> usize {
         self.inner.lock().reserve
+    }
+
+    /// Most slots each priority may hold now.
+    pub fn caps(&self) -> [usize; PRIORITIES] {
+        self.inner.lock().caps
     }
 }
 
@@ -226,6 +279,33 @@ mod tests {
             0,
             "a pool of one has no reserve"
         );
+    }
+
+    /// Caps hold a priority back even with free slots; raising them hands the room to its
+    /// waiters at once.
+    #[tokio::test(start_paused = true)]
+    async fn caps_hold_a_priority_back_and_raising_them_grants_its_waiters() {
+        let s = Slots::new(4, 0);
+        let far = Instant::now() + Duration::from_secs(5);
+        s.set_caps([4, 4, 4, 1]);
+        let low = s.acquire(3, far).await.expect("low's one");
+        let s2 = s.clone();
+        let second = tokio::spawn(async move { s2.acquire(3, far).await });
+        tokio::task::yield_now().await;
+        assert!(
+            !second.is_finished(),
+            "low is at its cap with three slots free"
+        );
+        let normal = s.acquire(2, far).await.expect("normal is not capped");
+        let critical = s.acquire(0, far).await.expect("critical is not capped");
+        s.set_caps([4, 4, 4, 2]);
+        let got = second
+            .await
+            .expect("task")
+            .expect("the raised cap lets it in");
+        assert_eq!(s.available(), 0);
+        drop((low, normal, critical, got));
+        assert_eq!(s.available(), 4);
     }
 
     #[tokio::test(start_paused = true)]
