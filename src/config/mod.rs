@@ -372,7 +372,7 @@ pub struct PoolConfig {
     pub size: usize,
     pub min_idle: usize,
     pub idle_timeout_ms: u64,
-    /// Connections are closed on release after this age (plus up to 10% jitter).
+    /// Connections are closed on release after this age, minus up to 10% jitter (never later).
     pub max_lifetime_ms: u64,
     /// How long a client waits for a backend before 53300 (capped by its caller's
     /// `queue_timeout_ms`).

@@ -224,15 +224,19 @@ impl Pool {
         }
     }
 
+    /// The last connect error while the failure backoff lasts.
+    fn backing_off(&self) -> Option<Arc<ConnectError>> {
+        let b = self.backoff.lock();
+        match (b.until, &b.last_error) {
+            (Some(until), Some(e)) if Instant::now() < until => Some(e.clone()),
+            _ => None,
+        }
+    }
+
     /// Opens a new connection, respecting the attempt cap and the failure backoff.
     async fn open_conn(&self, deadline: Instant) -> Result<Box<BackendConn>, CheckoutError> {
-        {
-            let b = self.backoff.lock();
-            if let (Some(until), Some(e)) = (b.until, &b.last_error)
-                && Instant::now() < until
-            {
-                return Err(CheckoutError::Connect(e.clone()));
-            }
+        if let Some(e) = self.backing_off() {
+            return Err(CheckoutError::Connect(e));
         }
         let _attempt = match tokio::time::timeout_at(deadline, self.attempts.acquire()).await {
             Ok(Ok(p)) => p,
@@ -243,6 +247,11 @@ impl Pool {
                 });
             }
         };
+        // Those queued behind the attempts that just failed back off too, instead of each
+        // trying in turn.
+        if let Some(e) = self.backing_off() {
+            return Err(CheckoutError::Connect(e));
+        }
         self.stats.connects.fetch_add(1, Ordering::Relaxed);
         let params = Arc::clone(&self.connect.lock());
         match BackendConn::connect(&params, self.cfg.prepared_cache_size).await {
@@ -268,10 +277,11 @@ impl Pool {
                 let e = Arc::new(e);
                 let mut b = self.backoff.lock();
                 b.failures = b.failures.saturating_add(1);
+                // The first failure's window is the base, then it doubles up to the cap.
                 let wait = full_jitter(
                     self.cfg.connect_backoff_base_ms,
                     self.cfg.connect_backoff_cap_ms,
-                    b.failures,
+                    b.failures - 1,
                 );
                 b.until = Some(Instant::now() + Duration::from_millis(wait));
                 b.last_error = Some(e.clone());
