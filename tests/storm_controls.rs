@@ -292,3 +292,114 @@ async fn refusals_hint_the_expected_wait_of_the_queue_that_refused() {
     );
     proxy.assert_healthy().await;
 }
+
+/// The adaptive limit follows the database load: here the probe reads a number the test
+/// sets (`probe_sql`), so the control law is driven exactly. High load: the low priority's
+/// share of the pool falls (a third off per reading, low cut twice as fast) while critical
+/// work still gets every backend; quiet again: the limit climbs back to the whole pool.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_adaptive_limit_holds_low_priority_back_while_the_database_is_loaded() {
+    let yaml = "\
+pool: { critical_reserve: 0, checkout_timeout_ms: 15000 }
+global_defaults:
+  circuit_breaker:
+    probe_sql: \"SELECT v FROM load_knob\"
+    probe_interval_ms: 100
+callers:
+  - { name: payment, priority: critical, match: { application_name: payment } }
+  - { name: batch, priority: low, queue_timeout_ms: 15000, match: { application_name: batch } }
+";
+    let Some(env) = start(6, yaml) else {
+        return;
+    };
+    env.cluster.psql_on(
+        APP_DB,
+        &format!(
+            "CREATE TABLE load_knob (v float8); INSERT INTO load_knob VALUES (0); \
+             ALTER TABLE load_knob OWNER TO {APP_USER};"
+        ),
+    );
+    let proxy = &env.proxy;
+    let pools = || async {
+        let (_, body) = proxy
+            .admin_request("GET", "/v1/pools", ADMIN_READ_TOKEN, None)
+            .await;
+        let v: serde_json::Value = serde_json::from_str(&body).expect("JSON");
+        v["pools"][0].clone()
+    };
+    let knob = client(proxy, "ops").await;
+    // Warm the pool's entry (pools appear with their first client).
+    scalar(&knob, "SELECT 1").await;
+    eventually(
+        Duration::from_secs(10),
+        "the whole pool while quiet",
+        || async { pools().await["adaptive_limit"] == 6 },
+    )
+    .await;
+    knob.batch_execute("UPDATE load_knob SET v = 95")
+        .await
+        .expect("load up");
+    eventually(
+        Duration::from_secs(10),
+        "the limit at its floor",
+        || async { pools().await["adaptive_limit"] == 2 },
+    )
+    .await;
+    let caps = pools().await["priority_caps"].clone();
+    assert_eq!(caps, serde_json::json!([6, 4, 2, 1]), "low is cut first");
+
+    // Low work runs one at a time; critical work is not held back.
+    let mut batch = Vec::new();
+    for _ in 0..3 {
+        batch.push(client(proxy, "batch").await);
+    }
+    let tasks: Vec<_> = batch
+        .iter()
+        .map(|c| {
+            let c = Arc::clone(c);
+            tokio::spawn(async move {
+                within(STEP, "batch", c.simple_query("SELECT pg_sleep(0.6)"))
+                    .await
+                    .map(|_| ())
+                    .map_err(|e| sqlstate(&e))
+            })
+        })
+        .collect();
+    eventually(
+        Duration::from_secs(5),
+        "one batch statement running",
+        || async { sleeping(&env.cluster).await == 1 },
+    )
+    .await;
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    assert_eq!(sleeping(&env.cluster).await, 1, "low holds one backend");
+    let payment = client(proxy, "payment").await;
+    let t = Instant::now();
+    within(STEP, "payment", payment.simple_query("SELECT 1"))
+        .await
+        .expect("critical runs");
+    assert!(
+        t.elapsed() < Duration::from_millis(400),
+        "{:?}",
+        t.elapsed()
+    );
+    // Quiet again: the limit climbs back and the waiting batch work is let in.
+    knob.batch_execute("UPDATE load_knob SET v = 0")
+        .await
+        .expect("load down");
+    eventually(Duration::from_secs(10), "the whole pool again", || async {
+        pools().await["adaptive_limit"] == 6
+    })
+    .await;
+    for t in tasks {
+        assert_eq!(within(STEP, "batch", t).await.expect("task"), Ok(()));
+    }
+    let (_, metrics) = proxy
+        .admin_request("GET", "/metrics", ADMIN_READ_TOKEN, None)
+        .await;
+    assert!(
+        metrics.contains("pgsluice_pool_adaptive_limit{pool=\"appdb/app\"} 6"),
+        "{metrics}"
+    );
+    proxy.assert_healthy().await;
+}
