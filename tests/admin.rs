@@ -260,6 +260,31 @@ async fn health_and_readiness_are_open() {
     assert_eq!(ready.json()["ready"], false);
 }
 
+/// While every pool's last connection attempt failed, /readyz is 503 naming the error; a
+/// pool that has not tried says nothing.
+#[tokio::test]
+async fn readiness_is_503_while_the_database_cannot_be_reached() {
+    let mut c = config(None);
+    c.backend.url = Some("postgres://app:secret@127.0.0.1:1/appdb".into());
+    c.backend.connect_timeout_ms = 500;
+    let app = app_with(c);
+    let r = api(&app);
+    let pool = app.pool_for("appdb", "app").expect("pool");
+    assert_eq!(get(&r, "/readyz", None).await.status, StatusCode::OK);
+    let deadline = tokio::time::Instant::now() + std::time::Duration::from_secs(5);
+    assert!(
+        pool.checkout(2, deadline).await.is_err(),
+        "nothing listens on port 1"
+    );
+    let ready = get(&r, "/readyz", None).await;
+    assert_eq!(ready.status, StatusCode::SERVICE_UNAVAILABLE);
+    let reason = ready.json()["reason"]
+        .as_str()
+        .unwrap_or_default()
+        .to_owned();
+    assert!(reason.contains("cannot be reached"), "{reason}");
+}
+
 #[tokio::test]
 async fn bad_rule_bodies_name_the_field() {
     let app = app_with(config(None));

@@ -109,15 +109,29 @@ async fn healthz() -> &'static str {
 struct Ready {
     ready: bool,
     #[serde(skip_serializing_if = "Option::is_none")]
-    reason: Option<&'static str>,
+    reason: Option<String>,
 }
 
-/// Readiness: 200 while serving, 503 once shutdown has begun (so load balancers drain us).
+/// Readiness: ready unless shutting down (draining) or the database cannot be reached: every pool
+/// has its last connection attempt failed with none succeeding since (a pool that has not
+/// tried yet says nothing). A load balancer then sends new clients elsewhere.
 async fn readyz(State(st): State<Arc<AdminState>>, _: NoQuery) -> impl IntoResponse {
+    let pools = st.app.pools.all();
+    let failing: Vec<String> = pools.iter().filter_map(|p| p.unreachable()).collect();
+    let unreachable = !pools.is_empty() && failing.len() == pools.len();
     if st.app.shutdown.is_cancelled() {
         let body = Ready {
             ready: false,
-            reason: Some("shutting down"),
+            reason: Some("shutting down".into()),
+        };
+        (StatusCode::SERVICE_UNAVAILABLE, Json(body))
+    } else if unreachable {
+        let body = Ready {
+            ready: false,
+            reason: Some(format!(
+                "the database cannot be reached: {}",
+                failing.first().map_or("", String::as_str)
+            )),
         };
         (StatusCode::SERVICE_UNAVAILABLE, Json(body))
     } else {

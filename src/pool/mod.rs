@@ -141,6 +141,16 @@ impl Pool {
         tracing::info!(pool = %self.name, "backend password changed; new connections use it");
     }
 
+    /// The error of the last connection attempt while it failed and none has succeeded
+    /// since (the database cannot be reached), else `None`.
+    pub fn unreachable(&self) -> Option<String> {
+        let b = self.backoff.lock();
+        if b.failures == 0 {
+            return None;
+        }
+        b.last_error.as_ref().map(|e| e.to_string())
+    }
+
     /// A database-load reading (percent): moves the adaptive limit, if this pool has one,
     /// and hands any new room to waiters.
     pub fn on_load(&self, load: f64) {
