@@ -6,7 +6,7 @@
 //! Pure: reads the [`Config`] only. Errors (settings that cannot work at all) are
 //! `validate.rs`'s.
 
-use super::{ClientTlsMode, Config, PoolMode, Priority};
+use super::{ClientTlsMode, Config, PoolMode, Priority, SessionStateMode};
 
 impl Config {
     /// What is valid but worth saying, for `check-config`, the startup log and reload: how a
@@ -65,11 +65,12 @@ impl Config {
     fn inert(&self, out: &mut Vec<String>) {
         let mut say = |key: &str, why: &str| out.push(format!("{key} has no effect: {why}"));
         let b = &self.global_defaults.circuit_breaker;
-        if b.probe_sql.is_some() && b.db_cpu_threshold_percent.is_none() {
+        if b.probe_sql.is_some() && b.db_cpu_threshold_percent.is_none() && !self.adaptive_wanted()
+        {
             say(
                 "global_defaults.circuit_breaker.probe_sql",
                 "without db_cpu_threshold_percent its value trips nothing (only its failures \
-                 count as backend errors)",
+                 count as backend errors), and no pool runs the adaptive limit",
             );
         }
         if b.consecutive_errors == 0 && b.db_cpu_threshold_percent.is_none() {
@@ -79,7 +80,9 @@ impl Config {
                  opens",
             );
         }
-        if self.pool.mode == PoolMode::Session {
+        // (`track` is the default, so only a value set on purpose is worth a note.)
+        if self.pool.mode == PoolMode::Session && self.pool.session_state != SessionStateMode::Track
+        {
             say(
                 "pool.session_state",
                 "session mode keeps each client on its own backend, so there is no session \
