@@ -75,6 +75,9 @@ pub struct AppStats {
     pub clients: AtomicUsize,
     pub clients_total: AtomicU64,
     pub handshakes: AtomicUsize,
+    /// The process-wide cap on handshakes in progress (`limits.max_handshakes`), with the
+    /// connections waiting for a place.
+    pub handshake_gate: crate::per_address::Gate,
     /// Each source address's share of `handshakes` (`limits.max_handshakes_per_address`).
     pub handshakes_by_address: Arc<crate::per_address::PerAddress>,
     /// Handshakes finished (logged in or gone) since start, and how fast they finish: the

@@ -123,25 +123,23 @@ pub async fn serve(app: Arc<App>, listener: TcpListener, login: Option<tokio::ru
         let n = app.stats.clients.fetch_add(1, Ordering::Relaxed);
         let slot = ClientSlot(app.clone());
         app.stats.clients_total.fetch_add(1, Ordering::Relaxed);
-        let handshake = if n >= max {
-            Err(PgError::too_many_clients(
-                max,
-                app.policy.connection_hint_ms(None),
-            ))
-        } else {
-            HandshakeSlot::try_acquire(&app, peer.ip())
-        };
-        let handshake = match handshake {
-            Ok(h) => h,
-            Err(e) => {
-                spawn(&tasks, login.as_ref(), refuse(slot, sock, e));
-                continue;
-            }
-        };
+        if n >= max {
+            let e = PgError::too_many_clients(max, app.policy.connection_hint_ms(None));
+            spawn(&tasks, login.as_ref(), refuse(slot, sock, e));
+            continue;
+        }
         let app2 = app.clone();
         let handover = handover.clone();
-        let session = session::run(app2, sock, peer, handshake, handover, slot);
-        spawn(&tasks, login.as_ref(), session);
+        // The wait for a handshake slot (bounded by the handshake timeout) runs in the
+        // connection's own task: accepting never waits.
+        let timeout = Duration::from_millis(app.config.load().limits.handshake_timeout_ms);
+        let deadline = tokio::time::Instant::now() + timeout;
+        spawn(&tasks, login.as_ref(), async move {
+            match HandshakeSlot::acquire(&app2, peer.ip(), deadline).await {
+                Ok(h) => session::run(app2, sock, peer, h, handover, slot).await,
+                Err(e) => refuse(slot, sock, e).await,
+            }
+        });
     }
     drop(listener);
     tasks.close();

@@ -63,36 +63,50 @@ pub struct HandshakeSlot {
     _address: AddressGuard,
 }
 
+/// Connections of one address that may wait for its share, per unit of the share: beyond,
+/// the address's new connections are refused at once (one host cannot queue up every client
+/// slot either).
+pub const WAITING_PER_SHARE: usize = 4;
+
 impl HandshakeSlot {
-    /// Takes a slot for a client at `ip`, or says which cap is reached: the address's share
-    /// is checked first, so an address over its share never takes a process-wide slot.
-    pub fn try_acquire(app: &Arc<App>, ip: IpAddr) -> Result<HandshakeSlot, PgError> {
+    /// Takes a slot for a client at `ip`, waiting until `deadline` for one: first the
+    /// address's share (so an address over its share never takes or waits for a process-wide
+    /// slot), then the process-wide cap. A waiting connection costs its socket and a task,
+    /// not a handshake: the caps bound the work done at once, and a storm of clients queues
+    /// instead of being refused into retries that cost a new login each. Refused at once only
+    /// when the address already has `WAITING_PER_SHARE ×` its share waiting; when the
+    /// deadline passes first, refused with the same error and a retry hint.
+    pub async fn acquire(
+        app: &Arc<App>,
+        ip: IpAddr,
+        deadline: Instant,
+    ) -> Result<HandshakeSlot, PgError> {
         let limits = &app.config.load().limits;
         let (max, per_address) = (limits.max_handshakes, limits.max_handshakes_per_address);
+        let refused = |limit: &'static str, n: usize| {
+            PgError::too_many_handshakes(
+                limit,
+                n,
+                app.policy.connection_hint_ms(app.stats.handshake_wait()),
+            )
+        };
         let address = app
             .stats
             .handshakes_by_address
-            .try_acquire(ip, per_address)
-            .ok_or_else(|| {
-                PgError::too_many_handshakes(
-                    "max_handshakes_per_address",
-                    per_address,
-                    app.policy.connection_hint_ms(app.stats.handshake_wait()),
-                )
-            })?;
+            .acquire(
+                ip,
+                per_address,
+                per_address.saturating_mul(WAITING_PER_SHARE),
+                deadline,
+            )
+            .await
+            .map_err(|_| refused("max_handshakes_per_address", per_address))?;
         app.stats
-            .handshakes
-            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| {
-                (n < max).then_some(n + 1)
-            })
-            .map_err(|_| {
-                let wait = app.stats.handshake_wait();
-                PgError::too_many_handshakes(
-                    "max_handshakes",
-                    max,
-                    app.policy.connection_hint_ms(wait),
-                )
-            })?;
+            .handshake_gate
+            .take(max, usize::MAX, deadline)
+            .await
+            .map_err(|_| refused("max_handshakes", max))?;
+        app.stats.handshakes.fetch_add(1, Ordering::AcqRel);
         Ok(HandshakeSlot {
             app: app.clone(),
             _address: address,
@@ -102,6 +116,7 @@ impl HandshakeSlot {
 
 impl Drop for HandshakeSlot {
     fn drop(&mut self) {
+        self.app.stats.handshake_gate.give();
         self.app.stats.handshakes.fetch_sub(1, Ordering::AcqRel);
         self.app
             .stats

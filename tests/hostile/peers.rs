@@ -16,8 +16,9 @@ use tokio_postgres::NoTls;
 use tokio_postgres::error::SqlState;
 
 use crate::common;
+use crate::support::pg::{APP_DB, APP_PASSWORD, APP_USER};
 use crate::support::proxy::{ADMIN_READ_TOKEN, Proxy};
-use crate::support::sql::eventually;
+use crate::support::sql::{eventually, scalar};
 use crate::support::{direct_mode, note_skipped, within};
 
 const OTHER: Ipv4Addr = Ipv4Addr::new(127, 0, 0, 2);
@@ -95,10 +96,39 @@ async fn item12_one_address_holds_only_its_share_of_handshakes() {
     )
     .await;
 
-    // A fifth from the same address is refused at once, naming the per-address limit.
+    // A fifth from the same address waits for the share (it holds no handshake slot) ...
+    let fifth = tokio::spawn(async move {
+        let t = Instant::now();
+        let r = tokio_postgres::connect(
+            &format!(
+                "host={} port={} user={APP_USER} password={APP_PASSWORD} dbname={APP_DB}",
+                addr.ip(),
+                addr.port()
+            ),
+            tokio_postgres::NoTls,
+        )
+        .await;
+        (
+            r.map(|(c, conn)| {
+                tokio::spawn(conn);
+                c
+            }),
+            t.elapsed(),
+        )
+    });
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert!(!fifth.is_finished(), "the fifth waits, it is not refused");
+    assert_eq!(metric(proxy, "pgsluice_client_handshakes").await, Some(4.0));
+    // ... and so do 15 more, up to 4 × the share waiting; beyond, refused at once, naming
+    // the per-address limit.
+    let mut waiting = Vec::new();
+    for _ in 0..15 {
+        waiting.push(connect_from(Ipv4Addr::LOCALHOST, addr).await);
+    }
+    tokio::time::sleep(Duration::from_millis(300)).await;
     let t = Instant::now();
     let err = match proxy.try_client_with(&proxy.app_config()).await {
-        Ok(_) => panic!("a fifth handshake from 127.0.0.1 was accepted"),
+        Ok(_) => panic!("a 21st connection from 127.0.0.1 was accepted"),
         Err(e) => e,
     };
     assert!(t.elapsed() < Duration::from_secs(2), "{:?}", t.elapsed());
@@ -110,13 +140,24 @@ async fn item12_one_address_holds_only_its_share_of_handshakes() {
         Some("limits.max_handshakes_per_address=4"),
         "{db:?}"
     );
+    assert!(
+        db.hint().is_some_and(|h| h.starts_with("retry_after_ms=")),
+        "{db:?}"
+    );
 
     // Another address still logs in, while 127.0.0.1's share stays taken.
     select_one_over(proxy, connect_from(OTHER, addr).await).await;
     assert_eq!(metric(proxy, "pgsluice_client_handshakes").await, Some(4.0));
 
-    // The share comes back when the slow clients leave.
+    // The share comes back when the slow clients leave, and the first waiter logs in.
     drop(silent);
+    let (client, waited) = within(Duration::from_secs(15), "the fifth client", fifth)
+        .await
+        .expect("task");
+    let client = client.expect("the fifth logs in once the share frees");
+    assert!(waited >= Duration::from_millis(500), "{waited:?}");
+    assert_eq!(scalar(&client, "SELECT 1").await, "1");
+    drop(waiting);
     eventually(Duration::from_secs(10), "the handshakes end", || async {
         metric(proxy, "pgsluice_client_handshakes").await == Some(0.0)
     })
