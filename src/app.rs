@@ -416,7 +416,15 @@ pub fn policy_inputs(cfg: &Config) -> (Vec<CallerPolicy>, BreakerConfig) {
         db_cpu_threshold_percent: b.db_cpu_threshold_percent,
         open: Duration::from_millis(b.open_ms),
         half_open_max_probes: b.half_open_trials,
-        critical_reserve: b.critical_reserve,
+        critical_reserve: b.critical_reserve.unwrap_or_else(|| {
+            let critical: u32 = cfg
+                .callers
+                .iter()
+                .filter(|c| c.priority == cfgmod::Priority::Critical)
+                .filter_map(|c| c.max_concurrency)
+                .fold(0, u32::saturating_add);
+            critical.max(20)
+        }),
     };
     (callers, breaker)
 }
@@ -552,6 +560,15 @@ mod tests {
             ),
             (7, 3, Some(40))
         );
+        // Unset, the breaker's reserve fits every critical caller's own concurrency.
+        let auto = Config::from_yaml(
+            "callers:\n  - { name: pay, priority: critical, max_concurrency: 50, \
+             match: { user: pay } }\n  - { name: ops, priority: critical, max_concurrency: 5, \
+             match: { user: ops } }\n",
+        )
+        .unwrap();
+        assert_eq!(policy_inputs(&auto).1.critical_reserve, 55);
+        assert_eq!(policy_inputs(&Config::default()).1.critical_reserve, 20);
         let m = caller_matcher(&cfg);
         let inside = "10.1.2.3".parse().ok();
         let outside = "10.2.0.1".parse().ok();

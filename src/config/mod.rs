@@ -657,7 +657,9 @@ pub struct BreakerConfig {
     /// Half-open: non-critical trial statements at once, and the successes that close it.
     pub half_open_trials: u32,
     /// Critical statements admitted at once while the breaker is open or half-open.
-    pub critical_reserve: u32,
+    /// Unset: the sum of the critical callers' own `max_concurrency`, at least 20 (so a
+    /// critical caller's statements all fit while the breaker is open).
+    pub critical_reserve: Option<u32>,
 }
 
 impl Default for BreakerConfig {
@@ -670,7 +672,7 @@ impl Default for BreakerConfig {
             consecutive_errors: 5,
             open_ms: 5_000,
             half_open_trials: 1,
-            critical_reserve: 20,
+            critical_reserve: None,
         }
     }
 }

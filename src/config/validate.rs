@@ -467,7 +467,7 @@ impl Config {
         if l.max_pools == 0 {
             p.add("limits.max_pools".into(), "must be > 0");
         }
-        if self.global_defaults.circuit_breaker.critical_reserve == 0 {
+        if self.global_defaults.circuit_breaker.critical_reserve == Some(0) {
             p.add(
                 "global_defaults.circuit_breaker.critical_reserve".into(),
                 "must be > 0 (critical traffic needs some room while the breaker is open)",
