@@ -562,3 +562,25 @@ async fn snapshots_serialise_for_the_admin_api() {
     assert!("urgent".parse::<Priority>().is_err());
     assert!(Priority::Critical < Priority::Low);
 }
+
+/// A transaction's later statements are checked against the breaker but take no ticket of
+/// their own: in flight counts the unit once, so a storm of open transactions cannot fill
+/// the in-flight threshold (or the critical reserve) with its own later statements.
+#[tokio::test(start_paused = true)]
+async fn later_statements_of_a_unit_are_not_counted_in_flight_again() {
+    let mut config = breaker_config();
+    config.max_inflight_threshold = Some(2);
+    let p = Policy::new(callers(), config).unwrap();
+    let units = futures(&p, DEFAULT, FP, 2).await;
+    let mut later = Vec::new();
+    for _ in 0..5 {
+        later.push(
+            p.check_statement(&req(DEFAULT, FP))
+                .await
+                .expect("a later statement of an admitted unit"),
+        );
+    }
+    assert_eq!(p.breaker().in_flight, 2, "the two units, once each");
+    drop((units, later));
+    assert_eq!(p.breaker().in_flight, 0);
+}

@@ -481,14 +481,14 @@ impl Policy {
         let policy = &caller.policy;
         // 1. Rules and 2a. the caller's rate: every statement takes a token, pipelined or
         //    not. (Concurrency is already counted: the unit holds its backend and its slot.)
-        let (mut admission, now, _) = self.rules_and_rate(id, &caller, req).await?;
-        // 3. Circuit breaker.
-        match self.breaker.allow(policy.priority, now) {
-            Ok(ticket) => admission._ticket = Some(ticket),
-            Err(shed) => {
-                let reason = self.circuit_reason(policy, &shed);
-                return Err(self.refuse(id, &caller, reason, req.fingerprint, now));
-            }
+        let (admission, now, _) = self.rules_and_rate(id, &caller, req).await?;
+        // 3. Circuit breaker: an open breaker sheds the statement, but it takes no ticket of
+        //    its own — the unit's admission holds the one that counts it in flight (a ticket
+        //    per statement counted every open transaction twice, and its later statements
+        //    used up the in-flight threshold and the critical reserve by themselves).
+        if let Some(shed) = self.breaker.would_shed(policy.priority, now) {
+            let reason = self.circuit_reason(policy, &shed);
+            return Err(self.refuse(id, &caller, reason, req.fingerprint, now));
         }
         caller.stats.admitted.fetch_add(1, Ordering::Relaxed);
         Ok(admission)
