@@ -112,7 +112,7 @@ fn fold(message: &str) -> String {
             in_digits = false;
             out.push(ch);
         }
-        if out.len() >= 64 {
+        if out.len() >= 80 {
             out.push('…');
             break;
         }
