@@ -11,16 +11,21 @@
 #   * RSS per idle client connection with N idle logged-in clients (pgsluice-storm idle);
 #   * the storm scenarios (reconnect storm naive and backoff, noisy neighbour) through
 #     pgsluice vs direct, with backend connections counted from pg_stat_activity;
-# and prints one table of ratios (to direct and to PgBouncer), in Markdown.
+# and prints one table of ratios (to direct and to PgBouncer), in Markdown. Then, with its own
+# cluster (max_connections=100, SCRAM), the reconnect-storm incident of issue 17 against
+# PgBouncer and three pgsluice configs: benches/incident.sh, its own table.
 #
 # Usage: benches/compare.sh [--duration S] [--rounds N] [--clients "8 64 512"]
 #          [--modes "simple extended prepared"] [--pool N] [--storm-clients N]
-#          [--storm-secs S] [--idle-clients N] [--skip-storms] [--skip-idle] [--quick]
+#          [--storm-secs S] [--idle-clients N] [--skip-storms] [--skip-idle]
+#          [--incident-clients N] [--incident-deadline S] [--skip-incident] [--quick]
 #          [--no-build] [--out DIR] [--port-base P] [--keep]
-# Defaults keep a run to a few minutes on 2 cores; use e.g. --duration 15 --rounds 3 for
-# numbers worth quoting. Needs: PostgreSQL server binaries, pgbench, psql, pgbouncer
-# (Debian: apt-get install -y postgresql pgbouncer), cargo. Run as root or as a normal user;
-# as root, Postgres and PgBouncer run as the `postgres` user.
+#        benches/compare.sh --only incident [benches/incident.sh options]
+# Defaults keep a run to a few minutes on 2 cores (the incident adds up to ~5); use e.g.
+# --duration 15 --rounds 3 for numbers worth quoting. Needs: PostgreSQL server binaries,
+# pgbench, psql, pgbouncer (Debian: apt-get install -y postgresql pgbouncer), cargo. Run as
+# root or as a normal user; as root, Postgres and PgBouncer run as the `postgres` user.
+# Binaries are taken from $CARGO_TARGET_DIR (default target/) /release.
 set -euo pipefail
 
 DURATION=5
@@ -35,12 +40,19 @@ IDLE_HOLD=4
 LAT_DURATION=5
 SKIP_STORMS=0
 SKIP_IDLE=0
+SKIP_INCIDENT=0
+INCIDENT_ARGS=()
 BUILD=1
 KEEP=0
 OUT=""
 PORT_BASE=25400
 
-usage() { sed -n '2,26p' "$0" | sed 's/^# \{0,1\}//'; exit "${1:-0}"; }
+usage() { awk 'NR > 1 && /^#/ {sub(/^# ?/, ""); print; next} NR > 1 {exit}' "$0"; exit "${1:-0}"; }
+if [ "${1:-}" = --only ]; then
+  [ "${2:-}" = incident ] || { echo "--only takes: incident" >&2; exit 2; }
+  shift 2
+  exec "$(dirname "$0")/incident.sh" "$@"
+fi
 while [ $# -gt 0 ]; do
   case "$1" in
     --duration) DURATION=$2; shift 2 ;;
@@ -53,7 +65,11 @@ while [ $# -gt 0 ]; do
     --idle-clients) IDLE_CLIENTS=$2; shift 2 ;;
     --skip-storms) SKIP_STORMS=1; shift ;;
     --skip-idle) SKIP_IDLE=1; shift ;;
-    --quick) DURATION=3; LAT_DURATION=3; STORM_CLIENTS=1000; STORM_SECS=8; IDLE_CLIENTS=2000; shift ;;
+    --incident-clients) INCIDENT_ARGS+=(--clients "$2"); shift 2 ;;
+    --incident-deadline) INCIDENT_ARGS+=(--deadline "$2"); shift 2 ;;
+    --skip-incident) SKIP_INCIDENT=1; shift ;;
+    --quick) DURATION=3; LAT_DURATION=3; STORM_CLIENTS=1000; STORM_SECS=8; IDLE_CLIENTS=2000
+      INCIDENT_ARGS=(--quick "${INCIDENT_ARGS[@]}"); shift ;;
     --no-build) BUILD=0; shift ;;
     --out) OUT=$2; shift 2 ;;
     --port-base) PORT_BASE=$2; shift 2 ;;
@@ -111,8 +127,9 @@ if [ "$BUILD" = 1 ]; then
   log "building release binaries"
   (cd "$ROOT" && cargo build --release --quiet --bin pgsluice --bin pgsluice-storm)
 fi
-SLUICE_BIN=$ROOT/target/release/pgsluice
-STORM_BIN=$ROOT/target/release/pgsluice-storm
+TARGET_DIR=${CARGO_TARGET_DIR:-$ROOT/target}
+SLUICE_BIN=$TARGET_DIR/release/pgsluice
+STORM_BIN=$TARGET_DIR/release/pgsluice-storm
 [ -x "$SLUICE_BIN" ] && [ -x "$STORM_BIN" ] || die "release binaries missing (drop --no-build)"
 
 # --- workspace and cleanup -----------------------------------------------------------------
@@ -132,16 +149,21 @@ PASSWORD=compare-secret
 SLUICE_PID=""
 BG_PIDS=()
 
-cleanup() {
-  local rc=$?
-  trap - EXIT INT TERM
+stop_all() { # each process once, by its id
   for p in "${BG_PIDS[@]}"; do kill "$p" 2>/dev/null || true; done
+  BG_PIDS=()
   [ -n "$SLUICE_PID" ] && kill "$SLUICE_PID" 2>/dev/null || true
-  if [ -f "$TMP/pgbouncer.pid" ]; then kill "$(cat "$TMP/pgbouncer.pid")" 2>/dev/null || true; fi
+  SLUICE_PID=""
+  if [ -f "$TMP/pgbouncer.pid" ]; then kill "$(cat "$TMP/pgbouncer.pid")" 2>/dev/null || true; rm -f "$TMP/pgbouncer.pid"; fi
   if [ -f "$PGDATA/postmaster.pid" ]; then
     as_pg "$PGBIN/pg_ctl" -D "$PGDATA" -m immediate -w stop >/dev/null 2>&1 || true
   fi
   wait 2>/dev/null || true
+}
+cleanup() {
+  local rc=$?
+  trap - EXIT INT TERM
+  stop_all
   if [ "$KEEP" = 1 ]; then log "kept $TMP"; else rm -rf "$TMP"; fi
   exit "$rc"
 }
@@ -475,3 +497,11 @@ row() { printf '| %s | %s | %s | %s | %s | %s |\n' "$@"; }
   echo "'n/a' = PgBouncer $BOUNCER_VERSION cannot run -M prepared in transaction mode (1.21+ can)."
   echo "Raw data, storm tables, CSV time series and SVG charts: $OUT"
 } | tee "$OUT/table.md"
+
+# --- the incident (its own cluster: max_connections=100, SCRAM) -----------------------------
+if [ "$SKIP_INCIDENT" = 0 ]; then
+  stop_all
+  log "incident: benches/incident.sh ${INCIDENT_ARGS[*]}"
+  "$ROOT/benches/incident.sh" --no-build --out "$OUT/incident" --port-base $((PORT_BASE + 100)) \
+    "${INCIDENT_ARGS[@]}" || log "the incident run failed"
+fi

@@ -2,9 +2,11 @@
 //! scenarios and reports what the database and its callers went through.
 //!
 //! Scenarios: `reconnect-storm` (N clients arrive within 500 ms and flush queued writes,
-//! retrying naively or with full-jitter backoff), `noisy-neighbour` (an analytics flood next
-//! to a steady critical billing caller), `steady` (read/write mix) and `idle` (hold N
-//! logged-in connections, for memory measurements). Output: per-caller throughput and
+//! retrying naively or with full-jitter backoff), `incident` (issue 17's: payment and
+//! analytics running, then 1 500 clients each log in anew, run BEGIN + 5 INSERTs + COMMIT and
+//! retry the whole session on any error), `noisy-neighbour` (an analytics flood next to a
+//! steady critical billing caller), `steady` (read/write mix) and `idle` (hold N logged-in
+//! connections, for memory measurements). Output: per-caller throughput and
 //! latency, refusals and errors by reason, the most backend connections seen (with
 //! `--monitor`) on stdout; progress on stderr; optionally a CSV time series, an SVG chart and
 //! a `key value` summary for scripts. See `storm/mod.rs` for the module map.
@@ -29,6 +31,10 @@ use storm::{chart, monitor, report};
 enum Scenario {
     /// N clients connect within --ramp-ms and each flushes --writes INSERTs.
     ReconnectStorm,
+    /// Payment (paced transactions) and analytics run; then --clients clients arrive within
+    /// --ramp-ms, each logging in anew for BEGIN + --writes INSERTs + COMMIT, and retry the
+    /// whole session (new connection, new login) on any error.
+    Incident,
     /// Analytics floods with --analytics-conns connections while billing runs at a steady rate.
     NoisyNeighbour,
     /// Read/write mix on --clients connections.
@@ -55,12 +61,20 @@ struct Cli {
     monitor: Option<String>,
     #[arg(long, default_value_t = 100)]
     monitor_ms: u64,
-    /// Clients [default: reconnect-storm 5000, steady 16, idle 10000].
+    /// Clients [default: reconnect-storm 5000, incident 1500, steady 16, idle 10000].
     #[arg(long)]
     clients: Option<u64>,
-    /// Reconnect storm: writes each client flushes.
+    /// Reconnect storm: writes each client flushes; incident: INSERTs in each session.
     #[arg(long, default_value_t = 5)]
     writes: u64,
+    /// Incident: application_name of the storm clients.
+    #[arg(long, default_value = "mobile_sync")]
+    storm_application_name: String,
+    /// Incident: storm clients connect from this many loopback addresses (127.0.0.2 …), as
+    /// clients on that many machines; 0 = the OS's choice (all from 127.0.0.1). Loopback
+    /// targets only.
+    #[arg(long, default_value_t = 0, value_parser = clap::value_parser!(u8).range(0..=250))]
+    storm_source_addresses: u8,
     /// Reconnect storm: seconds a client keeps its connection after flushing its writes,
     /// as an application's connection pool would.
     #[arg(long, default_value_t = 5.0)]
@@ -71,28 +85,32 @@ struct Cli {
     /// What a client does after a failure.
     #[arg(long, value_enum, default_value = "backoff")]
     retry: RetryMode,
-    /// Backoff: sleep = random(0, min(cap, base·2^attempt)) unless the proxy hints.
-    #[arg(long, default_value_t = 10)]
-    backoff_base_ms: u64,
-    #[arg(long, default_value_t = 2_000)]
-    backoff_cap_ms: u64,
-    /// Storm and noisy neighbour: seconds of billing alone before the load starts (after one
-    /// second of warm-up that is reported apart, so connecting and cold caches do not count
-    /// as "calm").
-    #[arg(long, default_value_t = 3.0)]
-    calm_secs: f64,
-    /// Steady and noisy neighbour: how long the load runs; reconnect storm: the deadline
-    /// after which unflushed writes are abandoned.
-    #[arg(long, default_value_t = 20.0)]
-    duration_secs: f64,
-    /// Critical caller (`/*service:billing*/`): connections and total statements per second.
-    #[arg(long, default_value_t = 4)]
-    billing_conns: u64,
-    #[arg(long, default_value_t = 100.0)]
-    billing_rate: f64,
-    /// Noisy neighbour: closed-loop analytics connections.
-    #[arg(long, default_value_t = 32)]
-    analytics_conns: u64,
+    /// Backoff: sleep = random(0, min(cap, base·2^attempt)) unless the proxy hints
+    /// [default: base 10 ms, cap 2 000 ms; incident: 100 ms, 5 000 ms].
+    #[arg(long)]
+    backoff_base_ms: Option<u64>,
+    #[arg(long)]
+    backoff_cap_ms: Option<u64>,
+    /// Storms and noisy neighbour: seconds of billing alone (incident: payment and
+    /// analytics) before the load starts, after one second of warm-up that is reported
+    /// apart, so connecting and cold caches do not count as "calm" [default: 3; incident: 4,
+    /// so the storm starts at t = 5 s].
+    #[arg(long)]
+    calm_secs: Option<f64>,
+    /// Steady and noisy neighbour: how long the load runs; storms: the deadline after which
+    /// unfinished work is abandoned [default: 20; incident: 60].
+    #[arg(long)]
+    duration_secs: Option<f64>,
+    /// Critical caller (`/*service:billing*/`): connections and total statements per second
+    /// (incident: transactions per second) [default: 4 at 100/s; incident: 20 at 400/s].
+    #[arg(long)]
+    billing_conns: Option<u64>,
+    #[arg(long)]
+    billing_rate: Option<f64>,
+    /// Noisy neighbour and incident: closed-loop analytics connections [default: 32;
+    /// incident: 16].
+    #[arg(long)]
+    analytics_conns: Option<u64>,
     /// Steady: percentage of reads.
     #[arg(long, default_value_t = 90, value_parser = clap::value_parser!(u8).range(0..=100))]
     read_pct: u8,
@@ -137,30 +155,77 @@ struct Cli {
         default_value = "/*service:billing*/ UPDATE pgsluice_storm_kv SET v = v + 1 WHERE id = {id}"
     )]
     billing_sql: String,
-    #[arg(
-        long,
-        default_value = "/*service:analytics*/ SELECT count(*), sum(v) FROM pgsluice_storm_kv WHERE pad LIKE '%ab%'"
-    )]
-    analytics_sql: String,
+    /// [default: a full-scan aggregate; incident: `/*service:analytics*/ SELECT pg_sleep(0.5)`]
+    #[arg(long)]
+    analytics_sql: Option<String>,
     #[arg(
         long,
         default_value = "/*service:web*/ SELECT v, pad FROM pgsluice_storm_kv WHERE id = {id}"
     )]
     read_sql: String,
-    #[arg(
-        long,
-        default_value = "/*service:web*/ INSERT INTO pgsluice_storm_writes (client, seq) VALUES ({client}, {seq})"
-    )]
-    write_sql: String,
+    /// [default: `/*service:web*/ INSERT …`; incident: the same INSERT untagged, the storm
+    /// clients being known by their application_name]
+    #[arg(long)]
+    write_sql: Option<String>,
 }
 
 impl Cli {
     fn clients(&self) -> u64 {
         self.clients.unwrap_or(match self.scenario {
             Scenario::ReconnectStorm => 5_000,
+            Scenario::Incident => 1_500,
             Scenario::Steady => 16,
             Scenario::Idle => 10_000,
             Scenario::NoisyNeighbour => 0,
+        })
+    }
+
+    fn incident(&self) -> bool {
+        self.scenario == Scenario::Incident
+    }
+
+    /// A setting whose default depends on the scenario: `(others, incident)`.
+    fn or<T: Copy>(&self, v: Option<T>, (others, incident): (T, T)) -> T {
+        v.unwrap_or(if self.incident() { incident } else { others })
+    }
+
+    fn calm_secs(&self) -> f64 {
+        self.or(self.calm_secs, (3.0, 4.0))
+    }
+
+    fn duration_secs(&self) -> f64 {
+        self.or(self.duration_secs, (20.0, 60.0))
+    }
+
+    fn billing(&self) -> (u64, f64) {
+        (
+            self.or(self.billing_conns, (4, 20)),
+            self.or(self.billing_rate, (100.0, 400.0)),
+        )
+    }
+
+    fn analytics_conns(&self) -> u64 {
+        self.or(self.analytics_conns, (32, 16))
+    }
+
+    fn analytics_sql(&self) -> String {
+        self.analytics_sql.clone().unwrap_or_else(|| {
+            if self.incident() {
+                "/*service:analytics*/ SELECT pg_sleep(0.5)".into()
+            } else {
+                "/*service:analytics*/ SELECT count(*), sum(v) FROM pgsluice_storm_kv WHERE pad LIKE '%ab%'".into()
+            }
+        })
+    }
+
+    fn write_sql(&self) -> String {
+        let insert = "INSERT INTO pgsluice_storm_writes (client, seq) VALUES ({client}, {seq})";
+        self.write_sql.clone().unwrap_or_else(|| {
+            if self.incident() {
+                insert.into()
+            } else {
+                format!("/*service:web*/ {insert}")
+            }
         })
     }
 
@@ -179,9 +244,10 @@ fn open_files_limit() -> Option<u64> {
 
 /// Connections this process will hold at once.
 fn needed_fds(cli: &Cli) -> u64 {
-    let base = cli.billing_conns + 16;
+    let base = cli.billing().0 + 16;
     match cli.scenario {
-        Scenario::NoisyNeighbour => base + cli.analytics_conns,
+        Scenario::NoisyNeighbour => base + cli.analytics_conns(),
+        Scenario::Incident => base + cli.analytics_conns() + cli.clients(),
         _ => base + cli.clients(),
     }
 }
@@ -242,8 +308,8 @@ async fn run(cli: Cli, probe: tokio::runtime::Handle) -> Result<(), String> {
         target.user, target.host, target.port, target.database
     );
     let ctx_user = target.user.clone();
-    let calm = Cli::secs(cli.calm_secs, "calm-secs")?;
-    let duration = Cli::secs(cli.duration_secs, "duration-secs")?;
+    let calm = Cli::secs(cli.calm_secs(), "calm-secs")?;
+    let duration = Cli::secs(cli.duration_secs(), "duration-secs")?;
     let scenario_name = cli
         .scenario
         .to_possible_value()
@@ -284,20 +350,20 @@ async fn run(cli: Cli, probe: tokio::runtime::Handle) -> Result<(), String> {
         rec: rec.clone(),
         retry: Retry {
             mode: cli.retry,
-            base: Duration::from_millis(cli.backoff_base_ms),
-            cap: Duration::from_millis(cli.backoff_cap_ms),
+            base: Duration::from_millis(cli.or(cli.backoff_base_ms, (10, 100))),
+            cap: Duration::from_millis(cli.or(cli.backoff_cap_ms, (2_000, 5_000))),
         },
         rows: cli.rows,
         sql: Sql {
             billing: cli.billing_sql.clone(),
-            analytics: cli.analytics_sql.clone(),
+            analytics: cli.analytics_sql(),
             read: cli.read_sql.clone(),
-            write: cli.write_sql.clone(),
+            write: cli.write_sql(),
         },
         abort,
         probe,
     });
-    let billing = (cli.billing_conns, cli.billing_rate);
+    let billing = cli.billing();
     let clients = cli.clients();
 
     let extra = match cli.scenario {
@@ -328,6 +394,35 @@ async fn run(cli: Cli, probe: tokio::runtime::Handle) -> Result<(), String> {
             drop(progress);
             extra
         }
+        Scenario::Incident => {
+            let phase = Phase::new(&["warmup", "calm", "storm", "after"]);
+            let st = Arc::new(storm::incident::IncidentState::default());
+            let shown = st.clone();
+            let line = Arc::new(move || {
+                format!(
+                    "sessions done {}/{clients}  attempts {}  logged in {}",
+                    shown.done.load(Ordering::Relaxed),
+                    shown.attempts.load(Ordering::Relaxed),
+                    shown.connected.load(Ordering::Relaxed)
+                )
+            });
+            let progress =
+                scenarios::progress(rec.clone(), Some(phase.clone()), line, done.clone());
+            let shape = storm::incident::IncidentShape {
+                clients,
+                inserts: cli.writes,
+                ramp: Duration::from_millis(cli.ramp_ms),
+                calm,
+                deadline: duration,
+                payment: billing,
+                analytics: cli.analytics_conns(),
+                storm_app: cli.storm_application_name.clone().leak(),
+                source_addresses: cli.storm_source_addresses,
+            };
+            let extra = storm::incident::run(ctx, shape, phase, st).await;
+            drop(progress);
+            extra
+        }
         Scenario::NoisyNeighbour => {
             let phase = Phase::new(&["warmup", "calm", "flood"]);
             let _progress = scenarios::progress(
@@ -336,7 +431,7 @@ async fn run(cli: Cli, probe: tokio::runtime::Handle) -> Result<(), String> {
                 Arc::new(String::new),
                 done.clone(),
             );
-            scenarios::noisy(ctx, billing, cli.analytics_conns, calm, duration, phase).await
+            scenarios::noisy(ctx, billing, cli.analytics_conns(), calm, duration, phase).await
         }
         Scenario::Steady => {
             let _progress =
@@ -359,6 +454,8 @@ async fn run(cli: Cli, probe: tokio::runtime::Handle) -> Result<(), String> {
     if let Some(m) = monitor {
         let _ = m.await;
     }
+    let mut extra = extra;
+    extra.push(("logins_by_method".into(), storm::login::methods_seen()));
 
     let snap = rec.snapshot();
     let title = format!(

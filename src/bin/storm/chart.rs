@@ -1,6 +1,7 @@
-//! The SVG chart, written by hand (no plotting dependency): three panels sharing the time
-//! axis — arrival, admitted and refused+error rates per second; p50, p99 and critical-caller
-//! p99 latency on a log scale; backend connections seen by the monitor. Missing points
+//! The SVG chart, written by hand (no plotting dependency): panels sharing the time axis —
+//! arrival, admitted and refused+error rates per second; p50, p99 and critical-caller p99
+//! latency and login p99 on a log scale; when the run has storm sessions (incident), the
+//! sessions completed so far and per second; backend connections seen by the monitor. Missing points
 //! (a slot with no completed statement, no monitor reading) break the line instead of
 //! drawing a misleading zero.
 
@@ -178,7 +179,17 @@ pub fn svg(title: &str, snap: &Snapshot) -> String {
     let col = |f: &dyn Fn(&super::record::Slot) -> Option<f64>| -> Vec<Option<f64>> {
         snap.slots.iter().map(f).collect()
     };
-    let panels = [
+    let mut total = 0.0;
+    let sessions_total: Vec<Option<f64>> = snap
+        .slots
+        .iter()
+        .map(|s| {
+            total += s.sessions as f64;
+            Some(total)
+        })
+        .collect();
+    let with_sessions = total > 0.0;
+    let mut panels = vec![
         Panel {
             title: "statements and connection attempts per second",
             log: false,
@@ -219,6 +230,11 @@ pub fn svg(title: &str, snap: &Snapshot) -> String {
                     color: "#9467bd",
                     points: col(&|s| ms(s.critical.quantile(0.99))),
                 },
+                Series {
+                    name: "login p99",
+                    color: "#17becf",
+                    points: col(&|s| ms(s.login.quantile(0.99))),
+                },
             ],
         },
         Panel {
@@ -231,6 +247,27 @@ pub fn svg(title: &str, snap: &Snapshot) -> String {
             }],
         },
     ];
+    if with_sessions {
+        panels.insert(
+            2,
+            Panel {
+                title: "storm sessions completed: so far, and per second",
+                log: false,
+                series: vec![
+                    Series {
+                        name: "completed",
+                        color: "#2ca02c",
+                        points: sessions_total,
+                    },
+                    Series {
+                        name: "per second",
+                        color: "#1f77b4",
+                        points: col(&|s| Some(s.sessions as f64 * per_s)),
+                    },
+                ],
+            },
+        );
+    }
     let h = TOP + panels.len() as f64 * (PANEL_H + GAP) + 10.0;
     let mut o = String::new();
     let _ = writeln!(

@@ -1,6 +1,7 @@
-//! Talking to the target with the crate's own client (`pool::backend::BackendConn`): log in,
-//! run one simple query, read a scalar, say goodbye — and turn every failure into a
-//! [`Failure`] that the recorder can count and the retry policy can act on.
+//! Talking to the target: log in (`login.rs`, which hands back the crate's own
+//! `pool::backend::BackendConn`), run one simple query, read a scalar, say goodbye — and turn
+//! every failure into a [`Failure`] that the recorder can count and the retry policy can act
+//! on.
 //!
 //! A failure is a *refusal* when the message carries a pgsluice `ERR_…` code (the proxy said
 //! "not now", usually with a `retry_after_ms=N` HINT); anything else — Postgres' own "too many
@@ -12,6 +13,8 @@ use std::time::Duration;
 use bytes::BytesMut;
 use pgsluice::config::BackendUrl;
 use pgsluice::pool::backend::{BackendConn, ConnectError, ConnectParams, read_message};
+
+use super::login;
 use pgsluice::protocol::error::field_of;
 use pgsluice::protocol::messages;
 use tokio::io::AsyncWriteExt;
@@ -36,6 +39,38 @@ impl Failure {
     pub fn fatal(&self) -> bool {
         match self {
             Failure::Refused { fatal, .. } | Failure::Error { fatal, .. } => *fatal,
+        }
+    }
+
+    /// The same failure with the step it happened at in front of its reason (`login: …`,
+    /// `INSERT: …`), so the tables tell refusals at the door from those after a login.
+    pub fn at(self, step: &str) -> Failure {
+        match self {
+            Failure::Refused {
+                reason,
+                retry_after_ms,
+                fatal,
+            } => Failure::Refused {
+                reason: format!("{step}: {reason}"),
+                retry_after_ms,
+                fatal,
+            },
+            Failure::Error {
+                reason,
+                retry_after_ms,
+                fatal,
+            } => Failure::Error {
+                reason: format!("{step}: {reason}"),
+                retry_after_ms,
+                fatal,
+            },
+        }
+    }
+
+    /// Marks the connection as unusable (e.g. its rollback failed too).
+    pub fn set_fatal(&mut self) {
+        match self {
+            Failure::Refused { fatal, .. } | Failure::Error { fatal, .. } => *fatal = true,
         }
     }
 
@@ -77,7 +112,7 @@ fn fold(message: &str) -> String {
             in_digits = false;
             out.push(ch);
         }
-        if out.len() >= 64 {
+        if out.len() >= 80 {
             out.push('…');
             break;
         }
@@ -157,7 +192,26 @@ pub fn classify(e: &ConnectError) -> Failure {
 }
 
 pub async fn connect(p: &ConnectParams) -> Result<BackendConn, Failure> {
-    BackendConn::connect(p, 1).await.map_err(|e| classify(&e))
+    connect_as(p, None).await
+}
+
+/// Logs in with `application_name` in the startup packet.
+pub async fn connect_as(
+    p: &ConnectParams,
+    application_name: Option<&str>,
+) -> Result<BackendConn, Failure> {
+    connect_from(p, application_name, None).await
+}
+
+/// Logs in with `application_name`, from the local address `local` when given.
+pub async fn connect_from(
+    p: &ConnectParams,
+    application_name: Option<&str>,
+    local: Option<std::net::IpAddr>,
+) -> Result<BackendConn, Failure> {
+    login::connect(p, application_name, local)
+        .await
+        .map_err(|e| classify(&e))
 }
 
 /// One simple query; `Ok` at ReadyForQuery without an error.

@@ -1,10 +1,13 @@
 //! The load and storm tool behind `pgsluice-storm`, in the order a run uses it:
 //!
 //! ```text
-//! client     log in / run a statement with pgsluice's own client; failures → refused | error;
-//!            the retry policy (naive, full-jitter backoff honouring retry_after_ms)
+//! login      log in as a driver does (application_name, SCRAM/md5/cleartext/trust)
+//! client     connect / run a statement; failures → refused | error; the retry policy
+//!            (naive, full-jitter backoff honouring retry_after_ms)
 //! scenarios  run context, the worker loop, steady / noisy-neighbour / idle, progress line
 //! reconnect  the reconnect storm (calm → N clients in 500 ms flushing writes → after)
+//! incident   issue 17's incident (payment + analytics, then N clients each logging in
+//!            anew for one transaction, retrying the whole session)
 //! monitor    backend connections from pg_stat_activity on a direct connection
 //! record     counters, histograms (hist) and the 100 ms time series
 //! report     tables on stdout, summary file, CSV; chart: the SVG
@@ -13,6 +16,8 @@
 pub mod chart;
 pub mod client;
 pub mod hist;
+pub mod incident;
+pub mod login;
 pub mod monitor;
 pub mod reconnect;
 pub mod record;

@@ -140,6 +140,7 @@ async fn storm_client(
         let failure = match conn.as_mut() {
             None => {
                 ctx.rec.arrival();
+                let began = Instant::now();
                 let r = tokio::select! {
                     r = tokio::time::timeout(left, client::connect(&ctx.target)) => r,
                     _ = stop.cancelled() => break,
@@ -147,13 +148,13 @@ async fn storm_client(
                 let Ok(r) = r else { break };
                 match r {
                     Ok(c) => {
-                        ctx.rec.connect(LABEL, Ok(()));
+                        ctx.rec.connect(LABEL, began, Ok(()));
                         st.connected_now.fetch_add(1, Ordering::Relaxed);
                         conn = Some(c);
                         continue;
                     }
                     Err(f) => {
-                        ctx.rec.connect(LABEL, Err(&f));
+                        ctx.rec.connect(LABEL, began, Err(&f));
                         f
                     }
                 }

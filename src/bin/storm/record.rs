@@ -9,7 +9,10 @@
 //!   with an `ERR_…` code, *errors* everything else that failed (connects included: a
 //!   "too many clients" from Postgres is an error here), each counted where it completes;
 //! * latency is measured for successful statements only, from the moment the statement was
-//!   due (paced callers) or started (closed-loop callers) to its ReadyForQuery.
+//!   due (paced callers) or started (closed-loop callers) to its ReadyForQuery;
+//! * login time is measured for successful logins, from the TCP connect to ReadyForQuery;
+//! * a *session* (incident scenario) is one storm client's whole unit of work (log in, the
+//!   transaction, disconnect), counted once, where its last attempt succeeds.
 //!
 //! One mutex guards it all: at the few tens of thousands of events per second this tool
 //! generates on two cores, that is far below the cost of the queries it measures.
@@ -34,6 +37,10 @@ pub struct Slot {
     pub latency: Histogram,
     /// Latency of the critical caller only.
     pub critical: Histogram,
+    /// Login time of every successful login completing in this slot.
+    pub login: Histogram,
+    /// Storm sessions completed in this slot.
+    pub sessions: u64,
     /// Last monitor reading in this slot.
     pub backends: Option<u64>,
 }
@@ -47,6 +54,8 @@ pub struct CallerStats {
     pub connects: u64,
     pub connect_failures: u64,
     pub latency: Histogram,
+    /// Time of the successful logins.
+    pub login: Histogram,
     /// First and last successful completion, for throughput over the active period.
     pub first_ok: Option<Instant>,
     pub last_ok: Option<Instant>,
@@ -173,18 +182,30 @@ impl Recorder {
         }
     }
 
-    /// A connection attempt has finished now.
-    pub fn connect(&self, caller: &str, r: Result<(), &Failure>) {
+    /// A connection attempt begun at `began` has finished now.
+    pub fn connect(&self, caller: &str, began: Instant, r: Result<(), &Failure>) {
         let now = Instant::now();
         let i = self.index(now);
         let mut g = self.inner.lock();
         match r {
-            Ok(()) => g.caller(caller, now).connects += 1,
+            Ok(()) => {
+                let us = now.saturating_duration_since(began).as_micros() as u64;
+                g.slot(i).login.record(us);
+                let c = g.caller(caller, now);
+                c.connects += 1;
+                c.login.record(us);
+            }
             Err(f) => {
                 g.failure(i, caller, f, now);
                 g.caller(caller, now).connect_failures += 1;
             }
         }
+    }
+
+    /// A storm session has completed now.
+    pub fn session_done(&self) {
+        let i = self.index(Instant::now());
+        self.inner.lock().slot(i).sessions += 1;
     }
 
     /// A monitor reading: client backends on the database right now.
@@ -208,6 +229,8 @@ impl Recorder {
             sum.errors += s.errors;
             sum.latency.merge(&s.latency);
             sum.critical.merge(&s.critical);
+            sum.login.merge(&s.login);
+            sum.sessions += s.sessions;
             if s.backends.is_some() {
                 sum.backends = s.backends;
             }

@@ -73,6 +73,38 @@ pub fn tables(title: &str, snap: &Snapshot, extra: &Extra) -> String {
             c.connect_failures
         );
     }
+    if snap
+        .callers
+        .values()
+        .any(|c| c.connects + c.connect_failures > 0)
+    {
+        let _ = writeln!(
+            o,
+            "\nlogins (TCP connect to ReadyForQuery, successful ones)"
+        );
+        let _ = writeln!(
+            o,
+            "{:<22} {:>9} {:>9} {:>9} {:>9} {:>9}",
+            "caller", "logins", "failed", "p50 ms", "p99 ms", "max ms"
+        );
+        for (name, c) in snap
+            .callers
+            .iter()
+            .filter(|(_, c)| c.connects + c.connect_failures > 0)
+        {
+            let h = &c.login;
+            let _ = writeln!(
+                o,
+                "{:<22} {:>9} {:>9} {:>9} {:>9} {:>9}",
+                name,
+                c.connects,
+                c.connect_failures,
+                ms(h.quantile(0.50)),
+                ms(h.quantile(0.99)),
+                ms((h.count() > 0).then(|| h.max())),
+            );
+        }
+    }
     if snap.reasons.is_empty() {
         let _ = writeln!(o, "\nno refusals, no errors");
     } else {
@@ -123,6 +155,11 @@ pub fn summary(scenario: &str, snap: &Snapshot, extra: &Extra) -> String {
         let _ = writeln!(o, "caller.{k}.refused {}", c.refused);
         let _ = writeln!(o, "caller.{k}.errors {}", c.errors);
         let _ = writeln!(o, "caller.{k}.connect_failures {}", c.connect_failures);
+        if c.connects > 0 {
+            for (q, label) in [(0.5, "p50"), (0.99, "p99")] {
+                let _ = writeln!(o, "caller.{k}.login_{label}_ms {}", ms(c.login.quantile(q)));
+            }
+        }
     }
     let _ = writeln!(o, "total.refused {refused}");
     let _ = writeln!(o, "total.errors {errors}");
@@ -139,13 +176,15 @@ pub fn summary(scenario: &str, snap: &Snapshot, extra: &Extra) -> String {
 pub fn csv(snap: &Snapshot) -> String {
     let per_s = 1.0 / snap.slot.as_secs_f64();
     let mut o = String::from(
-        "t_s,arrivals_per_s,admitted_per_s,refused_per_s,errors_per_s,p50_ms,p99_ms,critical_p99_ms,backends\n",
+        "t_s,arrivals_per_s,admitted_per_s,refused_per_s,errors_per_s,p50_ms,p99_ms,critical_p99_ms,backends,login_p99_ms,sessions_per_s,sessions_total\n",
     );
     let blank = |v: Option<u64>| v.map_or(String::new(), |us| format!("{:.3}", us as f64 / 1e3));
+    let mut sessions = 0;
     for (i, s) in snap.slots.iter().enumerate() {
+        sessions += s.sessions;
         let _ = writeln!(
             o,
-            "{:.3},{:.1},{:.1},{:.1},{:.1},{},{},{},{}",
+            "{:.3},{:.1},{:.1},{:.1},{:.1},{},{},{},{},{},{:.1},{}",
             i as f64 * snap.slot.as_secs_f64(),
             s.arrivals as f64 * per_s,
             s.admitted as f64 * per_s,
@@ -155,6 +194,9 @@ pub fn csv(snap: &Snapshot) -> String {
             blank(s.latency.quantile(0.99)),
             blank(s.critical.quantile(0.99)),
             s.backends.map_or(String::new(), |b| b.to_string()),
+            blank(s.login.quantile(0.99)),
+            s.sessions as f64 * per_s,
+            sessions,
         );
     }
     o

@@ -17,7 +17,7 @@ use tokio::sync::Semaphore;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
-use super::client::{self, Retry};
+use super::client::{self, Failure, Retry};
 use super::record::Recorder;
 
 /// SQL templates; `{id}` becomes a random row id, `{client}` and `{seq}` the client number
@@ -83,16 +83,21 @@ impl Phase {
     }
 }
 
-/// What a worker runs: `(caller label, SQL)` for client `c`, statement `seq`.
-pub type Op = Arc<dyn Fn(&Ctx, u64, u64) -> (&'static str, String) + Send + Sync>;
+/// What a worker runs: `(caller label, statements)` for client `c`, round `seq`. One
+/// statement is the usual case; several are a transaction sent one statement at a time
+/// (`BEGIN` … `COMMIT`, as a driver does), measured as one round from when it was due to the
+/// last ReadyForQuery, and rolled back when a statement fails part-way.
+pub type Op = Arc<dyn Fn(&Ctx, u64, u64) -> (&'static str, Vec<String>) + Send + Sync>;
 
 /// Who runs a worker: the label its connects are counted under, whether its statements are
-/// the critical caller's, and the phase its labels follow.
+/// the critical caller's, the phase its labels follow and the `application_name` it logs in
+/// with.
 #[derive(Clone)]
 pub struct Who {
     pub name: &'static str,
     pub critical: bool,
     pub phase: Option<Arc<Phase>>,
+    pub application_name: Option<&'static str>,
 }
 
 impl Who {
@@ -147,13 +152,14 @@ pub async fn worker(
             None => {
                 let name = who.label(who.name);
                 ctx.rec.arrival();
+                let began = Instant::now();
                 let r = tokio::select! {
-                    r = client::connect(&ctx.target) => r,
+                    r = client::connect_as(&ctx.target, who.application_name) => r,
                     _ = stop.cancelled() => break,
                 };
                 match r {
                     Ok(c) => {
-                        ctx.rec.connect(&name, Ok(()));
+                        ctx.rec.connect(&name, began, Ok(()));
                         conn = Some(c);
                         // The statement it connected for runs at once; connecting is
                         // measured apart, so the schedule restarts from here.
@@ -161,17 +167,17 @@ pub async fn worker(
                         None
                     }
                     Err(f) => {
-                        ctx.rec.connect(&name, Err(&f));
+                        ctx.rec.connect(&name, began, Err(&f));
                         Some(f)
                     }
                 }
             }
             Some(c) => {
-                let (base, sql) = op(&ctx, client, seq);
+                let (base, statements) = op(&ctx, client, seq);
                 let name = who.label(base);
                 ctx.rec.arrival();
                 let r = tokio::select! {
-                    r = client::run(c, &sql) => r,
+                    r = run_round(c, &statements) => r,
                     _ = stop.cancelled() => break,
                 };
                 ctx.rec
@@ -199,6 +205,32 @@ pub async fn worker(
     if let Some(c) = conn {
         client::terminate(c).await;
     }
+}
+
+/// Runs one round's statements in order; a failure part-way through a transaction is
+/// followed by a `ROLLBACK` (with the round's comment tag, so a proxy files it under the same
+/// caller), and a connection whose rollback fails is given up.
+async fn run_round(conn: &mut BackendConn, statements: &[String]) -> Result<(), Failure> {
+    for sql in statements {
+        let Err(mut f) = client::run(conn, sql).await else {
+            continue;
+        };
+        if statements.len() > 1 && !f.fatal() {
+            let tag = leading_comment(&statements[0]);
+            if client::run(conn, &format!("{tag} ROLLBACK")).await.is_err() {
+                f.set_fatal();
+            }
+        }
+        return Err(f);
+    }
+    Ok(())
+}
+
+/// The `/* … */` comment a statement starts with, or "".
+fn leading_comment(sql: &str) -> &str {
+    sql.strip_prefix("/*")
+        .and_then(|rest| rest.find("*/"))
+        .map_or("", |end| &sql[..end + 4])
 }
 
 /// Creates and fills the scenario tables (idempotent), through the target as its user.
@@ -269,9 +301,9 @@ pub async fn steady(
         .map(|r| Duration::from_secs_f64(clients as f64 / r));
     let op: Op = Arc::new(move |ctx: &Ctx, c, seq| {
         if rand::random_range(0..100u8) < read_pct {
-            ("read", ctx.expand(&ctx.sql.read, c, seq))
+            ("read", vec![ctx.expand(&ctx.sql.read, c, seq)])
         } else {
-            ("write", ctx.expand(&ctx.sql.write, c, seq))
+            ("write", vec![ctx.expand(&ctx.sql.write, c, seq)])
         }
     });
     let tasks: Vec<_> = (0..clients)
@@ -283,6 +315,7 @@ pub async fn steady(
                     name: "web",
                     critical: false,
                     phase: None,
+                    application_name: None,
                 },
                 pace,
                 op.clone(),
@@ -320,7 +353,7 @@ pub async fn noisy(
     }
     phase.set(2);
     let op: Op =
-        Arc::new(|ctx: &Ctx, c, seq| ("analytics", ctx.expand(&ctx.sql.analytics, c, seq)));
+        Arc::new(|ctx: &Ctx, c, seq| ("analytics", vec![ctx.expand(&ctx.sql.analytics, c, seq)]));
     let flood: Vec<_> = (0..flood_conns)
         .map(|c| {
             tokio::spawn(worker(
@@ -330,6 +363,7 @@ pub async fn noisy(
                     name: "analytics",
                     critical: false,
                     phase: None,
+                    application_name: None,
                 },
                 None,
                 op.clone(),
@@ -372,7 +406,8 @@ pub fn spawn_billing(
         return Vec::new();
     }
     let pace = Duration::from_secs_f64(conns as f64 / rate);
-    let op: Op = Arc::new(|ctx: &Ctx, c, seq| ("billing", ctx.expand(&ctx.sql.billing, c, seq)));
+    let op: Op =
+        Arc::new(|ctx: &Ctx, c, seq| ("billing", vec![ctx.expand(&ctx.sql.billing, c, seq)]));
     (0..conns)
         .map(|c| {
             ctx.probe.spawn(worker(
@@ -382,6 +417,7 @@ pub fn spawn_billing(
                     name: "billing",
                     critical: true,
                     phase: Some(phase.clone()),
+                    application_name: None,
                 },
                 Some(pace),
                 op.clone(),
@@ -421,8 +457,9 @@ pub async fn idle(
                     return;
                 };
                 ctx.rec.arrival();
+                let began = Instant::now();
                 let r = client::connect(&ctx.target).await;
-                ctx.rec.connect("idle", r.as_ref().map(|_| ()));
+                ctx.rec.connect("idle", began, r.as_ref().map(|_| ()));
                 r.ok()
             };
             let _ = tx.send(());
@@ -466,4 +503,19 @@ pub async fn idle(
         ("idle_connections_held".into(), n.to_string()),
         ("idle_connect_secs".into(), format!("{connect_secs:.2}")),
     ]
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn rollback_keeps_the_rounds_tag() {
+        assert_eq!(
+            leading_comment("/*service:billing*/ BEGIN"),
+            "/*service:billing*/"
+        );
+        assert_eq!(leading_comment("BEGIN /*x*/"), "");
+        assert_eq!(leading_comment("/* unterminated BEGIN"), "");
+    }
 }
