@@ -391,7 +391,7 @@ impl Relay {
         poll_read_buf(Pin::new(&mut b.conn().stream), cx, &mut self.rbuf)
     }
 
-    /// Fires at the earliest of `unanswered`, `backstop` and `idle_grace` (each handler clears
+    /// Fires at the earliest of `unanswered`, `backstop`, `idle_grace` and `idle_txn` (each handler clears
     /// or moves the deadline it served).
     fn poll_timer(&mut self, cx: &mut Context<'_>) -> Poll<Event> {
         let next = [
