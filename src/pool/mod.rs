@@ -27,6 +27,9 @@ use crate::protocol::PgError;
 pub use backend::{BackendConn, ConnectError, ConnectParams, Dirt};
 use slots::{SlotPermit, Slots};
 
+/// How long after its backoff window a failed connect still says "unreachable".
+pub const UNREACHABLE_FOR: Duration = Duration::from_secs(10);
+
 /// Why a checkout failed; each maps to the error the client sees.
 #[derive(Debug)]
 pub enum CheckoutError {
@@ -141,11 +144,16 @@ impl Pool {
         tracing::info!(pool = %self.name, "backend password changed; new connections use it");
     }
 
-    /// The error of the last connection attempt while it failed and none has succeeded
-    /// since (the database cannot be reached), else `None`.
+    /// The error of the last connection attempt while it failed, none has succeeded since
+    /// and it is recent (its backoff window plus [`UNREACHABLE_FOR`]), else `None`. Recent
+    /// only: a readiness check that stayed failed after the last attempt would keep away
+    /// the very clients whose next attempt could find the database back.
     pub fn unreachable(&self) -> Option<String> {
         let b = self.backoff.lock();
-        if b.failures == 0 {
+        let recent = b
+            .until
+            .is_some_and(|until| Instant::now() < until + UNREACHABLE_FOR);
+        if b.failures == 0 || !recent {
             return None;
         }
         b.last_error.as_ref().map(|e| e.to_string())
