@@ -379,7 +379,8 @@ pub struct PoolConfig {
     pub checkout_timeout_ms: u64,
     /// Backends only critical callers may take (the last free ones), so lower priorities can
     /// never hold the whole pool while critical work waits. Unset: a tenth of `size` (at
-    /// least 1) when some caller is `critical`, else none. At most `size - 1`.
+    /// least 1) in pools of 4 or more when some caller is `critical`, else none. At most
+    /// `size - 1`.
     pub critical_reserve: Option<usize>,
     /// The adaptive concurrency limit: non-critical priorities may hold fewer backends while
     /// the database's measured load is above `adaptive_target_percent` (lowest priority cut
@@ -924,9 +925,14 @@ impl Config {
             .callers
             .iter()
             .any(|c| c.priority == Priority::Critical);
-        let reserve = p
-            .critical_reserve
-            .unwrap_or(if critical { p.size.div_ceil(10) } else { 0 });
+        // A tenth of the pool, at least one backend — but not in pools under four, where one
+        // backend would be a third or more of the pool kept idle.
+        let auto = if critical && p.size >= 4 {
+            (p.size / 10).max(1)
+        } else {
+            0
+        };
+        let reserve = p.critical_reserve.unwrap_or(auto);
         p.critical_reserve = Some(reserve.min(p.size.saturating_sub(1)));
         let prioritised = self.callers.iter().any(|c| c.priority != Priority::Normal);
         p.adaptive = Some(p.adaptive.unwrap_or(prioritised));
