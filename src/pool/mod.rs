@@ -25,7 +25,7 @@ use crate::config::{PoolConfig, PoolMode};
 use crate::protocol::PgError;
 
 pub use backend::{BackendConn, ConnectError, ConnectParams, Dirt};
-use slots::{SlotPermit, Slots};
+use slots::{SlotError, SlotPermit, Slots};
 
 /// How long after its backoff window a failed connect still says "unreachable".
 pub const UNREACHABLE_FOR: Duration = Duration::from_secs(10);
@@ -190,24 +190,24 @@ impl Pool {
         deadline: Instant,
     ) -> Result<Pooled, CheckoutError> {
         let started = Instant::now();
-        // Critical waiters are never turned away by the cap: it is there to keep the rest of
-        // a storm from piling up, and critical traffic has its own limits.
-        if priority > 0
-            && self.slots.available() == 0
-            && self.slots.waiting() >= self.cfg.max_waiting
-        {
-            self.stats.waiting_refused.fetch_add(1, Ordering::Relaxed);
-            return Err(CheckoutError::Full {
-                max_waiting: self.cfg.max_waiting,
-            });
-        }
-        let permit = self.slots.acquire(priority, deadline).await.map_err(|_| {
-            self.stats.checkout_timeouts.fetch_add(1, Ordering::Relaxed);
-            CheckoutError::Timeout {
-                waited: started.elapsed(),
-                limit: deadline.saturating_duration_since(started),
-            }
-        })?;
+        let max_waiting = self.cfg.max_waiting;
+        let permit = self
+            .slots
+            .acquire(priority, deadline, max_waiting)
+            .await
+            .map_err(|e| match e {
+                SlotError::Full => {
+                    self.stats.waiting_refused.fetch_add(1, Ordering::Relaxed);
+                    CheckoutError::Full { max_waiting }
+                }
+                SlotError::Timeout => {
+                    self.stats.checkout_timeouts.fetch_add(1, Ordering::Relaxed);
+                    CheckoutError::Timeout {
+                        waited: started.elapsed(),
+                        limit: deadline.saturating_duration_since(started),
+                    }
+                }
+            })?;
         self.stats.checkouts.fetch_add(1, Ordering::Relaxed);
         loop {
             let candidate = self.idle.lock().pop();
@@ -390,7 +390,7 @@ impl Pool {
                 return;
             }
             let deadline = Instant::now() + Duration::from_millis(100);
-            let Ok(permit) = self.slots.acquire(3, deadline).await else {
+            let Ok(permit) = self.slots.acquire(3, deadline, usize::MAX).await else {
                 return;
             };
             if self.open.load(Ordering::Relaxed) >= self.cfg.size {

@@ -34,6 +34,11 @@ struct Inner {
 }
 
 impl Inner {
+    /// Entries in the wait queues (including waiters that left and are not yet popped).
+    fn queued(&self) -> usize {
+        self.waiters.iter().map(VecDeque::len).sum()
+    }
+
     /// Whether priority `p` may take a free slot now: one is free beyond the reserve (for
     /// non-critical priorities) and `p` is below its cap.
     fn may_take(&self, p: usize) -> bool {
@@ -74,8 +79,14 @@ impl Drop for SlotPermit {
     }
 }
 
+/// Why no slot was given.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct SlotTimeout;
+pub enum SlotError {
+    /// The deadline passed first.
+    Timeout,
+    /// No slot free and `max_waiting` already waiting: refused at once (never priority 0).
+    Full,
+}
 
 impl Slots {
     /// `capacity` slots, `reserve` of which (at most `capacity - 1`) only critical waiters
@@ -92,12 +103,16 @@ impl Slots {
         })
     }
 
-    /// Takes a slot, waiting in `priority`'s queue (0 = most urgent) until `deadline`.
+    /// Takes a slot, waiting in `priority`'s queue (0 = most urgent) until `deadline` —
+    /// unless `max_waiting` clients already wait, when a non-critical one is refused at once
+    /// (critical waiters are never turned away: the cap keeps the rest of a storm from
+    /// piling up, critical traffic has its own limits).
     pub async fn acquire(
         self: &Arc<Self>,
         priority: usize,
         deadline: Instant,
-    ) -> Result<SlotPermit, SlotTimeout> {
+        max_waiting: usize,
+    ) -> Result<SlotPermit, SlotError> {
         let priority = priority.min(PRIORITIES - 1);
         let rx = {
             let mut g = self.inner.lock();
@@ -114,13 +129,23 @@ impl Slots {
                     armed: true,
                 });
             }
+            if priority > 0 && g.queued() >= max_waiting {
+                // Waiters that left are dropped from the queues lazily: count only live ones
+                // before refusing (rare: only at the cap).
+                for q in &mut g.waiters {
+                    q.retain(|tx| !tx.is_closed());
+                }
+                if g.queued() >= max_waiting {
+                    return Err(SlotError::Full);
+                }
+            }
             let (tx, rx) = oneshot::channel();
             g.waiters[priority].push_back(tx);
             rx
         };
         match tokio::time::timeout_at(deadline, rx).await {
             Ok(Ok(permit)) => Ok(permit),
-            _ => Err(SlotTimeout),
+            _ => Err(SlotError::Timeout),
         }
     }
 
@@ -214,7 +239,7 @@ mod tests {
     async fn serves_by_priority_then_fifo() {
         let s = Slots::new(1, 0);
         let far = Instant::now() + Duration::from_secs(10);
-        let first = s.acquire(2, far).await.unwrap();
+        let first = s.acquire(2, far, usize::MAX).await.unwrap();
         let order = Arc::new(Mutex::new(Vec::new()));
         let mut tasks = Vec::new();
         for (name, prio) in [
@@ -226,7 +251,7 @@ mod tests {
             let s = s.clone();
             let order = order.clone();
             tasks.push(tokio::spawn(async move {
-                let p = s.acquire(prio, far).await.unwrap();
+                let p = s.acquire(prio, far, usize::MAX).await.unwrap();
                 order.lock().push(name);
                 tokio::time::sleep(Duration::from_millis(1)).await;
                 drop(p);
@@ -248,21 +273,24 @@ mod tests {
         let s = Slots::new(3, 1);
         let now = Instant::now();
         let soon = now + Duration::from_millis(100);
-        let a = s.acquire(3, soon).await.expect("low 1");
-        let b = s.acquire(2, soon).await.expect("normal");
+        let a = s.acquire(3, soon, usize::MAX).await.expect("low 1");
+        let b = s.acquire(2, soon, usize::MAX).await.expect("normal");
         assert!(
-            s.acquire(3, soon).await.is_err(),
+            s.acquire(3, soon, usize::MAX).await.is_err(),
             "the last slot is reserved"
         );
         let c = s
-            .acquire(0, soon)
+            .acquire(0, soon, usize::MAX)
             .await
             .expect("critical takes the reserve");
         // All taken; a low waiter queues, and a released slot goes to it only if the
         // reserve would still be free: release the critical one → the reserve is back, the
         // low waiter keeps waiting.
         let s2 = s.clone();
-        let low = tokio::spawn(async move { s2.acquire(3, now + Duration::from_secs(5)).await });
+        let low = tokio::spawn(async move {
+            s2.acquire(3, now + Duration::from_secs(5), usize::MAX)
+                .await
+        });
         tokio::task::yield_now().await;
         drop(c);
         tokio::task::yield_now().await;
@@ -288,16 +316,22 @@ mod tests {
         let s = Slots::new(4, 0);
         let far = Instant::now() + Duration::from_secs(5);
         s.set_caps([4, 4, 4, 1]);
-        let low = s.acquire(3, far).await.expect("low's one");
+        let low = s.acquire(3, far, usize::MAX).await.expect("low's one");
         let s2 = s.clone();
-        let second = tokio::spawn(async move { s2.acquire(3, far).await });
+        let second = tokio::spawn(async move { s2.acquire(3, far, usize::MAX).await });
         tokio::task::yield_now().await;
         assert!(
             !second.is_finished(),
             "low is at its cap with three slots free"
         );
-        let normal = s.acquire(2, far).await.expect("normal is not capped");
-        let critical = s.acquire(0, far).await.expect("critical is not capped");
+        let normal = s
+            .acquire(2, far, usize::MAX)
+            .await
+            .expect("normal is not capped");
+        let critical = s
+            .acquire(0, far, usize::MAX)
+            .await
+            .expect("critical is not capped");
         s.set_caps([4, 4, 4, 2]);
         let got = second
             .await
@@ -308,17 +342,55 @@ mod tests {
         assert_eq!(s.available(), 4);
     }
 
+    /// At `max_waiting` waiters a non-critical newcomer is refused at once, a critical one
+    /// still queues; waiters that left do not count.
+    #[tokio::test(start_paused = true)]
+    async fn max_waiting_refuses_at_once_except_critical() {
+        let s = Slots::new(1, 0);
+        let far = Instant::now() + Duration::from_secs(10);
+        let held = s.acquire(2, far, 1).await.expect("the slot");
+        let s2 = s.clone();
+        let waiter = tokio::spawn(async move { s2.acquire(2, far, 1).await.map(|_| ()) });
+        tokio::task::yield_now().await;
+        assert_eq!(s.acquire(3, far, 1).await.err(), Some(SlotError::Full));
+        let s3 = s.clone();
+        let critical = tokio::spawn(async move { s3.acquire(0, far, 1).await.map(|_| ()) });
+        tokio::task::yield_now().await;
+        assert_eq!(s.waiting(), 2, "critical queued past the cap");
+        waiter.abort();
+        let _ = waiter.await;
+        // The aborted waiter's entry is still queued, but it is not counted.
+        let s4 = s.clone();
+        let next = tokio::spawn(async move { s4.acquire(2, far, 2).await.map(|_| ()) });
+        tokio::task::yield_now().await;
+        assert!(
+            !next.is_finished(),
+            "it queues: only the critical one waits"
+        );
+        drop(held);
+        assert_eq!(critical.await.expect("task"), Ok(()), "critical first");
+        assert_eq!(next.await.expect("task"), Ok(()));
+    }
+
     #[tokio::test(start_paused = true)]
     async fn deadline_and_dropped_waiters_never_leak() {
         let s = Slots::new(1, 0);
         let start = Instant::now();
-        let held = s.acquire(2, start + Duration::from_secs(1)).await.unwrap();
-        let r = s.acquire(2, start + Duration::from_millis(200)).await;
+        let held = s
+            .acquire(2, start + Duration::from_secs(1), usize::MAX)
+            .await
+            .unwrap();
+        let r = s
+            .acquire(2, start + Duration::from_millis(200), usize::MAX)
+            .await;
         assert!(r.is_err());
         assert_eq!(start.elapsed(), Duration::from_millis(200));
         // A waiter that is dropped mid-wait leaves the queue.
         let s2 = s.clone();
-        let w = tokio::spawn(async move { s2.acquire(2, start + Duration::from_secs(60)).await });
+        let w = tokio::spawn(async move {
+            s2.acquire(2, start + Duration::from_secs(60), usize::MAX)
+                .await
+        });
         tokio::task::yield_now().await;
         assert_eq!(s.waiting(), 1);
         w.abort();
