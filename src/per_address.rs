@@ -128,11 +128,6 @@ impl Gate {
         self.state.lock().held
     }
 
-    /// Connections waiting now.
-    pub fn waiting(&self) -> usize {
-        self.state.lock().waiting
-    }
-
     fn idle(&self) -> bool {
         let st = self.state.lock();
         st.held == 0 && st.waiting == 0

@@ -499,12 +499,9 @@ impl Policy {
         self.caller(id).1.policy.queue_timeout
     }
 
-    /// How long a client of caller `id` may stay idle inside a transaction, and its name.
-    pub fn idle_transaction_timeout(&self, id: u16) -> Option<(Duration, String)> {
-        let (_, c) = self.caller(id);
-        c.policy
-            .idle_transaction_timeout
-            .map(|t| (t, c.policy.name.clone()))
+    /// How long a client of caller `id` may stay idle inside a transaction.
+    pub fn idle_transaction_timeout(&self, id: u16) -> Option<Duration> {
+        self.caller(id).1.policy.idle_transaction_timeout
     }
 
     /// The priority of caller `id` (unknown ids are the default caller).

@@ -318,7 +318,7 @@ impl Relay {
         if !idle_in_txn {
             self.idle_txn = None;
         } else if self.idle_txn.is_none()
-            && let Some((limit, _)) = self.app.policy.idle_transaction_timeout(self.unit_caller)
+            && let Some(limit) = self.app.policy.idle_transaction_timeout(self.unit_caller)
         {
             self.idle_txn = Some(Instant::now() + limit);
         }
@@ -328,11 +328,13 @@ impl Relay {
     /// as Postgres' own `idle_in_transaction_session_timeout` does (FATAL 25P03); the cleanup
     /// rolls the transaction back and the backend goes back to the pool.
     fn idle_transaction_over(&mut self) -> End {
-        let (limit, caller) = self
+        let limit = self
             .app
             .policy
             .idle_transaction_timeout(self.unit_caller)
             .unwrap_or_default();
+        let callers = self.app.callers.load();
+        let caller = callers.name(self.unit_caller);
         tracing::info!(caller = %caller, limit_ms = limit.as_millis(), "idle-in-transaction timeout");
         End::Error(
             PgError::fatal(
