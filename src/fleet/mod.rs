@@ -556,7 +556,7 @@ pub async fn run(app: Arc<App>) {
         if started.elapsed() > Duration::from_secs(10) {
             attempt = 0;
         }
-        let wait = crate::pool::full_jitter(BACKOFF_BASE_MS, BACKOFF_CAP_MS, attempt);
+        let wait = crate::policy::refusal::full_jitter_ms(BACKOFF_BASE_MS, BACKOFF_CAP_MS, attempt);
         attempt = attempt.saturating_add(1);
         tokio::select! {
             _ = tokio::time::sleep(Duration::from_millis(wait)) => {}

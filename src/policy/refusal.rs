@@ -257,12 +257,15 @@ impl Backoff {
     }
 }
 
-/// `random(0, min(cap, base · 2^k))` in ms.
-pub fn jitter_ms(base: Duration, cap: Duration, k: u32) -> u64 {
-    let base = floor_ms(base);
-    let cap = floor_ms(cap);
-    let window = base.checked_shl(k.min(32)).unwrap_or(cap).min(cap);
+/// `random(0, min(cap, base · 2^k))` in ms: the one full-jitter function (retry hints here,
+/// the pool's and the fleet's reconnect backoff).
+pub fn full_jitter_ms(base_ms: u64, cap_ms: u64, k: u32) -> u64 {
+    let window = base_ms.saturating_mul(1u64 << k.min(32)).min(cap_ms);
     rand::random_range(0..=window)
+}
+
+fn jitter_ms(base: Duration, cap: Duration, k: u32) -> u64 {
+    full_jitter_ms(floor_ms(base), floor_ms(cap), k)
 }
 
 /// Duration → ms, rounded up so a floor of 0.3 ms is not hinted as "retry now".

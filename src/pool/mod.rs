@@ -296,7 +296,7 @@ impl Pool {
                 let mut b = self.backoff.lock();
                 b.failures = b.failures.saturating_add(1);
                 // The first failure's window is the base, then it doubles up to the cap.
-                let wait = full_jitter(
+                let wait = crate::policy::refusal::full_jitter_ms(
                     self.cfg.connect_backoff_base_ms,
                     self.cfg.connect_backoff_cap_ms,
                     b.failures - 1,
@@ -453,15 +453,6 @@ pub struct PoolSnapshot {
     pub priority_caps: [usize; slots::PRIORITIES],
     pub max_waiting: usize,
     pub waiting_refused: u64,
-}
-
-/// `random(0, min(cap, base * 2^attempt))` in milliseconds.
-pub fn full_jitter(base_ms: u64, cap_ms: u64, attempt: u32) -> u64 {
-    let ceiling = base_ms
-        .saturating_mul(1u64 << attempt.min(20))
-        .min(cap_ms)
-        .max(1);
-    (rand::random::<f64>() * ceiling as f64) as u64
 }
 
 impl CheckoutError {
