@@ -9,38 +9,22 @@
 
 mod support;
 
-use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
 use serde_json::Value;
 
-use support::pg::Cluster;
-use support::proxy::{ADMIN_READ_TOKEN, Proxy, ProxyOptions};
+use support::env::Env;
+use support::proxy::{ADMIN_READ_TOKEN, Proxy};
 use support::sql::{STEP, scalar};
 use support::{direct_mode, note_skipped, within};
-
-struct Env {
-    proxy: Proxy,
-    _cluster: Cluster,
-    _dir: tempfile::TempDir,
-}
 
 fn start(pool: usize, yaml: &str) -> Option<Env> {
     if direct_mode() {
         note_skipped("classify settings (they need the proxy)");
         return None;
     }
-    let dir = tempfile::tempdir().expect("temp dir");
-    let path: PathBuf = dir.path().join("pgsluice.yaml");
-    std::fs::write(&path, yaml).expect("write the config");
-    let cluster = Cluster::start();
-    let proxy = Proxy::start(&cluster, ProxyOptions::pool(pool).config_file(&path));
-    Some(Env {
-        proxy,
-        _cluster: cluster,
-        _dir: dir,
-    })
+    Some(Env::start(pool, yaml, |_| {}))
 }
 
 async fn fingerprints(proxy: &Proxy) -> Vec<Value> {

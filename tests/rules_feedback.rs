@@ -21,8 +21,8 @@ use std::time::Duration;
 use serde_json::Value;
 use tokio_postgres::Client;
 
-use support::pg::Cluster;
-use support::proxy::{ADMIN_READ_TOKEN, Proxy, ProxyOptions};
+use support::env::Env;
+use support::proxy::{ADMIN_READ_TOKEN, Proxy};
 use support::sql::{STEP, sqlstate};
 use support::{direct_mode, note_skipped, run_with_timeout, within};
 
@@ -37,28 +37,16 @@ const ARTICLE_BODY: &str = r#"{
 }"#;
 const ARTICLE_HASH: &str = "7b92f9a1c8d3e5b0";
 
-/// Proxy first, then the cluster, then the config's directory.
-struct Env {
-    proxy: Proxy,
-    _cluster: Cluster,
-    _dir: tempfile::TempDir,
-}
-
 fn start() -> Option<Env> {
     if direct_mode() {
         note_skipped("the rule feedback tests (they need the proxy)");
         return None;
     }
-    let dir = tempfile::tempdir().expect("config dir");
-    let config = dir.path().join("pgsluice.yaml");
-    std::fs::write(&config, format!("admin:\n  write_token: {W}\n")).expect("write config");
-    let cluster = Cluster::start();
-    let proxy = Proxy::start(&cluster, ProxyOptions::pool(4).config_file(&config));
-    Some(Env {
-        proxy,
-        _cluster: cluster,
-        _dir: dir,
-    })
+    Some(Env::start(
+        4,
+        &format!("admin:\n  write_token: {W}\n"),
+        |_| {},
+    ))
 }
 
 /// One admin request, the read token for GET and the write token otherwise; (status, JSON).

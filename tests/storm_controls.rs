@@ -10,46 +10,32 @@
 
 mod support;
 
-use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use tokio_postgres::Client;
 
+use support::env::Env;
 use support::pg::{APP_DB, APP_PASSWORD, APP_USER, Cluster};
-use support::proxy::{ADMIN_READ_TOKEN, Proxy, ProxyOptions};
+use support::proxy::{ADMIN_READ_TOKEN, Proxy};
 use support::sql::{STEP, eventually, scalar, sqlstate};
 use support::wire::{Backend, WireClient};
 use support::{direct_mode, note_skipped, within};
-
-struct Env {
-    proxy: Proxy,
-    cluster: Cluster,
-    _dir: tempfile::TempDir,
-}
 
 fn start(pool: usize, yaml: &str) -> Option<Env> {
     if direct_mode() {
         note_skipped("storm controls (they need the proxy)");
         return None;
     }
-    let dir = tempfile::tempdir().expect("temp dir");
-    let path: PathBuf = dir.path().join("pgsluice.yaml");
-    std::fs::write(&path, yaml).expect("write the config");
-    let cluster = Cluster::start();
-    cluster.psql_on(
-        APP_DB,
-        &format!(
-            "CREATE TABLE acct (id int PRIMARY KEY, v int); INSERT INTO acct VALUES (1, 0); \
-             ALTER TABLE acct OWNER TO {APP_USER};"
-        ),
-    );
-    let proxy = Proxy::start(&cluster, ProxyOptions::pool(pool).config_file(&path));
-    Some(Env {
-        proxy,
-        cluster,
-        _dir: dir,
-    })
+    Some(Env::start(pool, yaml, |cluster| {
+        cluster.psql_on(
+            APP_DB,
+            &format!(
+                "CREATE TABLE acct (id int PRIMARY KEY, v int); INSERT INTO acct VALUES (1, 0); \
+                 ALTER TABLE acct OWNER TO {APP_USER};"
+            ),
+        );
+    }))
 }
 
 async fn client(proxy: &Proxy, application_name: &str) -> Arc<Client> {

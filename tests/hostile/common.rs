@@ -1,35 +1,15 @@
 //! Shared pieces of the hostile tests: a config file next to a proxy, the session-state probe.
 
-use std::path::PathBuf;
-
 use crate::support::pg::Cluster;
-use crate::support::proxy::{Proxy, ProxyOptions};
+use crate::support::proxy::Proxy;
 use crate::support::sql::scalar;
 
-/// A proxy with a config file (kept alive as long as the proxy).
-pub struct Env {
-    pub proxy: Proxy,
-    pub cluster: Cluster,
-    _dir: tempfile::TempDir,
-}
+pub use crate::support::env::Env;
 
 /// Starts a cluster and a transaction-mode proxy with `pool` backends and config `yaml`,
 /// running `prepare` on the cluster first.
 pub fn start(pool: usize, yaml: &str, prepare: impl FnOnce(&Cluster)) -> Env {
-    let dir = tempfile::Builder::new()
-        .prefix("pgsluice-hostile-")
-        .tempdir()
-        .expect("temp dir");
-    let path: PathBuf = dir.path().join("pgsluice.yaml");
-    std::fs::write(&path, yaml).expect("write the config");
-    let cluster = Cluster::start();
-    prepare(&cluster);
-    let proxy = Proxy::start(&cluster, ProxyOptions::pool(pool).config_file(&path));
-    Env {
-        proxy,
-        cluster,
-        _dir: dir,
-    }
+    Env::start(pool, yaml, prepare)
 }
 
 /// Everything a previous client could have left on a session, as one line: search_path,

@@ -17,6 +17,7 @@
 //! Each test binary uses a different subset of this module, hence the `dead_code` allowance.
 #![allow(dead_code)]
 
+pub mod env;
 pub mod faults;
 pub mod pg;
 pub mod pgbench;
