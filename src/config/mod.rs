@@ -505,6 +505,10 @@ pub struct LimitsConfig {
     pub max_client_statements: usize,
     /// (database, user) pools; pools without clients or connections are removed.
     pub max_pools: usize,
+    /// A client idle between transactions (nothing in flight, no transaction open) longer
+    /// than this is disconnected with FATAL 57P05, as Postgres' `idle_session_timeout` and
+    /// PgBouncer's `client_idle_timeout` do. 0 = off.
+    pub client_idle_timeout_ms: u64,
 }
 
 impl Default for LimitsConfig {
@@ -519,6 +523,7 @@ impl Default for LimitsConfig {
             client_write_timeout_ms: 30_000,
             max_message_bytes: 16 << 20,
             max_client_statements: 10_000,
+            client_idle_timeout_ms: 0,
             max_pools: 1_000,
         }
     }

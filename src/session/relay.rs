@@ -117,7 +117,10 @@ pub struct Relay {
     /// Armed while the client sits idle inside a transaction (its caller's
     /// `idle_transaction_timeout_ms`): the session ends with 25P03 when it passes.
     idle_txn: Option<Instant>,
-    /// The one timer behind `backstop`, `unanswered`, `idle_grace` and `idle_txn` (the
+    /// Armed while the client sits idle between transactions (`limits.client_idle_timeout_ms`):
+    /// the session ends with 57P05 when it passes.
+    idle_client: Option<Instant>,
+    /// The one timer behind `backstop`, `unanswered`, `idle_grace`, `idle_txn` and `idle_client` (the
     /// earliest of them), kept across loop turns and moved only when that deadline changes: a sleep
     /// made per turn would enter and leave the timer wheel for every message.
     timer: Option<Pin<Box<tokio::time::Sleep>>>,
@@ -170,6 +173,8 @@ enum Event {
     IdleGrace,
     /// The client stayed idle inside a transaction past its caller's limit.
     IdleTransaction,
+    /// The client stayed idle between transactions past `limits.client_idle_timeout_ms`.
+    IdleClient,
     /// The shutdown grace period is over: cancel what runs and leave now.
     Force,
 }
@@ -232,6 +237,7 @@ impl Relay {
             cancels_seen: 0,
             idle_grace: None,
             idle_txn: None,
+            idle_client: None,
             timer: None,
             backend_first: false,
             peer_ip: Some(peer.ip()),
@@ -261,12 +267,14 @@ impl Relay {
         if let Err(end) = self.on_client_data(client).await {
             return end;
         }
+        self.arm_idle_transaction();
         loop {
             let ev = std::future::poll_fn(|cx| self.poll_event(cx, client)).await;
             let r = match ev {
                 Event::Client(Ok(0)) | Event::Client(Err(_)) => return End::ClientClosed,
                 Event::Client(Ok(_)) => {
                     self.idle_txn = None;
+                    self.idle_client = None;
                     self.on_client_data(client).await
                 }
                 Event::Backend(Ok(0)) | Event::Backend(Err(_)) => return self.backend_gone(),
@@ -291,6 +299,7 @@ impl Relay {
                     self.maybe_release().await
                 }
                 Event::IdleTransaction => return self.idle_transaction_over(),
+                Event::IdleClient => return self.client_idle_over(),
                 Event::Force => {
                     // Wait for the cancel to reach Postgres: the process is about to exit,
                     // and a spawned task could die with it, leaving an orphan query.
@@ -308,14 +317,21 @@ impl Relay {
     }
 
     /// Arms the idle-in-transaction deadline when the client owes the next move inside an
-    /// open transaction (nothing in flight, nothing unsent) and its caller has a limit;
-    /// disarms it otherwise. The limit is looked up once per idle period.
+    /// open transaction (nothing in flight, nothing unsent) and its caller has a limit, and
+    /// the idle-client deadline when it owes the next move outside one; disarms each
+    /// otherwise. Each limit is looked up once per idle period.
     fn arm_idle_transaction(&mut self) {
-        let idle_in_txn = self.backend.is_some()
-            && self.t.txn != b'I'
-            && !self.t.in_flight()
-            && self.bout.is_empty();
-        if !idle_in_txn {
+        let waiting_for_client = !self.t.in_flight() && self.bout.is_empty();
+        let in_txn = self.backend.is_some() && self.t.txn != b'I';
+        if !waiting_for_client || in_txn {
+            self.idle_client = None;
+        } else if self.idle_client.is_none() {
+            let limit = self.app.config.load().limits.client_idle_timeout_ms;
+            if limit > 0 {
+                self.idle_client = Some(Instant::now() + Duration::from_millis(limit));
+            }
+        }
+        if !(waiting_for_client && in_txn) {
             self.idle_txn = None;
         } else if self.idle_txn.is_none()
             && let Some(limit) = self.app.policy.idle_transaction_timeout(self.unit_caller)
@@ -345,6 +361,20 @@ impl Relay {
                 "limit: caller {caller} idle_transaction_timeout_ms={}",
                 limit.as_millis()
             )),
+        )
+    }
+
+    /// The client sat idle between transactions past `limits.client_idle_timeout_ms`: end
+    /// the session as Postgres' own `idle_session_timeout` does (FATAL 57P05).
+    fn client_idle_over(&mut self) -> End {
+        let limit = self.app.config.load().limits.client_idle_timeout_ms;
+        tracing::info!(limit_ms = limit, "client idle timeout");
+        End::Error(
+            PgError::fatal(
+                "57P05",
+                "pgsluice: terminating connection due to idle-session timeout",
+            )
+            .with_detail(format!("limit: limits.client_idle_timeout_ms={limit}")),
         )
     }
 
@@ -393,7 +423,7 @@ impl Relay {
         poll_read_buf(Pin::new(&mut b.conn().stream), cx, &mut self.rbuf)
     }
 
-    /// Fires at the earliest of `unanswered`, `backstop`, `idle_grace` and `idle_txn` (each handler clears
+    /// Fires at the earliest of `unanswered`, `backstop`, `idle_grace`, `idle_txn` and `idle_client` (each handler clears
     /// or moves the deadline it served).
     fn poll_timer(&mut self, cx: &mut Context<'_>) -> Poll<Event> {
         let next = [
@@ -401,6 +431,7 @@ impl Relay {
             self.backstop,
             self.idle_grace,
             self.idle_txn,
+            self.idle_client,
         ]
         .into_iter()
         .flatten()
@@ -427,8 +458,10 @@ impl Relay {
             Event::Backstop
         } else if self.idle_grace == Some(at) {
             Event::IdleGrace
-        } else {
+        } else if self.idle_txn == Some(at) {
             Event::IdleTransaction
+        } else {
+            Event::IdleClient
         })
     }
 
