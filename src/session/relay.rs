@@ -267,7 +267,7 @@ impl Relay {
         if let Err(end) = self.on_client_data(client).await {
             return end;
         }
-        self.arm_idle_transaction();
+        self.arm_idle_timers();
         loop {
             let ev = std::future::poll_fn(|cx| self.poll_event(cx, client)).await;
             let r = match ev {
@@ -312,7 +312,7 @@ impl Relay {
             if let Err(end) = r {
                 return end;
             }
-            self.arm_idle_transaction();
+            self.arm_idle_timers();
         }
     }
 
@@ -320,7 +320,7 @@ impl Relay {
     /// open transaction (nothing in flight, nothing unsent) and its caller has a limit, and
     /// the idle-client deadline when it owes the next move outside one; disarms each
     /// otherwise. Each limit is looked up once per idle period.
-    fn arm_idle_transaction(&mut self) {
+    fn arm_idle_timers(&mut self) {
         let waiting_for_client = !self.t.in_flight() && self.bout.is_empty();
         let in_txn = self.backend.is_some() && self.t.txn != b'I';
         if !waiting_for_client || in_txn {
