@@ -157,6 +157,7 @@ impl PutArgs {
             mode: self.mode.clone(),
             note: self.note.clone(),
             scope: self.scope.clone(),
+            origin: None,
         };
         Ok(serde_json::to_vec(&spec)?)
     }
@@ -215,7 +216,10 @@ pub async fn run(cmd: AdminCmd) -> anyhow::Result<()> {
             if json {
                 emit(&pretty(&v)?)?;
             } else {
+                // Anomalies mark their rows; a proxy without the endpoint just has no marks.
+                let anomalies = c.call("GET", "/v1/anomalies", None).await.ok();
                 emit(&top_table(&v))?;
+                emit(&anomaly_lines(anomalies.as_ref(), &v))?;
             }
         }
     }
@@ -539,6 +543,81 @@ fn one_line(s: &str, max: usize) -> String {
     let mut cut: String = flat.chars().take(max.saturating_sub(1)).collect();
     cut.push('…');
     cut
+}
+
+/// What `/v1/anomalies` reports, one paragraph each, after the table: the subject, the
+/// evidence, the rule in place or the one to PUT, and whether its row is in the table.
+fn anomaly_lines(anomalies: Option<&Value>, top: &Value) -> String {
+    let list = anomalies
+        .and_then(|a| a.get("anomalies"))
+        .and_then(Value::as_array)
+        .cloned()
+        .unwrap_or_default();
+    let mut out = String::new();
+    let shown: Vec<String> = top
+        .get("fingerprints")
+        .and_then(Value::as_array)
+        .map(|r| r.iter().map(|f| text(f, "fingerprint")).collect())
+        .unwrap_or_default();
+    for a in &list {
+        let e = a.get("evidence").cloned().unwrap_or_default();
+        let unit = text(&e, "unit");
+        let fmt = |k: &str| {
+            let v = e.get(k).and_then(Value::as_f64).unwrap_or(0.0);
+            if unit == "share" {
+                format!("{:.0}%", v * 100.0)
+            } else {
+                format!("{v:.1}")
+            }
+        };
+        let who = match a.get("caller").and_then(Value::as_str) {
+            Some(c) => format!("caller {c}"),
+            None => {
+                let fp = text(a, "fingerprint");
+                let mark = if shown.contains(&fp) { " (above)" } else { "" };
+                format!("fingerprint {fp}{mark}")
+            }
+        };
+        let _ = writeln!(
+            out,
+            "ANOMALY {who}: {} {} {unit} against a baseline of {} ({:.1}x), for {} s",
+            text(a, "signal"),
+            fmt("current"),
+            fmt("baseline"),
+            e.get("ratio").and_then(Value::as_f64).unwrap_or(0.0),
+            a.get("active_for_ms").and_then(Value::as_u64).unwrap_or(0) / 1000
+        );
+        if let Some(q) = a.get("normalized").and_then(Value::as_str) {
+            let _ = writeln!(out, "  query: {}", one_line(q, 100));
+        }
+        if let Some(callers) = a.get("top_callers").and_then(Value::as_array)
+            && !callers.is_empty()
+        {
+            let names: Vec<String> = callers
+                .iter()
+                .map(|c| format!("{} ({})", text(c, "caller"), num(c, "calls")))
+                .collect();
+            let _ = writeln!(out, "  callers in the window: {}", names.join(", "));
+        }
+        if let Some(r) = a.get("rule") {
+            let _ = writeln!(
+                out,
+                "  rule in place: {} {} ({})",
+                text(r, "action"),
+                text(r, "mode"),
+                text(r, "origin")
+            );
+        } else if let Some(s) = a.get("suggested_rule") {
+            let body = s.get("body").map(Value::to_string).unwrap_or_default();
+            let _ = writeln!(
+                out,
+                "  suggested: {} {} {body}",
+                text(s, "method"),
+                text(s, "path")
+            );
+        }
+    }
+    out
 }
 
 fn top_table(v: &Value) -> String {

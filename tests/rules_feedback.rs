@@ -371,3 +371,232 @@ async fn stats_show_the_current_rate_and_lock_waits_per_fingerprint() {
     assert_eq!(col("CALLS"), "4", "{out}");
     assert!(col("QPS").parse::<f64>().is_ok_and(|q| q > 0.0), "{out}");
 }
+
+/// Issue 18: a pattern that steps ~30x among steady traffic is named by `/v1/anomalies` with
+/// its evidence and caller; with `auto_rules.mode: enforce` the detector installs a THROTTLE
+/// (`origin: auto`, a TTL, the critical caller left out) that refuses the flood while other
+/// patterns, and the same pattern from the critical caller, pass; `pgsluice top` reports it;
+/// a rule the operator deletes is not put back while the anomaly lasts.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stepped_pattern_is_named_and_throttled_automatically_while_others_pass() {
+    if direct_mode() {
+        note_skipped("the anomaly detector test (it needs the proxy)");
+        return;
+    }
+    let yaml = format!(
+        "admin:\n  write_token: {W}\n\
+         callers:\n  - {{ name: pay, match: {{ application_name: pay }}, priority: critical }}\n  \
+         - {{ name: web, match: {{ application_name: web }} }}\n\
+         detector:\n  tick_ms: 100\n  window_ms: 200\n  warmup_ms: 2000\n  clear_after_ms: 3000\n\
+         auto_rules:\n  mode: enforce\n  ttl_seconds: 120\n"
+    );
+    let env = Env::start(4, &yaml, |_| {});
+    let proxy = &env.proxy;
+    let connect = |app: &'static str| async move {
+        let mut config = proxy.app_config();
+        config.application_name(app);
+        proxy.client_with(&config).await.0
+    };
+    let web = connect("web").await;
+    run(
+        &web,
+        "CREATE TABLE items (id int PRIMARY KEY, v int); \
+         INSERT INTO items SELECT g, g FROM generate_series(1, 1000) g",
+    )
+    .await
+    .expect("create items");
+    let hot_sql = |i: u32| format!("SELECT v FROM items WHERE id = {}", i % 1000 + 1);
+    let other_sql = "SELECT count(*) FROM items WHERE v > 500";
+    let hot = offline_fingerprint(&hot_sql(1));
+
+    // Steady traffic: the hot pattern ~10/s and another ~5/s, through the warm-up and after.
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let steady = {
+        let stop = stop.clone();
+        let web = connect("web").await;
+        tokio::spawn(async move {
+            let mut i = 0u32;
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                i += 1;
+                let _ = web.simple_query(&hot_sql(i)).await;
+                if i.is_multiple_of(2) {
+                    let _ = web.simple_query(other_sql).await;
+                }
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+        })
+    };
+    tokio::time::sleep(Duration::from_secs(4)).await;
+    let (status, v) = admin(proxy, "GET", "/v1/anomalies", None).await;
+    assert_eq!(status, 200, "{v}");
+    assert_eq!(v["enabled"], true, "{v}");
+    assert_eq!(v["auto_rules_mode"], "enforce", "{v}");
+    assert_eq!(
+        v["anomalies"].as_array().map(Vec::len),
+        Some(0),
+        "steady traffic is no anomaly: {v}"
+    );
+
+    // The step: four clients run the hot pattern as fast as they can (hundreds per second).
+    let refused = std::sync::Arc::new(std::sync::atomic::AtomicU64::new(0));
+    let mut flood = Vec::new();
+    for k in 0..4u32 {
+        let (stop, refused) = (stop.clone(), refused.clone());
+        let c = connect("web").await;
+        flood.push(tokio::spawn(async move {
+            let mut i = k * 1000;
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                i += 1;
+                if let Err(e) = c.simple_query(&hot_sql(i)).await {
+                    assert_eq!(sqlstate(&e), "53400", "{e:?}");
+                    refused.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                    tokio::time::sleep(Duration::from_millis(5)).await;
+                }
+            }
+        }));
+    }
+    let stepped = std::time::Instant::now();
+    let mut anomaly = Value::Null;
+    while stepped.elapsed() < Duration::from_secs(10) {
+        let (_, v) = admin(proxy, "GET", "/v1/anomalies", None).await;
+        if let Some(a) = v["anomalies"]
+            .as_array()
+            .and_then(|l| l.iter().find(|a| a["fingerprint"] == hot.as_str()))
+        {
+            anomaly = a.clone();
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let detected_in = stepped.elapsed();
+    assert!(
+        anomaly.is_object(),
+        "the stepped pattern {hot} was not named within 10 s: {}",
+        proxy.stderr_tail()
+    );
+    eprintln!("detected {detected_in:?} after the step: {anomaly}");
+    assert_eq!(anomaly["signal"], "rate_step", "{anomaly}");
+    assert_eq!(anomaly["subject"], "fingerprint", "{anomaly}");
+    assert_eq!(
+        anomaly["normalized"], "SELECT v FROM items WHERE id = ?",
+        "{anomaly}"
+    );
+    let e = &anomaly["evidence"];
+    let (baseline, current) = (
+        e["baseline"].as_f64().unwrap_or(-1.0),
+        e["current"].as_f64().unwrap_or(-1.0),
+    );
+    assert!((1.0..30.0).contains(&baseline), "baseline ~10/s: {anomaly}");
+    assert!(current >= 10.0 * baseline.max(5.0), "{anomaly}");
+    let window = e["window_ms"].as_u64().unwrap_or(0);
+    assert!(
+        (190..=500).contains(&window),
+        "two ticks of 100 ms: {anomaly}"
+    );
+    assert_eq!(anomaly["top_callers"][0]["caller"], "web", "{anomaly}");
+    let suggested = &anomaly["suggested_rule"];
+    assert_eq!(
+        suggested["path"],
+        format!("/v1/rules/fingerprint/{hot}"),
+        "{anomaly}"
+    );
+    assert_eq!(suggested["body"]["action"], "THROTTLE", "{anomaly}");
+
+    // Enforce: the automatic rule is installed, marked, with a TTL, without the critical caller.
+    let rule_path = format!("/v1/rules/fingerprint/{hot}");
+    let mut rule = Value::Null;
+    let deadline = std::time::Instant::now() + Duration::from_secs(5);
+    while std::time::Instant::now() < deadline {
+        let (status, v) = admin(proxy, "GET", &rule_path, None).await;
+        if status == 200 {
+            rule = v;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(rule.is_object(), "no automatic rule for {hot}");
+    assert_eq!(rule["origin"], "auto", "{rule}");
+    assert_eq!(rule["action"], "THROTTLE", "{rule}");
+    assert_eq!(rule["mode"], "enforce", "{rule}");
+    let ttl = rule["expires_in_ms"].as_u64().unwrap_or(0);
+    assert!((100_000..=120_000).contains(&ttl), "{rule}");
+    let callers: Vec<&str> = rule["callers"]
+        .as_array()
+        .map(|l| l.iter().filter_map(Value::as_str).collect())
+        .unwrap_or_default();
+    assert_eq!(callers, ["web", "default"], "{rule}");
+    let max_qps = rule["max_qps"].as_f64().unwrap_or(0.0);
+    assert!((20.0..=60.0).contains(&max_qps), "{rule}");
+
+    // While it holds: the flood is refused, another pattern passes, the critical caller passes.
+    let before = refused.load(std::sync::atomic::Ordering::Relaxed);
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert!(
+        refused.load(std::sync::atomic::Ordering::Relaxed) > before,
+        "the flood is refused by the automatic rule"
+    );
+    let pay = connect("pay").await;
+    for i in 0..20 {
+        run(&web, other_sql).await.expect("another pattern passes");
+        run(&pay, &hot_sql(i))
+            .await
+            .expect("the critical caller is exempt");
+    }
+    let (status, v) = admin(proxy, "GET", "/v1/anomalies", None).await;
+    assert_eq!(status, 200);
+    let a = v["anomalies"]
+        .as_array()
+        .and_then(|l| l.iter().find(|a| a["fingerprint"] == hot.as_str()))
+        .cloned()
+        .unwrap_or_default();
+    assert_eq!(a["rule"]["origin"], "auto", "{v}");
+
+    // `pgsluice top` names it.
+    let admin_addr = proxy.admin_addr().expect("admin address").to_string();
+    let (ok, out, err) = pgsluice(&[
+        "top",
+        "--admin",
+        &admin_addr,
+        "--token",
+        ADMIN_READ_TOKEN,
+        "--sort",
+        "calls",
+    ]);
+    assert!(ok, "pgsluice top: {err}");
+    assert!(
+        out.contains(&format!("ANOMALY fingerprint {hot} (above): rate_step"))
+            && out.contains("rule in place: THROTTLE enforce (auto)"),
+        "{out}"
+    );
+
+    // The operator deletes it: not put back while the anomaly lasts.
+    let (status, v) = admin(proxy, "DELETE", &rule_path, None).await;
+    assert_eq!(status, 200, "{v}");
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    let (status, v) = admin(proxy, "GET", &rule_path, None).await;
+    assert_eq!(
+        status, 404,
+        "an automatic rule the operator deleted came back: {v}"
+    );
+    let (_, metrics) = proxy
+        .admin_request("GET", "/metrics", ADMIN_READ_TOKEN, None)
+        .await;
+    for series in [
+        r#"pgsluice_auto_rules_total{outcome="installed"}"#,
+        r#"pgsluice_auto_rules_total{outcome="deleted_by_operator"}"#,
+        r#"pgsluice_anomalies_total{signal="rate_step",subject="fingerprint"}"#,
+    ] {
+        let value = metrics
+            .lines()
+            .find_map(|l| l.strip_prefix(series))
+            .and_then(|v| v.trim().parse::<f64>().ok());
+        assert!(value >= Some(1.0), "{series} is {value:?} in\n{metrics}");
+    }
+
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    for t in flood {
+        t.await.expect("flood task");
+    }
+    steady.await.expect("steady task");
+    proxy.assert_healthy().await;
+}

@@ -7,7 +7,7 @@
 //! ```text
 //! open   GET  /healthz  /readyz  /v1/openapi.json
 //! read   GET  /metrics  /v1/rules  /v1/rules/fingerprint/{hash}  /v1/fingerprints
-//!             /v1/callers  /v1/pools  /v1/breaker  /v1/fleet (fleet mode)
+//!             /v1/anomalies  /v1/callers  /v1/pools  /v1/breaker  /v1/fleet (fleet mode)
 //! write  PUT|DELETE /v1/rules/fingerprint/{hash}   POST /v1/rules/fingerprint (from SQL)
 //!        POST /v1/reload
 //! ```
@@ -16,13 +16,15 @@
 //! default) and enforces JSON on mutations; [`error`] is the one error type every failure
 //! goes through, plus the extractors that name the bad field; [`rules`] owns rule mutations
 //! (in fleet mode written to Redis first, see `crate::fleet`)
-//! and their persistence; [`read`] the stats, `/metrics` and reload. Bodies are capped at
+//! and their persistence; [`anomalies`] the detector's tick, its automatic rules and
+//! `/v1/anomalies`; [`read`] the stats, `/metrics` and reload. Bodies are capped at
 //! [`error::MAX_BODY_BYTES`]; GET handlers refuse query parameters they do not define, so a
 //! GET can never be mistaken for a mutation.
 //!
 //! What it must not do: hold a lock across a socket write, block the runtime on file I/O
 //! (persistence and reload run on the blocking pool), or put secrets in any response.
 
+pub mod anomalies;
 pub mod auth;
 pub mod error;
 pub mod read;
@@ -52,6 +54,8 @@ pub struct AdminState {
     env: EnvTokens,
     /// Serialises rule mutations and purges; holds the bytes last written to the rules file.
     rules_file: tokio::sync::Mutex<Option<Vec<u8>>>,
+    /// The anomaly detector and its automatic rules ([`anomalies::detect_loop`]).
+    anomalies: parking_lot::Mutex<anomalies::Board>,
 }
 
 /// The admin API over `app`, with token fallbacks read from the environment now. Inside a
@@ -65,13 +69,16 @@ pub fn router(app: Arc<App>) -> Router {
 /// the process environment).
 pub fn router_with_env(app: Arc<App>, env: EnvTokens) -> Router {
     let written = app.policy.rules().to_json_bytes().ok();
+    let board = anomalies::Board::new(&app.config.load().detector);
     let st = Arc::new(AdminState {
         app,
         env,
         rules_file: tokio::sync::Mutex::new(written),
+        anomalies: parking_lot::Mutex::new(board),
     });
     if let Ok(rt) = tokio::runtime::Handle::try_current() {
         rt.spawn(rules::purge_loop(Arc::clone(&st)));
+        rt.spawn(anomalies::detect_loop(Arc::clone(&st)));
     }
     Router::new()
         .route("/healthz", get(healthz))
@@ -85,6 +92,7 @@ pub fn router_with_env(app: Arc<App>, env: EnvTokens) -> Router {
             get(rules::get).put(rules::put).delete(rules::delete),
         )
         .route("/v1/fingerprints", get(read::fingerprints))
+        .route("/v1/anomalies", get(anomalies::list))
         .route("/v1/callers", get(read::callers))
         .route("/v1/pools", get(read::pools))
         .route("/v1/breaker", get(read::breaker))

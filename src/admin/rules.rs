@@ -52,7 +52,7 @@ struct RuleList {
 }
 
 #[derive(Serialize)]
-struct StoredRule {
+pub(super) struct StoredRule {
     #[serde(flatten)]
     rule: RuleInfo,
     /// False when no `admin.rules_file` is configured (the rule is lost on restart).
@@ -196,7 +196,7 @@ fn unseen_warning(st: &AdminState, fp: u64) -> Option<String> {
 
 /// Validates `spec` and stores it as the rule of `fp` (fleet first, when there is one; else
 /// the rules file, then the live set). The status is 201 when no rule existed, else 200.
-async fn store(
+pub(super) async fn store(
     st: &AdminState,
     fp: u64,
     spec: RuleSpec,

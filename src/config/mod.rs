@@ -9,6 +9,7 @@
 //! be on a command line; [`Config::apply`] reads it. No error, here or in `validate`, ever
 //! contains a password: they name where it came from instead.
 
+mod detect;
 mod notes;
 mod validate;
 
@@ -19,6 +20,7 @@ use std::path::{Path, PathBuf};
 
 use serde::Deserialize;
 
+pub use detect::{AutoRulesConfig, AutoRulesMode, DetectorConfig};
 pub use validate::{BackendUrl, ConfigError, check_dial_addr};
 
 #[derive(Debug, Clone, Deserialize)]
@@ -54,6 +56,10 @@ pub struct Config {
     pub callers: Vec<CallerConfig>,
     pub global_defaults: GlobalDefaults,
     pub classify: ClassifyConfig,
+    /// Culprit detection over the statistics (`config/detect.rs`).
+    pub detector: DetectorConfig,
+    /// Rules the detector may install.
+    pub auto_rules: AutoRulesConfig,
     pub log: LogConfig,
     /// TLS toward clients.
     pub tls: TlsConfig,
@@ -80,6 +86,8 @@ impl Default for Config {
             callers: Vec::new(),
             global_defaults: GlobalDefaults::default(),
             classify: ClassifyConfig::default(),
+            detector: DetectorConfig::default(),
+            auto_rules: AutoRulesConfig::default(),
             log: LogConfig::default(),
             tls: TlsConfig::default(),
             fleet: None,

@@ -227,6 +227,14 @@ struct Inner {
     /// Scrape-time series; the lock is held from writing them to the end of encoding.
     scrape: Mutex<ScrapeSeries>,
     fleet: std::sync::OnceLock<FleetSeries>,
+    detect: DetectSeries,
+}
+
+/// The anomaly detector's series (`observe::anomaly`, `admin::anomalies`).
+struct DetectSeries {
+    anomalies: IntCounterVec,
+    active: IntGauge,
+    auto_rules: IntCounterVec,
 }
 
 /// Pre-resolved handles of one caller.
@@ -354,6 +362,29 @@ impl Metrics {
             .map(|s| breaker_transitions.with_label_values(&[*s]))
             .collect();
         let scrape = ScrapeSeries::register(&r);
+        let detect = DetectSeries {
+            anomalies: counter_vec(
+                &r,
+                "pgsluice_anomalies_total",
+                "Anomalies the detector started, by subject (fingerprint, caller) and signal.",
+                &["subject", "signal"],
+            ),
+            active: reg(
+                &r,
+                IntGauge::new(
+                    "pgsluice_anomalies_active",
+                    "Anomalies the detector holds now.",
+                ),
+            ),
+            auto_rules: counter_vec(
+                &r,
+                "pgsluice_auto_rules_total",
+                "What the detector did about anomalies by auto_rules.mode: installed, renewed, \
+                 or why not (at_max_rules, only_exempt_callers, operator_rule, \
+                 deleted_by_operator, failed).",
+                &["outcome"],
+            ),
+        };
         let inner = Inner {
             registry: r,
             queries,
@@ -368,6 +399,7 @@ impl Metrics {
             callers_lock: Mutex::new(()),
             scrape: Mutex::new(scrape),
             fleet: std::sync::OnceLock::new(),
+            detect,
         };
         let m = Metrics {
             inner: Arc::new(inner),
@@ -459,6 +491,29 @@ impl Metrics {
                 i.rule_hits.with_label_values(&[action, outcome]).inc();
             }
         }
+    }
+
+    /// An anomaly started: `pgsluice_anomalies_total{subject,signal}` (both bounded sets).
+    pub fn anomaly_started(&self, subject: &'static str, signal: &'static str) {
+        self.inner
+            .detect
+            .anomalies
+            .with_label_values(&[subject, signal])
+            .inc();
+    }
+
+    /// `pgsluice_anomalies_active`.
+    pub fn set_anomalies_active(&self, n: usize) {
+        self.inner.detect.active.set(gauge_value(n as u64));
+    }
+
+    /// What was done about an anomaly: `pgsluice_auto_rules_total{outcome}`.
+    pub fn auto_rule(&self, outcome: &'static str) {
+        self.inner
+            .detect
+            .auto_rules
+            .with_label_values(&[outcome])
+            .inc();
     }
 
     /// The breaker entered state `to`: `pgsluice_breaker_transitions_total{to}`.

@@ -503,6 +503,76 @@ impl Agg {
     }
 }
 
+/// Cumulative counters of one fingerprint or one caller ([`FingerprintStats::counters`]):
+/// they only grow while the row is tracked.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Counters {
+    /// Statements ended or refused.
+    pub calls: u64,
+    /// Errors from Postgres, timeouts and 55P03 included.
+    pub errors: u64,
+    /// Time of the statements that ended in 55P03 (0 per caller: not kept apart there).
+    pub lock_wait_ns: u64,
+    /// Client-observed time of every call.
+    pub total_ns: u64,
+}
+
+impl Counters {
+    pub fn add(&mut self, o: &Counters) {
+        self.calls += o.calls;
+        self.errors += o.errors;
+        self.lock_wait_ns = self.lock_wait_ns.saturating_add(o.lock_wait_ns);
+        self.total_ns = self.total_ns.saturating_add(o.total_ns);
+    }
+}
+
+/// One tracked fingerprint's [`Counters`], in total and per caller.
+#[derive(Debug, Clone)]
+pub struct FingerprintCounters {
+    pub fingerprint: u64,
+    /// When the row was created (unix ms): a row evicted and tracked again starts anew.
+    pub first_ms: u64,
+    pub normalized: Arc<str>,
+    pub kind: &'static str,
+    pub counters: Counters,
+    pub by_caller: Vec<(Box<str>, Counters)>,
+}
+
+/// What [`FingerprintStats::counters`] returns.
+#[derive(Debug, Clone, Default)]
+pub struct CounterSnapshot {
+    pub fingerprints: Vec<FingerprintCounters>,
+    /// The callers' counters in the "other" row (fingerprints no longer tracked), so that
+    /// per-caller totals stay whole across evictions.
+    pub other_callers: Vec<(Box<str>, Counters)>,
+}
+
+impl Agg {
+    fn counters(&self) -> Counters {
+        Counters {
+            calls: self.calls,
+            errors: self.errors,
+            lock_wait_ns: self.lock_wait_ns,
+            total_ns: self.total_ns,
+        }
+    }
+
+    fn caller_counters(&self) -> Vec<(Box<str>, Counters)> {
+        self.callers
+            .iter()
+            .map(|(n, c)| {
+                let counters = Counters {
+                    calls: c.calls,
+                    errors: c.errors,
+                    lock_wait_ns: 0,
+                    total_ns: c.total_ns,
+                };
+                (n.clone(), counters)
+            })
+            .collect()
+    }
+}
+
 #[derive(Debug)]
 struct Entry {
     normalized: Arc<str>,
@@ -701,6 +771,36 @@ impl FingerprintStats {
 
     pub fn is_empty(&self) -> bool {
         self.len() == 0
+    }
+
+    /// The cumulative counters of every tracked fingerprint, and of the callers of the
+    /// "other" row, for the anomaly detector (`observe::anomaly`), which reads them on its
+    /// own tick so that recording a statement does no extra work. One shard lock at a time.
+    pub fn counters(&self) -> CounterSnapshot {
+        let mut out = CounterSnapshot::default();
+        for shard in self.shards.iter() {
+            let s = shard.lock();
+            out.fingerprints.reserve(s.map.len());
+            for (&fp, e) in &s.map {
+                out.fingerprints.push(FingerprintCounters {
+                    fingerprint: fp,
+                    first_ms: e.agg.first_ms,
+                    normalized: Arc::clone(&e.normalized),
+                    kind: e.kind,
+                    counters: e.agg.counters(),
+                    by_caller: e.agg.caller_counters(),
+                });
+            }
+            if let Some(o) = &s.other {
+                for (name, c) in o.caller_counters() {
+                    match out.other_callers.iter_mut().find(|(n, _)| *n == name) {
+                        Some((_, t)) => t.add(&c),
+                        None => out.other_callers.push((name, c)),
+                    }
+                }
+            }
+        }
+        out
     }
 
     /// Forgets everything (like `pg_stat_statements_reset()`).

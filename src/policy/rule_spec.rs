@@ -70,6 +70,9 @@ pub struct RuleSpec {
     /// `instance` (default) or `fleet`: a THROTTLE shared by every instance of a fleet.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub scope: Option<String>,
+    /// `operator` (default; not listed) or `auto`: installed by the anomaly detector.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub origin: Option<String>,
 }
 
 /// A validation error naming the offending field (`body` for the document as a whole).
@@ -151,6 +154,16 @@ pub struct RuleDef {
     pub ttl: Option<Duration>,
     pub note: Option<String>,
     pub scope: Scope,
+    pub origin: Origin,
+}
+
+/// Who made a rule.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Origin {
+    #[default]
+    Operator,
+    /// The anomaly detector (`auto_rules`): it may replace or let expire only these.
+    Auto,
 }
 
 impl RuleSpec {
@@ -356,6 +369,21 @@ impl RuleSpec {
         if let Some(n) = &self.note {
             text_field("note", n)?;
         }
+        let origin = match self
+            .origin
+            .as_deref()
+            .map(str::to_ascii_lowercase)
+            .as_deref()
+        {
+            None | Some("operator") => Origin::Operator,
+            Some("auto") => Origin::Auto,
+            Some(other) => {
+                return Err(RuleError::new(
+                    "origin",
+                    format!("unknown origin {other:?}; expected operator or auto"),
+                ));
+            }
+        };
         Ok(RuleDef {
             action,
             mode,
@@ -364,6 +392,7 @@ impl RuleSpec {
             ttl,
             note: self.note.clone(),
             scope,
+            origin,
         })
     }
 
@@ -430,6 +459,7 @@ impl RuleDef {
             ttl_seconds: self.ttl.map(|t| t.as_secs()),
             note: self.note.clone(),
             scope: (self.scope == Scope::Fleet).then(|| "fleet".to_owned()),
+            origin: (self.origin == Origin::Auto).then(|| "auto".to_owned()),
             ..RuleSpec::default()
         };
         match &self.action {

@@ -30,8 +30,8 @@ use super::bucket::TokenBucket;
 use super::lease::{FleetGate, LEASE_WAIT, LeasedBucket, Rate};
 use super::rule_spec::duration_ms;
 pub use super::rule_spec::{
-    MAX_RULE_CALLERS, MAX_RULE_JSON_BYTES, MAX_TIMEOUT_MS, MAX_TTL_SECONDS, OnExceed, RuleAction,
-    RuleDef, RuleError, RuleMode, RuleSpec, fingerprint_hex, parse_fingerprint,
+    MAX_RULE_CALLERS, MAX_RULE_JSON_BYTES, MAX_TIMEOUT_MS, MAX_TTL_SECONDS, OnExceed, Origin,
+    RuleAction, RuleDef, RuleError, RuleMode, RuleSpec, fingerprint_hex, parse_fingerprint,
 };
 
 /// A live rule: definition plus its bucket, in-flight counter and hit counters.
