@@ -9,7 +9,8 @@
 #     that make every alert fire;
 #   - every metric name in the dashboard, the alerts and docs/OPERATIONS.md is one that
 #     src/observe/metrics.rs defines, and every defined metric is documented;
-#   - every configuration key in src/config/mod.rs is in the docs' configuration reference;
+#   - every configuration key in src/config/mod.rs and detect.rs is in the docs' configuration
+#     reference;
 #   - `pgsluice check-config config/pgsluice.yaml`, and a smoke start of the proxy with that
 #     config and the compose stack's flags (ephemeral ports): /healthz answers, and /metrics,
 #     when the build serves it, passes `promtool check metrics`.
@@ -375,7 +376,7 @@ else:
     print(f"  note: {src} is not in this tree yet: metric names not cross-checked against the code")
 
 # Every key of the config structs (serde renames applied) in the docs' configuration reference.
-text = open("src/config/mod.rs").read()
+text = open("src/config/mod.rs").read() + open("src/config/detect.rs").read()
 ref = docs.split("## Configuration reference", 1)
 len(ref) == 2 or die("docs/OPERATIONS.md has no '## Configuration reference' section")
 ref = ref[1].split("\n## ", 1)[0]
@@ -395,7 +396,7 @@ for m in re.finditer(r"pub struct (\w+) \{(.*?)\n\}", text, re.S):
             if not re.search(r"[`.]" + re.escape(key) + r"[`.\[]", ref):
                 missing.append(f"{m.group(1)}.{key}")
 missing and die(f"config keys missing from the configuration reference: {missing}")
-print("  ok: every key of src/config/mod.rs is in the docs' configuration reference")
+print("  ok: every key of src/config/mod.rs and detect.rs is in the docs' configuration reference")
 PY
 passed=$((passed + 2))
 

@@ -918,6 +918,7 @@ async fn openapi_document_covers_every_route() {
         ("/v1/rules/fingerprint/{hash}", "put"),
         ("/v1/rules/fingerprint/{hash}", "delete"),
         ("/v1/fingerprints", "get"),
+        ("/v1/anomalies", "get"),
         ("/v1/callers", "get"),
         ("/v1/pools", "get"),
         ("/v1/breaker", "get"),

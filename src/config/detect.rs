@@ -195,3 +195,67 @@ pub(super) fn validate(d: &DetectorConfig, a: &AutoRulesConfig, p: &mut Problems
         );
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::super::Config;
+    use super::*;
+
+    fn fields(yaml: &str) -> Vec<String> {
+        match Config::from_yaml(yaml) {
+            Ok(_) => Vec::new(),
+            Err(errors) => errors.into_iter().map(|e| e.field).collect(),
+        }
+    }
+
+    #[test]
+    fn defaults_suggest_and_exempt_critical_callers() {
+        let cfg = Config::from_yaml("").unwrap();
+        assert!(cfg.detector.enabled);
+        assert_eq!(cfg.auto_rules.mode, AutoRulesMode::Suggest);
+        assert_eq!(cfg.auto_rules.exempt_priorities, [Priority::Critical]);
+        let cfg = Config::from_yaml(
+            "auto_rules: { mode: enforce, exempt_priorities: [critical, high], max_rules: 2 }\n\
+             detector: { tick_ms: 100, window_ms: 300 }\n",
+        )
+        .unwrap();
+        assert_eq!(cfg.auto_rules.mode, AutoRulesMode::Enforce);
+        assert_eq!(cfg.auto_rules.max_rules, 2);
+        assert_eq!(cfg.detector.window_ms, 300);
+    }
+
+    #[test]
+    fn bad_values_name_their_field() {
+        assert_eq!(fields("detector: { tick_ms: 5 }\n"), ["detector.tick_ms"]);
+        assert_eq!(
+            fields("detector: { tick_ms: 500, window_ms: 200 }\n"),
+            ["detector.window_ms"]
+        );
+        assert_eq!(
+            fields("detector: { step_factor: 1 }\n"),
+            ["detector.step_factor"]
+        );
+        assert_eq!(
+            fields("detector: { error_share: 1.5 }\n"),
+            ["detector.error_share"]
+        );
+        assert_eq!(
+            fields("auto_rules: { ttl_seconds: 0 }\n"),
+            ["auto_rules.ttl_seconds"]
+        );
+        assert_eq!(
+            fields("detector: { enabled: false }\nauto_rules: { mode: enforce }\n"),
+            ["auto_rules.mode"]
+        );
+        let unknown = Config::from_yaml("auto_rules: { mode: always }\n").unwrap_err();
+        assert!(
+            unknown[0].message.contains("unknown variant `always`"),
+            "{:?}",
+            unknown[0]
+        );
+        assert!(
+            Config::from_yaml("detector: { step: 3 }\n").is_err(),
+            "unknown keys are errors"
+        );
+    }
+}
