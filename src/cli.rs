@@ -262,6 +262,12 @@ struct Client {
     token: Option<String>,
 }
 
+/// `GET path` on the admin API at `conn`: the JSON answer of a 2xx, else the server's error
+/// (for tools beside the CLI, such as the storm tool's anomaly poller).
+pub async fn admin_get(conn: &AdminConn, path: &str) -> anyhow::Result<Value> {
+    Client::new(conn.clone()).call("GET", path, None).await
+}
+
 impl Client {
     fn new(conn: AdminConn) -> Self {
         Client {

@@ -5,7 +5,8 @@
 //! retrying naively or with full-jitter backoff), `incident` (issue 17's: payment and
 //! analytics running, then 1 500 clients each log in anew, run BEGIN + 5 INSERTs + COMMIT and
 //! retry the whole session on any error), `noisy-neighbour` (an analytics flood next to a
-//! steady critical billing caller), `steady` (read/write mix) and `idle` (hold N logged-in
+//! steady critical billing caller), `pattern-step` (one query pattern steps 30x among steady
+//! traffic; how fast pgsluice's detector names it), `steady` (read/write mix) and `idle` (hold N logged-in
 //! connections, for memory measurements). Output: per-caller throughput and
 //! latency, refusals and errors by reason, the most backend connections seen (with
 //! `--monitor`) on stdout; progress on stderr; optionally a CSV time series, an SVG chart and
@@ -37,6 +38,9 @@ enum Scenario {
     Incident,
     /// Analytics floods with --analytics-conns connections while billing runs at a steady rate.
     NoisyNeighbour,
+    /// Steady patterns and billing, then one pattern steps --step-factor times within
+    /// --ramp-ms; with --admin, how long pgsluice's detector took to name it (issue 18).
+    PatternStep,
     /// Read/write mix on --clients connections.
     Steady,
     /// Hold --clients logged-in idle connections for --hold-secs.
@@ -117,6 +121,28 @@ struct Cli {
     /// Steady: total statements per second (default: closed loop, as fast as it goes).
     #[arg(long)]
     rate: Option<f64>,
+    /// Pattern step: pgsluice's admin API (`/v1/anomalies` is polled every 50 ms).
+    #[arg(long)]
+    admin: Option<std::net::SocketAddr>,
+    /// Pattern step: a read token for --admin.
+    #[arg(long, env = "PGSLUICE_ADMIN_TOKEN", hide_env_values = true)]
+    admin_token: Option<String>,
+    /// Pattern step: the hot pattern's rate before the step, per second.
+    #[arg(long, default_value_t = 20.0)]
+    hot_rate: f64,
+    /// Pattern step: the hot pattern's rate after the step, as a multiple of --hot-rate.
+    #[arg(long, default_value_t = 30.0)]
+    step_factor: f64,
+    /// Pattern step: the steady patterns' rate, per second, all together.
+    #[arg(long, default_value_t = 200.0)]
+    steady_rate: f64,
+    /// Pattern step: the stepped pattern [default: a range aggregate of a few ms].
+    #[arg(long)]
+    hot_sql: Option<String>,
+    /// Pattern step: no step, steady traffic for --duration-secs (every anomaly named is a
+    /// false positive).
+    #[arg(long)]
+    no_step: bool,
     /// Idle: seconds to hold the connections once all are open.
     #[arg(long, default_value_t = 10)]
     hold_secs: u64,
@@ -176,7 +202,7 @@ impl Cli {
             Scenario::Incident => 1_500,
             Scenario::Steady => 16,
             Scenario::Idle => 10_000,
-            Scenario::NoisyNeighbour => 0,
+            Scenario::NoisyNeighbour | Scenario::PatternStep => 0,
         })
     }
 
@@ -190,6 +216,10 @@ impl Cli {
     }
 
     fn calm_secs(&self) -> f64 {
+        if self.scenario == Scenario::PatternStep {
+            // Past the detector's 10 s warm-up, with some baseline after it.
+            return self.calm_secs.unwrap_or(15.0);
+        }
         self.or(self.calm_secs, (3.0, 4.0))
     }
 
@@ -247,6 +277,7 @@ fn needed_fds(cli: &Cli) -> u64 {
     let base = cli.billing().0 + 16;
     match cli.scenario {
         Scenario::NoisyNeighbour => base + cli.analytics_conns(),
+        Scenario::PatternStep => base + 22,
         Scenario::Incident => base + cli.analytics_conns() + cli.clients(),
         _ => base + cli.clients(),
     }
@@ -432,6 +463,34 @@ async fn run(cli: Cli, probe: tokio::runtime::Handle) -> Result<(), String> {
                 done.clone(),
             );
             scenarios::noisy(ctx, billing, cli.analytics_conns(), calm, duration, phase).await
+        }
+        Scenario::PatternStep => {
+            let phase = Phase::new(&["warmup", "calm", "step"]);
+            let _progress = scenarios::progress(
+                rec.clone(),
+                Some(phase.clone()),
+                Arc::new(String::new),
+                done.clone(),
+            );
+            let shape = storm::step::StepShape {
+                calm,
+                duration,
+                billing,
+                steady_rate: cli.steady_rate,
+                hot_rate: cli.hot_rate,
+                factor: cli.step_factor.max(1.0),
+                ramp: Duration::from_millis(cli.ramp_ms),
+                step: !cli.no_step,
+                hot_sql: cli
+                    .hot_sql
+                    .clone()
+                    .unwrap_or_else(|| storm::step::HOT_SQL.to_owned()),
+                admin: cli.admin.map(|admin| pgsluice::cli::AdminConn {
+                    admin,
+                    token: cli.admin_token.clone(),
+                }),
+            };
+            storm::step::run(ctx, shape, phase).await
         }
         Scenario::Steady => {
             let _progress =

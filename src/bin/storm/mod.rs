@@ -8,6 +8,8 @@
 //! reconnect  the reconnect storm (calm → N clients in 500 ms flushing writes → after)
 //! incident   issue 17's incident (payment + analytics, then N clients each logging in
 //!            anew for one transaction, retrying the whole session)
+//! step       issue 18's pattern step (steady patterns, then one steps 30x; polls
+//!            pgsluice's /v1/anomalies for the time to detection and false positives)
 //! monitor    backend connections from pg_stat_activity on a direct connection
 //! record     counters, histograms (hist) and the 100 ms time series
 //! report     tables on stdout, summary file, CSV; chart: the SVG
@@ -23,3 +25,4 @@ pub mod reconnect;
 pub mod record;
 pub mod report;
 pub mod scenarios;
+pub mod step;
