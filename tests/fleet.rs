@@ -9,7 +9,9 @@
 //!   without a configured `peer_id` claim one in Redis);
 //! * Redis killed: every instance keeps enforcing its rules, writes are refused with 503;
 //!   Redis back (empty, as without persistence): it is re-seeded and changes flow again;
-//! * two instances configured with one `instance_id` are reported in the log.
+//! * two instances configured with one `instance_id` are reported in the log;
+//! * an automatic rule one instance's anomaly detector installs (`auto_rules.mode: enforce`)
+//!   is enforced by the other, and the other does not install one of its own.
 
 mod support;
 
@@ -493,4 +495,47 @@ async fn two_instances_under_one_instance_id_are_reported() {
     .await;
     let members = admin(&twins[0], "GET", "/v1/fleet", None).await.1["members"].clone();
     assert_eq!(members.as_array().map(Vec::len), Some(1), "{members}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_automatic_rule_from_one_instance_is_enforced_by_the_fleet() {
+    let extra = "detector: { tick_ms: 100, window_ms: 200, warmup_ms: 1500 }\n\
+                 auto_rules: { mode: enforce, ttl_seconds: 60 }\n";
+    let Some(fleet) = start(2, extra) else { return };
+    fleet.settled(2).await;
+    let (p1, p2) = (&fleet.proxies[0], &fleet.proxies[1]);
+    let c1 = p1.client().await;
+    let c2 = p2.client().await;
+    let hot = "SELECT 41 + 1 AS hot";
+    let fp = fingerprint(hot);
+    // A baseline of a few per second on the first instance, past the warm-up.
+    for _ in 0..20 {
+        run(&c1, hot).await.expect("steady");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    // The step, on the first instance only: until its own rule refuses it.
+    let stepped = Instant::now();
+    let mut refused = false;
+    while !refused && stepped.elapsed() < STEP {
+        refused = run(&c1, hot).await.is_err();
+    }
+    assert!(refused, "the flood on i1 was never refused");
+    let (status, rule) = admin(p1, "GET", &rule_path(&fp), None).await;
+    assert_eq!(status, 200, "{rule}");
+    assert_eq!(rule["origin"], "auto", "{rule}");
+    // The second instance enforces the same rule without having seen the flood.
+    eventually(STEP, "i2 has the automatic rule", || async {
+        admin(p2, "GET", &rule_path(&fp), None).await.1["origin"] == json!("auto")
+    })
+    .await;
+    until(&c2, hot, true).await;
+    assert_eq!(
+        metric(p2, r#"pgsluice_auto_rules_total{outcome="installed"}"#).await,
+        0.0,
+        "i2 installed nothing itself"
+    );
+    assert_eq!(
+        metric(p1, r#"pgsluice_auto_rules_total{outcome="installed"}"#).await,
+        1.0
+    );
 }
