@@ -69,6 +69,24 @@ fn pgsluice(args: &[&str]) -> (bool, String, String) {
     )
 }
 
+/// `pgsluice top --sort calls --limit 50` against `proxy`: its output.
+async fn top(proxy: &Proxy) -> String {
+    let admin_addr = proxy.admin_addr().expect("admin address").to_string();
+    let (ok, out, err) = pgsluice(&[
+        "top",
+        "--admin",
+        &admin_addr,
+        "--token",
+        ADMIN_READ_TOKEN,
+        "--sort",
+        "calls",
+        "--limit",
+        "50",
+    ]);
+    assert!(ok, "pgsluice top: {err}");
+    out
+}
+
 /// The fingerprint `pgsluice fingerprint` prints for `sql` (run offline, no proxy named).
 fn offline_fingerprint(sql: &str) -> String {
     let (ok, out, err) = pgsluice(&["fingerprint", sql]);
@@ -339,19 +357,7 @@ async fn stats_show_the_current_rate_and_lock_waits_per_fingerprint() {
     let (status, v) = admin(proxy, "GET", "/v1/fingerprints?sort=qps&limit=5", None).await;
     assert_eq!(status, 200, "{v}");
     assert_eq!(v["sort"], "qps");
-    let admin_addr = proxy.admin_addr().expect("admin address").to_string();
-    let (ok, out, err) = pgsluice(&[
-        "top",
-        "--admin",
-        &admin_addr,
-        "--token",
-        ADMIN_READ_TOKEN,
-        "--sort",
-        "calls",
-        "--limit",
-        "50",
-    ]);
-    assert!(ok, "pgsluice top: {err}");
+    let out = top(proxy).await;
     let mut lines = out.lines();
     let head: Vec<&str> = lines
         .next()
@@ -552,17 +558,7 @@ async fn a_stepped_pattern_is_named_and_throttled_automatically_while_others_pas
     assert_eq!(a["rule"]["origin"], "auto", "{v}");
 
     // `pgsluice top` names it.
-    let admin_addr = proxy.admin_addr().expect("admin address").to_string();
-    let (ok, out, err) = pgsluice(&[
-        "top",
-        "--admin",
-        &admin_addr,
-        "--token",
-        ADMIN_READ_TOKEN,
-        "--sort",
-        "calls",
-    ]);
-    assert!(ok, "pgsluice top: {err}");
+    let out = top(proxy).await;
     assert!(
         out.contains(&format!("ANOMALY fingerprint {hot} (above): rate_step"))
             && out.contains("rule in place: THROTTLE enforce (auto)"),

@@ -43,7 +43,8 @@ use serde::Serialize;
 
 use super::stats::{CounterSnapshot, Counters, FingerprintCounters};
 
-/// The detector's knobs (`detector:` in the config file).
+/// The detector's knobs: `detector:` in the config file, whose defaults they take
+/// (`admin::anomalies::settings`).
 #[derive(Debug, Clone, PartialEq)]
 pub struct Settings {
     pub tick_ms: u64,
@@ -60,27 +61,6 @@ pub struct Settings {
     pub error_share: f64,
     pub lock_wait_share: f64,
     pub min_calls: u64,
-}
-
-impl Default for Settings {
-    fn default() -> Self {
-        Settings {
-            tick_ms: 250,
-            window_ms: 500,
-            step_factor: 10.0,
-            min_qps: 20.0,
-            baseline_floor_qps: 5.0,
-            baseline_half_life_ms: 60_000,
-            warmup_ms: 10_000,
-            clear_after_ms: 10_000,
-            confirm_ticks: 2,
-            time_share: 0.25,
-            time_floor_ms_per_s: 50.0,
-            error_share: 0.5,
-            lock_wait_share: 0.5,
-            min_calls: 5,
-        }
-    }
 }
 
 /// Which test fired.
