@@ -12,8 +12,8 @@
 #                      only difference), interleaved rounds: the median TPS ratio.
 # Prints each run's report and a summary table.
 #
-# Usage: benches/detect.sh [--steady-secs S] [--rounds N] [--skip-steady] [--no-build]
-#          [--port-base P] [--keep]
+# Usage: benches/detect.sh [--runs "step steady overhead"] [--steady-secs S] [--rounds N]
+#          [--no-build] [--port-base P] [--keep]
 # Needs PostgreSQL server binaries, psql, pgbench, cargo. As root, Postgres runs as `postgres`.
 set -euo pipefail
 
@@ -22,13 +22,13 @@ ROUNDS=6
 BUILD=1
 KEEP=0
 PORT_BASE=25600
-SKIP_STEADY=0
+RUNS="step steady overhead"
 usage() { awk 'NR > 1 && /^#/ {sub(/^# ?/, ""); print; next} NR > 1 {exit}' "$0"; exit "${1:-0}"; }
 while [ $# -gt 0 ]; do
   case "$1" in
     --steady-secs) STEADY_SECS=$2; shift 2 ;;
     --rounds) ROUNDS=$2; shift 2 ;;
-    --skip-steady) SKIP_STEADY=1; shift ;;
+    --runs) RUNS=$2; shift 2 ;;
     --no-build) BUILD=0; shift ;;
     --port-base) PORT_BASE=$2; shift 2 ;;
     --keep) KEEP=1; shift ;;
@@ -140,43 +140,49 @@ storm() {
 }
 get() { awk -v k="$2" '$1 == k { $1 = ""; sub(/^ /, ""); print; exit }' "$TMP/$1.summary"; }
 
-for mode in suggest enforce; do
-  log "pattern step, auto_rules.mode $mode"
-  start "step-$mode" "$mode"
-  storm "step-$mode" --duration-secs 20 >&2
-  stop "step-$mode"
-done
-if [ "$SKIP_STEADY" = 0 ]; then
+wants() { [[ " $RUNS " == *" $1 "* ]]; }
+if wants step; then
+  for mode in suggest enforce; do
+    log "pattern step, auto_rules.mode $mode"
+    start "step-$mode" "$mode"
+    storm "step-$mode" --duration-secs 20 >&2
+    stop "step-$mode"
+  done
+fi
+if wants steady; then
   log "steady traffic for ${STEADY_SECS}s (every anomaly is a false positive)"
   start steady enforce
   storm steady --no-step --duration-secs "$STEADY_SECS" >&2
   stop steady
 fi
 
-log "pgbench -S overhead: detector on vs off, $ROUNDS interleaved rounds"
-start on suggest
-start off off "detector: { enabled: false }"
-hz=$(getconf CLK_TCK)
-for r in $(seq 1 "$ROUNDS"); do
-  order="off on"
-  [ $((r % 2)) -eq 0 ] && order="on off"
-  for name in $order; do
-    c0=$(awk '{print $14 + $15}' "/proc/${PID[$name]}/stat")
-    out=$("$PGBENCH" -h 127.0.0.1 -p "${PORT[$name]}" -U postgres -S -c 16 -j 2 -T 8 bench 2>/dev/null)
-    c1=$(awk '{print $14 + $15}' "/proc/${PID[$name]}/stat")
-    tps=$(awk '/^tps/ {print $3}' <<<"$out")
-    n=$(awk '/processed:/ {print $NF}' <<<"$out" | cut -d/ -f1)
-    echo "$r $name $tps $(awk -v c=$((c1 - c0)) -v n="$n" -v hz="$hz" 'BEGIN {printf "%.2f", c * 1e6 / hz / n}')"
-  done
-done | tee "$TMP/rounds.txt" >&2
-overhead=$(awk '
-  $2 == "off" { t[$1, "a"] = $3; c[$1, "a"] = $4 }
-  $2 == "on" { t[$1, "b"] = $3; c[$1, "b"] = $4; if ($1 > n) n = $1 }
-  END {
-    for (r = 1; r <= n; r++) { tr[r] = t[r, "b"] / t[r, "a"]; cr[r] = c[r, "b"] / c[r, "a"] }
-    asort(tr); asort(cr); m = int((n + 1) / 2)
-    printf "TPS on/off %.3f (rounds: %d), proxy CPU per txn on/off %.3f", tr[m], n, cr[m]
-  }' "$TMP/rounds.txt")
+overhead="not run"
+if wants overhead; then
+  log "pgbench -S overhead: detector on vs off, $ROUNDS interleaved rounds"
+  start on suggest
+  start off off "detector: { enabled: false }"
+  hz=$(getconf CLK_TCK)
+  for r in $(seq 1 "$ROUNDS"); do
+    order="off on"
+    [ $((r % 2)) -eq 0 ] && order="on off"
+    for name in $order; do
+      c0=$(awk '{print $14 + $15}' "/proc/${PID[$name]}/stat")
+      out=$("$PGBENCH" -h 127.0.0.1 -p "${PORT[$name]}" -U postgres -S -c 16 -j 2 -T 8 bench 2>/dev/null)
+      c1=$(awk '{print $14 + $15}' "/proc/${PID[$name]}/stat")
+      tps=$(awk '/^tps/ {print $3}' <<<"$out")
+      n=$(awk '/processed:/ {print $NF}' <<<"$out" | cut -d/ -f1)
+      echo "$r $name $tps $(awk -v c=$((c1 - c0)) -v n="$n" -v hz="$hz" 'BEGIN {printf "%.2f", c * 1e6 / hz / n}')"
+    done
+  done | tee "$TMP/rounds.txt" >&2
+  overhead=$(awk '
+    $2 == "off" { t[$1, "a"] = $3; c[$1, "a"] = $4 }
+    $2 == "on" { t[$1, "b"] = $3; c[$1, "b"] = $4; if ($1 > n) n = $1 }
+    END {
+      for (r = 1; r <= n; r++) { tr[r] = t[r, "b"] / t[r, "a"]; cr[r] = c[r, "b"] / c[r, "a"] }
+      asort(tr); asort(cr); m = int((n + 1) / 2)
+      printf "TPS on/off %.3f (rounds: %d), proxy CPU per txn on/off %.3f", tr[m], n, cr[m]
+    }' "$TMP/rounds.txt")
+fi
 
 echo
 echo "## Culprit detection ($(date -u +%Y-%m-%d), $(nproc) cores)"
