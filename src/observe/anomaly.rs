@@ -28,8 +28,10 @@
 //!   baseline share is at most half that;
 //! - `lock_wait_share`: the same with the lock-wait share and `lock_wait_share`;
 //! - `db_time_share` (fingerprints): its share of all fingerprints' time in the window ≥
-//!   `time_share`, time rate ≥ `step_factor` × max(baseline, `time_floor_ms_per_s`), at least
-//!   `min_calls` calls — a slow pattern called aggressively.
+//!   `time_share` and grown over its baseline share (by as much as that was, up to 30
+//!   points: when everything slows down at once, no pattern is the culprit), time rate ≥
+//!   `step_factor` × max(baseline, `time_floor_ms_per_s`), at least `min_calls` calls — a
+//!   slow pattern called aggressively.
 //!
 //! To start, a signal must hold in the window *and* in the newest tick alone on
 //! `confirm_ticks` ticks in a row: one burst of completions after a stall stays in the window
@@ -249,6 +251,8 @@ struct State {
     time: Ewma,
     errors: Ewma,
     locks: Ewma,
+    /// Fingerprints: the share of all fingerprints' time.
+    shares: Ewma,
     /// Seen during the warm-up: its baselines are bias-corrected means.
     corrected: bool,
     streak: u32,
@@ -272,6 +276,7 @@ impl State {
             time: Ewma::default(),
             errors: Ewma::default(),
             locks: Ewma::default(),
+            shares: Ewma::default(),
             corrected,
             streak: 0,
             active: None,
@@ -299,6 +304,7 @@ struct Bases {
     time: f64,
     errors: f64,
     locks: f64,
+    share: f64,
 }
 
 impl Settings {
@@ -332,9 +338,13 @@ impl Settings {
             let ratio = r.lock_share / self.lock_wait_share;
             return Some((Signal::LockWaitShare, b.locks, r.lock_share, ratio));
         }
+        // A pattern's share must grow too (by as much as it was, up to 30 points): when
+        // everything slows down at once (the host starved of CPU, a checkpoint), every
+        // pattern's time steps but no pattern is the culprit.
         if is_fp
             && enough
             && share >= k * self.time_share
+            && share >= b.share + k * b.share.min(0.3)
             && r.ms_per_s >= k * self.step_factor * time_ref
         {
             let ratio = r.ms_per_s / time_ref;
@@ -452,7 +462,13 @@ impl Detector {
             // each tick weighs what its half-life says (a bias-corrected mean with little
             // weight behind it would follow a flood far faster).
             for st in self.states.values_mut().filter(|st| st.corrected) {
-                for e in [&mut st.rate, &mut st.time, &mut st.errors, &mut st.locks] {
+                for e in [
+                    &mut st.rate,
+                    &mut st.time,
+                    &mut st.errors,
+                    &mut st.locks,
+                    &mut st.shares,
+                ] {
                     e.settle();
                 }
                 st.corrected = false;
@@ -583,6 +599,7 @@ impl Detector {
                 time: st.time.get(st.corrected),
                 errors: st.errors.get(st.corrected),
                 locks: st.locks.get(st.corrected),
+                share: st.shares.get(st.corrected),
             };
             let (base_qps, base_time) = (bases.qps, bases.time);
             let is_fp = matches!(subject, Subject::Fingerprint(_));
@@ -680,7 +697,13 @@ impl Detector {
         }
         let half_life = self.settings.baseline_half_life_ms.max(1) as f64;
         let alpha = 1.0 - 0.5f64.powf(dt as f64 / half_life);
-        for st in self.states.values_mut() {
+        let tick_fp_ns: u64 = self
+            .states
+            .iter()
+            .filter(|(k, _)| matches!(k, Subject::Fingerprint(_)))
+            .map(|(_, st)| st.window.back().map_or(0, |(_, c)| c.total_ns))
+            .sum();
+        for (subject, st) in self.states.iter_mut() {
             let Some(&(tick_ms, last)) = st.window.back() else {
                 continue;
             };
@@ -695,6 +718,10 @@ impl Detector {
             if r.calls > 0 {
                 st.errors.update(r.error_share, a);
                 st.locks.update(r.lock_share, a);
+            }
+            if matches!(subject, Subject::Fingerprint(_)) && tick_fp_ns > 0 {
+                st.shares
+                    .update(last.total_ns as f64 / tick_fp_ns as f64, a);
             }
         }
     }

@@ -279,6 +279,20 @@ fn a_slow_pattern_called_aggressively_shows_in_the_time_share() {
 }
 
 #[test]
+fn everything_slowing_down_at_once_names_no_pattern() {
+    let mut sim = Sim::new();
+    sim.run(60, Sim::background);
+    // The host is starved: every statement takes 20 times longer for three seconds.
+    sim.run(3, |s| {
+        s.steady(1, "web", 40.0, 40.0);
+        s.steady(2, "web", 15.0, 100.0);
+        s.steady(3, "billing", 8.0, 20.0);
+    });
+    sim.run(10, Sim::background);
+    assert!(sim.started().is_empty(), "{:?}", sim.started().first());
+}
+
+#[test]
 fn errors_and_lock_waits_have_signals_of_their_own() {
     let mut sim = Sim::new();
     sim.run(60, Sim::background);
