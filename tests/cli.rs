@@ -5,6 +5,7 @@
 //!   built binary, so the README cannot drift from the code;
 //! * `PGSLUICE_*` variables configure the proxy against a real cluster, with the precedence
 //!   flags > environment > file;
+//! * its logs carry no ANSI colour codes when stderr is not a terminal;
 //! * `pgsluice top --watch` redraws until stopped.
 
 mod support;
@@ -13,6 +14,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{SocketAddr, TcpStream};
 use std::process::{Child, Command, Stdio};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use support::pg::{APP_DB, APP_PASSWORD, APP_USER, Cluster};
@@ -118,7 +120,9 @@ fn readme_command_line_lists_every_subcommand_flag_and_variable() {
         };
         let path: Vec<String> = rest
             .split_whitespace()
-            .take_while(|w| w.chars().all(|c| c.is_ascii_lowercase() || c == '-') && !w.starts_with('-'))
+            .take_while(|w| {
+                w.chars().all(|c| c.is_ascii_lowercase() || c == '-') && !w.starts_with('-')
+            })
             .map(str::to_owned)
             .collect();
         documented_paths.insert(path);
@@ -136,10 +140,12 @@ fn readme_command_line_lists_every_subcommand_flag_and_variable() {
         commands.keys().collect::<Vec<_>>()
     );
     let mut missing = Vec::new();
-    let mut all_flags = BTreeSet::new();
+    let mut all_flags: BTreeSet<String> = ["--help", "--version"].map(String::from).into();
     for (path, (flags, env)) in &commands {
         // A command with subcommands of its own (`rules`) is documented through them.
-        let has_children = commands.keys().any(|p| p.len() > path.len() && p.starts_with(path));
+        let has_children = commands
+            .keys()
+            .any(|p| p.len() > path.len() && p.starts_with(path));
         if !has_children && !documented_paths.contains(path) {
             missing.push(format!("command `pgsluice {}`", path.join(" ")));
         }
@@ -184,6 +190,8 @@ struct Spawned {
     child: Child,
     admin: SocketAddr,
     listen: SocketAddr,
+    /// Everything the proxy wrote to stderr (a pipe, not a terminal) so far.
+    stderr: Arc<Mutex<String>>,
 }
 
 impl Drop for Spawned {
@@ -205,8 +213,19 @@ fn spawn(envs: &[(&str, String)], args: &[&str]) -> Spawned {
         .env("PGSLUICE_ADMIN_READ_TOKEN", "read")
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
-        .stderr(Stdio::inherit());
+        .stderr(Stdio::piped());
     let mut child = cmd.spawn().expect("spawn pgsluice");
+    let stderr = Arc::new(Mutex::new(String::new()));
+    let pipe = child.stderr.take().expect("stderr");
+    let log = Arc::clone(&stderr);
+    std::thread::spawn(move || {
+        for line in BufReader::new(pipe).lines().map_while(Result::ok) {
+            eprintln!("[pgsluice] {line}");
+            let mut log = log.lock().expect("stderr lock");
+            log.push_str(&line);
+            log.push('\n');
+        }
+    });
     let stdout = child.stdout.take().expect("stdout");
     let (tx, rx) = std::sync::mpsc::channel();
     std::thread::spawn(move || {
@@ -231,6 +250,7 @@ fn spawn(envs: &[(&str, String)], args: &[&str]) -> Spawned {
         child,
         admin: admin.expect("admin address"),
         listen: listen.expect("listen address"),
+        stderr,
     }
 }
 
@@ -251,7 +271,10 @@ fn get(admin: SocketAddr, path: &str) -> (u16, String) {
         .nth(1)
         .and_then(|c| c.parse().ok())
         .unwrap_or(0);
-    let body = text.split_once("\r\n\r\n").map_or("", |(_, b)| b).to_owned();
+    let body = text
+        .split_once("\r\n\r\n")
+        .map_or("", |(_, b)| b)
+        .to_owned();
     (status, body)
 }
 
@@ -318,6 +341,13 @@ async fn environment_configures_the_proxy_and_flags_win() {
     let p = spawn(&envs, &[]);
     assert_ne!(p.listen.port(), 1);
     assert_eq!(pool_of(&p).await, ("session".to_owned(), 3));
+    // Logs into a pipe are plain text (no colour codes for journald, docker logs, files).
+    let log = p.stderr.lock().expect("stderr lock").clone();
+    assert!(log.contains("pgsluice listening"), "{log}");
+    assert!(
+        !log.contains('\x1b'),
+        "ANSI escapes in logs to a pipe: {log:?}"
+    );
     drop(p);
 
     // A flag over its variable.
@@ -339,5 +369,8 @@ async fn environment_configures_the_proxy_and_flags_win() {
     let frames = text.matches("pgsluice top, every 0.2 s").count();
     assert!(frames >= 3, "expected several redraws in 1.5 s:\n{text}");
     assert!(text.contains("FINGERPRINT"), "{text}");
-    assert!(!text.contains('\x1b'), "no escape codes into a pipe: {text:?}");
+    assert!(
+        !text.contains('\x1b'),
+        "no escape codes into a pipe: {text:?}"
+    );
 }
