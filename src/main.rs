@@ -65,6 +65,10 @@ enum Cmd {
         /// postgres://USER[:PASSWORD]@HOST:PORT/DB to check against, in place of the file's.
         #[arg(long, env = "PGSLUICE_BACKEND_URL", hide_env_values = true)]
         backend: Option<String>,
+        /// File holding the backend password, as for the proxy (a unit's ExecStartPre checks
+        /// with the credentials the service will use).
+        #[arg(long, value_name = "PATH", env = "PGSLUICE_BACKEND_PASSWORD_FILE")]
+        backend_password_file: Option<PathBuf>,
     },
     /// Print the normal form and fingerprint the proxy gives a statement (no proxy needed).
     Fingerprint(pgsluice::cli::FingerprintArgs),
@@ -106,9 +110,14 @@ fn env_password() -> Option<Secret> {
 
 /// `check-config`: the file (plus `--backend`), then what the database says about it. The
 /// environment's password and password files apply as at start.
-fn check_config(file: &PathBuf, backend: Option<String>) -> ExitCode {
+fn check_config(
+    file: &PathBuf,
+    backend: Option<String>,
+    backend_password_file: Option<PathBuf>,
+) -> ExitCode {
     let overrides = Overrides {
         backend,
+        backend_password_file,
         backend_password: env_password(),
         ..Overrides::default()
     };
@@ -152,8 +161,13 @@ fn check_config(file: &PathBuf, backend: Option<String>) -> ExitCode {
 
 fn main() -> ExitCode {
     let mut cli = Cli::parse();
-    if let Some(Cmd::CheckConfig { file, backend }) = &cli.cmd {
-        return check_config(file, backend.clone());
+    if let Some(Cmd::CheckConfig {
+        file,
+        backend,
+        backend_password_file,
+    }) = &cli.cmd
+    {
+        return check_config(file, backend.clone(), backend_password_file.clone());
     }
     if let Some(Cmd::Fingerprint(args)) = &cli.cmd {
         return match pgsluice::cli::fingerprint(args) {

@@ -354,6 +354,30 @@ async fn environment_configures_the_proxy_and_flags_win() {
     let p = spawn(&envs, &["--pool-size", "5", "--pool-mode", "transaction"]);
     assert_eq!(pool_of(&p).await, ("transaction".to_owned(), 5));
 
+    // check-config logs in with the same variables (the systemd unit's ExecStartPre): the
+    // URL from PGSLUICE_BACKEND_URL, the password from PGSLUICE_BACKEND_PASSWORD_FILE.
+    let mut check = Command::new(BIN);
+    for (k, _) in std::env::vars_os() {
+        if k.to_string_lossy().starts_with("PGSLUICE_") {
+            check.env_remove(k);
+        }
+    }
+    let out = check
+        .args(["check-config", &config.display().to_string()])
+        .envs(envs.iter().map(|(k, v)| (k, v)))
+        .output()
+        .expect("run check-config");
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{text}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        text.contains("max_connections="),
+        "check-config logged in with the environment's URL and password file: {text}"
+    );
+
     // `top --watch` redraws until stopped (not a terminal: one table after another).
     let mut top = Command::new(BIN)
         .args(["top", "--admin", &p.admin.to_string(), "--token", "read"])
