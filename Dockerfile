@@ -63,7 +63,8 @@ ENV PGSLUICE_CONFIG=/etc/pgsluice/pgsluice.yaml \
     PGSLUICE_ADMIN_LISTEN=0.0.0.0:9930
 
 # Liveness from the admin API, with bash's /dev/tcp (the slim image has no curl), on the
-# admin port PGSLUICE_ADMIN_LISTEN names.
+# admin port PGSLUICE_ADMIN_LISTEN names (move the admin port with that variable, not with
+# --admin-listen, or this check looks at the old one).
 HEALTHCHECK --interval=10s --timeout=3s --start-period=5s --retries=3 \
     CMD ["bash", "-c", "exec 3<>/dev/tcp/127.0.0.1/${PGSLUICE_ADMIN_LISTEN##*:} && printf 'GET /healthz HTTP/1.0\\r\\nHost: localhost\\r\\n\\r\\n' >&3 && head -n 1 <&3 | grep -q ' 200 '"]
 

@@ -236,13 +236,16 @@ print("  ok: deploy/systemd/pgsluice.service: Type=notify, reload by SIGHUP, har
 # The Kubernetes manifests.
 docs = list(yaml.safe_load_all(open("deploy/kubernetes/pgsluice.yaml")))
 by_kind = {d["kind"]: d for d in docs if d}
-for kind in ("ConfigMap", "Deployment", "Service"):
+for kind in ("ConfigMap", "Deployment", "Service", "PodDisruptionBudget"):
     kind in by_kind or die(f"deploy/kubernetes/pgsluice.yaml has no {kind}")
 cm, dep, svc = by_kind["ConfigMap"], by_kind["Deployment"], by_kind["Service"]
 pod = dep["spec"]["template"]
 labels = pod["metadata"]["labels"]
 dep["spec"]["selector"]["matchLabels"].items() <= labels.items() or die("Deployment selector does not match its pods")
 svc["spec"]["selector"].items() <= labels.items() or die("Service selector does not match the pods")
+pdb = by_kind["PodDisruptionBudget"]["spec"]
+pdb["selector"]["matchLabels"].items() <= labels.items() or die("PodDisruptionBudget selector does not match the pods")
+pdb.get("maxUnavailable", 0) < dep["spec"].get("replicas", 1) or die("the PodDisruptionBudget allows every replica down at once")
 spec = pod["spec"]
 (c,) = [c for c in spec["containers"] if c["name"] == "pgsluice"]
 env = {e["name"]: e for e in c.get("env", [])}
