@@ -6,8 +6,15 @@
 #   docker run --rm -p 6432:6432 -p 127.0.0.1:9930:9930 -e PGSLUICE_BACKEND_PASSWORD \
 #       pgsluice --backend postgres://app@db.example:5432/appdb
 #
-# The image's default config is config/pgsluice.yaml; the compose stack mounts ./config over
-# /etc/pgsluice instead. Needs BuildKit (the default builder of current Docker) for the
+# The same with the environment only (flags win over it):
+#   docker run --rm -p 6432:6432 -p 127.0.0.1:9930:9930 -e PGSLUICE_BACKEND_PASSWORD \
+#       -e PGSLUICE_BACKEND_URL=postgres://app@db.example:5432/appdb pgsluice
+#
+# The image's defaults are environment variables, so flags given to `docker run` add to them
+# instead of replacing them: PGSLUICE_CONFIG (config/pgsluice.yaml, copied in; the compose
+# stack mounts ./config over /etc/pgsluice), PGSLUICE_LISTEN and PGSLUICE_ADMIN_LISTEN (all
+# interfaces of the container). Any `pgsluice` subcommand works as the command too:
+# `docker run --rm pgsluice check-config /etc/pgsluice/pgsluice.yaml`. Needs BuildKit (the default builder of current Docker) for the
 # cache mounts, which keep the crates.io downloads and the target directory between builds.
 
 ARG RUST_IMAGE=rust:1.95-slim-bookworm
@@ -50,10 +57,15 @@ EXPOSE 6432 9930
 # finish for limits.shutdown_timeout_ms (30 s by default), then exit. Give it that long.
 STOPSIGNAL SIGTERM
 
-# Liveness from the admin API, with bash's /dev/tcp (the slim image has no curl).
+# Inside a container the proxy must listen on all interfaces to be reachable at all.
+ENV PGSLUICE_CONFIG=/etc/pgsluice/pgsluice.yaml \
+    PGSLUICE_LISTEN=0.0.0.0:6432 \
+    PGSLUICE_ADMIN_LISTEN=0.0.0.0:9930
+
+# Liveness from the admin API, with bash's /dev/tcp (the slim image has no curl), on the
+# admin port PGSLUICE_ADMIN_LISTEN names (move the admin port with that variable, not with
+# --admin-listen, or this check looks at the old one).
 HEALTHCHECK --interval=10s --timeout=3s --start-period=5s --retries=3 \
-    CMD ["bash", "-c", "exec 3<>/dev/tcp/127.0.0.1/9930 && printf 'GET /healthz HTTP/1.0\\r\\nHost: localhost\\r\\n\\r\\n' >&3 && head -n 1 <&3 | grep -q ' 200 '"]
+    CMD ["bash", "-c", "exec 3<>/dev/tcp/127.0.0.1/${PGSLUICE_ADMIN_LISTEN##*:} && printf 'GET /healthz HTTP/1.0\\r\\nHost: localhost\\r\\n\\r\\n' >&3 && head -n 1 <&3 | grep -q ' 200 '"]
 
 ENTRYPOINT ["/usr/local/bin/pgsluice"]
-# Inside a container the proxy must listen on all interfaces to be reachable at all.
-CMD ["--config", "/etc/pgsluice/pgsluice.yaml", "--listen", "0.0.0.0:6432", "--admin-listen", "0.0.0.0:9930"]

@@ -4,7 +4,13 @@
 #     they refer to files, services and images that exist (`docker compose config` as well
 #     when the compose plugin is installed; it needs no engine);
 #   - the Dockerfile copies everything the build reads (include_str! paths too), and
-#     .dockerignore does not hide any of it;
+#     .dockerignore does not hide any of it; its defaults are ENV (PGSLUICE_LISTEN, …) and
+#     an ENTRYPOINT, so `docker run IMAGE --flag` keeps them;
+#   - deploy/: the systemd unit (`systemd-analyze verify` and `security` when installed) and
+#     the Kubernetes manifests (probes on /readyz and /healthz, ports, mounts, credentials
+#     only from Secrets, the ConfigMap's config through `pgsluice check-config`); every
+#     PGSLUICE_* variable a shipping file sets is one the binary reads;
+#   - scripts/demo and the other scripts parse (`bash -n`; shellcheck when installed);
 #   - promtool check config / check rules, and `promtool test rules` with synthetic series
 #     that make every alert fire;
 #   - every metric name in the dashboard, the alerts and docs/OPERATIONS.md is one that
@@ -115,12 +121,27 @@ for sname, svc in services.items():
             os.path.exists(src) or die(f"{sname}: bind mount source {src} does not exist")
         else:
             src in declared_volumes or die(f"{sname}: volume {src} not declared")
+# pgsluice's settings: flags in `command` win over `environment`, which wins over the
+# image's ENV (the Dockerfile's defaults). The effective listen address must be 0.0.0.0 in
+# the container, the backend URL must name the postgres service, and no password may be in
+# argv (readable by every local user) or in the URL.
+text = open("Dockerfile").read()
+image_env = dict(re.findall(r"\b(PGSLUICE_[A-Z_]+)=(\S+)", re.sub(r"\\\n", " ", text.split("\nENV ", 1)[-1].split("\n\n", 1)[0])))
 cmd = services["pgsluice"].get("command") or []
-for flag in ("--config", "--listen", "--admin-listen", "--backend"):
-    flag in cmd or die(f"pgsluice command lacks {flag}")
-cmd[cmd.index("--listen") + 1].startswith("0.0.0.0:") or die("pgsluice must listen on 0.0.0.0 in its container")
-url = cmd[cmd.index("--backend") + 1]
-":" not in url.split("://", 1)[-1].rsplit("@", 1)[0] or die("the pgsluice command carries the backend password (argv is public): use PGSLUICE_BACKEND_PASSWORD")
+isinstance(cmd, list) or die("pgsluice command must be a list (no shell)")
+env = services["pgsluice"].get("environment") or {}
+isinstance(env, dict) or die("pgsluice environment must be a mapping")
+def setting(flag, var):
+    if flag in cmd:
+        return cmd[cmd.index(flag) + 1]
+    return env.get(var, image_env.get(var))
+for flag, var in (("--listen", "PGSLUICE_LISTEN"), ("--admin-listen", "PGSLUICE_ADMIN_LISTEN")):
+    (setting(flag, var) or "").startswith("0.0.0.0:") or die(f"pgsluice must listen on 0.0.0.0 in its container ({flag} / {var})")
+setting("--config", "PGSLUICE_CONFIG") == "/etc/pgsluice/pgsluice.yaml" or die("pgsluice must use the mounted example config")
+url = setting("--backend", "PGSLUICE_BACKEND_URL") or die("pgsluice has no backend URL (--backend / PGSLUICE_BACKEND_URL)")
+"@postgres:" in url or die(f"the backend URL {url} does not name the postgres service")
+":" not in url.split("://", 1)[-1].rsplit("@", 1)[0] or die("the backend URL carries the password: use PGSLUICE_BACKEND_PASSWORD")
+any("password" in str(a).lower() or "secret" in str(a).lower() for a in cmd) and die("a password in the pgsluice command (argv is public)")
 ports = " ".join(map(str, services["pgsluice"].get("ports") or []))
 ("6432" in ports and "9930" in ports) or die("pgsluice ports 6432 and 9930 not published")
 print(f"  ok: docker-compose.yml parses: services {', '.join(services)}; mounts and dependencies resolve")
@@ -134,6 +155,12 @@ froms = [args.get(m.group(1), m.group(0)) if (m := re.match(r"\$\{(\w+)\}", l.sp
          for l in lines if l.startswith("FROM ")]
 froms == ["rust:1.95-slim-bookworm", "debian:bookworm-slim"] or die(f"Dockerfile stages are {froms}")
 "cargo build --release --locked --bin pgsluice" in logical or die("Dockerfile build command")
+# `docker run IMAGE --flag` replaces CMD: the addresses and the config must not live there.
+[l for l in lines if l.startswith("CMD ")] and die("Dockerfile: no CMD (flags given to `docker run` would replace it); defaults go in ENV")
+entry = [l for l in lines if l.startswith("ENTRYPOINT ")]
+(entry and entry[-1] == 'ENTRYPOINT ["/usr/local/bin/pgsluice"]') or die("Dockerfile: ENTRYPOINT must be the binary (exec form)")
+for var, want in (("PGSLUICE_LISTEN", "0.0.0.0:6432"), ("PGSLUICE_ADMIN_LISTEN", "0.0.0.0:9930"), ("PGSLUICE_CONFIG", "/etc/pgsluice/pgsluice.yaml")):
+    image_env.get(var) == want or die(f"Dockerfile: ENV {var}={want} missing (found {image_env.get(var)})")
 users = [l.split()[1] for l in lines if l.startswith("USER ")]
 (users and users[-1].split(":")[0] not in ("root", "0")) or die("runtime image must run as non-root")
 expose = " ".join(l for l in lines if l.startswith("EXPOSE "))
@@ -170,6 +197,128 @@ if docker compose version >/dev/null 2>&1; then
     ok "docker compose config (no engine needed)"
 else
     echo "  note: the docker compose plugin is not installed: the compose file was checked with PyYAML only"
+fi
+
+section "deploy/: the systemd unit and the Kubernetes manifests"
+# Every PGSLUICE_* variable a shipping file sets must be one the binary reads (a string in
+# src/), so a typo cannot silently leave a default in place.
+grep -rhoE '"PGSLUICE_[A-Z_]+"' src | tr -d '"' | sort -u >"${WORK}/known-env.txt"
+python3 - "${WORK}/known-env.txt" "${WORK}/k8s-pgsluice.yaml" <<'PY'
+import configparser, re, sys
+import yaml
+
+def die(msg):
+    sys.exit(f"FAILED: {msg}")
+
+known = set(open(sys.argv[1]).read().split())
+for need in ("PGSLUICE_CONFIG", "PGSLUICE_LISTEN", "PGSLUICE_ADMIN_LISTEN", "PGSLUICE_BACKEND_URL",
+             "PGSLUICE_BACKEND_PASSWORD_FILE", "PGSLUICE_POOL_SIZE", "PGSLUICE_POOL_MODE"):
+    need in known or die(f"the binary does not read {need}")
+files = ("Dockerfile", "docker-compose.yml", "deploy/systemd/pgsluice.service", "deploy/kubernetes/pgsluice.yaml")
+for f in files:
+    for name in set(re.findall(r"\bPGSLUICE_[A-Z_]+\b", open(f).read())):
+        name in known or die(f"{f} sets {name}, which pgsluice does not read")
+print(f"  ok: every PGSLUICE_* variable in {', '.join(files)} is one pgsluice reads")
+
+# The systemd unit.
+unit = configparser.ConfigParser(strict=False, interpolation=None, delimiters=("=",))
+unit.optionxform = str
+unit.read_string(re.sub(r"(?m)^#.*\n", "", open("deploy/systemd/pgsluice.service").read()))
+svc = unit["Service"]
+svc.get("Type") == "notify" or die("the unit must be Type=notify (pgsluice sends READY=1)")
+svc.get("ExecReload", "").endswith("kill -HUP $MAINPID") or die("ExecReload must send SIGHUP")
+svc.get("ExecStart", "").split()[0] == "/usr/local/bin/pgsluice" or die("ExecStart")
+int(svc.get("TimeoutStopSec", "0")) > 30 or die("TimeoutStopSec must exceed the 30 s drain")
+for key in ("NoNewPrivileges", "ProtectSystem", "PrivateTmp", "RestrictAddressFamilies", "SystemCallFilter", "CapabilityBoundingSet"):
+    key in svc or die(f"the unit lacks the hardening option {key}")
+"PASSWORD=" not in open("deploy/systemd/pgsluice.service").read() or die("the unit sets a password")
+print("  ok: deploy/systemd/pgsluice.service: Type=notify, reload by SIGHUP, hardened, no password")
+
+# The Kubernetes manifests.
+docs = list(yaml.safe_load_all(open("deploy/kubernetes/pgsluice.yaml")))
+by_kind = {d["kind"]: d for d in docs if d}
+for kind in ("ConfigMap", "Deployment", "Service", "PodDisruptionBudget"):
+    kind in by_kind or die(f"deploy/kubernetes/pgsluice.yaml has no {kind}")
+cm, dep, svc = by_kind["ConfigMap"], by_kind["Deployment"], by_kind["Service"]
+pod = dep["spec"]["template"]
+labels = pod["metadata"]["labels"]
+dep["spec"]["selector"]["matchLabels"].items() <= labels.items() or die("Deployment selector does not match its pods")
+svc["spec"]["selector"].items() <= labels.items() or die("Service selector does not match the pods")
+pdb = by_kind["PodDisruptionBudget"]["spec"]
+pdb["selector"]["matchLabels"].items() <= labels.items() or die("PodDisruptionBudget selector does not match the pods")
+pdb.get("maxUnavailable", 0) < dep["spec"].get("replicas", 1) or die("the PodDisruptionBudget allows every replica down at once")
+spec = pod["spec"]
+(c,) = [c for c in spec["containers"] if c["name"] == "pgsluice"]
+env = {e["name"]: e for e in c.get("env", [])}
+for name, e in env.items():
+    if re.search(r"PASSWORD$|TOKEN$", name):
+        "value" not in e or die(f"{name} has a literal value in the manifest: use a Secret")
+value = lambda n: (env.get(n) or {}).get("value", "")
+url = value("PGSLUICE_BACKEND_URL") or die("no PGSLUICE_BACKEND_URL")
+":" not in url.split("://", 1)[-1].rsplit("@", 1)[0] or die("PGSLUICE_BACKEND_URL carries a password")
+ports = {p["name"]: p["containerPort"] for p in c["ports"]}
+listen, admin = value("PGSLUICE_LISTEN"), value("PGSLUICE_ADMIN_LISTEN")
+listen == f"0.0.0.0:{ports.get('postgres')}" or die(f"PGSLUICE_LISTEN {listen} vs the postgres port")
+admin == f"0.0.0.0:{ports.get('admin')}" or die(f"PGSLUICE_ADMIN_LISTEN {admin} vs the admin port")
+rp, lp = c["readinessProbe"]["httpGet"], c["livenessProbe"]["httpGet"]
+(rp["path"], rp["port"]) == ("/readyz", "admin") or die("readinessProbe must be GET /readyz on the admin port")
+(lp["path"], lp["port"]) == ("/healthz", "admin") or die("livenessProbe must be GET /healthz on the admin port")
+for p in svc["spec"]["ports"]:
+    p["targetPort"] in ports or die(f"Service targetPort {p['targetPort']} is no container port")
+mounts = {m["mountPath"]: m["name"] for m in c["volumeMounts"]}
+volumes = {v["name"]: v for v in spec["volumes"]}
+for path, vol in mounts.items():
+    vol in volumes or die(f"volumeMount {path} names no volume {vol}")
+def mounted(file):
+    for path, vol in mounts.items():
+        if file.startswith(path.rstrip("/") + "/"):
+            return volumes[vol], file[len(path.rstrip("/")) + 1:]
+    die(f"{file} is on no mounted volume")
+vol, key = mounted(value("PGSLUICE_CONFIG"))
+vol.get("configMap", {}).get("name") == cm["metadata"]["name"] or die("PGSLUICE_CONFIG is not on the ConfigMap volume")
+key in cm["data"] or die(f"the ConfigMap has no key {key}")
+vol, key = mounted(value("PGSLUICE_BACKEND_PASSWORD_FILE"))
+key in [i["path"] for i in vol["secret"]["items"]] or die("PGSLUICE_BACKEND_PASSWORD_FILE is not an item of the Secret volume")
+sc, psc = c.get("securityContext", {}), spec.get("securityContext", {})
+(psc.get("runAsNonRoot") and sc.get("readOnlyRootFilesystem") and sc.get("allowPrivilegeEscalation") is False) or \
+    die("the container must run as non-root, read-only, without privilege escalation")
+"/var/lib/pgsluice" in mounts or die("the rules file's directory (/var/lib/pgsluice) must be a writable volume")
+config = yaml.safe_load(cm["data"]["pgsluice.yaml"])
+drain_s = (config.get("limits", {}).get("shutdown_timeout_ms", 30000)) / 1000
+spec.get("terminationGracePeriodSeconds", 30) > drain_s or die("terminationGracePeriodSeconds must exceed limits.shutdown_timeout_ms")
+open(sys.argv[2], "w").write(cm["data"]["pgsluice.yaml"])
+print("  ok: deploy/kubernetes/pgsluice.yaml: probes on /readyz and /healthz, ports, mounts, Secret-only credentials, grace period above the drain")
+PY
+passed=$((passed + 3))
+out=$(timeout 30 "${PGSLUICE_BIN}" check-config "${WORK}/k8s-pgsluice.yaml") ||
+    fail "the Kubernetes ConfigMap's pgsluice.yaml does not validate (exit $?)"
+grep -q ': OK$' <<<"${out}" || fail "check-config of the ConfigMap's pgsluice.yaml did not report OK"
+ok "pgsluice check-config: the ConfigMap's pgsluice.yaml"
+if command -v systemd-analyze >/dev/null 2>&1; then
+    # verify needs the binary at ExecStart: point it at the one under test.
+    BIN_FOR_UNIT=$(cd "$(dirname "${PGSLUICE_BIN}")" && pwd)/$(basename "${PGSLUICE_BIN}")
+    sed "s|/usr/local/bin/pgsluice|${BIN_FOR_UNIT}|g" deploy/systemd/pgsluice.service >"${WORK}/pgsluice.service"
+    out=$(systemd-analyze verify "${WORK}/pgsluice.service" 2>&1) || fail "systemd-analyze verify: ${out}"
+    [[ -z ${out} ]] || fail "systemd-analyze verify warns: ${out}"
+    ok "systemd-analyze verify deploy/systemd/pgsluice.service"
+    exposure=$(systemd-analyze security --offline=true "${WORK}/pgsluice.service" 2>&1 |
+        sed -n 's/.*Overall exposure level for [^:]*: \([0-9.]*\).*/\1/p')
+    [[ -n ${exposure} ]] || fail "systemd-analyze security printed no exposure level"
+    awk -v e="${exposure}" 'BEGIN { exit !(e <= 2.0) }' ||
+        fail "systemd-analyze security: exposure ${exposure} above 2.0 (hardening options lost?)"
+    ok "systemd-analyze security: exposure ${exposure} (at most 2.0)"
+else
+    echo "  note: systemd-analyze is not installed: the unit was checked by parsing only"
+fi
+
+section "scripts"
+for script in scripts/demo scripts/test scripts/check-ship.sh .ci/run benches/*.sh; do
+    bash -n "${script}" || fail "${script} does not parse"
+done
+ok "scripts/demo, scripts/test, scripts/check-ship.sh, .ci/run and benches/*.sh parse (bash -n)"
+if command -v shellcheck >/dev/null 2>&1; then
+    shellcheck -S warning scripts/demo || fail "shellcheck scripts/demo"
+    ok "shellcheck scripts/demo"
 fi
 
 section "Grafana provisioning and dashboard"
@@ -407,22 +556,24 @@ out=$(timeout 30 "${PGSLUICE_BIN}" check-config config/pgsluice.yaml) ||
 echo "${out}"
 grep -q ': OK$' <<<"${out}" || fail "pgsluice check-config did not report OK"
 ok "pgsluice check-config config/pgsluice.yaml"
-help=$(timeout 30 "${PGSLUICE_BIN}" --help)
-for flag in --config --listen --admin-listen --backend; do
-    grep -q -- "${flag}" <<<"${help}" || fail "pgsluice --help does not list ${flag} (used by the compose file and the image)"
+help=$(env -u PGSLUICE_BACKEND_URL timeout 30 "${PGSLUICE_BIN}" --help)
+for var in PGSLUICE_CONFIG PGSLUICE_LISTEN PGSLUICE_ADMIN_LISTEN PGSLUICE_BACKEND_URL; do
+    grep -qE -- "\[env: ${var}[]=]" <<<"${help}" || fail "pgsluice --help does not list ${var} (used by the compose file and the image)"
 done
-ok "the CLI has the flags the compose file and the image use"
+ok "the CLI reads the variables the compose file and the image use"
 
-# Smoke start: the example config with the flags the image/compose use, on ephemeral
-# loopback ports, in a scratch working directory (the rules file is relative). No client
+# Smoke start: the example config configured the way the image and the compose stack do it,
+# through the environment, on ephemeral loopback ports, in a scratch working directory (the
+# rules file is relative). No client
 # connects; the example's min_idle makes the proxy try to warm its pool at a port where
 # nothing listens, which fails and backs off without affecting the checks.
 BIN_ABS=$(cd "$(dirname "${PGSLUICE_BIN}")" && pwd)/$(basename "${PGSLUICE_BIN}")
 (
     cd "${WORK}"
-    exec env -u PGSLUICE_ADMIN_TOKEN -u PGSLUICE_ADMIN_READ_TOKEN "${BIN_ABS}" \
-        --config "${ROOT}/config/pgsluice.yaml" --listen 127.0.0.1:0 --admin-listen 127.0.0.1:0 \
-        --backend postgres://app:secret@127.0.0.1:1/appdb
+    exec env -u PGSLUICE_ADMIN_TOKEN -u PGSLUICE_ADMIN_READ_TOKEN \
+        PGSLUICE_CONFIG="${ROOT}/config/pgsluice.yaml" PGSLUICE_LISTEN=127.0.0.1:0 \
+        PGSLUICE_ADMIN_LISTEN=127.0.0.1:0 PGSLUICE_BACKEND_URL=postgres://app@127.0.0.1:1/appdb \
+        PGSLUICE_BACKEND_PASSWORD=secret "${BIN_ABS}"
 ) >"${WORK}/proxy.out" 2>"${WORK}/proxy.err" &
 PROXY_PID=$!
 admin=""

@@ -43,7 +43,7 @@ pub struct AdminConn {
 }
 
 /// Client subcommands; `main` flattens them next to its own.
-#[derive(Subcommand, Debug)]
+#[derive(Subcommand, Debug, Clone)]
 pub enum AdminCmd {
     /// Runtime fingerprint rules of a running proxy.
     Rules {
@@ -67,10 +67,13 @@ pub enum AdminCmd {
         /// Print the API's JSON instead of a table.
         #[arg(long)]
         json: bool,
+        /// Redraw every SECS seconds (2 without a value) until Ctrl-C.
+        #[arg(long, value_name = "SECS", num_args = 0..=1, default_missing_value = "2")]
+        watch: Option<f64>,
     },
 }
 
-#[derive(Subcommand, Debug)]
+#[derive(Subcommand, Debug, Clone)]
 pub enum RulesCmd {
     /// List rules with their counters and expiry.
     List {
@@ -86,7 +89,7 @@ pub enum RulesCmd {
     Delete { hash: String },
 }
 
-#[derive(Args, Debug)]
+#[derive(Args, Debug, Clone)]
 #[command(allow_negative_numbers = true)]
 pub struct PutArgs {
     /// Fingerprint, 16 hex digits (see `pgsluice top`).
@@ -165,6 +168,12 @@ impl PutArgs {
 
 /// Runs one client subcommand, printing to stdout.
 pub async fn run(cmd: AdminCmd) -> anyhow::Result<()> {
+    if let AdminCmd::Top {
+        watch: Some(secs), ..
+    } = &cmd
+    {
+        return watch_top(cmd.clone(), *secs).await;
+    }
     match cmd {
         AdminCmd::Rules { conn, cmd } => {
             let c = Client::new(conn);
@@ -203,6 +212,7 @@ pub async fn run(cmd: AdminCmd) -> anyhow::Result<()> {
             limit,
             caller,
             json,
+            watch: _,
         } => {
             let c = Client::new(conn);
             let mut path = format!(
@@ -224,6 +234,50 @@ pub async fn run(cmd: AdminCmd) -> anyhow::Result<()> {
         }
     }
     Ok(())
+}
+
+/// `top --watch`: the table again every `secs` seconds until Ctrl-C, on a cleared screen at a
+/// terminal, one after another with a time line otherwise. A failed request (the proxy
+/// restarting) is shown in place of the table and the watch goes on.
+async fn watch_top(mut cmd: AdminCmd, secs: f64) -> anyhow::Result<()> {
+    use std::io::IsTerminal;
+    let every = Duration::try_from_secs_f64(secs)
+        .ok()
+        .filter(|d| *d >= Duration::from_millis(100))
+        .ok_or_else(|| anyhow!("--watch takes a number of seconds, at least 0.1"))?;
+    if let AdminCmd::Top { watch, .. } = &mut cmd {
+        *watch = None;
+    }
+    let tty = std::io::stdout().is_terminal();
+    loop {
+        if tty {
+            // Cursor home, clear the screen.
+            emit("\x1b[H\x1b[2J")?;
+        }
+        emit(&format!(
+            "pgsluice top, every {secs} s, {} UTC (Ctrl-C to stop)\n\n",
+            clock_utc(std::time::SystemTime::now())
+        ))?;
+        if let Err(e) = Box::pin(run(cmd.clone())).await {
+            emit(&format!("pgsluice: {e:#}\n"))?;
+        }
+        if !tty {
+            emit("\n")?;
+        }
+        tokio::select! {
+            _ = tokio::time::sleep(every) => {}
+            _ = tokio::signal::ctrl_c() => return Ok(()),
+        }
+    }
+}
+
+/// `HH:MM:SS` of a time of day in UTC (no calendar needed for a watch header).
+fn clock_utc(t: std::time::SystemTime) -> String {
+    let s = t
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs())
+        % 86_400;
+    format!("{:02}:{:02}:{:02}", s / 3600, s / 60 % 60, s % 60)
 }
 
 fn pretty(v: &Value) -> anyhow::Result<String> {

@@ -17,6 +17,7 @@
 //! observe   per-fingerprint statistics, Prometheus metrics
 //! admin     HTTP API on its own port (rules, stats, /metrics); cli: its terminal client
 //! fleet     optional: instances as one through Redis (membership, rules, leased rates)
+//! systemd   READY/RELOADING/STOPPING notifications for a `Type=notify` unit
 //! ```
 
 pub mod admin;
@@ -36,4 +37,5 @@ pub mod probe;
 pub mod protocol;
 pub mod server;
 pub mod session;
+pub mod systemd;
 pub mod tls;

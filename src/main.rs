@@ -1,5 +1,9 @@
 //! `pgsluice` command line: run the proxy, check a config file, fingerprint a statement
 //! offline, or talk to a running proxy's admin API (`rules`, `top`).
+//!
+//! The proxy's flags may also come from `PGSLUICE_*` environment variables (clap's `env`),
+//! which is how containers and units configure it: a flag wins over its variable, and both
+//! win over the file. Under systemd (`Type=notify`) it reports READY, RELOADING and STOPPING.
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -22,30 +26,30 @@ struct Cli {
     #[arg(long, short = 'c', env = "PGSLUICE_CONFIG")]
     config: Option<PathBuf>,
     /// Address clients connect to [default: 127.0.0.1:6432].
-    #[arg(long)]
+    #[arg(long, env = "PGSLUICE_LISTEN")]
     listen: Option<SocketAddr>,
     /// postgres://USER[:PASSWORD]@HOST:PORT/DB — that user may log in with that password.
-    #[arg(long)]
+    #[arg(long, env = "PGSLUICE_BACKEND_URL", hide_env_values = true)]
     backend: Option<String>,
     /// File holding the backend user's password (one trailing newline ignored), in place of
     /// the URL's; keeps it off the command line. PGSLUICE_BACKEND_PASSWORD (the password
     /// itself) and backend.password_file do the same, with lower precedence. Re-read on reload.
-    #[arg(long, value_name = "PATH")]
+    #[arg(long, value_name = "PATH", env = "PGSLUICE_BACKEND_PASSWORD_FILE")]
     backend_password_file: Option<PathBuf>,
     /// Backend connections per (database, user) pool.
-    #[arg(long)]
+    #[arg(long, env = "PGSLUICE_POOL_SIZE")]
     pool_size: Option<usize>,
     /// transaction or session.
-    #[arg(long)]
+    #[arg(long, env = "PGSLUICE_POOL_MODE")]
     pool_mode: Option<PoolMode>,
     /// Runtime threads: 1 = one thread, N = a pool of N, 0 = automatic (1 on ≤ 2 CPUs).
-    #[arg(long)]
+    #[arg(long, env = "PGSLUICE_WORKER_THREADS")]
     worker_threads: Option<usize>,
     /// Admin HTTP API address [default: 127.0.0.1:9930].
-    #[arg(long)]
+    #[arg(long, env = "PGSLUICE_ADMIN_LISTEN")]
     admin_listen: Option<SocketAddr>,
-    /// Log as JSON lines.
-    #[arg(long)]
+    /// Log as JSON lines (PGSLUICE_LOG_JSON: any value but 0, false, no, off or empty).
+    #[arg(long, env = "PGSLUICE_LOG_JSON", value_parser = clap::builder::FalseyValueParser::new())]
     log_json: bool,
     #[command(subcommand)]
     cmd: Option<Cmd>,
@@ -59,8 +63,12 @@ enum Cmd {
     CheckConfig {
         file: PathBuf,
         /// postgres://USER[:PASSWORD]@HOST:PORT/DB to check against, in place of the file's.
-        #[arg(long)]
+        #[arg(long, env = "PGSLUICE_BACKEND_URL", hide_env_values = true)]
         backend: Option<String>,
+        /// File holding the backend password, as for the proxy (a unit's ExecStartPre checks
+        /// with the credentials the service will use).
+        #[arg(long, value_name = "PATH", env = "PGSLUICE_BACKEND_PASSWORD_FILE")]
+        backend_password_file: Option<PathBuf>,
     },
     /// Print the normal form and fingerprint the proxy gives a statement (no proxy needed).
     Fingerprint(pgsluice::cli::FingerprintArgs),
@@ -102,9 +110,14 @@ fn env_password() -> Option<Secret> {
 
 /// `check-config`: the file (plus `--backend`), then what the database says about it. The
 /// environment's password and password files apply as at start.
-fn check_config(file: &PathBuf, backend: Option<String>) -> ExitCode {
+fn check_config(
+    file: &PathBuf,
+    backend: Option<String>,
+    backend_password_file: Option<PathBuf>,
+) -> ExitCode {
     let overrides = Overrides {
         backend,
+        backend_password_file,
         backend_password: env_password(),
         ..Overrides::default()
     };
@@ -148,8 +161,13 @@ fn check_config(file: &PathBuf, backend: Option<String>) -> ExitCode {
 
 fn main() -> ExitCode {
     let mut cli = Cli::parse();
-    if let Some(Cmd::CheckConfig { file, backend }) = &cli.cmd {
-        return check_config(file, backend.clone());
+    if let Some(Cmd::CheckConfig {
+        file,
+        backend,
+        backend_password_file,
+    }) = &cli.cmd
+    {
+        return check_config(file, backend.clone(), backend_password_file.clone());
     }
     if let Some(Cmd::Fingerprint(args)) = &cli.cmd {
         return match pgsluice::cli::fingerprint(args) {
@@ -266,10 +284,16 @@ fn reload(app: &App, cli: &Cli) -> Result<(), Vec<String>> {
 }
 
 fn init_tracing(config: &Config, json: bool) {
+    use std::io::IsTerminal;
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(&config.log.level));
+    // Colours only for a person at a terminal: journald, `docker logs` and files get plain
+    // text (https://no-color.org: NO_COLOR turns them off at a terminal too).
+    let ansi = std::io::stderr().is_terminal()
+        && std::env::var_os("NO_COLOR").is_none_or(|v| v.is_empty());
     let b = tracing_subscriber::fmt()
         .with_env_filter(filter)
+        .with_ansi(ansi)
         .with_writer(std::io::stderr);
     if json || config.log.format == LogFormat::Json {
         b.json().init();
@@ -324,8 +348,11 @@ async fn run(
     // Set once, right after App::new, so this cannot fail.
     let _ = app.reloader.set(reloader);
     let router = pgsluice::admin::router(app.clone());
-    let token = app.shutdown.clone();
-    tokio::spawn(async move {
+    // The admin API outlives the drain: /readyz answers 503 ("shutting down") and /metrics
+    // stays scrapable until the last session has left, then it stops with the proxy.
+    let admin_stop = tokio_util::sync::CancellationToken::new();
+    let token = admin_stop.clone();
+    let admin_task = tokio::spawn(async move {
         let r = axum::serve(admin, router)
             .with_graceful_shutdown(token.cancelled_owned())
             .await;
@@ -339,8 +366,12 @@ async fn run(
     if let Some(peer) = peer {
         tokio::spawn(pgsluice::server::serve_peer_cancels(app.clone(), peer));
     }
-    tokio::spawn(signals(app.clone(), cli));
+    let notifier = Arc::new(pgsluice::systemd::Notifier::from_env());
+    tokio::spawn(signals(app.clone(), cli, notifier.clone()));
+    notifier.ready(&format!("serving on {}", app.config.load().listen));
     pgsluice::server::serve(app, listener, login).await;
+    admin_stop.cancel();
+    let _ = tokio::time::timeout(std::time::Duration::from_secs(2), admin_task).await;
     // The fleet task leaves the member set on shutdown (one Redis call, bounded).
     let _ = tokio::time::timeout(std::time::Duration::from_secs(2), fleet).await;
     Ok(())
@@ -361,7 +392,7 @@ fn load_rules(config: &Config) -> anyhow::Result<Arc<RuleSet>> {
 }
 
 /// SIGTERM/SIGINT: graceful stop (a second one exits at once). SIGHUP: reload.
-async fn signals(app: Arc<App>, cli: Arc<Cli>) {
+async fn signals(app: Arc<App>, cli: Arc<Cli>, notifier: Arc<pgsluice::systemd::Notifier>) {
     let (Ok(mut term), Ok(mut int), Ok(mut hup)) = (
         signal(SignalKind::terminate()),
         signal(SignalKind::interrupt()),
@@ -375,14 +406,20 @@ async fn signals(app: Arc<App>, cli: Arc<Cli>) {
             _ = term.recv() => {}
             _ = int.recv() => {}
             _ = hup.recv() => {
-                match reload(&app, &cli) {
-                    Ok(()) => tracing::info!("configuration reloaded"),
+                notifier.reloading();
+                let status = match reload(&app, &cli) {
+                    Ok(()) => {
+                        tracing::info!("configuration reloaded");
+                        "configuration reloaded"
+                    }
                     Err(errs) => {
                         for e in errs {
                             tracing::error!(error = %e, "reload rejected; keeping the running configuration");
                         }
+                        "reload rejected; the running configuration stays"
                     }
-                }
+                };
+                notifier.ready(status);
                 continue;
             }
         }
@@ -391,6 +428,7 @@ async fn signals(app: Arc<App>, cli: Arc<Cli>) {
             std::process::exit(0);
         }
         tracing::info!("shutting down: no new connections");
+        notifier.stopping();
         app.begin_shutdown();
     }
 }

@@ -609,6 +609,26 @@ async fn metrics_parse_and_move() {
             .is_some_and(|v| v.starts_with("text/plain"))
     );
     promtool_check(&before.text());
+    let build = format!(
+        r#"pgsluice_build_info{{version="{}"}}"#,
+        env!("CARGO_PKG_VERSION")
+    );
+    assert_eq!(sample(&before.text(), &build), Some(1.0), "build info");
+    // The standard process series (Linux), read from /proc at scrape time.
+    for series in [
+        "process_resident_memory_bytes",
+        "process_virtual_memory_bytes",
+        "process_open_fds",
+        "process_max_fds",
+        "process_threads",
+        "process_start_time_seconds",
+    ] {
+        assert!(
+            sample(&before.text(), series).is_some_and(|v| v > 0.0),
+            "{series} missing or zero"
+        );
+    }
+    assert!(sample(&before.text(), "process_cpu_seconds_total").is_some());
     let ok = r#"pgsluice_queries_total{caller="payments",outcome="ok"}"#;
     let refused = r#"pgsluice_refusals_total{caller="analytics",reason="rate_limited"}"#;
     assert_eq!(sample(&before.text(), ok), Some(0.0));

@@ -298,6 +298,25 @@ fn histogram_vec(r: &Registry, name: &str, help: &str, buckets: &[f64]) -> Histo
     reg(r, HistogramVec::new(opts, &["caller"]))
 }
 
+/// `pgsluice_build_info{version} 1`, and on Linux the standard `process_*` series (CPU,
+/// resident and virtual memory, open and maximum descriptors, threads, start time) that
+/// every Prometheus exporter has, so the usual dashboards and alerts work unchanged. The
+/// process collector reads /proc/self at scrape time and keeps no state of its own.
+fn register_process_series(r: &Registry) {
+    let info = gauge_vec(
+        r,
+        "pgsluice_build_info",
+        "Always 1; the version label is the running build's.",
+        &["version"],
+    );
+    info.with_label_values(&[env!("CARGO_PKG_VERSION")]).set(1);
+    #[cfg(target_os = "linux")]
+    r.register(Box::new(
+        prometheus::process_collector::ProcessCollector::for_self(),
+    ))
+    .expect("process_* names are unique");
+}
+
 /// Sets a scrape-time counter to `v` (the scrape lock is held, so nobody sees the reset).
 fn set_counter(c: &IntCounter, v: u64) {
     c.reset();
@@ -312,6 +331,7 @@ impl Metrics {
     /// Index = caller id, last = `default` (appended when `caller_names` lacks it at the end).
     pub fn new(caller_names: &[String]) -> Metrics {
         let r = Registry::new();
+        register_process_series(&r);
         let queries = counter_vec(
             &r,
             "pgsluice_queries_total",

@@ -7,7 +7,7 @@ use crate::raw::{
     Raw, cert, client_tls, first_value, oracle, query, signal, tls_via_request, write,
 };
 use crate::support::pg::{APP_PASSWORD, APP_USER, Cluster};
-use crate::support::proxy::{Proxy, ProxyOptions};
+use crate::support::proxy::{ADMIN_READ_TOKEN, Proxy, ProxyOptions};
 use crate::support::sql::scalar;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -56,6 +56,15 @@ async fn g1_sigterm_drains_then_forces() {
         tokio::net::TcpStream::connect(proxy.addr()).await.is_err(),
         "the listener must be closed"
     );
+    // The admin API outlives the drain: not ready (a load balancer or Kubernetes sends new
+    // clients elsewhere), and /metrics still scrapable.
+    let (status, body) = proxy.admin_request("GET", "/readyz", "", None).await;
+    assert_eq!(status, 503, "GET /readyz while draining: {body}");
+    assert!(body.contains("shutting down"), "{body}");
+    let (status, body) = proxy
+        .admin_request("GET", "/metrics", ADMIN_READ_TOKEN, None)
+        .await;
+    assert_eq!(status, 200, "GET /metrics while draining: {body}");
     for (i, c) in idle.iter_mut().enumerate() {
         let err = c.error().await;
         assert_eq!(
@@ -117,6 +126,58 @@ async fn g2_second_sigterm_exits_at_once() {
         !busy.await.expect("task"),
         "the running query did not complete"
     );
+}
+
+/// Under systemd (`Type=notify`, NOTIFY_SOCKET set) the proxy says READY=1 once it accepts
+/// clients, RELOADING=1 (with MONOTONIC_USEC) then READY=1 around a SIGHUP reload, and
+/// STOPPING=1 when SIGTERM starts the drain.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn g5_service_manager_notifications() {
+    let cluster = Cluster::start();
+    let dir = tempfile::tempdir().expect("tempdir");
+    let path = dir.path().join("notify.sock");
+    let socket = std::os::unix::net::UnixDatagram::bind(&path).expect("bind the notify socket");
+    socket
+        .set_read_timeout(Some(Duration::from_secs(15)))
+        .expect("read timeout");
+    let recv = || {
+        let mut buf = [0u8; 1024];
+        let n = socket.recv(&mut buf).expect("a notification within 15 s");
+        String::from_utf8_lossy(&buf[..n]).into_owned()
+    };
+    let mut proxy = Proxy::start(
+        &cluster,
+        ProxyOptions::pool(2).env("NOTIFY_SOCKET", path.to_string_lossy()),
+    );
+    if proxy.is_direct() {
+        return;
+    }
+    let ready = recv();
+    assert!(
+        ready.starts_with("READY=1\nSTATUS=serving on "),
+        "{ready:?}"
+    );
+    // Ready means ready: a client gets in right away.
+    let c = proxy.client().await;
+    assert_eq!(scalar(&c, "SELECT 1").await, "1");
+
+    signal(&proxy, "HUP");
+    let reloading = recv();
+    assert!(
+        reloading.starts_with("RELOADING=1\nMONOTONIC_USEC="),
+        "{reloading:?}"
+    );
+    let after = recv();
+    assert!(after.starts_with("READY=1\n"), "{after:?}");
+
+    drop(c);
+    proxy.sigterm();
+    let stopping = recv();
+    assert!(stopping.starts_with("STOPPING=1\n"), "{stopping:?}");
+    let status = proxy
+        .wait_exit(Duration::from_secs(10))
+        .expect("the proxy exits");
+    assert!(status.success(), "{status}");
 }
 
 fn reload_yaml(dir: &std::path::Path, timeout_ms: u64) -> String {

@@ -75,6 +75,8 @@ pub struct ProxyOptions {
     pub listen: Option<SocketAddr>,
     /// Whether `--backend` carries the app password (`postgres://app:secret@...`).
     pub url_password: bool,
+    /// Extra environment variables of the proxy process.
+    pub envs: Vec<(String, String)>,
 }
 
 impl ProxyOptions {
@@ -88,6 +90,7 @@ impl ProxyOptions {
             nofile: None,
             listen: None,
             url_password: true,
+            envs: Vec::new(),
         }
     }
 
@@ -127,6 +130,12 @@ impl ProxyOptions {
 
     pub fn arg(mut self, arg: impl Into<String>) -> ProxyOptions {
         self.extra_args.push(arg.into());
+        self
+    }
+
+    /// Sets an environment variable of the proxy process.
+    pub fn env(mut self, key: impl Into<String>, value: impl Into<String>) -> ProxyOptions {
+        self.envs.push((key.into(), value.into()));
         self
     }
 }
@@ -195,6 +204,7 @@ impl Proxy {
             cmd.arg("--config").arg(config);
         }
         cmd.args(&options.extra_args)
+            .envs(options.envs.iter().map(|(k, v)| (k, v)))
             .env("PGSLUICE_ADMIN_READ_TOKEN", ADMIN_READ_TOKEN)
             .stdin(Stdio::null())
             .stdout(Stdio::piped())

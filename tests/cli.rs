@@ -1,0 +1,400 @@
+//! The `pgsluice` command line as a newcomer and an operator meet it:
+//!
+//! * the README's "Command line" section lists every subcommand, every flag and every
+//!   environment variable clap knows (and nothing clap does not), read from `--help` of the
+//!   built binary, so the README cannot drift from the code;
+//! * `PGSLUICE_*` variables configure the proxy against a real cluster, with the precedence
+//!   flags > environment > file;
+//! * its logs carry no ANSI colour codes when stderr is not a terminal;
+//! * `pgsluice top --watch` redraws until stopped.
+
+mod support;
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::{SocketAddr, TcpStream};
+use std::process::{Child, Command, Stdio};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use support::pg::{APP_DB, APP_PASSWORD, APP_USER, Cluster};
+
+const BIN: &str = env!("CARGO_BIN_EXE_pgsluice");
+
+/// `pgsluice ARGS --help` with no PGSLUICE_* variable inherited (clap prints their values).
+fn help(path: &[&str]) -> String {
+    let mut cmd = Command::new(BIN);
+    cmd.args(path).arg("--help");
+    for (k, _) in std::env::vars_os() {
+        if k.to_string_lossy().starts_with("PGSLUICE_") {
+            cmd.env_remove(k);
+        }
+    }
+    let out = cmd.output().expect("run pgsluice --help");
+    assert!(out.status.success(), "pgsluice {path:?} --help failed");
+    String::from_utf8(out.stdout).expect("utf-8 help")
+}
+
+/// Subcommand names under "Commands:" (without `help`).
+fn subcommands(help: &str) -> Vec<String> {
+    let Some(rest) = help.split("\nCommands:\n").nth(1) else {
+        return Vec::new();
+    };
+    rest.lines()
+        .take_while(|l| l.starts_with("  "))
+        .filter(|l| !l.starts_with("   "))
+        .filter_map(|l| l.split_whitespace().next())
+        .filter(|n| *n != "help")
+        .map(str::to_owned)
+        .collect()
+}
+
+/// Long flags (`--x`) and environment variables (`[env: X=…]`) of one help text.
+fn flags_and_env(help: &str) -> (BTreeSet<String>, BTreeSet<String>) {
+    let mut flags = BTreeSet::new();
+    let mut env = BTreeSet::new();
+    for line in help.lines() {
+        let t = line.trim_start();
+        if t.starts_with('-') {
+            for word in t.split([' ', ',', '=', '[', '<']) {
+                if word.starts_with("--") && word.len() > 2 {
+                    flags.insert(word.to_owned());
+                }
+            }
+        }
+        for part in line.split("[env: ").skip(1) {
+            let name: String = part
+                .chars()
+                .take_while(|c| c.is_ascii_uppercase() || *c == '_')
+                .collect();
+            env.insert(name);
+        }
+    }
+    flags.remove("--help");
+    flags.remove("--version");
+    (flags, env)
+}
+
+/// Every command path (`[]`, `["rules"]`, `["rules", "put"]`, …) with its flags and variables.
+fn clap_commands() -> BTreeMap<Vec<String>, (BTreeSet<String>, BTreeSet<String>)> {
+    let mut out = BTreeMap::new();
+    let mut todo = vec![Vec::<String>::new()];
+    while let Some(path) = todo.pop() {
+        let args: Vec<&str> = path.iter().map(String::as_str).collect();
+        let text = help(&args);
+        for sub in subcommands(&text) {
+            let mut p = path.clone();
+            p.push(sub);
+            todo.push(p);
+        }
+        out.insert(path, flags_and_env(&text));
+    }
+    out
+}
+
+/// The first code block of the README's "## Command line" section.
+fn readme_command_line() -> String {
+    let readme = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/README.md"))
+        .expect("read README.md");
+    let section = readme
+        .split("\n## Command line\n")
+        .nth(1)
+        .expect("README.md has a '## Command line' section");
+    let section = section.split("\n## ").next().unwrap_or_default();
+    section
+        .split("```")
+        .nth(1)
+        .expect("a code block in the Command line section")
+        .to_owned()
+}
+
+#[test]
+fn readme_command_line_lists_every_subcommand_flag_and_variable() {
+    let block = readme_command_line();
+    // "pgsluice rules put HASH …" → the command path ["rules", "put"]: the words after
+    // `pgsluice` up to the first argument or flag.
+    let mut documented_paths = BTreeSet::new();
+    for line in block.lines() {
+        let Some(rest) = line.trim_start().strip_prefix("pgsluice") else {
+            continue;
+        };
+        let path: Vec<String> = rest
+            .split_whitespace()
+            .take_while(|w| {
+                w.chars().all(|c| c.is_ascii_lowercase() || c == '-') && !w.starts_with('-')
+            })
+            .map(str::to_owned)
+            .collect();
+        documented_paths.insert(path);
+    }
+    let words: BTreeSet<String> = block
+        .split(|c: char| !(c.is_ascii_alphanumeric() || c == '-' || c == '_'))
+        .filter(|w| !w.is_empty())
+        .map(str::to_owned)
+        .collect();
+
+    let commands = clap_commands();
+    assert!(
+        commands.len() >= 8,
+        "expected the proxy, check-config, fingerprint, rules (list/get/put/delete) and top: {:?}",
+        commands.keys().collect::<Vec<_>>()
+    );
+    let mut missing = Vec::new();
+    let mut all_flags: BTreeSet<String> = ["--help", "--version"].map(String::from).into();
+    for (path, (flags, env)) in &commands {
+        // A command with subcommands of its own (`rules`) is documented through them.
+        let has_children = commands
+            .keys()
+            .any(|p| p.len() > path.len() && p.starts_with(path));
+        if !has_children && !documented_paths.contains(path) {
+            missing.push(format!("command `pgsluice {}`", path.join(" ")));
+        }
+        for f in flags {
+            all_flags.insert(f.clone());
+            if !words.contains(f) {
+                missing.push(format!("flag {f} of `pgsluice {}`", path.join(" ")));
+            }
+        }
+        for e in env {
+            if !words.contains(e) {
+                missing.push(format!("variable {e} of `pgsluice {}`", path.join(" ")));
+            }
+        }
+    }
+    assert!(
+        missing.is_empty(),
+        "README.md's Command line section lacks:\n  {}\n--- section ---\n{block}",
+        missing.join("\n  ")
+    );
+    let unknown: Vec<&String> = words
+        .iter()
+        .filter(|w| w.starts_with("--") && !all_flags.contains(*w))
+        .collect();
+    assert!(
+        unknown.is_empty(),
+        "README.md's Command line section names flags clap does not know: {unknown:?}"
+    );
+    let unknown_paths: Vec<&Vec<String>> = documented_paths
+        .iter()
+        .filter(|p| !commands.contains_key(*p))
+        .collect();
+    assert!(
+        unknown_paths.is_empty(),
+        "README.md's Command line section names commands clap does not know: {unknown_paths:?}"
+    );
+}
+
+/// A proxy process started by hand (the harness's `Proxy` always passes flags), killed on
+/// drop.
+struct Spawned {
+    child: Child,
+    admin: SocketAddr,
+    listen: SocketAddr,
+    /// Everything the proxy wrote to stderr (a pipe, not a terminal) so far.
+    stderr: Arc<Mutex<String>>,
+}
+
+impl Drop for Spawned {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn spawn(envs: &[(&str, String)], args: &[&str]) -> Spawned {
+    let mut cmd = Command::new(BIN);
+    for (k, _) in std::env::vars_os() {
+        if k.to_string_lossy().starts_with("PGSLUICE_") {
+            cmd.env_remove(k);
+        }
+    }
+    cmd.args(args)
+        .envs(envs.iter().map(|(k, v)| (k, v)))
+        .env("PGSLUICE_ADMIN_READ_TOKEN", "read")
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
+    let mut child = cmd.spawn().expect("spawn pgsluice");
+    let stderr = Arc::new(Mutex::new(String::new()));
+    let pipe = child.stderr.take().expect("stderr");
+    let log = Arc::clone(&stderr);
+    std::thread::spawn(move || {
+        for line in BufReader::new(pipe).lines().map_while(Result::ok) {
+            eprintln!("[pgsluice] {line}");
+            let mut log = log.lock().expect("stderr lock");
+            log.push_str(&line);
+            log.push('\n');
+        }
+    });
+    let stdout = child.stdout.take().expect("stdout");
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+            let _ = tx.send(line);
+        }
+    });
+    let (mut admin, mut listen) = (None, None);
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while listen.is_none() {
+        let left = deadline.saturating_duration_since(Instant::now());
+        let line = rx
+            .recv_timeout(left)
+            .expect("pgsluice printed its addresses within 20 s");
+        if let Some(a) = line.strip_prefix("pgsluice admin listening on ") {
+            admin = a.parse().ok();
+        } else if let Some(a) = line.strip_prefix("pgsluice listening on ") {
+            listen = a.parse().ok();
+        }
+    }
+    Spawned {
+        child,
+        admin: admin.expect("admin address"),
+        listen: listen.expect("listen address"),
+        stderr,
+    }
+}
+
+/// GET with the read token: (status, body).
+fn get(admin: SocketAddr, path: &str) -> (u16, String) {
+    let mut s = TcpStream::connect(admin).expect("connect to the admin API");
+    s.set_read_timeout(Some(Duration::from_secs(10)))
+        .expect("timeout");
+    write!(
+        s,
+        "GET {path} HTTP/1.0\r\nHost: x\r\nAuthorization: Bearer read\r\n\r\n"
+    )
+    .expect("request");
+    let mut text = String::new();
+    s.read_to_string(&mut text).expect("response");
+    let status = text
+        .split_whitespace()
+        .nth(1)
+        .and_then(|c| c.parse().ok())
+        .unwrap_or(0);
+    let body = text
+        .split_once("\r\n\r\n")
+        .map_or("", |(_, b)| b)
+        .to_owned();
+    (status, body)
+}
+
+/// (mode, size) of the appdb/app pool, after a client used it.
+async fn pool_of(p: &Spawned) -> (String, u64) {
+    let url = format!(
+        "host={} port={} user={APP_USER} password={APP_PASSWORD} dbname={APP_DB}",
+        p.listen.ip(),
+        p.listen.port()
+    );
+    let (client, conn) = tokio_postgres::connect(&url, tokio_postgres::NoTls)
+        .await
+        .expect("a client logs in through the proxy configured from the environment");
+    let conn = tokio::spawn(conn);
+    let row = client.query_one("SELECT 1", &[]).await.expect("SELECT 1");
+    assert_eq!(row.get::<_, i32>(0), 1);
+    drop(client);
+    let _ = conn.await;
+    let (status, body) = get(p.admin, "/v1/pools");
+    assert_eq!(status, 200, "{body}");
+    let v: serde_json::Value = serde_json::from_str(&body).expect("pools JSON");
+    let pool = v["pools"]
+        .as_array()
+        .and_then(|a| a.iter().find(|p| p["name"] == "appdb/app"))
+        .unwrap_or_else(|| panic!("no appdb/app pool in {body}"))
+        .clone();
+    (
+        pool["mode"].as_str().unwrap_or_default().to_owned(),
+        pool["size"].as_u64().unwrap_or_default(),
+    )
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn environment_configures_the_proxy_and_flags_win() {
+    let cluster = Cluster::start();
+    let dir = tempfile::tempdir().expect("tempdir");
+    let config = dir.path().join("pgsluice.yaml");
+    // The file says transaction mode with 7 backends and listens on a fixed port.
+    std::fs::write(
+        &config,
+        "listen: 127.0.0.1:1\npool:\n  mode: transaction\n  size: 7\n",
+    )
+    .expect("write config");
+    let password = dir.path().join("password");
+    std::fs::write(&password, format!("{APP_PASSWORD}\n")).expect("write password");
+    let envs = [
+        ("PGSLUICE_CONFIG", config.display().to_string()),
+        ("PGSLUICE_LISTEN", "127.0.0.1:0".to_owned()),
+        ("PGSLUICE_ADMIN_LISTEN", "127.0.0.1:0".to_owned()),
+        (
+            "PGSLUICE_BACKEND_URL",
+            format!("postgres://{APP_USER}@{}/{APP_DB}", cluster.addr()),
+        ),
+        (
+            "PGSLUICE_BACKEND_PASSWORD_FILE",
+            password.display().to_string(),
+        ),
+        ("PGSLUICE_POOL_MODE", "session".to_owned()),
+        ("PGSLUICE_POOL_SIZE", "3".to_owned()),
+    ];
+
+    // Environment over file: listen (the file's port 1 is not used), backend, password file,
+    // pool mode and size.
+    let p = spawn(&envs, &[]);
+    assert_ne!(p.listen.port(), 1);
+    assert_eq!(pool_of(&p).await, ("session".to_owned(), 3));
+    // Logs into a pipe are plain text (no colour codes for journald, docker logs, files).
+    let log = p.stderr.lock().expect("stderr lock").clone();
+    assert!(log.contains("pgsluice listening"), "{log}");
+    assert!(
+        !log.contains('\x1b'),
+        "ANSI escapes in logs to a pipe: {log:?}"
+    );
+    drop(p);
+
+    // A flag over its variable.
+    let p = spawn(&envs, &["--pool-size", "5", "--pool-mode", "transaction"]);
+    assert_eq!(pool_of(&p).await, ("transaction".to_owned(), 5));
+
+    // check-config logs in with the same variables (the systemd unit's ExecStartPre): the
+    // URL from PGSLUICE_BACKEND_URL, the password from PGSLUICE_BACKEND_PASSWORD_FILE.
+    let mut check = Command::new(BIN);
+    for (k, _) in std::env::vars_os() {
+        if k.to_string_lossy().starts_with("PGSLUICE_") {
+            check.env_remove(k);
+        }
+    }
+    let out = check
+        .args(["check-config", &config.display().to_string()])
+        .envs(envs.iter().map(|(k, v)| (k, v)))
+        .output()
+        .expect("run check-config");
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{text}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        text.contains("max_connections="),
+        "check-config logged in with the environment's URL and password file: {text}"
+    );
+
+    // `top --watch` redraws until stopped (not a terminal: one table after another).
+    let mut top = Command::new(BIN)
+        .args(["top", "--admin", &p.admin.to_string(), "--token", "read"])
+        .args(["--watch", "0.2"])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .expect("spawn pgsluice top --watch");
+    std::thread::sleep(Duration::from_millis(1500));
+    let _ = top.kill();
+    let out = top.wait_with_output().expect("top output");
+    let text = String::from_utf8_lossy(&out.stdout);
+    let frames = text.matches("pgsluice top, every 0.2 s").count();
+    assert!(frames >= 3, "expected several redraws in 1.5 s:\n{text}");
+    assert!(text.contains("FINGERPRINT"), "{text}");
+    assert!(
+        !text.contains('\x1b'),
+        "no escape codes into a pipe: {text:?}"
+    );
+}
