@@ -9,6 +9,11 @@
 //! runtime (`iter_custom`): per-iteration `block_on` would mostly measure the runtime's
 //! enter/exit. No admission here ever waits, so the runtime is only there to poll the future.
 //! Every admission is dropped at once, as a session does when its statement completes.
+//!
+//! Also the anomaly detector's tick (`detector_tick`): reading the counters of a full
+//! statistics table (1 000 fingerprints, 8 callers each) and feeding them to the detector,
+//! as the admin task does every `detector.tick_ms`. Statements themselves do no detector work,
+//! so this is its whole cost: divide by the tick (250 ms) for the share of a core.
 
 use std::hint::black_box;
 use std::time::Duration;
@@ -212,5 +217,38 @@ fn admission(c: &mut Criterion) {
     g.finish();
 }
 
-criterion_group!(benches, admission);
+fn detector_tick(c: &mut Criterion) {
+    use pgsluice::observe::anomaly::Detector;
+    use pgsluice::observe::stats::{FingerprintStats, Outcome};
+    let stats = FingerprintStats::new(1_000);
+    let text: std::sync::Arc<str> = std::sync::Arc::from("SELECT v FROM t WHERE id = ?");
+    let callers: Vec<String> = (0..8).map(|i| format!("caller{i}")).collect();
+    let mut seed = 7u64;
+    let fps: Vec<u64> = (0..1_000).map(|_| next(&mut seed)).collect();
+    let record = |round: usize| {
+        for (i, fp) in fps.iter().enumerate() {
+            let caller = &callers[(i + round) % callers.len()];
+            let took = Duration::from_micros(100 + (i as u64 % 50));
+            stats.record(*fp, &text, "read", caller, took, Outcome::Ok { rows: 1 });
+        }
+    };
+    record(0);
+    let settings = pgsluice::admin::anomalies::settings(&Default::default());
+    let mut det = Detector::new(settings);
+    let mut now = 1_700_000_000_000u64;
+    // Past the warm-up, every fingerprint known, so each tick does the whole work.
+    for round in 0..50 {
+        record(round);
+        now += 250;
+        det.observe(now, stats.counters());
+    }
+    c.bench_function("detector_tick_1000_fingerprints", |b| {
+        b.iter(|| {
+            now += 250;
+            black_box(det.observe(now, stats.counters()))
+        })
+    });
+}
+
+criterion_group!(benches, admission, detector_tick);
 criterion_main!(benches);

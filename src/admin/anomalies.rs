@@ -61,6 +61,7 @@ pub fn settings(d: &DetectorConfig) -> Settings {
     Settings {
         tick_ms: d.tick_ms,
         window_ms: d.window_ms,
+        share_window_ms: d.share_window_ms,
         step_factor: d.step_factor,
         min_qps: d.min_qps,
         baseline_floor_qps: d.baseline_floor_qps,
@@ -373,23 +374,13 @@ pub async fn detect_loop(st: Arc<AdminState>) {
             }
             continue;
         }
-        let snapshot = st.app.fp_stats.counters();
-        let (events, active) = {
-            let mut board = st.anomalies.lock();
-            let wanted = settings(&cfg.detector);
-            if *board.detector.settings() != wanted {
-                board.detector.set_settings(wanted);
-            }
-            let events = board.detector.observe(unix_ms(), snapshot);
-            for e in &events {
-                if let Event::Cleared(a) = e
-                    && let Subject::Fingerprint(fp) = a.subject
-                {
-                    board.suppressed.remove(&fp);
-                    board.noted.retain(|(f, _)| *f != fp);
-                }
-            }
-            (events, board.detector.active())
+        // Off the session threads: a full statistics table takes most of a millisecond.
+        let work = {
+            let (st, wanted) = (Arc::clone(&st), settings(&cfg.detector));
+            tokio::task::spawn_blocking(move || tick(&st, wanted))
+        };
+        let Ok((events, active)) = work.await else {
+            continue;
         };
         st.app.metrics.set_anomalies_active(active.len());
         for e in &events {
@@ -406,6 +397,25 @@ pub async fn detect_loop(st: Arc<AdminState>) {
             }
         }
     }
+}
+
+/// One detector tick over the statistics' counters: what started or ended, and what is active.
+fn tick(st: &AdminState, wanted: Settings) -> (Vec<Event>, Vec<Anomaly>) {
+    let snapshot = st.app.fp_stats.counters();
+    let mut board = st.anomalies.lock();
+    if *board.detector.settings() != wanted {
+        board.detector.set_settings(wanted);
+    }
+    let events = board.detector.observe(unix_ms(), snapshot);
+    for e in &events {
+        if let Event::Cleared(a) = e
+            && let Subject::Fingerprint(fp) = a.subject
+        {
+            board.suppressed.remove(&fp);
+            board.noted.retain(|(f, _)| *f != fp);
+        }
+    }
+    (events, board.detector.active())
 }
 
 fn report(st: &AdminState, e: &Event, cfg: &Config) {

@@ -19,6 +19,8 @@ pub struct DetectorConfig {
     pub tick_ms: u64,
     /// The span the current values are measured over.
     pub window_ms: u64,
+    /// The span a fingerprint's share of all statement time is measured over.
+    pub share_window_ms: u64,
     /// A rate or time this many times its baseline is a step.
     pub step_factor: f64,
     /// Below this many calls per second nothing is a rate step.
@@ -51,6 +53,7 @@ impl Default for DetectorConfig {
             enabled: true,
             tick_ms: 250,
             window_ms: 500,
+            share_window_ms: 2_000,
             step_factor: 10.0,
             min_qps: 20.0,
             baseline_floor_qps: 5.0,
@@ -133,6 +136,12 @@ pub(super) fn validate(d: &DetectorConfig, a: &AutoRulesConfig, p: &mut Problems
         p.add(
             "detector.window_ms".into(),
             "must be at least detector.tick_ms and at most 60000",
+        );
+    }
+    if d.share_window_ms < d.window_ms || d.share_window_ms > 60_000 {
+        p.add(
+            "detector.share_window_ms".into(),
+            "must be at least detector.window_ms and at most 60000",
         );
     }
     if !(d.step_factor > 1.0 && d.step_factor <= 1000.0) {

@@ -27,15 +27,19 @@
 //! - `error_share`: errors (timeouts included) ≥ `error_share` of ≥ `min_calls` calls while the
 //!   baseline share is at most half that;
 //! - `lock_wait_share`: the same with the lock-wait share and `lock_wait_share`;
-//! - `db_time_share` (fingerprints): its share of all fingerprints' time in the window ≥
+//! - `db_time_share` (fingerprints): its share of all fingerprints' time over the last
+//!   `share_window_ms` (2 s: a stall that slows everything ends in a burst of completions
+//!   that can land on one pattern in a short window, but evens out over a longer one) ≥
 //!   `time_share` and grown over its baseline share (by as much as that was, up to 30
 //!   points: when everything slows down at once, no pattern is the culprit), time rate ≥
 //!   `step_factor` × max(baseline, `time_floor_ms_per_s`), at least `min_calls` calls — a
 //!   slow pattern called aggressively.
 //!
 //! To start, a signal must hold in the window *and* in the newest tick alone on
-//! `confirm_ticks` ticks in a row: one burst of completions after a stall stays in the window
-//! for a while but is in one tick only. While an anomaly is active its thresholds are halved
+//! `confirm_ticks` ticks in a row (one burst of completions after a stall stays in the window
+//! for a while but is in one tick only); the time, error and lock-wait signals for half of
+//! `share_window_ms` (1 s) as well, since a stall's slow completions can mimic them for a
+//! tick or two. While an anomaly is active its thresholds are halved
 //! (hysteresis), and it clears after `clear_after_ms` without its signal.
 
 use std::collections::{HashMap, VecDeque};
@@ -51,6 +55,7 @@ use super::stats::{CounterSnapshot, Counters, FingerprintCounters};
 pub struct Settings {
     pub tick_ms: u64,
     pub window_ms: u64,
+    pub share_window_ms: u64,
     pub step_factor: f64,
     pub min_qps: f64,
     pub baseline_floor_qps: f64,
@@ -100,7 +105,7 @@ impl Signal {
 #[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum Subject {
     Fingerprint(u64),
-    Caller(Box<str>),
+    Caller(Arc<str>),
 }
 
 /// The numbers behind an anomaly.
@@ -208,7 +213,6 @@ struct Reading {
     ms_per_s: f64,
     error_share: f64,
     lock_share: f64,
-    total_ns: u64,
 }
 
 impl Reading {
@@ -227,7 +231,6 @@ impl Reading {
             ms_per_s: c.total_ns as f64 / 1e6 / secs,
             error_share: share(c.errors, c.calls),
             lock_share: share(c.lock_wait_ns, c.total_ns),
-            total_ns: c.total_ns,
         }
     }
 }
@@ -259,11 +262,13 @@ struct State {
     active: Option<Active>,
     /// Not in the statistics since then (evicted, or a reset).
     missing_since: Option<u64>,
+    /// The tick it was last in the statistics.
+    seen: u64,
     normalized: Option<Arc<str>>,
     kind: Option<&'static str>,
     /// Fingerprints: cumulative per-caller counters at each of the window's tick edges,
     /// oldest first, for the callers behind an anomaly.
-    callers: VecDeque<Vec<(Box<str>, Counters)>>,
+    callers: VecDeque<Vec<(Arc<str>, Counters)>>,
 }
 
 impl State {
@@ -281,16 +286,18 @@ impl State {
             streak: 0,
             active: None,
             missing_since: None,
+            seen: 0,
             normalized: None,
             kind: None,
             callers: VecDeque::new(),
         }
     }
 
-    fn window_sum(&self) -> (u64, Counters) {
+    /// The newest `ticks` ticks: (their length in ms, their counters together).
+    fn window_sum(&self, ticks: usize) -> (u64, Counters) {
         let mut ms = 0;
         let mut sum = Counters::default();
-        for (dt, c) in &self.window {
+        for (dt, c) in self.window.iter().rev().take(ticks) {
             ms += dt;
             sum.add(c);
         }
@@ -371,6 +378,8 @@ pub struct Detector {
     started_ms: Option<u64>,
     last_ms: u64,
     states: HashMap<Subject, State>,
+    /// Ticks observed; a state last `seen` on an earlier one is missing from the statistics.
+    tick_no: u64,
 }
 
 impl Detector {
@@ -380,6 +389,7 @@ impl Detector {
             started_ms: None,
             last_ms: 0,
             states: HashMap::new(),
+            tick_no: 0,
         }
     }
 
@@ -411,7 +421,7 @@ impl Detector {
         let warming = now_ms.saturating_sub(started) < self.settings.warmup_ms;
 
         // Per-caller totals over every fingerprint and the "other" row.
-        let mut callers: HashMap<Box<str>, Counters> = HashMap::new();
+        let mut callers: HashMap<Arc<str>, Counters> = HashMap::new();
         for row in &snapshot.fingerprints {
             for (name, c) in &row.by_caller {
                 callers.entry(name.clone()).or_default().add(c);
@@ -421,25 +431,21 @@ impl Detector {
             callers.entry(name.clone()).or_default().add(c);
         }
 
-        let mut present: Vec<Subject> = Vec::with_capacity(snapshot.fingerprints.len());
+        self.tick_no += 1;
         for row in snapshot.fingerprints {
             let subject = Subject::Fingerprint(row.fingerprint);
-            present.push(subject.clone());
             self.advance_fingerprint(subject, row, now_ms, dt, first_tick, warming);
         }
         for (name, c) in callers {
-            let subject = Subject::Caller(name);
-            present.push(subject.clone());
-            self.advance(subject, c, 0, dt, first_tick, warming);
+            self.advance(Subject::Caller(name), c, 0, dt, first_tick, warming);
         }
         let mut events = Vec::new();
         // Rows evicted from the statistics (or gone after a reset) stop counting at once and
         // leave after `clear_after_ms`; one that comes back in time keeps its baselines.
-        let present: std::collections::HashSet<&Subject> = present.iter().collect();
         let linger = self.settings.clear_after_ms;
         let mut gone: Vec<Subject> = Vec::new();
         for (s, st) in self.states.iter_mut() {
-            if present.contains(s) {
+            if st.seen == self.tick_no {
                 st.missing_since = None;
                 continue;
             }
@@ -537,11 +543,13 @@ impl Detector {
         first_tick: bool,
         warming: bool,
     ) -> &mut State {
-        let ticks = self.window_ticks();
+        let ticks = self.window_ticks().max(self.share_ticks());
+        let tick_no = self.tick_no;
         let st = self
             .states
             .entry(subject)
             .or_insert_with(|| State::new(c, first_ms, warming));
+        st.seen = tick_no;
         if first_tick {
             st.last = c;
             return st;
@@ -566,21 +574,40 @@ impl Detector {
         (s.window_ms.div_ceil(s.tick_ms.max(1))).max(1) as usize
     }
 
+    fn share_ticks(&self) -> usize {
+        let s = &self.settings;
+        (s.share_window_ms.div_ceil(s.tick_ms.max(1))).max(1) as usize
+    }
+
     /// Tests every subject's window against its baselines.
     fn judge(&mut self, now_ms: u64, events: &mut Vec<Event>) {
         let s = self.settings.clone();
-        let (mut total_fp_ns, mut tick_fp_ns) = (0u64, 0u64);
-        for (k, st) in &self.states {
-            if matches!(k, Subject::Fingerprint(_)) {
-                total_fp_ns += st.window_sum().1.total_ns;
-                tick_fp_ns += st.window.back().map_or(0, |(_, c)| c.total_ns);
-            }
-        }
+        let (ticks, share_ticks) = (self.window_ticks(), self.share_ticks());
+        // Shares of the time are taken over `share_window_ms`: a stall that slows everything
+        // ends in a burst of completions that lands on a few patterns in one short window,
+        // but evens out over a longer one.
+        let long_fp_ns: u64 = self
+            .states
+            .iter()
+            .filter(|(k, _)| matches!(k, Subject::Fingerprint(_)))
+            .map(|(_, st)| st.window_sum(share_ticks).1.total_ns)
+            .sum();
         let share_of = |ns: u64, total: u64| {
             if total == 0 {
                 0.0
             } else {
                 ns as f64 / total as f64
+            }
+        };
+        // A rate step is confirmed in `confirm_ticks`; the time and share signals, which a
+        // stall's burst of slow completions can mimic for a tick or two, must hold for half
+        // the share window (1 s) too.
+        let needed = |signal: Signal| {
+            let confirm = s.confirm_ticks.max(1);
+            if signal == Signal::RateStep {
+                confirm
+            } else {
+                confirm.max((share_ticks / 2) as u32)
             }
         };
         let tick_min_calls = (s.min_calls * s.tick_ms)
@@ -589,7 +616,7 @@ impl Detector {
         let mut started: Vec<Subject> = Vec::new();
         let mut cleared: Vec<(Subject, Active)> = Vec::new();
         for (subject, st) in self.states.iter_mut() {
-            let (ms, sum) = st.window_sum();
+            let (ms, sum) = st.window_sum(ticks);
             if ms == 0 {
                 continue;
             }
@@ -604,7 +631,7 @@ impl Detector {
             let (base_qps, base_time) = (bases.qps, bases.time);
             let is_fp = matches!(subject, Subject::Fingerprint(_));
             let hold = st.active.is_some();
-            let share = share_of(now.total_ns, total_fp_ns);
+            let share = share_of(st.window_sum(share_ticks).1.total_ns, long_fp_ns);
             let found = s.test(&now, share, s.min_calls, is_fp, &bases, hold);
             // To start, the newest tick alone must show it too: one burst of completions
             // (after a stall) stays in the window for several ticks but is in one tick only.
@@ -612,7 +639,6 @@ impl Detector {
                 && (hold
                     || st.window.back().is_some_and(|&(tick_ms, c)| {
                         let r = Reading::of(&c, tick_ms);
-                        let share = share_of(r.total_ns, tick_fp_ns);
                         s.test(&r, share, tick_min_calls, is_fp, &bases, false)
                             .is_some()
                     }));
@@ -651,7 +677,7 @@ impl Detector {
                                 a.evidence.unit = signal.unit();
                             }
                         }
-                        None if st.streak >= s.confirm_ticks.max(1) => {
+                        None if st.streak >= needed(signal) => {
                             st.active = Some(Active {
                                 signal,
                                 since_ms: now_ms,
@@ -751,7 +777,7 @@ impl Detector {
             let Subject::Fingerprint(fp) = subject else {
                 continue;
             };
-            let calls = |v: Option<&Vec<(Box<str>, Counters)>>| {
+            let calls = |v: Option<&Vec<(Arc<str>, Counters)>>| {
                 v.and_then(|v| v.iter().find(|(n, _)| &**n == caller))
                     .map_or(0, |(_, c)| c.calls)
             };

@@ -79,7 +79,7 @@ impl Sim {
                 total.add(c);
                 let mut per_caller = *c;
                 per_caller.lock_wait_ns = 0;
-                by_caller.push((Box::from(name.as_str()), per_caller));
+                by_caller.push((Arc::from(name.as_str()), per_caller));
             }
             out.fingerprints.push(FingerprintCounters {
                 fingerprint: fp,
@@ -288,6 +288,24 @@ fn everything_slowing_down_at_once_names_no_pattern() {
         s.steady(2, "web", 15.0, 100.0);
         s.steady(3, "billing", 8.0, 20.0);
     });
+    sim.run(10, Sim::background);
+    assert!(sim.started().is_empty(), "{:?}", sim.started().first());
+}
+
+#[test]
+fn a_stall_that_drains_one_pattern_first_names_no_pattern() {
+    let mut sim = Sim::new();
+    sim.run(60, Sim::background);
+    // Nothing completes for 750 ms; then the billing pattern's backlog completes over two
+    // ticks, slowly, before the others'.
+    sim.run(1, |_| {});
+    sim.add(3, "billing", 8, 600.0, 0.0, 0.0);
+    sim.tick();
+    sim.add(3, "billing", 8, 450.0, 0.0, 0.0);
+    sim.tick();
+    sim.add(1, "web", 40, 400.0, 0.0, 0.0);
+    sim.add(2, "web", 15, 400.0, 0.0, 0.0);
+    sim.tick();
     sim.run(10, Sim::background);
     assert!(sim.started().is_empty(), "{:?}", sim.started().first());
 }

@@ -305,7 +305,7 @@ struct Agg {
     hist: Box<[u64; BUCKETS]>,
     first_ms: u64,
     last_ms: u64,
-    callers: Vec<(Box<str>, CallerAgg)>,
+    callers: Vec<(Arc<str>, CallerAgg)>,
 }
 
 impl Agg {
@@ -535,7 +535,7 @@ pub struct FingerprintCounters {
     pub normalized: Arc<str>,
     pub kind: &'static str,
     pub counters: Counters,
-    pub by_caller: Vec<(Box<str>, Counters)>,
+    pub by_caller: Vec<(Arc<str>, Counters)>,
 }
 
 /// What [`FingerprintStats::counters`] returns.
@@ -544,7 +544,7 @@ pub struct CounterSnapshot {
     pub fingerprints: Vec<FingerprintCounters>,
     /// The callers' counters in the "other" row (fingerprints no longer tracked), so that
     /// per-caller totals stay whole across evictions.
-    pub other_callers: Vec<(Box<str>, Counters)>,
+    pub other_callers: Vec<(Arc<str>, Counters)>,
 }
 
 impl Agg {
@@ -557,7 +557,7 @@ impl Agg {
         }
     }
 
-    fn caller_counters(&self) -> Vec<(Box<str>, Counters)> {
+    fn caller_counters(&self) -> Vec<(Arc<str>, Counters)> {
         self.callers
             .iter()
             .map(|(n, c)| {
