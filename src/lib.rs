@@ -14,8 +14,9 @@
 //! auth      SCRAM/md5 secrets for both sides
 //! tls       rustls acceptor (clients) and connector (Postgres), reloadable; TLS streams
 //! config    YAML config, validation with field and line
-//! observe   per-fingerprint statistics, Prometheus metrics
-//! admin     HTTP API on its own port (rules, stats, /metrics); cli: its terminal client
+//! observe   per-fingerprint statistics, the anomaly detector over them, Prometheus metrics
+//! admin     HTTP API on its own port (rules, stats, anomalies and automatic rules,
+//!           /metrics); cli: its terminal client
 //! fleet     optional: instances as one through Redis (membership, rules, leased rates)
 //! systemd   READY/RELOADING/STOPPING notifications for a `Type=notify` unit
 //! ```
