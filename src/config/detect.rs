@@ -7,7 +7,6 @@
 use serde::Deserialize;
 
 use super::Priority;
-use super::validate::Problems;
 
 /// `detector:` — the anomaly detector's knobs (docs/OPERATIONS.md, "Culprit detection").
 #[derive(Debug, Clone, PartialEq, Deserialize)]
@@ -128,7 +127,9 @@ impl Default for AutoRulesConfig {
 /// Longest automatic rule TTL: a day (an automatic rule is an incident measure).
 pub const MAX_AUTO_TTL_SECONDS: u64 = 86_400;
 
-pub(super) fn validate(d: &DetectorConfig, a: &AutoRulesConfig, p: &mut Problems<'_>) {
+/// The problems of both sections: (field, message) pairs, which `validate` places by line.
+pub(super) fn problems(d: &DetectorConfig, a: &AutoRulesConfig) -> Vec<(String, String)> {
+    let mut p = Found(Vec::new());
     if !(10..=10_000).contains(&d.tick_ms) {
         p.add("detector.tick_ms".into(), "must be between 10 and 10000");
     }
@@ -202,6 +203,16 @@ pub(super) fn validate(d: &DetectorConfig, a: &AutoRulesConfig, p: &mut Problems
                 a.mode.name()
             ),
         );
+    }
+    p.0
+}
+
+/// Collects (field, message) pairs.
+struct Found(Vec<(String, String)>);
+
+impl Found {
+    fn add(&mut self, field: String, message: impl Into<String>) {
+        self.0.push((field, message.into()));
     }
 }
 

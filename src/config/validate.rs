@@ -227,13 +227,13 @@ pub fn check_dial_addr(s: &str) -> Result<(), String> {
     }
 }
 
-pub(super) struct Problems<'a> {
+struct Problems<'a> {
     text: Option<&'a str>,
     out: Vec<ConfigError>,
 }
 
 impl Problems<'_> {
-    pub(super) fn add(&mut self, field: String, message: impl Into<String>) {
+    fn add(&mut self, field: String, message: impl Into<String>) {
         let line = self.text.and_then(|t| locate(t, &field));
         self.out.push(ConfigError {
             field,
@@ -605,7 +605,9 @@ impl Config {
         if self.classify.max_text_bytes == 0 {
             p.add("classify.max_text_bytes".into(), "must be > 0");
         }
-        super::detect::validate(&self.detector, &self.auto_rules, &mut p);
+        for (field, message) in super::detect::problems(&self.detector, &self.auto_rules) {
+            p.add(field, message);
+        }
         if self.classify.stats_capacity == 0 {
             p.add("classify.stats_capacity".into(), "must be > 0");
         }
