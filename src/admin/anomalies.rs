@@ -20,7 +20,7 @@
 
 use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::Duration;
 
 use axum::Json;
 use axum::extract::State;
@@ -31,6 +31,7 @@ use super::AdminState;
 use super::error::NoQuery;
 use crate::config::{AutoRulesConfig, AutoRulesMode, Config, DetectorConfig, Priority};
 use crate::observe::anomaly::{Anomaly, Detector, Event, Settings, Signal, Subject};
+use crate::observe::stats::unix_ms;
 use crate::policy::rules::{Origin, RuleSpec, fingerprint_hex};
 
 /// The detector and what it did about automatic rules.
@@ -75,12 +76,6 @@ pub fn settings(d: &DetectorConfig) -> Settings {
         lock_wait_share: d.lock_wait_share,
         min_calls: d.min_calls,
     }
-}
-
-fn unix_ms() -> u64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
 }
 
 /// The callers an automatic rule may apply to.

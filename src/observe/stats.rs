@@ -620,7 +620,9 @@ pub struct FingerprintStats {
     shards: Box<[Mutex<Shard>]>,
 }
 
-fn unix_ms() -> u64 {
+/// Wall-clock milliseconds since the epoch, the clock the statistics' timestamps are on (the
+/// anomaly detector is fed with it too, so row creation stamps and ticks compare).
+pub fn unix_ms() -> u64 {
     SystemTime::now()
         .duration_since(UNIX_EPOCH)
         .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
