@@ -1,5 +1,6 @@
 //! `pgsluice` command line: run the proxy, check a config file, fingerprint a statement
-//! offline, or talk to a running proxy's admin API (`rules`, `top`).
+//! offline, print shell completions, or talk to a running proxy's admin API (`rules`, `top`,
+//! `pools`, `callers`, `breaker`, `reload`).
 //!
 //! The proxy's flags may also come from `PGSLUICE_*` environment variables (clap's `env`),
 //! which is how containers and units configure it: a flag wins over its variable, and both
@@ -74,6 +75,12 @@ enum Cmd {
     Fingerprint(pgsluice::cli::FingerprintArgs),
     #[command(flatten)]
     Admin(AdminCmd),
+    /// Print a shell completion script (e.g. `pgsluice completions bash >
+    /// /etc/bash_completion.d/pgsluice`).
+    Completions {
+        #[arg(value_enum)]
+        shell: clap_complete::Shell,
+    },
 }
 
 fn print_errors(errs: &[ConfigError], file: Option<&PathBuf>) {
@@ -177,6 +184,11 @@ fn main() -> ExitCode {
                 ExitCode::from(1)
             }
         };
+    }
+    if let Some(Cmd::Completions { shell }) = &cli.cmd {
+        let mut cmd = <Cli as clap::CommandFactory>::command();
+        clap_complete::generate(*shell, &mut cmd, "pgsluice", &mut std::io::stdout());
+        return ExitCode::SUCCESS;
     }
     // Only `Admin` or nothing is left, so taking it loses nothing.
     if let Some(Cmd::Admin(cmd)) = cli.cmd.take() {

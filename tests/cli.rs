@@ -261,7 +261,7 @@ fn get(admin: SocketAddr, path: &str) -> (u16, String) {
         .expect("timeout");
     write!(
         s,
-        "GET {path} HTTP/1.0\r\nHost: x\r\nAuthorization: Bearer read\r\n\r\n"
+        "GET {path} HTTP/1.0\r\nHost: 127.0.0.1\r\nAuthorization: Bearer read\r\n\r\n"
     )
     .expect("request");
     let mut text = String::new();
@@ -396,5 +396,176 @@ async fn environment_configures_the_proxy_and_flags_win() {
     assert!(
         !text.contains('\x1b'),
         "no escape codes into a pipe: {text:?}"
+    );
+}
+
+/// `pgsluice ARGS` with no PGSLUICE_* variable inherited: (success, stdout, stderr).
+fn client(args: &[&str]) -> (bool, String, String) {
+    let mut cmd = Command::new(BIN);
+    for (k, _) in std::env::vars_os() {
+        if k.to_string_lossy().starts_with("PGSLUICE_") {
+            cmd.env_remove(k);
+        }
+    }
+    let out = cmd.args(args).output().expect("run the pgsluice client");
+    (
+        out.status.success(),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+/// A GET naming `host` in its Host header, with the read token: (status, body).
+fn get_as(admin: SocketAddr, host: &str, path: &str) -> (u16, String) {
+    let mut s = TcpStream::connect(admin).expect("connect to the admin API");
+    s.set_read_timeout(Some(Duration::from_secs(10)))
+        .expect("timeout");
+    write!(
+        s,
+        "GET {path} HTTP/1.0\r\nHost: {host}\r\nAuthorization: Bearer read\r\n\r\n"
+    )
+    .expect("request");
+    let mut text = String::new();
+    s.read_to_string(&mut text).expect("response");
+    let status = text
+        .split_whitespace()
+        .nth(1)
+        .and_then(|c| c.parse().ok())
+        .unwrap_or(0);
+    (status, text)
+}
+
+/// A TLS terminator in front of `upstream` (what an operator's reverse proxy does), with a
+/// self-signed certificate for `localhost`: its address and the certificate's PEM.
+async fn tls_front(upstream: SocketAddr) -> (SocketAddr, String) {
+    use tokio_rustls::rustls::{self, ServerConfig};
+    let key = rcgen::KeyPair::generate().expect("key pair");
+    let cert = rcgen::CertificateParams::new(vec!["localhost".to_owned()])
+        .expect("cert params")
+        .self_signed(&key)
+        .expect("self-signed cert");
+    let pem = cert.pem();
+    let der = cert.der().clone();
+    let key_der = rustls_pki_types::PrivateKeyDer::try_from(key.serialize_der()).expect("key");
+    let cfg =
+        ServerConfig::builder_with_provider(Arc::new(rustls::crypto::ring::default_provider()))
+            .with_safe_default_protocol_versions()
+            .expect("versions")
+            .with_no_client_auth()
+            .with_single_cert(vec![der], key_der)
+            .expect("server config");
+    let acceptor = tokio_rustls::TlsAcceptor::from(Arc::new(cfg));
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind the TLS front");
+    let addr = listener.local_addr().expect("front address");
+    tokio::spawn(async move {
+        while let Ok((tcp, _)) = listener.accept().await {
+            let acceptor = acceptor.clone();
+            tokio::spawn(async move {
+                let Ok(mut tls) = acceptor.accept(tcp).await else {
+                    return;
+                };
+                if let Ok(mut up) = tokio::net::TcpStream::connect(upstream).await {
+                    let _ = tokio::io::copy_bidirectional(&mut tls, &mut up).await;
+                }
+            });
+        }
+    });
+    (addr, pem)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn admin_commands_find_the_proxy_through_its_config_file_urls_and_tls() {
+    let cluster = Cluster::start();
+    let dir = tempfile::tempdir().expect("tempdir");
+    // A port the OS just handed out, written into the file the CLI reads.
+    let admin_port = std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .expect("free port")
+        .port();
+    let config = dir.path().join("pgsluice.yaml");
+    std::fs::write(
+        &config,
+        format!(
+            "listen: 127.0.0.1:0\nbackend:\n  url: postgres://{APP_USER}:{APP_PASSWORD}@{}/{APP_DB}\n\
+             admin:\n  listen: 0.0.0.0:{admin_port}\n  write_token: from-the-file\n  \
+             allowed_hosts: [admin.test]\n",
+            cluster.addr()
+        ),
+    )
+    .expect("write config");
+    let cfg = config.display().to_string();
+    let p = spawn(&[], &["--config", &cfg]);
+    assert_eq!(p.admin.port(), admin_port);
+    let _ = pool_of(&p).await;
+
+    // Address (0.0.0.0 reached on loopback) and write token from the file.
+    let (ok, out, err) = client(&["pools", "--config", &cfg]);
+    assert!(ok, "{err}");
+    assert!(out.starts_with("POOL "), "{out}");
+    assert!(out.contains("appdb/app  transaction  20"), "{out}");
+    let (ok, out, err) = client(&["callers", "-c", &cfg]);
+    assert!(
+        ok && out.starts_with("CALLER ") && out.contains("default"),
+        "{out}{err}"
+    );
+    let (ok, out, err) = client(&["breaker", "-c", &cfg]);
+    assert!(ok && out.starts_with("state        closed"), "{out}{err}");
+    let (ok, out, err) = client(&["reload", "-c", &cfg]);
+    assert!(ok && out == "configuration reloaded\n", "{out}{err}");
+    // A flag wins over the file: the read token cannot reload.
+    let (ok, _, err) = client(&["reload", "-c", &cfg, "--token", "read"]);
+    assert!(!ok && err.contains("HTTP 403"), "{err}");
+    // Value enums are checked before any request.
+    let (ok, _, err) = client(&["top", "-c", &cfg, "--sort", "slowest"]);
+    assert!(!ok && err.contains("possible values: total_time"), "{err}");
+
+    // Host names: IP literals, localhost and admin.allowed_hosts; other names get 421
+    // (DNS rebinding), the probes answer under any name.
+    let local = SocketAddr::from(([127, 0, 0, 1], admin_port));
+    assert_eq!(get_as(local, "127.0.0.1", "/v1/pools").0, 200);
+    assert_eq!(get_as(local, "Admin.Test:9930", "/v1/pools").0, 200);
+    let (status, text) = get_as(local, "attacker.example", "/v1/pools");
+    assert_eq!(status, 421, "{text}");
+    assert!(text.contains("admin.allowed_hosts"), "{text}");
+    assert_eq!(get_as(local, "attacker.example", "/healthz").0, 200);
+
+    // https through a TLS-terminating front, verified against the CA given.
+    let (front, pem) = tls_front(local).await;
+    let ca = dir.path().join("ca.pem");
+    std::fs::write(&ca, pem).expect("write CA");
+    let url = format!("https://localhost:{}", front.port());
+    let ca_path = ca.display().to_string();
+    let out = tokio::task::spawn_blocking(move || {
+        client(&[
+            "pools",
+            "--admin",
+            &url,
+            "--admin-ca",
+            &ca_path,
+            "--token",
+            "read",
+        ])
+    })
+    .await
+    .expect("client");
+    assert!(out.0 && out.1.contains("appdb/app"), "{}{}", out.1, out.2);
+    let url = format!("https://localhost:{}", front.port());
+    let out =
+        tokio::task::spawn_blocking(move || client(&["pools", "--admin", &url, "--token", "read"]))
+            .await
+            .expect("client");
+    assert!(
+        !out.0 && out.2.contains("TLS handshake"),
+        "an unknown CA is refused: {}",
+        out.2
+    );
+
+    // Completion scripts know the subcommands.
+    let (ok, out, _) = client(&["completions", "bash"]);
+    assert!(
+        ok && out.contains("_pgsluice") && out.contains("callers"),
+        "{out}"
     );
 }

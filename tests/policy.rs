@@ -245,7 +245,8 @@ async fn admin_get(proxy: &Proxy, path: &str) -> serde_json::Value {
         let mut s = tokio::net::TcpStream::connect(addr)
             .await
             .expect("connect admin");
-        let request = format!("GET {path} HTTP/1.1\r\nHost: pgsluice\r\nConnection: close\r\n\r\n");
+        let request =
+            format!("GET {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n");
         s.write_all(request.as_bytes())
             .await
             .expect("send admin request");

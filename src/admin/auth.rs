@@ -1,4 +1,5 @@
-//! Who may call what: bearer tokens, and the JSON-only rule for mutations.
+//! Who may call what: bearer tokens, and the JSON-only rule for mutations (after the
+//! `Host` check of [`super::host`], for every path that is not open).
 //!
 //! Access is decided by method, so a new endpoint is protected by default:
 //! * open: `/healthz`, `/readyz`, `/v1/openapi.json` (liveness, readiness, the API document);
@@ -154,6 +155,9 @@ pub async fn guard(
 ) -> Result<Response, ApiError> {
     let access = Access::of(req.method(), req.uri().path());
     let cfg = st.app.config.load();
+    if access != Access::Open {
+        super::host::check(&req, &cfg.admin.allowed_hosts)?;
+    }
     let tokens = Tokens::resolve(&cfg.admin, &st.env);
     if let Err(e) = authorize(access, &tokens, presented(req.headers())) {
         if e == ApiError::Unauthorized {

@@ -38,6 +38,8 @@ pub enum ApiError {
     /// `POST /v1/reload` with a config that does not load; the old one stays.
     InvalidConfig(Vec<String>),
     Unavailable(String),
+    /// The `Host` the request names is not one this API answers to (DNS rebinding).
+    MisdirectedHost(String),
     /// Server-side failure; `message` is safe to show (no paths with secrets, no tokens).
     Internal(String),
 }
@@ -72,6 +74,7 @@ impl ApiError {
             ApiError::UnsupportedMediaType => StatusCode::UNSUPPORTED_MEDIA_TYPE,
             ApiError::PayloadTooLarge => StatusCode::PAYLOAD_TOO_LARGE,
             ApiError::Unavailable(_) => StatusCode::SERVICE_UNAVAILABLE,
+            ApiError::MisdirectedHost(_) => StatusCode::MISDIRECTED_REQUEST,
             ApiError::Internal(_) => StatusCode::INTERNAL_SERVER_ERROR,
         }
     }
@@ -129,6 +132,7 @@ impl IntoResponse for ApiError {
                     Some(errs.as_slice()),
                 ),
                 ApiError::Unavailable(m) => ("unavailable", None, m, None),
+                ApiError::MisdirectedHost(m) => ("misdirected request", Some("host"), m, None),
                 ApiError::Internal(m) => ("internal error", None, m, None),
             };
         let body = Body {

@@ -12,7 +12,8 @@
 //!        POST /v1/reload
 //! ```
 //!
-//! Layout: [`auth`] decides who may call what (by method, so new endpoints are protected by
+//! Layout: [`host`] refuses host names the API does not answer to (DNS rebinding);
+//! [`auth`] decides who may call what (by method, so new endpoints are protected by
 //! default) and enforces JSON on mutations; [`error`] is the one error type every failure
 //! goes through, plus the extractors that name the bad field; [`rules`] owns rule mutations
 //! (in fleet mode written to Redis first, see `crate::fleet`)
@@ -27,6 +28,7 @@
 pub mod anomalies;
 pub mod auth;
 pub mod error;
+pub mod host;
 pub mod read;
 pub mod rules;
 

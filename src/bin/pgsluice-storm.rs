@@ -507,10 +507,9 @@ async fn run(cli: Cli, probe: tokio::runtime::Handle) -> Result<(), String> {
                     .hot_sql
                     .clone()
                     .unwrap_or_else(|| storm::step::HOT_SQL.to_owned()),
-                admin: cli.admin.map(|admin| pgsluice::cli::AdminConn {
-                    admin,
-                    token: cli.admin_token.clone(),
-                }),
+                admin: cli
+                    .admin
+                    .map(|admin| pgsluice::cli::AdminConn::at(admin, cli.admin_token.clone())),
             };
             storm::step::run(ctx, shape, phase).await
         }

@@ -148,6 +148,9 @@ pub struct AdminConfig {
     pub open_reads: bool,
     /// Where runtime rules are persisted.
     pub rules_file: Option<String>,
+    /// Host names the API answers to besides IP literals and `localhost` (`*.domain` for
+    /// subdomains, `*` for any): a browser tricked by DNS rebinding names another host.
+    pub allowed_hosts: Vec<String>,
 }
 
 impl Default for AdminConfig {
@@ -158,6 +161,7 @@ impl Default for AdminConfig {
             read_token: None,
             open_reads: false,
             rules_file: None,
+            allowed_hosts: Vec::new(),
         }
     }
 }

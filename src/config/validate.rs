@@ -351,6 +351,23 @@ impl Config {
                 format!("must be between 0 (off) and {MAX_TCP_USER_TIMEOUT_MS}"),
             );
         }
+        for (i, h) in self.admin.allowed_hosts.iter().enumerate() {
+            let name = h.strip_prefix("*.").unwrap_or(h);
+            let ok = h == "*"
+                || (!name.is_empty()
+                    && name
+                        .bytes()
+                        .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'.'));
+            if !ok {
+                p.add(
+                    format!("admin.allowed_hosts[{i}]"),
+                    format!(
+                        "{h:?} is not a host name (letters, digits, - and . only, no port; \
+                         *.domain for its subdomains, * for any)"
+                    ),
+                );
+            }
+        }
         if self.worker_threads > 1024 {
             p.add(
                 "worker_threads".into(),
