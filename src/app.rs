@@ -52,6 +52,8 @@ pub struct App {
     pub fp_stats: FingerprintStats,
     /// Prometheus metrics; per-caller handles follow the caller table across reloads.
     pub metrics: Metrics,
+    /// Budgets of the optional connection and refusal log lines (`log.*`).
+    pub log_limits: crate::observe::log_limit::LogLimits,
     /// What `POST /v1/reload` runs: main sets it to the same re-read as SIGHUP. Unset in
     /// tests and embedders, where the endpoint answers 503.
     pub reloader: OnceLock<Reloader>,
@@ -142,6 +144,7 @@ impl App {
         })));
         Ok(Arc::new(App {
             metrics,
+            log_limits: Default::default(),
             reloader: OnceLock::new(),
             policy,
             classifier: Classifier::new(

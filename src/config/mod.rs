@@ -734,6 +734,13 @@ pub struct LogConfig {
     pub format: LogFormat,
     /// tracing EnvFilter directive; RUST_LOG wins when set.
     pub level: String,
+    /// Log logins, failed logins and logouts (INFO, target `pgsluice::connections`).
+    pub connections: bool,
+    /// Log refused statements (INFO, target `pgsluice::refusals`).
+    pub refusals: bool,
+    /// Most lines a second of each of those two kinds; the next line written counts the
+    /// ones left out.
+    pub max_lines_per_second: u32,
 }
 
 impl Default for LogConfig {
@@ -741,6 +748,9 @@ impl Default for LogConfig {
         LogConfig {
             format: LogFormat::Human,
             level: "info".into(),
+            connections: false,
+            refusals: true,
+            max_lines_per_second: 20,
         }
     }
 }

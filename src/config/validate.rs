@@ -368,6 +368,12 @@ impl Config {
                 );
             }
         }
+        if self.log.max_lines_per_second > 100_000 {
+            p.add(
+                "log.max_lines_per_second".into(),
+                "must be between 0 (none of those lines) and 100000",
+            );
+        }
         if self.worker_threads > 1024 {
             p.add(
                 "worker_threads".into(),

@@ -1,6 +1,8 @@
 //! Observability: per-fingerprint statistics (the proxy's own pg_stat_statements), the
-//! anomaly detector that reads them, and Prometheus metrics. Imports nothing else of ours.
+//! anomaly detector that reads them, Prometheus metrics, and the rate limits of the optional
+//! connection and refusal log lines. Imports nothing else of ours.
 
 pub mod anomaly;
+pub mod log_limit;
 pub mod metrics;
 pub mod stats;

@@ -169,7 +169,9 @@ pub async fn run<S, G>(
     let login = match started {
         Ok(Ok(Start::Login(login))) => login,
         Ok(Ok(Start::Cancelled)) => return,
-        other => return startup_failed(&mut stream, peer, other.map(|r| r.map(|_| ()))).await,
+        other => {
+            return startup_failed(&app, &mut stream, peer, other.map(|r| r.map(|_| ()))).await;
+        }
     };
     let rest = async move {
         let _hold = hold;
@@ -183,6 +185,7 @@ pub async fn run<S, G>(
 
 /// Tells the client why startup failed (when it is owed a reply) and closes.
 async fn startup_failed<S: AsyncRead + AsyncWrite + Unpin>(
+    app: &App,
     stream: &mut Client<S>,
     peer: SocketAddr,
     r: Result<Result<(), Fail>, tokio::time::error::Elapsed>,
@@ -190,7 +193,11 @@ async fn startup_failed<S: AsyncRead + AsyncWrite + Unpin>(
     let e = match r {
         Ok(Ok(())) => return,
         Ok(Err(Fail::Report(e))) => {
-            tracing::debug!(%peer, error = %e, "startup failed");
+            if let Some(suppressed) = connection_line(app) {
+                tracing::info!(target: "pgsluice::connections", %peer, sqlstate = e.code, error = %e.message, suppressed, "login failed");
+            } else {
+                tracing::debug!(%peer, error = %e, "startup failed");
+            }
             e
         }
         Ok(Err(Fail::Silent(why))) => {
@@ -222,7 +229,9 @@ async fn logged_in<S: AsyncRead + AsyncWrite + Unpin>(
     drop(slot);
     let (pool, status) = match prepared {
         Ok(Ok(x)) => x,
-        other => return startup_failed(&mut stream, peer, other.map(|r| r.map(|_| ()))).await,
+        other => {
+            return startup_failed(&app, &mut stream, peer, other.map(|r| r.map(|_| ()))).await;
+        }
     };
     let reg = app.cancels.register(if login.minor >= 2 { 32 } else { 4 });
     let mut out = BytesMut::with_capacity(1024);
@@ -234,15 +243,24 @@ async fn logged_in<S: AsyncRead + AsyncWrite + Unpin>(
     if stream.write_all(&out).await.is_err() {
         return;
     }
-    tracing::debug!(%peer, user = %login.user, db = %login.database, tls = stream.is_tls(), "client logged in");
+    let (user, database) = (login.user.clone(), login.database.clone());
+    let tls = stream.is_tls();
+    if let Some(suppressed) = connection_line(&app) {
+        tracing::info!(target: "pgsluice::connections", %peer, %user, db = %database, tls, suppressed, "login");
+    } else {
+        tracing::debug!(%peer, %user, db = %database, tls, "client logged in");
+    }
+    let since = Instant::now();
     let relay = Relay::new(app.clone(), pool, login, reg.entry.clone(), buf, peer);
     let end = relay.run(&mut stream).await;
-    match &end {
-        End::Error(e) => {
-            send_error(&mut stream, e).await;
-            tracing::debug!(%peer, error = %e, "session ended with an error");
-        }
-        other => tracing::debug!(%peer, end = ?other, "session ended"),
+    if let End::Error(e) = &end {
+        send_error(&mut stream, e).await;
+    }
+    if let Some(suppressed) = connection_line(&app) {
+        let secs = since.elapsed().as_secs_f64();
+        tracing::info!(target: "pgsluice::connections", %peer, %user, db = %database, duration_s = format_args!("{secs:.3}"), end = ?end, suppressed, "logout");
+    } else {
+        tracing::debug!(%peer, end = ?end, "session ended");
     }
     close(&mut stream).await;
     drop(reg);
@@ -518,6 +536,18 @@ async fn client_alive<S: AsyncRead + Unpin>(client: &mut S, buf: &mut BytesMut) 
         std::future::pending::<()>().await;
     }
     !matches!(client.read_buf(buf).await, Ok(0) | Err(_))
+}
+
+/// Whether a `log.connections` line may be written now: `Some(lines left out before it)`.
+fn connection_line(app: &App) -> Option<u64> {
+    let cfg = app.config.load();
+    if !cfg.log.connections {
+        return None;
+    }
+    app.log_limits.connections.admit(
+        crate::observe::stats::unix_ms(),
+        cfg.log.max_lines_per_second,
+    )
 }
 
 #[cfg(test)]

@@ -140,6 +140,26 @@ impl Relay {
             self.app.metrics.rule_hit(action, true);
         }
         let names = self.app.callers.load();
+        let cfg = self.app.config.load();
+        if cfg.log.refusals
+            && let Some(suppressed) = self.app.log_limits.refusals.admit(
+                crate::observe::stats::unix_ms(),
+                cfg.log.max_lines_per_second,
+            )
+        {
+            tracing::info!(
+                target: "pgsluice::refusals",
+                client_ip = %self.peer_ip.map(|ip| ip.to_string()).unwrap_or_default(),
+                caller = names.name(caller),
+                reason = r.kind.reason(),
+                sqlstate = r.sqlstate,
+                fingerprint = %format_args!("{:016x}", class.fingerprint),
+                retry_after_ms = r.retry_after_ms,
+                detail = %r.detail,
+                suppressed,
+                "refused"
+            );
+        }
         self.app.fp_stats.record(
             class.fingerprint,
             &class.normalized,
