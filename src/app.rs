@@ -52,6 +52,9 @@ pub struct App {
     pub fp_stats: FingerprintStats,
     /// Prometheus metrics; per-caller handles follow the caller table across reloads.
     pub metrics: Metrics,
+    /// Databases an operator closed to new client connections (`POST
+    /// /v1/databases/{db}/disable`); sessions already open are not touched.
+    pub disabled: parking_lot::RwLock<std::collections::BTreeSet<String>>,
     /// Budgets of the optional connection and refusal log lines (`log.*`).
     pub log_limits: crate::observe::log_limit::LogLimits,
     /// What `POST /v1/reload` runs: main sets it to the same re-read as SIGHUP. Unset in
@@ -145,6 +148,7 @@ impl App {
         Ok(Arc::new(App {
             metrics,
             log_limits: Default::default(),
+            disabled: Default::default(),
             reloader: OnceLock::new(),
             policy,
             classifier: Classifier::new(
@@ -233,6 +237,16 @@ impl App {
     /// The pool for a logged-in (database, user), created on first use; an existing one gets
     /// the current backend password for its new connections.
     pub fn pool_for(&self, database: &str, user: &str) -> Result<Arc<Pool>, PgError> {
+        if self.disabled.read().contains(database) {
+            return Err(PgError::fatal(
+                "57P03",
+                format!(
+                    "pgsluice: database \"{database}\" is not accepting new connections: \
+                     disabled by an operator"
+                ),
+            )
+            .with_detail(format!("POST /v1/databases/{database}/enable reopens it")));
+        }
         let cfg = self.config.load();
         let creds = self.creds.load();
         let password = backend_password(&creds, user);

@@ -35,6 +35,7 @@ use tokio::net::TcpStream;
 use tokio::sync::Semaphore;
 
 use crate::auth::ct_eq;
+use crate::clients::{ClientInfo, ClientMeta, Order};
 use crate::config::PeerConfig;
 use crate::per_address::PerAddress;
 
@@ -144,11 +145,19 @@ pub struct Entry {
     requested: std::sync::atomic::AtomicU64,
     /// Woken when the process moves to another [`Phase`]: the session's event loop reads
     /// the phase from an atomic instead of polling the process-wide shutdown tokens (whose
-    /// every poll takes their lock).
+    /// every poll takes their lock). Also woken by an operator's order ([`Entry::terminate`]).
     pub wake: AtomicWaker,
+    /// What the admin API shows of this session, and an operator's order to it.
+    pub client: ClientInfo,
 }
 
 impl Entry {
+    /// An operator's order to end the session (57P01): recorded, then the session woken.
+    pub fn terminate(&self) {
+        self.client.set_order(Order::Terminate);
+        self.wake.wake();
+    }
+
     pub async fn set(&self, t: Option<Target>) {
         use std::sync::atomic::Ordering::Release;
         // Uncontended (no cancel being sent) on every checkout and release: no waiter queue.
@@ -216,6 +225,8 @@ pub struct Registry {
     by_address: Arc<PerAddress>,
     /// The process' [`Phase`], as a `u8`.
     phase: AtomicU8,
+    /// The last client id handed out ([`ClientInfo::id`]).
+    next_client: std::sync::atomic::AtomicU64,
     pub sent: std::sync::atomic::AtomicU64,
     pub ignored: std::sync::atomic::AtomicU64,
     /// Passed on to the owning instance (which counts it as sent or ignored).
@@ -238,6 +249,7 @@ impl Registry {
             in_flight: Semaphore::new(64),
             by_address: Arc::default(),
             phase: AtomicU8::new(Phase::Running as u8),
+            next_client: Default::default(),
             sent: Default::default(),
             ignored: Default::default(),
             forwarded: Default::default(),
@@ -268,8 +280,19 @@ impl Registry {
 
     /// A fresh key: 4-byte secret for protocol 3.0, 32 bytes for 3.2.
     pub fn register(self: &Arc<Self>, secret_len: usize) -> Registration {
+        self.register_client(secret_len, None)
+    }
+
+    /// A fresh key for a logged-in client, recorded for `GET /v1/clients`.
+    pub fn register_client(
+        self: &Arc<Self>,
+        secret_len: usize,
+        meta: Option<ClientMeta>,
+    ) -> Registration {
         let secret: Vec<u8> = (0..secret_len).map(|_| rand::random::<u8>()).collect();
+        let id = self.next_client.fetch_add(1, AtomicOrdering::Relaxed) + 1;
         let entry = Arc::new(Entry {
+            client: ClientInfo::new(id, meta),
             requested: Default::default(),
             secret: secret.clone(),
             target: tokio::sync::Mutex::new(None),
@@ -290,6 +313,20 @@ impl Registry {
             entry,
             registry: self.clone(),
         }
+    }
+
+    /// Every registered session, for `GET /v1/clients` (a copy: no lock held after).
+    pub fn entries(&self) -> Vec<Arc<Entry>> {
+        self.map.lock().values().cloned().collect()
+    }
+
+    /// The session with client id `id`.
+    pub fn find_client(&self, id: u64) -> Option<Arc<Entry>> {
+        self.map
+            .lock()
+            .values()
+            .find(|e| e.client.id == id)
+            .cloned()
     }
 
     /// Handles a CancelRequest from a new connection; `peers` are the other instances. `from`

@@ -28,6 +28,7 @@ pub mod cancel;
 pub mod check;
 pub mod classify;
 pub mod cli;
+pub mod clients;
 pub mod config;
 pub mod fleet;
 pub mod observe;

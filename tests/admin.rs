@@ -944,6 +944,15 @@ async fn openapi_document_covers_every_route() {
         ("/v1/breaker", "get"),
         ("/v1/fleet", "get"),
         ("/v1/reload", "post"),
+        ("/v1/clients", "get"),
+        ("/v1/clients/{id}", "delete"),
+        ("/v1/clients/{id}/cancel", "post"),
+        ("/v1/servers", "get"),
+        ("/v1/pools/{db}/{user}/pause", "post"),
+        ("/v1/pools/{db}/{user}/resume", "post"),
+        ("/v1/pools/{db}/{user}/reconnect", "post"),
+        ("/v1/databases/{db}/disable", "post"),
+        ("/v1/databases/{db}/enable", "post"),
     ];
     let paths = doc["paths"].as_object().cloned().unwrap_or_default();
     for (path, method) in routes {

@@ -9,6 +9,11 @@
 //! `limits.client_idle_timeout_ms` ends a client idle between transactions with FATAL 57P05
 //! (never one that works or sits inside a transaction).
 //!
+//! The incident controls of the admin API: pause (in-flight transactions finish, new ones
+//! wait, resume releases them, none lost), reconnect (every backend pid replaced), the client
+//! and server lists, terminating a client (57P01, its statement stops on the server) or
+//! cancelling its statement, and disabling new logins to a database (57P03).
+//!
 //! With `PGSLUICE_TEST_DIRECT=1` these tests are skipped (they are about the proxy).
 
 mod support;
@@ -464,5 +469,264 @@ async fn a_client_idle_between_transactions_is_ended_but_not_one_that_works_or_i
     let waited = ended_for_idling(&mut in_txn, Instant::now()).await;
     assert!(waited >= Duration::from_millis(350), "{waited:?}");
     drop(busy);
+    proxy.assert_healthy().await;
+}
+
+const CONTROL_YAML: &str = "\
+admin:
+  write_token: control-write
+";
+
+/// An admin request with the write token (reads accept it too): (status, JSON body).
+async fn control(
+    proxy: &Proxy,
+    method: &str,
+    path: &str,
+    body: Option<&str>,
+) -> (u16, serde_json::Value) {
+    let (status, text) = proxy
+        .admin_request(method, path, "control-write", body)
+        .await;
+    let v = serde_json::from_str(&text).unwrap_or(serde_json::Value::String(text));
+    (status, v)
+}
+
+/// Backend pids of the app user, from Postgres itself.
+async fn app_backends(db: &Client) -> Vec<i32> {
+    let rows = db
+        .query(
+            "SELECT pid FROM pg_stat_activity WHERE usename = $1 AND datname = $2",
+            &[&APP_USER, &APP_DB],
+        )
+        .await
+        .expect("pg_stat_activity");
+    rows.iter().map(|r| r.get::<_, i32>(0)).collect()
+}
+
+/// The client record whose latest statement runs on `pid`.
+async fn client_on(proxy: &Proxy, pid: i32) -> Option<serde_json::Value> {
+    let (status, v) = control(proxy, "GET", "/v1/clients", None).await;
+    assert_eq!(status, 200, "{v}");
+    v["clients"]
+        .as_array()
+        .and_then(|c| c.iter().find(|c| c["backend_pid"] == pid).cloned())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn incident_controls_pause_resume_reconnect_list_kill_and_disable() {
+    let Some(env) = start(4, CONTROL_YAML) else {
+        return;
+    };
+    let proxy = &env.proxy;
+    let db = env.cluster.superuser_client(APP_DB).await;
+    let pool = format!("/v1/pools/{APP_DB}/{APP_USER}");
+    let (status, v) = control(proxy, "POST", "/v1/pools/nodb/nouser/pause", None).await;
+    assert_eq!(status, 404, "{v}");
+
+    // Pause with 20 clients running transactions: those in flight finish, new ones wait,
+    // the resume releases them, and not one transaction is lost.
+    const CLIENTS: usize = 20;
+    const EACH: usize = 10;
+    let mut workers = Vec::new();
+    for _ in 0..CLIENTS {
+        let c = client(proxy, "web").await;
+        workers.push(tokio::spawn(async move {
+            for _ in 0..EACH {
+                c.batch_execute(
+                    "BEGIN; UPDATE acct SET v = v + 1 WHERE id = 1; SELECT pg_sleep(0.02); COMMIT",
+                )
+                .await?;
+            }
+            Ok::<_, tokio_postgres::Error>(())
+        }));
+    }
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let (status, v) = control(
+        proxy,
+        "POST",
+        &format!("{pool}/pause"),
+        Some(r#"{"hold_ms": 20000, "wait_ms": 10000}"#),
+    )
+    .await;
+    assert_eq!(status, 200, "{v}");
+    assert_eq!(
+        (v["paused"].as_bool(), v["drained"].as_bool()),
+        (Some(true), Some(true)),
+        "{v}"
+    );
+    let busy: i64 = db
+        .query_one(
+            "SELECT count(*) FROM pg_stat_activity WHERE usename = $1 AND state <> 'idle'",
+            &[&APP_USER],
+        )
+        .await
+        .expect("count")
+        .get(0);
+    assert_eq!(busy, 0, "no transaction runs while paused");
+    let at_pause = scalar(&db, "SELECT v FROM acct WHERE id = 1").await;
+    tokio::time::sleep(Duration::from_millis(700)).await;
+    assert_eq!(
+        scalar(&db, "SELECT v FROM acct WHERE id = 1").await,
+        at_pause,
+        "nothing committed while paused"
+    );
+    let (_, clients) = control(proxy, "GET", "/v1/clients", None).await;
+    let waiting = clients["clients"]
+        .as_array()
+        .map_or(0, |c| c.iter().filter(|c| c["state"] == "waiting").count());
+    assert!(waiting > 0, "held clients show as waiting: {clients}");
+    let (_, pools) = control(proxy, "GET", "/v1/pools", None).await;
+    assert_eq!(pools["pools"][0]["paused"], true, "{pools}");
+    let (status, v) = control(proxy, "POST", &format!("{pool}/resume"), None).await;
+    assert_eq!((status, v["paused"].as_bool()), (200, Some(false)), "{v}");
+    for w in workers {
+        within(STEP, "a worker after the resume", w)
+            .await
+            .expect("join")
+            .expect("every transaction of every client succeeds");
+    }
+    assert_eq!(
+        scalar(&db, "SELECT v FROM acct WHERE id = 1").await,
+        (CLIENTS * EACH).to_string(),
+        "none lost"
+    );
+
+    // Reconnect replaces every backend: the idle ones at once, one in a transaction when it
+    // commits.
+    let holder = client(proxy, "web").await;
+    holder
+        .batch_execute("BEGIN; SELECT 1")
+        .await
+        .expect("BEGIN");
+    let before = app_backends(&db).await;
+    assert!(!before.is_empty());
+    let (status, v) = control(proxy, "POST", &format!("{pool}/reconnect"), None).await;
+    assert_eq!((status, v["in_use"].as_u64()), (200, Some(1)), "{v}");
+    holder.batch_execute("COMMIT").await.expect("COMMIT");
+    let worker = client(proxy, "web").await;
+    for _ in 0..8 {
+        scalar(&worker, "SELECT 1").await;
+    }
+    eventually(STEP, "every backend replaced", || async {
+        let after = app_backends(&db).await;
+        !after.is_empty() && after.iter().all(|p| !before.contains(p))
+    })
+    .await;
+
+    // The client list shows a running statement, and DELETE ends it: the client gets 57P01
+    // and the statement stops on the server.
+    let sleeper = client(proxy, "web").await;
+    let running = tokio::spawn({
+        let s = sleeper.clone();
+        async move { s.simple_query("SELECT pg_sleep(30)").await }
+    });
+    eventually(STEP, "pg_sleep running", || async {
+        sleeping(&env.cluster).await != 0
+    })
+    .await;
+    let pids: Vec<i32> = db
+        .query(
+            "SELECT pid FROM pg_stat_activity WHERE query LIKE 'SELECT pg_sleep(30)%'",
+            &[],
+        )
+        .await
+        .expect("pids")
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    let row = client_on(proxy, pids[0])
+        .await
+        .expect("the sleeper is listed with its backend");
+    assert_eq!(row["state"], "active", "{row}");
+    assert_eq!(row["caller"], "default", "{row}");
+    assert_eq!(row["user"], APP_USER, "{row}");
+    assert!(
+        row["fingerprint"].as_str().is_some_and(|f| f.len() == 16),
+        "{row}"
+    );
+    let (_, servers) = control(proxy, "GET", "/v1/servers", None).await;
+    assert!(
+        servers["servers"].as_array().is_some_and(|s| s
+            .iter()
+            .any(|s| s["pid"] == pids[0] && s["client"] == row["id"])),
+        "{servers}"
+    );
+    let id = row["id"].as_u64().expect("id");
+    let t = Instant::now();
+    let (status, v) = control(proxy, "DELETE", &format!("/v1/clients/{id}"), None).await;
+    assert_eq!(status, 200, "{v}");
+    let err = within(STEP, "the killed statement", running)
+        .await
+        .expect("join")
+        .expect_err("the session is ended");
+    assert_eq!(sqlstate(&err), "57P01", "{err:?}");
+    assert!(t.elapsed() < Duration::from_secs(3), "{:?}", t.elapsed());
+    eventually(STEP, "the statement stops on the server", || async {
+        sleeping(&env.cluster).await == 0
+    })
+    .await;
+    let (status, _) = control(proxy, "DELETE", &format!("/v1/clients/{id}"), None).await;
+    assert_eq!(status, 404);
+
+    // Cancel only the statement: the session goes on.
+    let other = client(proxy, "web").await;
+    let running = tokio::spawn({
+        let s = other.clone();
+        async move { s.simple_query("SELECT pg_sleep(30)").await }
+    });
+    eventually(STEP, "pg_sleep running again", || async {
+        sleeping(&env.cluster).await != 0
+    })
+    .await;
+    let pid: i32 = db
+        .query_one(
+            "SELECT pid FROM pg_stat_activity WHERE query LIKE 'SELECT pg_sleep(30)%'",
+            &[],
+        )
+        .await
+        .expect("pid")
+        .get(0);
+    let row = client_on(proxy, pid).await.expect("listed");
+    let (status, v) = control(
+        proxy,
+        "POST",
+        &format!("/v1/clients/{}/cancel", row["id"]),
+        None,
+    )
+    .await;
+    assert_eq!(status, 200, "{v}");
+    let err = within(STEP, "the cancelled statement", running)
+        .await
+        .expect("join")
+        .expect_err("cancelled");
+    assert_eq!(sqlstate(&err), "57014", "{err:?}");
+    assert_eq!(scalar(&other, "SELECT 2").await, "2", "the session goes on");
+
+    // Disable refuses new logins to the database (57P03); open sessions go on; enable.
+    let (status, v) = control(
+        proxy,
+        "POST",
+        &format!("/v1/databases/{APP_DB}/disable"),
+        None,
+    )
+    .await;
+    assert_eq!((status, v["enabled"].as_bool()), (200, Some(false)), "{v}");
+    let refused = proxy
+        .try_client_with(&proxy.app_config())
+        .await
+        .map(|_| ())
+        .expect_err("disabled");
+    assert_eq!(sqlstate(&refused), "57P03", "{refused:?}");
+    assert_eq!(scalar(&other, "SELECT 3").await, "3");
+    let (status, _) = control(
+        proxy,
+        "POST",
+        &format!("/v1/databases/{APP_DB}/enable"),
+        None,
+    )
+    .await;
+    assert_eq!(status, 200);
+    let again = client(proxy, "web").await;
+    assert_eq!(scalar(&again, "SELECT 4").await, "4");
     proxy.assert_healthy().await;
 }

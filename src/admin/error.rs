@@ -38,6 +38,8 @@ pub enum ApiError {
     /// `POST /v1/reload` with a config that does not load; the old one stays.
     InvalidConfig(Vec<String>),
     Unavailable(String),
+    /// The request conflicts with the state of what it names (409).
+    Conflict(String),
     /// The `Host` the request names is not one this API answers to (DNS rebinding).
     MisdirectedHost(String),
     /// Server-side failure; `message` is safe to show (no paths with secrets, no tokens).
@@ -75,6 +77,7 @@ impl ApiError {
             ApiError::PayloadTooLarge => StatusCode::PAYLOAD_TOO_LARGE,
             ApiError::Unavailable(_) => StatusCode::SERVICE_UNAVAILABLE,
             ApiError::MisdirectedHost(_) => StatusCode::MISDIRECTED_REQUEST,
+            ApiError::Conflict(_) => StatusCode::CONFLICT,
             ApiError::Internal(_) => StatusCode::INTERNAL_SERVER_ERROR,
         }
     }
@@ -132,6 +135,7 @@ impl IntoResponse for ApiError {
                     Some(errs.as_slice()),
                 ),
                 ApiError::Unavailable(m) => ("unavailable", None, m, None),
+                ApiError::Conflict(m) => ("conflict", None, m, None),
                 ApiError::MisdirectedHost(m) => ("misdirected request", Some("host"), m, None),
                 ApiError::Internal(m) => ("internal error", None, m, None),
             };

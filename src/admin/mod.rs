@@ -10,6 +10,9 @@
 //!             /v1/anomalies  /v1/callers  /v1/pools  /v1/breaker  /v1/fleet (fleet mode)
 //! write  PUT|DELETE /v1/rules/fingerprint/{hash}   POST /v1/rules/fingerprint (from SQL)
 //!        POST /v1/reload
+//! read   GET  /v1/clients  /v1/servers
+//! write  DELETE /v1/clients/{id}   POST /v1/clients/{id}/cancel
+//!        POST /v1/pools/{db}/{user}/pause|resume|reconnect   /v1/databases/{db}/disable|enable
 //! ```
 //!
 //! Layout: [`host`] refuses host names the API does not answer to (DNS rebinding);
@@ -18,7 +21,8 @@
 //! goes through, plus the extractors that name the bad field; [`rules`] owns rule mutations
 //! (in fleet mode written to Redis first, see `crate::fleet`)
 //! and their persistence; [`anomalies`] the detector's tick, its automatic rules and
-//! `/v1/anomalies`; [`read`] the stats, `/metrics` and reload. Bodies are capped at
+//! `/v1/anomalies`; [`read`] the stats, `/metrics` and reload; [`control`] the incident
+//! controls (clients, servers, pause, resume, reconnect, disable, enable). Bodies are capped at
 //! [`error::MAX_BODY_BYTES`]; GET handlers refuse query parameters they do not define, so a
 //! GET can never be mistaken for a mutation.
 //!
@@ -27,6 +31,7 @@
 
 pub mod anomalies;
 pub mod auth;
+pub mod control;
 pub mod error;
 pub mod host;
 pub mod read;
@@ -39,7 +44,7 @@ use axum::Router;
 use axum::extract::{DefaultBodyLimit, State};
 use axum::http::{StatusCode, header};
 use axum::response::IntoResponse;
-use axum::routing::{get, post};
+use axum::routing::{delete, get, post};
 use serde::Serialize;
 
 use self::auth::EnvTokens;
@@ -100,6 +105,15 @@ pub fn router_with_env(app: Arc<App>, env: EnvTokens) -> Router {
         .route("/v1/breaker", get(read::breaker))
         .route("/v1/fleet", get(read::fleet))
         .route("/v1/reload", post(read::reload))
+        .route("/v1/clients", get(control::clients))
+        .route("/v1/clients/{id}", delete(control::terminate))
+        .route("/v1/clients/{id}/cancel", post(control::cancel))
+        .route("/v1/servers", get(control::servers))
+        .route("/v1/pools/{db}/{user}/pause", post(control::pause))
+        .route("/v1/pools/{db}/{user}/resume", post(control::resume))
+        .route("/v1/pools/{db}/{user}/reconnect", post(control::reconnect))
+        .route("/v1/databases/{db}/disable", post(control::disable))
+        .route("/v1/databases/{db}/enable", post(control::enable))
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)
         .layer(axum::middleware::from_fn_with_state(

@@ -23,7 +23,8 @@ use serde_json::Value;
 pub use self::fingerprint::{FingerprintArgs, fingerprint, fingerprint_report};
 use self::http::{Client, Endpoint};
 use self::tables::{
-    anomaly_lines, breaker_text, callers_table, pools_table, rules_table, top_table,
+    anomaly_lines, breaker_text, callers_table, clients_table, num, pools_table, rules_table,
+    servers_table, text, top_table,
 };
 use crate::config::Config;
 use crate::policy::rules::RuleSpec;
@@ -164,6 +165,69 @@ pub enum AdminCmd {
     Reload {
         #[command(flatten)]
         conn: AdminConn,
+    },
+    /// Logged-in clients: caller, state, backend, latest fingerprint, how long.
+    Clients {
+        #[command(flatten)]
+        conn: AdminConn,
+        /// Print the API's JSON instead of a table.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Backend connections: idle ones and the client holding each busy one.
+    Servers {
+        #[command(flatten)]
+        conn: AdminConn,
+        /// Print the API's JSON instead of a table.
+        #[arg(long)]
+        json: bool,
+    },
+    /// End a client's session (FATAL 57P01), or with --cancel only its running statement.
+    Kill {
+        #[command(flatten)]
+        conn: AdminConn,
+        /// Client id (see `pgsluice clients`).
+        id: u64,
+        /// Cancel the running statement instead of ending the session.
+        #[arg(long)]
+        cancel: bool,
+    },
+    /// Hold new transactions of a pool (DATABASE/USER) and wait for those in flight.
+    Pause {
+        #[command(flatten)]
+        conn: AdminConn,
+        /// DATABASE/USER, as `pgsluice pools` names it.
+        pool: String,
+        /// How long each held transaction waits for the resume [default: 60000].
+        #[arg(long, value_name = "MS")]
+        hold_ms: Option<u64>,
+        /// How long to wait for the transactions in flight [default: 30000].
+        #[arg(long, value_name = "MS")]
+        wait_ms: Option<u64>,
+    },
+    /// Release a paused pool (DATABASE/USER).
+    Resume {
+        #[command(flatten)]
+        conn: AdminConn,
+        pool: String,
+    },
+    /// Replace every backend of a pool (DATABASE/USER) after its current transaction.
+    Reconnect {
+        #[command(flatten)]
+        conn: AdminConn,
+        pool: String,
+    },
+    /// Refuse new client logins to a database (sessions already open go on).
+    Disable {
+        #[command(flatten)]
+        conn: AdminConn,
+        database: String,
+    },
+    /// Accept new client logins to a database again.
+    Enable {
+        #[command(flatten)]
+        conn: AdminConn,
+        database: String,
     },
 }
 
@@ -354,8 +418,100 @@ pub async fn run(cmd: AdminCmd) -> anyhow::Result<()> {
             conn.client()?.call("POST", "/v1/reload", None).await?;
             emit("configuration reloaded\n")?;
         }
+        AdminCmd::Clients { conn, json } => {
+            show(&conn, "/v1/clients", json, clients_table).await?;
+        }
+        AdminCmd::Servers { conn, json } => {
+            show(&conn, "/v1/servers", json, servers_table).await?;
+        }
+        AdminCmd::Kill { conn, id, cancel } => {
+            let c = conn.client()?;
+            if cancel {
+                c.call("POST", &format!("/v1/clients/{id}/cancel"), None)
+                    .await?;
+                emit(&format!("cancel sent to client {id}'s statement\n"))?;
+            } else {
+                c.call("DELETE", &format!("/v1/clients/{id}"), None).await?;
+                emit(&format!("client {id} terminated\n"))?;
+            }
+        }
+        AdminCmd::Pause {
+            conn,
+            pool,
+            hold_ms,
+            wait_ms,
+        } => {
+            let body = serde_json::json!({ "hold_ms": hold_ms, "wait_ms": wait_ms });
+            let body = serde_json::to_vec(&strip_nulls(body))?;
+            let v = conn
+                .client()?
+                .call("POST", &pool_path(&pool, "pause")?, Some(&body))
+                .await?;
+            let drained = v.get("drained") == Some(&Value::Bool(true));
+            emit(&format!(
+                "pool {} paused; {}\n",
+                text(&v, "pool"),
+                if drained {
+                    "no transaction in flight".to_owned()
+                } else {
+                    format!("{} connections still in use", num(&v, "in_use"))
+                }
+            ))?;
+        }
+        AdminCmd::Resume { conn, pool } => {
+            let v = conn
+                .client()?
+                .call("POST", &pool_path(&pool, "resume")?, None)
+                .await?;
+            emit(&format!("pool {} resumed\n", text(&v, "pool")))?;
+        }
+        AdminCmd::Reconnect { conn, pool } => {
+            let v = conn
+                .client()?
+                .call("POST", &pool_path(&pool, "reconnect")?, None)
+                .await?;
+            emit(&format!(
+                "pool {}: {} idle connections closed, {} replaced when released\n",
+                text(&v, "pool"),
+                num(&v, "closed"),
+                num(&v, "in_use")
+            ))?;
+        }
+        AdminCmd::Disable { conn, database } => {
+            let path = format!("/v1/databases/{}/disable", percent_encode(&database));
+            conn.client()?.call("POST", &path, None).await?;
+            emit(&format!("new logins to {database} are refused\n"))?;
+        }
+        AdminCmd::Enable { conn, database } => {
+            let path = format!("/v1/databases/{}/enable", percent_encode(&database));
+            conn.client()?.call("POST", &path, None).await?;
+            emit(&format!("new logins to {database} are accepted\n"))?;
+        }
     }
     Ok(())
+}
+
+/// `/v1/pools/{db}/{user}/{action}` from `DATABASE/USER`.
+fn pool_path(pool: &str, action: &str) -> anyhow::Result<String> {
+    let Some((db, user)) = pool
+        .split_once('/')
+        .filter(|(d, u)| !d.is_empty() && !u.is_empty())
+    else {
+        bail!("a pool is named DATABASE/USER, as `pgsluice pools` lists it (got {pool:?})");
+    };
+    Ok(format!(
+        "/v1/pools/{}/{}/{action}",
+        percent_encode(db),
+        percent_encode(user)
+    ))
+}
+
+/// The object without its null fields.
+fn strip_nulls(v: Value) -> Value {
+    match v {
+        Value::Object(m) => Value::Object(m.into_iter().filter(|(_, v)| !v.is_null()).collect()),
+        other => other,
+    }
 }
 
 async fn rules(c: &Client, cmd: RulesCmd) -> anyhow::Result<()> {

@@ -30,7 +30,7 @@ pub fn table(header: &[&str], rows: &[Vec<String>]) -> String {
     out
 }
 
-fn num(v: &Value, k: &str) -> String {
+pub fn num(v: &Value, k: &str) -> String {
     match v.get(k) {
         Some(Value::Number(n)) => n.to_string(),
         _ => "-".to_owned(),
@@ -50,7 +50,7 @@ fn rate(v: &Value, k: &str) -> String {
         .map_or_else(|| "-".to_owned(), |f| format!("{f:.1}"))
 }
 
-fn text(v: &Value, k: &str) -> String {
+pub fn text(v: &Value, k: &str) -> String {
     v.get(k).and_then(Value::as_str).unwrap_or("-").to_owned()
 }
 
@@ -389,6 +389,78 @@ pub fn breaker_text(v: &Value) -> String {
         num(v, "inflight_sheds")
     );
     out
+}
+
+/// `GET /v1/clients` as a table.
+pub fn clients_table(v: &Value) -> String {
+    let clients = list(v, "clients");
+    if clients.is_empty() {
+        return "no clients\n".to_owned();
+    }
+    let rows: Vec<Vec<String>> = clients
+        .iter()
+        .map(|c| {
+            vec![
+                num(c, "id"),
+                text(c, "user"),
+                text(c, "database"),
+                text(c, "address"),
+                text(c, "caller"),
+                text(c, "state"),
+                secs(c, "state_for_ms"),
+                num(c, "backend_pid"),
+                text(c, "fingerprint"),
+                secs(c, "connected_for_ms"),
+            ]
+        })
+        .collect();
+    table(
+        &[
+            "ID",
+            "USER",
+            "DATABASE",
+            "ADDRESS",
+            "CALLER",
+            "STATE",
+            "FOR_S",
+            "BACKEND",
+            "FINGERPRINT",
+            "CONNECTED_S",
+        ],
+        &rows,
+    )
+}
+
+/// `GET /v1/servers` as a table.
+pub fn servers_table(v: &Value) -> String {
+    let servers = list(v, "servers");
+    if servers.is_empty() {
+        return "no backend connections\n".to_owned();
+    }
+    let rows: Vec<Vec<String>> = servers
+        .iter()
+        .map(|s| {
+            vec![
+                text(s, "pool"),
+                num(s, "pid"),
+                text(s, "state"),
+                num(s, "client"),
+                secs(s, "age_ms"),
+                secs(s, "idle_ms"),
+            ]
+        })
+        .collect();
+    table(
+        &["POOL", "PID", "STATE", "CLIENT", "AGE_S", "IDLE_S"],
+        &rows,
+    )
+}
+
+/// Milliseconds shown as seconds with one decimal.
+fn secs(v: &Value, k: &str) -> String {
+    v.get(k)
+        .and_then(Value::as_f64)
+        .map_or_else(|| "-".to_owned(), |ms| format!("{:.1}", ms / 1000.0))
 }
 
 fn list(v: &Value, key: &str) -> Vec<Value> {

@@ -3,6 +3,10 @@
 //! with jitter, and a cap on concurrent connection attempts with full-jitter backoff while the
 //! database is failing — so the proxy never causes a reconnect storm of its own.
 //!
+//! Operators can pause a pool (new checkouts wait for a resume, up to a hold limit, while
+//! transactions in flight finish) and have every backend replaced after its current use
+//! ([`Pool::reconnect`], e.g. after a failover or a password rotation).
+//!
 //! Knows nothing of clients: sessions hand it a priority and a deadline, and get a [`Pooled`].
 //! Where and as whom it connects is fixed when it is created, except the password, which a
 //! reload may change for the connections opened after it ([`Pool::set_password`]).
@@ -14,7 +18,7 @@ pub mod slots;
 
 use std::collections::HashMap;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::time::Duration;
 
 use parking_lot::Mutex;
@@ -39,6 +43,8 @@ pub enum CheckoutError {
     Connect(Arc<ConnectError>),
     /// No slot free and `max_waiting` clients already waiting: refused at once.
     Full { max_waiting: usize },
+    /// The pool stayed paused for the whole hold limit of its pause.
+    Paused { held: Duration },
 }
 
 /// Counters read by the admin API and metrics.
@@ -88,6 +94,23 @@ pub struct Pool {
     drain: crate::policy::drain::DrainRate,
     /// The adaptive concurrency limit, when `adaptive` is on.
     adaptive: Option<Mutex<adaptive::AdaptiveLimit>>,
+    /// Set while paused: the fast path of every checkout reads only this.
+    paused: AtomicBool,
+    /// `Some(hold)` while paused: how long a checkout may wait for the resume.
+    pause: tokio::sync::watch::Sender<Option<Duration>>,
+    /// Connections created at or before `epoch` + this many ns are replaced when next
+    /// released or found idle ([`Pool::reconnect`]); 0 = none.
+    replace_before_ns: AtomicU64,
+    epoch: Instant,
+}
+
+/// One backend connection in `GET /v1/servers` (the idle ones; those in use are listed
+/// through their clients).
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct IdleServer {
+    pub pid: i32,
+    pub age_ms: u64,
+    pub idle_ms: u64,
 }
 
 impl Pool {
@@ -121,7 +144,96 @@ impl Pool {
             stats: PoolStats::default(),
             drain: crate::policy::drain::DrainRate::new(),
             adaptive,
+            paused: AtomicBool::new(false),
+            pause: tokio::sync::watch::Sender::new(None),
+            replace_before_ns: AtomicU64::new(0),
+            epoch: Instant::now(),
         })
+    }
+
+    /// Pauses the pool: checkouts from now on wait for [`Pool::resume`], each at most `hold`
+    /// (then refused with a retry hint); connections in use are not touched, so transactions
+    /// in flight finish. See [`Pool::in_use`] for when they have.
+    pub fn pause(&self, hold: Duration) {
+        self.pause.send_replace(Some(hold));
+        self.paused.store(true, Ordering::SeqCst);
+        tracing::warn!(pool = %self.name, hold_ms = hold.as_millis(), "pool paused by an operator");
+    }
+
+    /// Ends a pause; the waiting checkouts go on, each with its whole checkout window again.
+    pub fn resume(&self) -> bool {
+        let was = self.paused.swap(false, Ordering::SeqCst);
+        self.pause.send_replace(None);
+        if was {
+            tracing::warn!(pool = %self.name, "pool resumed by an operator");
+        }
+        was
+    }
+
+    pub fn is_paused(&self) -> bool {
+        self.paused.load(Ordering::SeqCst)
+    }
+
+    /// Connections checked out now.
+    pub fn in_use(&self) -> usize {
+        self.open
+            .load(Ordering::Relaxed)
+            .saturating_sub(self.idle.lock().len())
+    }
+
+    /// Replaces every connection open now: the idle ones are closed at once, those in use
+    /// when their client releases them. Returns (closed now, to be replaced on release).
+    pub fn reconnect(&self) -> (usize, usize) {
+        let ns = u64::try_from(self.epoch.elapsed().as_nanos()).unwrap_or(u64::MAX);
+        self.replace_before_ns.store(ns.max(1), Ordering::SeqCst);
+        let idle: Vec<Box<BackendConn>> = std::mem::take(&mut *self.idle.lock());
+        let closed = idle.len();
+        for c in idle {
+            self.close(c);
+        }
+        let in_use = self.in_use();
+        tracing::warn!(pool = %self.name, closed, in_use, "pool reconnect ordered by an operator");
+        (closed, in_use)
+    }
+
+    /// Whether [`Pool::reconnect`] condemned this connection.
+    fn replaced(&self, conn: &BackendConn) -> bool {
+        let before = self.replace_before_ns.load(Ordering::Relaxed);
+        before != 0
+            && u64::try_from(
+                conn.created
+                    .saturating_duration_since(self.epoch)
+                    .as_nanos(),
+            )
+            .unwrap_or(u64::MAX)
+                <= before
+    }
+
+    /// The idle connections, for `GET /v1/servers`.
+    pub fn idle_servers(&self) -> Vec<IdleServer> {
+        let now = Instant::now();
+        let ms = |d: Duration| u64::try_from(d.as_millis()).unwrap_or(u64::MAX);
+        self.idle
+            .lock()
+            .iter()
+            .map(|c| IdleServer {
+                pid: c.pid,
+                age_ms: ms(now.saturating_duration_since(c.created)),
+                idle_ms: ms(now.saturating_duration_since(c.idle_since)),
+            })
+            .collect()
+    }
+
+    /// While paused: waits for the resume, at most the pause's hold.
+    async fn wait_resumed(&self) -> Result<(), CheckoutError> {
+        let mut rx = self.pause.subscribe();
+        let Some(hold) = *rx.borrow_and_update() else {
+            return Ok(());
+        };
+        match tokio::time::timeout(hold, rx.wait_for(Option::is_none)).await {
+            Ok(_) => Ok(()),
+            Err(_) => Err(CheckoutError::Paused { held: hold }),
+        }
     }
 
     /// The password new backend connections log in with, when a reload changed it (those
@@ -189,7 +301,14 @@ impl Pool {
         priority: usize,
         deadline: Instant,
     ) -> Result<Pooled, CheckoutError> {
-        let started = Instant::now();
+        let mut started = Instant::now();
+        let mut deadline = deadline;
+        if self.paused.load(Ordering::SeqCst) {
+            let window = deadline.saturating_duration_since(started);
+            self.wait_resumed().await?;
+            started = Instant::now();
+            deadline = started + window;
+        }
         let max_waiting = self.cfg.max_waiting;
         let permit = self
             .slots
@@ -213,7 +332,7 @@ impl Pool {
             let candidate = self.idle.lock().pop();
             let Some(mut conn) = candidate else { break };
             let now = Instant::now();
-            if conn.expires <= now || conn.has_pending_input() {
+            if conn.expires <= now || conn.has_pending_input() || self.replaced(&conn) {
                 self.close(conn);
                 continue;
             }
@@ -318,7 +437,7 @@ impl Pool {
     /// Puts a clean connection back (LIFO, so a hot few stay warm and the rest age out).
     fn put_idle(&self, mut conn: Box<BackendConn>) {
         let now = Instant::now();
-        if conn.expires <= now {
+        if conn.expires <= now || self.replaced(&conn) {
             self.close(conn);
             return;
         }
@@ -428,6 +547,7 @@ impl Pool {
             priority_caps: self.slots.caps(),
             max_waiting: self.cfg.max_waiting,
             waiting_refused: self.stats.waiting_refused.load(Ordering::Relaxed),
+            paused: self.is_paused(),
         }
     }
 }
@@ -453,6 +573,8 @@ pub struct PoolSnapshot {
     pub priority_caps: [usize; slots::PRIORITIES],
     pub max_waiting: usize,
     pub waiting_refused: u64,
+    /// Paused by an operator (`POST /v1/pools/{db}/{user}/pause`).
+    pub paused: bool,
 }
 
 impl CheckoutError {
@@ -496,6 +618,16 @@ impl CheckoutError {
                 ),
             )
             .with_detail(format!("limit: pool {pool} max_waiting={max_waiting}"))
+            .with_hint(format!("retry_after_ms={retry_after_ms}")),
+            CheckoutError::Paused { held } => PgError::error(
+                "53300",
+                format!(
+                    "pgsluice: ERR_POOL_PAUSED: pool {pool} is paused by an operator and was not \
+                     resumed within {} ms",
+                    held.as_millis()
+                ),
+            )
+            .with_detail(format!("pool {pool} paused (POST /v1/pools/…/resume)"))
             .with_hint(format!("retry_after_ms={retry_after_ms}")),
         }
     }
@@ -581,7 +713,7 @@ pub struct Pools {
 
 /// No session holds the pool (the map's is the only reference) and it has no connection.
 fn unused(p: &Arc<Pool>) -> bool {
-    Arc::strong_count(p) == 1 && p.open.load(Ordering::Relaxed) == 0
+    Arc::strong_count(p) == 1 && p.open.load(Ordering::Relaxed) == 0 && !p.is_paused()
 }
 
 impl Pools {
@@ -623,6 +755,14 @@ impl Pools {
 
     pub fn is_empty(&self) -> bool {
         self.map.lock().is_empty()
+    }
+
+    /// The pool of (database, user), if a client created it.
+    pub fn get(&self, database: &str, user: &str) -> Option<Arc<Pool>> {
+        self.map
+            .lock()
+            .get(&(database.to_string(), user.to_string()))
+            .cloned()
     }
 
     pub fn all(&self) -> Vec<Arc<Pool>> {

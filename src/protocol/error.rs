@@ -145,6 +145,15 @@ impl PgError {
         )
     }
 
+    /// An operator ended the session (`DELETE /v1/clients/{id}`), as Postgres words
+    /// `pg_terminate_backend`.
+    pub fn terminated_by_admin() -> Self {
+        Self::fatal(
+            "57P01",
+            "pgsluice: terminating connection due to administrator command",
+        )
+    }
+
     /// Encodes as an ErrorResponse.
     pub fn encode(&self, out: &mut BytesMut) {
         let msg = ErrorResponse::new(self.fields());

@@ -233,7 +233,15 @@ async fn logged_in<S: AsyncRead + AsyncWrite + Unpin>(
             return startup_failed(&app, &mut stream, peer, other.map(|r| r.map(|_| ()))).await;
         }
     };
-    let reg = app.cancels.register(if login.minor >= 2 { 32 } else { 4 });
+    let meta = crate::clients::ClientMeta {
+        user: login.user.clone(),
+        database: login.database.clone(),
+        addr: peer,
+        tls: stream.is_tls(),
+    };
+    let reg = app
+        .cancels
+        .register_client(if login.minor >= 2 { 32 } else { 4 }, Some(meta));
     let mut out = BytesMut::with_capacity(1024);
     for (k, v) in &status {
         messages::parameter_status(&mut out, k, v);
@@ -496,36 +504,53 @@ async fn set_cancel_target(entry: &cancel::Entry, b: Option<&mut Pooled>) {
             secret: c.secret.clone(),
         }
     });
+    entry.client.set_backend(t.as_ref().map(|t| t.pid));
     entry.set(t).await;
 }
 
 /// Awaits `fut` (a pool checkout, a caller queue) while watching the client, read into
-/// `buf`: a client that hangs up meanwhile ends the wait with FATAL 08006 `why`. Most such
-/// futures complete at once, and then the client is not looked at.
+/// `buf`: a client that hangs up meanwhile ends the wait with FATAL 08006 `why`, an
+/// operator's order to terminate it ([`cancel::Entry::terminate`]) with FATAL 57P01. Most
+/// such futures complete at once, and then neither is looked at; a wait that does not is
+/// shown as `waiting` in `GET /v1/clients`.
 async fn unless_client_leaves<S, F>(
     fut: F,
     client: &mut S,
     buf: &mut BytesMut,
+    entry: &cancel::Entry,
     why: &'static str,
 ) -> Result<F::Output, PgError>
 where
     S: AsyncRead + Unpin,
     F: std::future::Future,
 {
+    use crate::clients::{ClientState, Order};
     tokio::pin!(fut);
     if let Poll::Ready(r) = futures_util::poll!(&mut fut) {
         return Ok(r);
     }
-    loop {
+    entry.client.set_state(ClientState::Waiting);
+    let ordered = std::future::poll_fn(|cx| {
+        entry.wake.register(cx.waker());
+        match entry.client.order() {
+            Order::Terminate => Poll::Ready(()),
+            Order::None => Poll::Pending,
+        }
+    });
+    tokio::pin!(ordered);
+    let r = loop {
         tokio::select! {
-            r = &mut fut => return Ok(r),
+            r = &mut fut => break Ok(r),
             alive = client_alive(client, buf) => {
                 if !alive {
-                    return Err(PgError::fatal("08006", why));
+                    break Err(PgError::fatal("08006", why));
                 }
             }
+            () = &mut ordered => break Err(PgError::terminated_by_admin()),
         }
-    }
+    };
+    entry.client.set_state(ClientState::Active);
+    r
 }
 
 /// Reads from the client while it waits for something else, so a client that hangs up is

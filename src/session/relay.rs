@@ -177,6 +177,8 @@ enum Event {
     IdleClient,
     /// The shutdown grace period is over: cancel what runs and leave now.
     Force,
+    /// An operator ended this session (`DELETE /v1/clients/{id}`).
+    Terminate,
 }
 
 /// How long a session found between transactions at shutdown waits for its client's next
@@ -300,6 +302,13 @@ impl Relay {
                 }
                 Event::IdleTransaction => return self.idle_transaction_over(),
                 Event::IdleClient => return self.client_idle_over(),
+                Event::Terminate => {
+                    tracing::info!(
+                        client = self.cancel.client.id,
+                        "session terminated by an operator"
+                    );
+                    return End::Error(PgError::terminated_by_admin());
+                }
                 Event::Force => {
                     // Wait for the cancel to reach Postgres: the process is about to exit,
                     // and a spawned task could die with it, leaving an orphan query.
@@ -321,8 +330,16 @@ impl Relay {
     /// the idle-client deadline when it owes the next move outside one; disarms each
     /// otherwise. Each limit is looked up once per idle period.
     fn arm_idle_timers(&mut self) {
+        use crate::clients::ClientState;
         let waiting_for_client = !self.t.in_flight() && self.bout.is_empty();
         let in_txn = self.backend.is_some() && self.t.txn != b'I';
+        self.cancel
+            .client
+            .set_state(match (waiting_for_client, in_txn) {
+                (false, _) => ClientState::Active,
+                (true, true) => ClientState::IdleInTransaction,
+                (true, false) => ClientState::Idle,
+            });
         if !waiting_for_client || in_txn {
             self.idle_client = None;
         } else if self.idle_client.is_none() {
@@ -405,6 +422,9 @@ impl Relay {
             return Poll::Ready(ev);
         }
         self.cancel.wake.register(cx.waker());
+        if self.cancel.client.order() == crate::clients::Order::Terminate {
+            return Poll::Ready(Event::Terminate);
+        }
         match self.app.cancels.phase() {
             Phase::Draining | Phase::Forcing if !self.draining => Poll::Ready(Event::Shutdown),
             Phase::Forcing => Poll::Ready(Event::Force),
@@ -1074,7 +1094,7 @@ impl Relay {
         let priority = self.app.policy.priority(self.unit_caller) as usize;
         let checkout = pool.checkout(priority, deadline);
         let why = "client disconnected while waiting";
-        let res = unless_client_leaves(checkout, client, &mut self.cbuf, why).await?;
+        let res = unless_client_leaves(checkout, client, &mut self.cbuf, &self.cancel, why).await?;
         let mut b = res.map_err(|e| {
             // A database that cannot be reached is a backend fault: it feeds the breaker.
             if matches!(e, crate::pool::CheckoutError::Connect(_)) {

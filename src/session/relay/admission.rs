@@ -85,6 +85,7 @@ impl Relay {
     ) -> Result<Timeouts, PgError> {
         let caller = self.resolve_caller(class);
         self.last_caller = caller;
+        self.cancel.client.set_statement(caller, class.fingerprint);
         let req = AdmitRequest {
             caller,
             fingerprint: class.fingerprint,
@@ -93,8 +94,14 @@ impl Relay {
         let app = self.app.clone();
         let (statement_override, lock_override, warnings) = if self.admission.is_none() {
             let why = "client disconnected while queued";
-            let r =
-                unless_client_leaves(app.policy.admit(&req), client, &mut self.cbuf, why).await?;
+            let r = unless_client_leaves(
+                app.policy.admit(&req),
+                client,
+                &mut self.cbuf,
+                &self.cancel,
+                why,
+            )
+            .await?;
             match r {
                 Ok(mut a) => {
                     let w = std::mem::take(&mut a.warnings);
