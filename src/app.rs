@@ -207,9 +207,20 @@ impl App {
             .map_err(|e| format!("callers[{}].{}: {}", e.index, e.field, e.message))?;
         self.metrics.set_callers(&names);
         let creds = Arc::new(Credentials::from_config(&config));
+        let (host, port) = match config.backend_url() {
+            Some(u) => (u.host, u.port),
+            None => (config.backend.host.clone(), config.backend.port),
+        };
         for pool in self.pools.all() {
-            pool.set_password(backend_password(&creds, &pool.user));
+            pool.set_target(
+                &host,
+                port,
+                backend_password(&creds, &pool.user),
+                Duration::from_millis(config.backend.connect_timeout_ms),
+                config.backend.tcp_user_timeout(),
+            );
         }
+        self.pools.set_cap_limits(&config.pool);
         self.creds.store(creds);
         self.callers.store(Arc::new(caller_matcher(&config)));
         for note in config.notes() {
@@ -258,12 +269,13 @@ impl App {
         let mut created = false;
         let pool = self.pools.get_or_create(database, user, max, || {
             created = true;
+            let caps = self.pools.caps_for(database, user, &cfg.pool);
             Pool::new(
                 database,
                 user,
                 cfg.pool_for(database, user),
                 ConnectParams {
-                    host,
+                    host: host.clone(),
                     port,
                     user: user.to_string(),
                     password: password.clone(),
@@ -272,6 +284,7 @@ impl App {
                     tcp_user_timeout: cfg.backend.tcp_user_timeout(),
                     tls: self.tls.backend(),
                 },
+                caps,
             )
         });
         let pool = pool.ok_or_else(|| {
@@ -285,9 +298,15 @@ impl App {
             .with_hint("pools without clients and connections are removed; try again later")
         })?;
         if !created {
-            // A reload between the creds read above and a pool created concurrently could
-            // leave that pool with the old password; every login re-aligns it.
-            pool.set_password(password);
+            // A reload between the reads above and a pool created concurrently could leave
+            // that pool with the old address or password; every login re-aligns it.
+            pool.set_target(
+                &host,
+                port,
+                password,
+                Duration::from_millis(cfg.backend.connect_timeout_ms),
+                cfg.backend.tcp_user_timeout(),
+            );
         }
         Ok(pool)
     }

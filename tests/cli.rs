@@ -658,3 +658,115 @@ async fn logins_logouts_and_refusals_are_logged_within_a_budget() {
         "{log}"
     );
 }
+
+/// The failover steps of the runbook, with the CLI: pause, point the config at the new
+/// server, reload, reconnect, resume — a client in the middle sees a pause, not an error, and
+/// its next transaction runs on the new server.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failover_by_the_runbook_moves_clients_to_the_new_server_without_an_error() {
+    let old = Cluster::start();
+    let new = Cluster::start();
+    let dir = tempfile::tempdir().expect("tempdir");
+    let admin_port = std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .expect("free port")
+        .port();
+    let config = dir.path().join("pgsluice.yaml");
+    let write = |server: &Cluster| {
+        std::fs::write(
+            &config,
+            format!(
+                "listen: 127.0.0.1:0\nbackend:\n  url: postgres://{APP_USER}:{APP_PASSWORD}@{}/{APP_DB}\n\
+                 admin:\n  listen: 127.0.0.1:{admin_port}\n  write_token: w\n",
+                server.addr()
+            ),
+        )
+        .expect("write config");
+    };
+    write(&old);
+    let cfg = config.display().to_string();
+    let p = spawn(&[], &["--config", &cfg]);
+    let url = format!(
+        "host={} port={} user={APP_USER} password={APP_PASSWORD} dbname={APP_DB}",
+        p.listen.ip(),
+        p.listen.port()
+    );
+    let (c, conn) = tokio_postgres::connect(&url, tokio_postgres::NoTls)
+        .await
+        .expect("login");
+    tokio::spawn(conn);
+    let port = |rows: Vec<tokio_postgres::SimpleQueryMessage>| -> u16 {
+        rows.iter()
+            .find_map(|m| match m {
+                tokio_postgres::SimpleQueryMessage::Row(r) => r.get(0).map(str::to_owned),
+                _ => None,
+            })
+            .and_then(|p| p.parse().ok())
+            .expect("a port")
+    };
+    let server_port = "SELECT current_setting('port')";
+    assert_eq!(
+        port(c.simple_query(server_port).await.expect("query")),
+        old.addr().port()
+    );
+
+    let run = |args: Vec<String>| {
+        tokio::task::spawn_blocking(move || {
+            let args: Vec<&str> = args.iter().map(String::as_str).collect();
+            client(&args)
+        })
+    };
+    let pool = format!("{APP_DB}/{APP_USER}");
+    let (ok, out, err) = run(vec!["pause".into(), pool.clone(), "-c".into(), cfg.clone()])
+        .await
+        .expect("pause");
+    assert!(
+        ok && out.contains("paused; no transaction in flight"),
+        "{out}{err}"
+    );
+    // A transaction started during the pause waits for the resume.
+    let waiting = tokio::spawn({
+        let url = url.clone();
+        async move {
+            let (c, conn) = tokio_postgres::connect(&url, tokio_postgres::NoTls).await?;
+            tokio::spawn(conn);
+            c.simple_query("SELECT current_setting('port')").await
+        }
+    });
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(!waiting.is_finished(), "held while paused");
+
+    write(&new);
+    for step in ["reload", "reconnect", "resume"] {
+        let mut args = vec![step.to_owned()];
+        if step != "reload" {
+            args.push(pool.clone());
+        }
+        args.extend(["-c".to_owned(), cfg.clone()]);
+        let (ok, out, err) = run(args).await.expect(step);
+        assert!(ok, "{step}: {out}{err}");
+    }
+    let rows = tokio::time::timeout(Duration::from_secs(10), waiting)
+        .await
+        .expect("released by the resume")
+        .expect("join")
+        .expect("the held transaction ran, without an error");
+    assert_eq!(port(rows), new.addr().port(), "it ran on the new server");
+    assert_eq!(
+        port(
+            c.simple_query(server_port)
+                .await
+                .expect("the first client goes on")
+        ),
+        new.addr().port()
+    );
+    drop(old);
+    assert_eq!(
+        port(
+            c.simple_query(server_port)
+                .await
+                .expect("after the old server is gone")
+        ),
+        new.addr().port()
+    );
+}

@@ -730,3 +730,90 @@ async fn incident_controls_pause_resume_reconnect_list_kill_and_disable() {
     assert_eq!(scalar(&again, "SELECT 4").await, "4");
     proxy.assert_healthy().await;
 }
+
+const CAPS_YAML: &str = "\
+pool:
+  max_db_connections: 3
+auth:
+  users:
+    - { name: app2, password: secret2 }
+";
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn max_db_connections_holds_across_two_users_under_load() {
+    if direct_mode() {
+        note_skipped("max_db_connections (a proxy setting)");
+        return;
+    }
+    let env = Env::start(10, CAPS_YAML, |cluster| {
+        cluster.psql_on(
+            APP_DB,
+            "CREATE ROLE app2 LOGIN PASSWORD 'secret2'; GRANT CONNECT ON DATABASE appdb TO app2;",
+        );
+    });
+    let proxy = &env.proxy;
+    let db = env.cluster.superuser_client(APP_DB).await;
+    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let watcher = tokio::spawn({
+        let stop = stop.clone();
+        async move {
+            let mut most = 0i64;
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                let n: i64 = db
+                    .query_one(
+                        "SELECT count(*) FROM pg_stat_activity \
+                         WHERE datname = 'appdb' AND usename IN ('app', 'app2')",
+                        &[],
+                    )
+                    .await
+                    .expect("count")
+                    .get(0);
+                most = most.max(n);
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+            most
+        }
+    });
+    let mut workers = Vec::new();
+    for i in 0..16 {
+        let mut cfg = proxy.app_config();
+        if i % 2 == 1 {
+            cfg.user("app2").password("secret2");
+        }
+        let (c, _conn) = proxy.client_with(&cfg).await;
+        workers.push(tokio::spawn(async move {
+            for _ in 0..15 {
+                c.simple_query("SELECT pg_sleep(0.01)").await?;
+            }
+            c.simple_query("SELECT current_user").await
+        }));
+    }
+    let mut users = std::collections::BTreeSet::new();
+    for w in workers {
+        let rows = within(STEP, "a worker", w)
+            .await
+            .expect("join")
+            .expect("every statement of both users runs (waiting, not refused)");
+        users.extend(support::sql::simple_values(&rows).into_iter().flatten());
+    }
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    let most = watcher.await.expect("watcher");
+    assert!(
+        most <= 3,
+        "pg_stat_activity showed {most} backends of appdb; the cap is 3"
+    );
+    assert!(most >= 2, "the load used the cap ({most})");
+    assert_eq!(users.len(), 2, "both users were served: {users:?}");
+    let (status, text) = proxy
+        .admin_request("GET", "/v1/pools", ADMIN_READ_TOKEN, None)
+        .await;
+    assert_eq!(status, 200);
+    let v: serde_json::Value = serde_json::from_str(&text).expect("pools JSON");
+    let cap = v["caps"]
+        .as_array()
+        .and_then(|c| c.iter().find(|c| c["name"] == "database appdb"))
+        .unwrap_or_else(|| panic!("no appdb cap: {v}"));
+    assert_eq!(cap["limit"], 3, "{cap}");
+    assert!(cap["open"].as_u64().is_some_and(|n| n <= 3), "{cap}");
+    proxy.assert_healthy().await;
+}

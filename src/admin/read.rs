@@ -107,6 +107,8 @@ pub async fn callers(State(st): State<Arc<AdminState>>, _: NoQuery) -> Json<impl
 #[derive(Serialize)]
 struct Pools {
     pools: Vec<PoolSnapshot>,
+    /// Limits shared by pools (`max_db_connections`, `max_user_connections`; limit 0: none).
+    caps: Vec<crate::pool::caps::CapSnapshot>,
 }
 
 fn pool_snapshots(st: &AdminState) -> Vec<PoolSnapshot> {
@@ -119,6 +121,7 @@ fn pool_snapshots(st: &AdminState) -> Vec<PoolSnapshot> {
 pub async fn pools(State(st): State<Arc<AdminState>>, _: NoQuery) -> Json<impl Serialize> {
     Json(Pools {
         pools: pool_snapshots(&st),
+        caps: st.app.pools.cap_snapshots(),
     })
 }
 

@@ -418,6 +418,11 @@ pub struct PoolConfig {
     /// silent before its connection is closed and the client gets 08006 (a partition or a hung
     /// host would otherwise hold the client and the pool slot forever).
     pub cancel_grace_ms: u64,
+    /// Backend connections to one database across all its users' pools (0: no limit). Read
+    /// from the `pool` section only (a per-pool override would not be shared).
+    pub max_db_connections: usize,
+    /// Backend connections as one user across all databases (0: no limit). `pool` only.
+    pub max_user_connections: usize,
 }
 
 impl Default for PoolConfig {
@@ -441,6 +446,8 @@ impl Default for PoolConfig {
             session_state: SessionStateMode::Track,
             prepared_cache_size: 1_000,
             cancel_grace_ms: 2_000,
+            max_db_connections: 0,
+            max_user_connections: 0,
         }
     }
 }

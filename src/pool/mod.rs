@@ -8,11 +8,12 @@
 //! ([`Pool::reconnect`], e.g. after a failover or a password rotation).
 //!
 //! Knows nothing of clients: sessions hand it a priority and a deadline, and get a [`Pooled`].
-//! Where and as whom it connects is fixed when it is created, except the password, which a
-//! reload may change for the connections opened after it ([`Pool::set_password`]).
+//! As whom it connects is fixed when it is created; where, and with which password, a reload
+//! may change for the connections opened after it ([`Pool::set_target`]).
 
 pub mod adaptive;
 pub mod backend;
+pub mod caps;
 pub mod prepared;
 pub mod slots;
 
@@ -45,6 +46,9 @@ pub enum CheckoutError {
     Full { max_waiting: usize },
     /// The pool stayed paused for the whole hold limit of its pause.
     Paused { held: Duration },
+    /// A limit shared with other pools (`max_db_connections`, `max_user_connections`) stayed
+    /// full until the deadline.
+    Capped(caps::CapFull),
 }
 
 /// Counters read by the admin API and metrics.
@@ -74,7 +78,7 @@ pub struct Pool {
     pub user: String,
     pub cfg: PoolConfig,
     /// Where and as whom new connections log in. Behind a lock so that a reload can hand a
-    /// changed backend password to a pool that already exists ([`Pool::set_password`]).
+    /// changed backend password to a pool that already exists ([`Pool::set_target`]).
     connect: Mutex<Arc<ConnectParams>>,
     slots: Arc<Slots>,
     /// Boxed: a connection moves between the idle list, the checkout and the client's guard
@@ -102,6 +106,8 @@ pub struct Pool {
     /// released or found idle ([`Pool::reconnect`]); 0 = none.
     replace_before_ns: AtomicU64,
     epoch: Instant,
+    /// Limits shared with other pools; a unit of each is held per open connection.
+    caps: Vec<Arc<caps::Cap>>,
 }
 
 /// One backend connection in `GET /v1/servers` (the idle ones; those in use are listed
@@ -114,7 +120,13 @@ pub struct IdleServer {
 }
 
 impl Pool {
-    pub fn new(database: &str, user: &str, cfg: PoolConfig, connect: ConnectParams) -> Arc<Pool> {
+    pub fn new(
+        database: &str,
+        user: &str,
+        cfg: PoolConfig,
+        connect: ConnectParams,
+        caps: Vec<Arc<caps::Cap>>,
+    ) -> Arc<Pool> {
         let adaptive = (cfg.adaptive == Some(true)).then(|| {
             Mutex::new(adaptive::AdaptiveLimit::new(
                 cfg.size,
@@ -124,7 +136,8 @@ impl Pool {
                 },
             ))
         });
-        Arc::new(Pool {
+        let pool = Arc::new(Pool {
+            caps,
             name: format!("{database}/{user}"),
             database: database.to_string(),
             user: user.to_string(),
@@ -148,7 +161,25 @@ impl Pool {
             pause: tokio::sync::watch::Sender::new(None),
             replace_before_ns: AtomicU64::new(0),
             epoch: Instant::now(),
-        })
+        });
+        for c in &pool.caps {
+            c.join(&pool);
+        }
+        pool
+    }
+
+    /// Closes the oldest idle connection (room for another pool under a shared cap); whether
+    /// there was one.
+    pub fn evict_one_idle(&self) -> bool {
+        let conn = {
+            let mut idle = self.idle.lock();
+            if idle.is_empty() {
+                return false;
+            }
+            idle.remove(0)
+        };
+        self.close(conn);
+        true
     }
 
     /// Pauses the pool: checkouts from now on wait for [`Pool::resume`], each at most `hold`
@@ -236,24 +267,44 @@ impl Pool {
         }
     }
 
-    /// The password new backend connections log in with, when a reload changed it (those
-    /// already open stay as they are: Postgres does not re-check a session's password). A
-    /// change also ends a failure backoff, which may be the old password's doing.
-    pub fn set_password(&self, password: Option<String>) {
+    /// Where and with which password new backend connections log in, when a reload changed
+    /// them (those already open stay as they are: Postgres does not re-check a session's
+    /// password; [`Pool::reconnect`] replaces them). A change also ends a failure backoff,
+    /// which may be the old address's or password's doing.
+    pub fn set_target(
+        &self,
+        host: &str,
+        port: u16,
+        password: Option<String>,
+        connect_timeout: Duration,
+        tcp_user_timeout: Option<Duration>,
+    ) {
         {
             let mut connect = self.connect.lock();
-            if connect.password == password {
+            if connect.password == password
+                && connect.host == host
+                && connect.port == port
+                && connect.connect_timeout == connect_timeout
+                && connect.tcp_user_timeout == tcp_user_timeout
+            {
                 return;
             }
             let mut next = ConnectParams::clone(&connect);
+            if next.host != host || next.port != port {
+                tracing::warn!(pool = %self.name, from = %format_args!("{}:{}", next.host, next.port), to = %format_args!("{host}:{port}"), "backend address changed; new connections go there");
+            }
             next.password = password;
+            next.host = host.to_owned();
+            next.port = port;
+            next.connect_timeout = connect_timeout;
+            next.tcp_user_timeout = tcp_user_timeout;
             *connect = Arc::new(next);
         }
         let mut b = self.backoff.lock();
         b.failures = 0;
         b.until = None;
         b.last_error = None;
-        tracing::info!(pool = %self.name, "backend password changed; new connections use it");
+        tracing::info!(pool = %self.name, "backend settings changed; new connections use them");
     }
 
     /// The error of the last connection attempt while it failed, none has succeeded since
@@ -389,10 +440,14 @@ impl Pool {
         if let Some(e) = self.backing_off() {
             return Err(CheckoutError::Connect(e));
         }
+        let units = caps::take_all(&self.caps, self, deadline)
+            .await
+            .map_err(CheckoutError::Capped)?;
         self.stats.connects.fetch_add(1, Ordering::Relaxed);
         let params = Arc::clone(&self.connect.lock());
         match BackendConn::connect(&params, self.cfg.prepared_cache_size).await {
             Ok(mut conn) => {
+                units.keep();
                 let life = Duration::from_millis(self.cfg.max_lifetime_ms);
                 let jitter = life.mul_f64(rand::random::<f64>() * 0.1);
                 conn.expires = conn.created + life - jitter;
@@ -410,6 +465,7 @@ impl Pool {
                 Ok(Box::new(conn))
             }
             Err(e) => {
+                drop(units);
                 self.stats.connect_failures.fetch_add(1, Ordering::Relaxed);
                 let e = Arc::new(e);
                 let mut b = self.backoff.lock();
@@ -432,6 +488,9 @@ impl Pool {
         self.stats.discards.fetch_add(1, Ordering::Relaxed);
         self.open.fetch_sub(1, Ordering::Relaxed);
         drop(conn);
+        for c in &self.caps {
+            c.give();
+        }
     }
 
     /// Puts a clean connection back (LIFO, so a hot few stay warm and the rest age out).
@@ -443,6 +502,9 @@ impl Pool {
         }
         conn.idle_since = now;
         self.idle.lock().push(conn);
+        for c in &self.caps {
+            c.idle_returned();
+        }
     }
 
     /// ParameterStatus values from the server, once any connection has logged in.
@@ -619,6 +681,19 @@ impl CheckoutError {
             )
             .with_detail(format!("limit: pool {pool} max_waiting={max_waiting}"))
             .with_hint(format!("retry_after_ms={retry_after_ms}")),
+            CheckoutError::Capped(full) => PgError::error(
+                "53300",
+                format!(
+                    "pgsluice: ERR_QUEUE_TIMEOUT: pool {pool} could not open a backend \
+                     connection: {} has its {} connections open",
+                    full.name, full.limit
+                ),
+            )
+            .with_detail(format!(
+                "limit: {} max connections={}",
+                full.name, full.limit
+            ))
+            .with_hint(format!("retry_after_ms={retry_after_ms}")),
             CheckoutError::Paused { held } => PgError::error(
                 "53300",
                 format!(
@@ -709,6 +784,9 @@ impl Drop for Pooled {
 #[derive(Default)]
 pub struct Pools {
     map: Mutex<HashMap<(String, String), Arc<Pool>>>,
+    /// Shared limits by name (`database X`, `user Y`), made with the first pool that needs
+    /// them and dropped with the last.
+    caps: Mutex<HashMap<String, Arc<caps::Cap>>>,
 }
 
 /// No session holds the pool (the map's is the only reference) and it has no connection.
@@ -741,12 +819,54 @@ impl Pools {
         Some(p)
     }
 
-    /// Drops unused pools; returns how many.
+    /// Drops unused pools (and caps no pool uses); returns how many pools.
     pub fn sweep(&self) -> usize {
-        let mut m = self.map.lock();
-        let before = m.len();
-        m.retain(|_, p| !unused(p));
-        before - m.len()
+        let swept = {
+            let mut m = self.map.lock();
+            let before = m.len();
+            m.retain(|_, p| !unused(p));
+            before - m.len()
+        };
+        // A cap is held by its pools (and their connections, through them): one only the
+        // map holds is unused.
+        self.caps.lock().retain(|_, c| Arc::strong_count(c) > 1);
+        swept
+    }
+
+    /// The caps of a new (database, user) pool: `max_db_connections` of `database` and
+    /// `max_user_connections` of `user` (a limit of 0 counts without limiting).
+    pub fn caps_for(&self, database: &str, user: &str, cfg: &PoolConfig) -> Vec<Arc<caps::Cap>> {
+        let mut m = self.caps.lock();
+        let mut get = |name: String, limit: usize| {
+            Arc::clone(
+                m.entry(name.clone())
+                    .or_insert_with(|| caps::Cap::new(name, limit)),
+            )
+        };
+        vec![
+            get(format!("database {database}"), cfg.max_db_connections),
+            get(format!("user {user}"), cfg.max_user_connections),
+        ]
+    }
+
+    /// A reload's limits, applied to every cap.
+    pub fn set_cap_limits(&self, cfg: &PoolConfig) {
+        for (name, c) in self.caps.lock().iter() {
+            let limit = if name.starts_with("database ") {
+                cfg.max_db_connections
+            } else {
+                cfg.max_user_connections
+            };
+            c.set_limit(limit);
+        }
+    }
+
+    /// The caps in use, by name.
+    pub fn cap_snapshots(&self) -> Vec<caps::CapSnapshot> {
+        let mut v: Vec<caps::CapSnapshot> =
+            self.caps.lock().values().map(|c| c.snapshot()).collect();
+        v.sort_by(|a, b| a.name.cmp(&b.name));
+        v
     }
 
     pub fn len(&self) -> usize {
