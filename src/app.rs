@@ -133,7 +133,7 @@ impl App {
         let creds = Credentials::from_config(&config);
         warn_exposed_auth(&config);
         let (callers, breaker) = policy_inputs(&config);
-        let metrics = Metrics::new(&caller_names(&callers));
+        let metrics = Metrics::with_longest_wait(&caller_names(&callers), longest_wait(&config));
         let policy = Policy::with_rules(callers, breaker, rules)
             .map_err(|e| format!("callers[{}].{}: {}", e.index, e.field, e.message))?;
         let cancels = Arc::new(cancel::Registry::new(peer_layout(&config)));
@@ -362,6 +362,21 @@ impl App {
 }
 
 /// What the proxy logs in to Postgres with as `user`.
+/// The longest queue or checkout wait the config allows: the wait histograms' buckets reach it.
+fn longest_wait(config: &Config) -> Duration {
+    let ms = config
+        .callers
+        .iter()
+        .filter_map(|c| c.queue_timeout_ms)
+        .chain([
+            config.global_defaults.queue_timeout_ms,
+            config.pool.checkout_timeout_ms,
+        ])
+        .max()
+        .unwrap_or(0);
+    Duration::from_millis(ms)
+}
+
 fn backend_password(creds: &Credentials, user: &str) -> Option<String> {
     creds.user(user).and_then(|u| u.backend_password.clone())
 }

@@ -770,3 +770,118 @@ async fn a_failover_by_the_runbook_moves_clients_to_the_new_server_without_an_er
         new.addr().port()
     );
 }
+
+/// The value of the exposition line that starts with `series` (labels in the encoder's
+/// alphabetical order).
+fn metric(text: &str, series: &str) -> Option<f64> {
+    text.lines()
+        .find(|l| l.starts_with(series) && l[series.len()..].starts_with(' '))
+        .and_then(|l| l.rsplit(' ').next())
+        .and_then(|v| v.parse().ok())
+}
+
+/// What SHOW STATS users graph, per pool with database and user labels; backend time apart
+/// from the waits; wait buckets that reach the configured timeout.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pool_statistics_and_separate_wait_and_backend_times_reach_the_metrics() {
+    let cluster = Cluster::start();
+    let dir = tempfile::tempdir().expect("tempdir");
+    let config = dir.path().join("pgsluice.yaml");
+    std::fs::write(
+        &config,
+        format!(
+            "listen: 127.0.0.1:0\nbackend:\n  url: postgres://{APP_USER}:{APP_PASSWORD}@{}/{APP_DB}\n\
+             admin:\n  listen: 127.0.0.1:0\npool:\n  size: 1\n  checkout_timeout_ms: 5000\n",
+            cluster.addr()
+        ),
+    )
+    .expect("write config");
+    let p = spawn(&[], &["--config", &config.display().to_string()]);
+    let url = format!(
+        "host={} port={} user={APP_USER} password={APP_PASSWORD} dbname={APP_DB}",
+        p.listen.ip(),
+        p.listen.port()
+    );
+    let connect = || async {
+        let (c, conn) = tokio_postgres::connect(&url, tokio_postgres::NoTls)
+            .await
+            .expect("login");
+        tokio::spawn(conn);
+        c
+    };
+    let a = connect().await;
+    let b = connect().await;
+    for i in 0..10 {
+        a.simple_query(&format!("SELECT {i}"))
+            .await
+            .expect("select");
+    }
+    // One explicit transaction of three statements, holding the only backend for 400 ms
+    // while the other client waits for it.
+    a.batch_execute("BEGIN; SELECT 1").await.expect("begin");
+    let waiter = tokio::spawn(async move { b.simple_query("SELECT 'waited'").await });
+    tokio::time::sleep(Duration::from_millis(400)).await;
+    a.batch_execute("SELECT pg_sleep(0.01); COMMIT")
+        .await
+        .expect("commit");
+    waiter.await.expect("join").expect("the waiting client ran");
+
+    let (status, text) = get(p.admin, "/metrics");
+    assert_eq!(status, 200);
+    let pool = r#"{database="appdb",pool="appdb/app",user="app"}"#;
+    let at = |name: &str| metric(&text, &format!("{name}{pool}")).unwrap_or(-1.0);
+    assert!(at("pgsluice_pool_transactions_total") >= 12.0, "{text}");
+    // One per Query message (a multi-statement text is one), as PgBouncer counts them.
+    assert!(at("pgsluice_pool_queries_total") >= 13.0, "{text}");
+    assert!(
+        at("pgsluice_pool_transaction_seconds_total") >= 0.4,
+        "{text}"
+    );
+    assert!(at("pgsluice_pool_query_seconds_total") > 0.0, "{text}");
+    assert!(at("pgsluice_pool_wait_seconds_total") >= 0.3, "{text}");
+    for direction in ["received", "sent"] {
+        let series = format!(
+            r#"pgsluice_pool_bytes_total{{database="appdb",direction="{direction}",pool="appdb/app",user="app"}}"#
+        );
+        assert!(
+            metric(&text, &series).is_some_and(|v| v > 100.0),
+            "{series}\n{text}"
+        );
+    }
+    let backend = metric(
+        &text,
+        r#"pgsluice_backend_duration_seconds_count{caller="default"}"#,
+    );
+    assert!(backend.is_some_and(|n| n >= 13.0), "{backend:?}");
+    // The 400 ms wait: above the 0.25 s bucket, inside 0.5 s; buckets reach the 5 s timeout.
+    let bucket = |le: &str| {
+        metric(
+            &text,
+            &format!(r#"pgsluice_checkout_wait_seconds_bucket{{caller="default",le="{le}"}}"#),
+        )
+        .unwrap_or(-1.0)
+    };
+    let count = metric(
+        &text,
+        r#"pgsluice_checkout_wait_seconds_count{caller="default"}"#,
+    )
+    .unwrap_or(0.0);
+    assert!(bucket("0.25") < count && bucket("0.5") >= 1.0, "{text}");
+    assert_eq!(bucket("5"), count, "a bucket at the 5 s checkout timeout");
+    // The client-observed time of the waiting statement includes its wait; its backend time
+    // does not.
+    let total_slow = count_above(&text, "pgsluice_query_duration_seconds", 0.25);
+    let backend_slow = count_above(&text, "pgsluice_backend_duration_seconds", 0.25);
+    assert!(total_slow > backend_slow, "{total_slow} vs {backend_slow}");
+}
+
+/// Observations of `histogram{caller="default"}` above `le` (count minus that bucket).
+fn count_above(text: &str, histogram: &str, le: f64) -> f64 {
+    let count = metric(text, &format!(r#"{histogram}_count{{caller="default"}}"#)).unwrap_or(0.0);
+    let below = metric(
+        text,
+        &format!(r#"{histogram}_bucket{{caller="default",le="{le}"}}"#),
+    )
+    .unwrap_or(0.0);
+    count - below
+}

@@ -9,7 +9,8 @@
 //! * Names are `pgsluice_*` with the unit in the name (`_seconds`, `_total`, `_connections`).
 //! * Labels come only from bounded sets: caller names from the config (plus `default`),
 //!   refusal reasons, rule actions and breaker states (all `&'static str` chosen by our code),
-//!   pool names (capped at [`MAX_POOL_SERIES`], the rest summed into `pool="other"`). Never
+//!   pool names (capped at [`MAX_POOL_SERIES`], the rest summed into `pool="other"`; the pool
+//!   series are in `pool_series`). Never
 //!   SQL, fingerprints or client-chosen strings: per-fingerprint detail lives in the admin
 //!   API (`GET /v1/fingerprints`); here there is only `pgsluice_fingerprints_tracked`.
 //! * The hot path never calls `with_label_values`: per-caller handles (query counters,
@@ -32,6 +33,9 @@ use prometheus::{
     Registry, TextEncoder,
 };
 
+use super::pool_series::PoolSeries;
+pub use super::pool_series::{MAX_POOL_SERIES, PoolSample};
+
 /// Refusal reasons with pre-resolved per-caller counters (the policy's `RefusalKind` labels).
 pub const KNOWN_REASONS: [&str; 6] = [
     "caller_limit",
@@ -47,7 +51,6 @@ pub const KNOWN_ACTIONS: [&str; 4] = ["REJECT", "THROTTLE", "CONCURRENCY", "TIME
 pub const KNOWN_BREAKER_STATES: [&str; 3] = ["closed", "open", "half_open"];
 /// Pools labelled individually; beyond this they are summed under `pool="other"` (pools are
 /// per (database, user), and a logged-in client chooses the database name).
-pub const MAX_POOL_SERIES: usize = 64;
 /// Values of `pgsluice_breaker_state`.
 pub const BREAKER_CLOSED: i64 = 0;
 pub const BREAKER_HALF_OPEN: i64 = 1;
@@ -60,25 +63,28 @@ const QUERY_BUCKETS: [f64; 16] = [
 const QUEUE_BUCKETS: [f64; 13] = [
     0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
 ];
+/// Coarser wait buckets past a second, used up to the longest wait the config allows.
+const LONG_WAIT_BUCKETS: [f64; 10] = [
+    2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1800.0, 3600.0,
+];
 
-/// One pool at scrape time.
-#[derive(Debug, Clone, Default)]
-pub struct PoolSample {
-    pub name: String,
-    pub size: u64,
-    pub active: u64,
-    pub idle: u64,
-    pub waiting: u64,
-    pub pinned: u64,
-    pub connect_attempts: u64,
-    pub connect_failures: u64,
-    pub checkout_timeouts: u64,
-    /// Checkouts refused at once: `max_waiting` clients were already waiting.
-    pub waiting_refused: u64,
-    /// Backends only critical callers may take.
-    pub critical_reserve: u64,
-    /// The adaptive concurrency limit (`None`: off).
-    pub adaptive_limit: Option<u64>,
+/// Buckets of the wait histograms: fine ones up to 1 s, then coarser ones until one reaches
+/// `longest` (the longest queue or checkout timeout configured), so a wait that ends in a
+/// timeout lands in a bucket of its own instead of `+Inf`. Fixed at start: a reload that
+/// raises a timeout beyond the last bucket counts those waits in `+Inf` until a restart.
+pub fn wait_buckets(longest: Duration) -> Vec<f64> {
+    let longest = longest.as_secs_f64();
+    let mut b = QUEUE_BUCKETS.to_vec();
+    for x in LONG_WAIT_BUCKETS {
+        if b.last().is_some_and(|l| *l >= longest) {
+            break;
+        }
+        b.push(x);
+    }
+    if b.last().is_some_and(|l| *l < longest) {
+        b.push(longest);
+    }
+    b
 }
 
 /// One caller at scrape time.
@@ -212,7 +218,9 @@ struct Inner {
     registry: Registry,
     queries: IntCounterVec,
     query_duration: HistogramVec,
+    backend_duration: HistogramVec,
     queue_wait: HistogramVec,
+    checkout_wait: HistogramVec,
     refusals: IntCounterVec,
     rule_hits: IntCounterVec,
     /// `[action][refused as usize]`, in [`KNOWN_ACTIONS`] order.
@@ -243,22 +251,15 @@ struct CallerHandles {
     ok: IntCounter,
     error: IntCounter,
     duration: Histogram,
+    backend: Histogram,
     queue_wait: Histogram,
+    checkout_wait: Histogram,
     /// In [`KNOWN_REASONS`] order.
     refusals: Vec<IntCounter>,
 }
 
 struct ScrapeSeries {
-    pool_connections: IntGaugeVec,
-    pool_max_connections: IntGaugeVec,
-    pool_waiting: IntGaugeVec,
-    pool_pinned: IntGaugeVec,
-    connect_attempts: IntCounterVec,
-    connect_failures: IntCounterVec,
-    checkout_timeouts: IntCounterVec,
-    waiting_refused: IntCounterVec,
-    pool_critical_reserve: IntGaugeVec,
-    pool_adaptive_limit: IntGaugeVec,
+    pools: PoolSeries,
     clients: IntGauge,
     clients_accepted: IntCounter,
     handshakes: IntGauge,
@@ -330,6 +331,13 @@ fn gauge_value(v: u64) -> i64 {
 impl Metrics {
     /// Index = caller id, last = `default` (appended when `caller_names` lacks it at the end).
     pub fn new(caller_names: &[String]) -> Metrics {
+        Metrics::with_longest_wait(caller_names, Duration::from_secs(1))
+    }
+
+    /// As [`Metrics::new`], with wait histograms whose buckets reach `longest_wait` (see
+    /// [`wait_buckets`]).
+    pub fn with_longest_wait(caller_names: &[String], longest_wait: Duration) -> Metrics {
+        let waits = wait_buckets(longest_wait);
         let r = Registry::new();
         register_process_series(&r);
         let queries = counter_vec(
@@ -341,14 +349,29 @@ impl Metrics {
         let query_duration = histogram_vec(
             &r,
             "pgsluice_query_duration_seconds",
-            "Client-observed statement time through the proxy, queue wait included.",
+            "Client-observed statement time through the proxy: from its arrival to its \
+             completion, queue and checkout waits included.",
+            &QUERY_BUCKETS,
+        );
+        let backend_duration = histogram_vec(
+            &r,
+            "pgsluice_backend_duration_seconds",
+            "Statement time on the backend: from sending it to its completion, without the \
+             waits before.",
             &QUERY_BUCKETS,
         );
         let queue_wait = histogram_vec(
             &r,
             "pgsluice_queue_wait_seconds",
             "Time admitted statements waited for a caller slot or a THROTTLE token.",
-            &QUEUE_BUCKETS,
+            &waits,
+        );
+        let checkout_wait = histogram_vec(
+            &r,
+            "pgsluice_checkout_wait_seconds",
+            "Time clients waited for a backend connection of their pool (every checkout; \
+             0 when one was free).",
+            &waits,
         );
         let refusals = counter_vec(
             &r,
@@ -409,7 +432,9 @@ impl Metrics {
             registry: r,
             queries,
             query_duration,
+            backend_duration,
             queue_wait,
+            checkout_wait,
             refusals,
             rule_hits,
             rule_hit_handles,
@@ -444,7 +469,9 @@ impl Metrics {
                 ok: i.queries.with_label_values(&[n.as_str(), "ok"]),
                 error: i.queries.with_label_values(&[n.as_str(), "error"]),
                 duration: i.query_duration.with_label_values(&[n.as_str()]),
+                backend: i.backend_duration.with_label_values(&[n.as_str()]),
                 queue_wait: i.queue_wait.with_label_values(&[n.as_str()]),
+                checkout_wait: i.checkout_wait.with_label_values(&[n.as_str()]),
                 refusals: KNOWN_REASONS
                     .iter()
                     .map(|r| i.refusals.with_label_values(&[n.as_str(), *r]))
@@ -458,7 +485,9 @@ impl Metrics {
             let _ = i.queries.remove_label_values(&[n, "ok"]);
             let _ = i.queries.remove_label_values(&[n, "error"]);
             let _ = i.query_duration.remove_label_values(&[n]);
+            let _ = i.backend_duration.remove_label_values(&[n]);
             let _ = i.queue_wait.remove_label_values(&[n]);
+            let _ = i.checkout_wait.remove_label_values(&[n]);
             for r in KNOWN_REASONS {
                 let _ = i.refusals.remove_label_values(&[n, r]);
             }
@@ -473,13 +502,20 @@ impl Metrics {
         }
     }
 
-    /// A statement that reached the backend finished: `pgsluice_queries_total{caller,outcome}`
-    /// and `pgsluice_query_duration_seconds{caller}`.
-    pub fn query(&self, caller: u16, elapsed: Duration, ok: bool) {
+    /// A statement that reached the backend finished: `pgsluice_queries_total{caller,outcome}`,
+    /// `pgsluice_query_duration_seconds{caller}` (`total`: from its arrival) and
+    /// `pgsluice_backend_duration_seconds{caller}` (`backend`: from its sending).
+    pub fn query(&self, caller: u16, total: Duration, backend: Duration, ok: bool) {
         self.with_caller(caller, |h| {
             if ok { &h.ok } else { &h.error }.inc();
-            h.duration.observe(elapsed.as_secs_f64());
+            h.duration.observe(total.as_secs_f64());
+            h.backend.observe(backend.as_secs_f64());
         });
+    }
+
+    /// A checkout waited this long: `pgsluice_checkout_wait_seconds{caller}`.
+    pub fn checkout_wait(&self, caller: u16, waited: Duration) {
+        self.with_caller(caller, |h| h.checkout_wait.observe(waited.as_secs_f64()));
     }
 
     /// An admitted statement waited this long: `pgsluice_queue_wait_seconds{caller}`.
@@ -583,67 +619,7 @@ impl ScrapeSeries {
         let gauge = |name: &str, help: &str| reg(r, IntGauge::new(name, help));
         let counter = |name: &str, help: &str| reg(r, IntCounter::new(name, help));
         ScrapeSeries {
-            pool_connections: gauge_vec(
-                r,
-                "pgsluice_pool_connections",
-                "Backend connections by pool and state (active, idle).",
-                &["pool", "state"],
-            ),
-            pool_max_connections: gauge_vec(
-                r,
-                "pgsluice_pool_max_connections",
-                "Configured backend connections per pool (pool size).",
-                &["pool"],
-            ),
-            pool_waiting: gauge_vec(
-                r,
-                "pgsluice_pool_waiting_clients",
-                "Clients waiting for a backend connection.",
-                &["pool"],
-            ),
-            pool_pinned: gauge_vec(
-                r,
-                "pgsluice_pool_pinned_clients",
-                "Clients pinned to one backend connection (session state).",
-                &["pool"],
-            ),
-            connect_attempts: counter_vec(
-                r,
-                "pgsluice_backend_connect_attempts_total",
-                "Backend connection attempts.",
-                &["pool"],
-            ),
-            connect_failures: counter_vec(
-                r,
-                "pgsluice_backend_connect_failures_total",
-                "Backend connection attempts that failed.",
-                &["pool"],
-            ),
-            checkout_timeouts: counter_vec(
-                r,
-                "pgsluice_pool_checkout_timeouts_total",
-                "Clients that gave up waiting for a backend connection.",
-                &["pool"],
-            ),
-            pool_critical_reserve: gauge_vec(
-                r,
-                "pgsluice_pool_critical_reserve",
-                "Backends of the pool only critical callers may take (pool.critical_reserve).",
-                &["pool"],
-            ),
-            pool_adaptive_limit: gauge_vec(
-                r,
-                "pgsluice_pool_adaptive_limit",
-                "Backends the normal priority may hold now under the adaptive concurrency limit \
-                 (pools with pool.adaptive on).",
-                &["pool"],
-            ),
-            waiting_refused: counter_vec(
-                r,
-                "pgsluice_pool_waiting_refused_total",
-                "Checkouts refused at once because pool.max_waiting clients were already waiting.",
-                &["pool"],
-            ),
+            pools: PoolSeries::register(r),
             clients: gauge(
                 "pgsluice_client_connections",
                 "Client connections currently open.",
@@ -724,60 +700,7 @@ impl ScrapeSeries {
     }
 
     fn set(&self, s: &Scrape) {
-        // Dropping every labelled child first removes pools and callers that are gone.
-        self.pool_connections.reset();
-        self.pool_max_connections.reset();
-        self.pool_waiting.reset();
-        self.pool_pinned.reset();
-        self.connect_attempts.reset();
-        self.connect_failures.reset();
-        self.checkout_timeouts.reset();
-        self.waiting_refused.reset();
-        self.pool_critical_reserve.reset();
-        self.pool_adaptive_limit.reset();
-        for p in capped_pools(&s.pools) {
-            let l = [p.name.as_str()];
-            let conn = |state: &str, v: u64| {
-                self.pool_connections
-                    .with_label_values(&[p.name.as_str(), state])
-                    .set(gauge_value(v));
-            };
-            conn("active", p.active);
-            conn("idle", p.idle);
-            self.pool_max_connections
-                .with_label_values(&l)
-                .set(gauge_value(p.size));
-            self.pool_waiting
-                .with_label_values(&l)
-                .set(gauge_value(p.waiting));
-            self.pool_pinned
-                .with_label_values(&l)
-                .set(gauge_value(p.pinned));
-            set_counter(
-                &self.connect_attempts.with_label_values(&l),
-                p.connect_attempts,
-            );
-            set_counter(
-                &self.connect_failures.with_label_values(&l),
-                p.connect_failures,
-            );
-            set_counter(
-                &self.checkout_timeouts.with_label_values(&l),
-                p.checkout_timeouts,
-            );
-            set_counter(
-                &self.waiting_refused.with_label_values(&l),
-                p.waiting_refused,
-            );
-            self.pool_critical_reserve
-                .with_label_values(&l)
-                .set(gauge_value(p.critical_reserve));
-            if let Some(a) = p.adaptive_limit {
-                self.pool_adaptive_limit
-                    .with_label_values(&l)
-                    .set(gauge_value(a));
-            }
-        }
+        self.pools.set(&s.pools);
         self.clients.set(gauge_value(s.client_connections));
         set_counter(&self.clients_accepted, s.client_connections_accepted);
         self.handshakes.set(gauge_value(s.handshakes_in_progress));
@@ -822,36 +745,6 @@ impl ScrapeSeries {
     }
 }
 
-/// The first [`MAX_POOL_SERIES`]` - 1` pools by name, then one `other` summing the rest.
-fn capped_pools(pools: &[PoolSample]) -> Vec<PoolSample> {
-    let mut sorted: Vec<&PoolSample> = pools.iter().collect();
-    sorted.sort_by(|a, b| a.name.cmp(&b.name));
-    if sorted.len() <= MAX_POOL_SERIES {
-        return sorted.into_iter().cloned().collect();
-    }
-    let (kept, rest) = sorted.split_at(MAX_POOL_SERIES - 1);
-    let mut other = PoolSample {
-        name: "other".to_owned(),
-        ..PoolSample::default()
-    };
-    for p in rest {
-        other.size += p.size;
-        other.active += p.active;
-        other.idle += p.idle;
-        other.waiting += p.waiting;
-        other.pinned += p.pinned;
-        other.connect_attempts += p.connect_attempts;
-        other.connect_failures += p.connect_failures;
-        other.checkout_timeouts += p.checkout_timeouts;
-        other.waiting_refused += p.waiting_refused;
-        other.critical_reserve += p.critical_reserve;
-    }
-    kept.iter()
-        .map(|p| (*p).clone())
-        .chain(std::iter::once(other))
-        .collect()
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -868,10 +761,66 @@ mod tests {
     }
 
     #[test]
+    fn wait_buckets_reach_the_longest_configured_wait() {
+        let b = wait_buckets(Duration::from_secs(1));
+        assert_eq!(b.last(), Some(&1.0));
+        let b = wait_buckets(Duration::from_millis(2000));
+        assert_eq!(&b[b.len() - 2..], &[1.0, 2.5]);
+        let b = wait_buckets(Duration::from_secs(30));
+        assert_eq!(&b[b.len() - 3..], &[5.0, 10.0, 30.0]);
+        let b = wait_buckets(Duration::from_secs(7200));
+        assert_eq!(b.last(), Some(&7200.0));
+        assert!(b.windows(2).all(|w| w[0] < w[1]), "{b:?}");
+        // A checkout that waited 2 s of a 2 s timeout lands in the 2.5 s bucket, not +Inf.
+        let m = Metrics::with_longest_wait(&names(&["app"]), Duration::from_secs(2));
+        m.checkout_wait(0, Duration::from_millis(1999));
+        m.query(
+            0,
+            Duration::from_millis(2100),
+            Duration::from_millis(100),
+            true,
+        );
+        let t = m.render();
+        assert_eq!(
+            sample(
+                &t,
+                r#"pgsluice_checkout_wait_seconds_bucket{caller="app",le="2.5"}"#
+            ),
+            Some(1.0)
+        );
+        assert_eq!(
+            sample(
+                &t,
+                r#"pgsluice_checkout_wait_seconds_bucket{caller="app",le="1"}"#
+            ),
+            Some(0.0)
+        );
+        assert_eq!(
+            sample(
+                &t,
+                r#"pgsluice_backend_duration_seconds_bucket{caller="app",le="0.1"}"#
+            ),
+            Some(1.0)
+        );
+        assert_eq!(
+            sample(
+                &t,
+                r#"pgsluice_query_duration_seconds_bucket{caller="app",le="1"}"#
+            ),
+            Some(0.0)
+        );
+    }
+
+    #[test]
     fn unknown_caller_id_counts_as_default() {
         let m = Metrics::new(&names(&["app", "default"]));
-        m.query(0, Duration::from_millis(3), true);
-        m.query(999, Duration::from_millis(3), false);
+        m.query(0, Duration::from_millis(3), Duration::from_millis(2), true);
+        m.query(
+            999,
+            Duration::from_millis(3),
+            Duration::from_millis(2),
+            false,
+        );
         m.refusal(999, "rate_limited");
         let t = m.render();
         assert_eq!(
@@ -897,9 +846,9 @@ mod tests {
     #[test]
     fn default_is_appended_and_removed_callers_disappear() {
         let m = Metrics::new(&names(&["a", "b"]));
-        m.query(1, Duration::ZERO, true);
+        m.query(1, Duration::ZERO, Duration::ZERO, true);
         m.set_callers(&names(&["b", "default"]));
-        m.query(0, Duration::ZERO, true);
+        m.query(0, Duration::ZERO, Duration::ZERO, true);
         let t = m.render();
         assert!(!t.contains(r#"caller="a""#), "{t}");
         assert_eq!(
@@ -937,8 +886,13 @@ mod tests {
         let mut s = Scrape {
             pools: vec![PoolSample {
                 name: "db/u".into(),
+                database: "db".into(),
+                user: "u".into(),
                 active: 3,
                 connect_attempts: 7,
+                transactions: 11,
+                bytes_sent: 4096,
+                wait_us: 1_500_000,
                 ..PoolSample::default()
             }],
             cancels_sent: 2,
@@ -950,16 +904,21 @@ mod tests {
         assert_eq!(
             sample(
                 &t,
-                r#"pgsluice_pool_connections{pool="db/u",state="active"}"#
+                r#"pgsluice_pool_connections{database="db",pool="db/u",state="active",user="u"}"#
             ),
             Some(3.0)
         );
+        let pool = r#"{database="db",pool="db/u",user="u"}"#;
+        let at = |name: &str| sample(&t, &format!("{name}{pool}"));
+        assert_eq!(at("pgsluice_backend_connect_attempts_total"), Some(7.0));
+        assert_eq!(at("pgsluice_pool_transactions_total"), Some(11.0));
+        assert_eq!(at("pgsluice_pool_wait_seconds_total"), Some(1.5));
         assert_eq!(
             sample(
                 &t,
-                r#"pgsluice_backend_connect_attempts_total{pool="db/u"}"#
+                r#"pgsluice_pool_bytes_total{database="db",direction="sent",pool="db/u",user="u"}"#
             ),
-            Some(7.0)
+            Some(4096.0)
         );
         assert_eq!(
             sample(&t, r#"pgsluice_cancels_total{outcome="sent"}"#),
@@ -975,20 +934,5 @@ mod tests {
         );
         s.pools.clear();
         assert!(!m.render_with(&s).contains("db/u"));
-    }
-
-    #[test]
-    fn pools_beyond_the_cap_are_summed_into_other() {
-        let pools: Vec<PoolSample> = (0..MAX_POOL_SERIES + 10)
-            .map(|i| PoolSample {
-                name: format!("db{i:03}/u"),
-                waiting: 1,
-                ..PoolSample::default()
-            })
-            .collect();
-        let capped = capped_pools(&pools);
-        assert_eq!(capped.len(), MAX_POOL_SERIES);
-        let other = capped.last().map(|p| (p.name.as_str(), p.waiting));
-        assert_eq!(other, Some(("other", 11)));
     }
 }

@@ -5,4 +5,5 @@
 pub mod anomaly;
 pub mod log_limit;
 pub mod metrics;
+pub mod pool_series;
 pub mod stats;

@@ -63,6 +63,16 @@ pub struct PoolStats {
     /// Checkouts refused at once because `max_waiting` clients were already waiting.
     pub waiting_refused: AtomicU64,
     pub pinned_clients: AtomicUsize,
+    /// What clients did through the pool (SHOW STATS): counted by their sessions, a few
+    /// relaxed adds per transaction.
+    pub transactions: AtomicU64,
+    pub queries: AtomicU64,
+    pub bytes_received: AtomicU64,
+    pub bytes_sent: AtomicU64,
+    pub transaction_us: AtomicU64,
+    pub query_us: AtomicU64,
+    /// Time clients waited for a backend (checkouts that had to wait).
+    pub wait_us: AtomicU64,
 }
 
 struct Backoff {
@@ -610,6 +620,15 @@ impl Pool {
             max_waiting: self.cfg.max_waiting,
             waiting_refused: self.stats.waiting_refused.load(Ordering::Relaxed),
             paused: self.is_paused(),
+            database: self.database.clone(),
+            user: self.user.clone(),
+            transactions: self.stats.transactions.load(Ordering::Relaxed),
+            queries: self.stats.queries.load(Ordering::Relaxed),
+            bytes_received: self.stats.bytes_received.load(Ordering::Relaxed),
+            bytes_sent: self.stats.bytes_sent.load(Ordering::Relaxed),
+            transaction_us: self.stats.transaction_us.load(Ordering::Relaxed),
+            query_us: self.stats.query_us.load(Ordering::Relaxed),
+            wait_us: self.stats.wait_us.load(Ordering::Relaxed),
         }
     }
 }
@@ -637,6 +656,15 @@ pub struct PoolSnapshot {
     pub waiting_refused: u64,
     /// Paused by an operator (`POST /v1/pools/{db}/{user}/pause`).
     pub paused: bool,
+    pub database: String,
+    pub user: String,
+    pub transactions: u64,
+    pub queries: u64,
+    pub bytes_received: u64,
+    pub bytes_sent: u64,
+    pub transaction_us: u64,
+    pub query_us: u64,
+    pub wait_us: u64,
 }
 
 impl CheckoutError {

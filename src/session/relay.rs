@@ -158,6 +158,14 @@ pub struct Relay {
     errored: bool,
     /// How the current request's error is counted in the per-fingerprint statistics.
     failure: crate::observe::stats::Outcome,
+    /// Bytes read from the client and from the server since they were last added to the
+    /// pool's counters (at each ReadyForQuery and at the end).
+    bytes_in: u64,
+    bytes_out: u64,
+    /// When the current transaction's first statement was sent.
+    txn_start: Option<Instant>,
+    /// When the statement being admitted arrived (its client-observed time starts there).
+    arrived: Option<Instant>,
 }
 
 enum Event {
@@ -256,6 +264,10 @@ impl Relay {
             rows: 0,
             errored: false,
             failure: crate::observe::stats::Outcome::Error,
+            bytes_in: 0,
+            bytes_out: 0,
+            txn_start: None,
+            arrived: None,
         }
     }
 
@@ -274,13 +286,15 @@ impl Relay {
             let ev = std::future::poll_fn(|cx| self.poll_event(cx, client)).await;
             let r = match ev {
                 Event::Client(Ok(0)) | Event::Client(Err(_)) => return End::ClientClosed,
-                Event::Client(Ok(_)) => {
+                Event::Client(Ok(n)) => {
+                    self.bytes_in += n as u64;
                     self.idle_txn = None;
                     self.idle_client = None;
                     self.on_client_data(client).await
                 }
                 Event::Backend(Ok(0)) | Event::Backend(Err(_)) => return self.backend_gone(),
-                Event::Backend(Ok(_)) => {
+                Event::Backend(Ok(n)) => {
+                    self.bytes_out += n as u64;
                     // The server is alive: whatever the cancel does, it will be answered.
                     self.unanswered = None;
                     self.on_backend_data(client).await
@@ -1089,12 +1103,19 @@ impl Relay {
         // timeout when that is shorter.
         let wait = Duration::from_millis(self.pool.cfg.checkout_timeout_ms)
             .min(self.app.policy.queue_timeout(self.unit_caller));
-        let deadline = Instant::now() + wait;
+        let asked = Instant::now();
+        let deadline = asked + wait;
         let pool = self.pool.clone();
         let priority = self.app.policy.priority(self.unit_caller) as usize;
         let checkout = pool.checkout(priority, deadline);
         let why = "client disconnected while waiting";
         let res = unless_client_leaves(checkout, client, &mut self.cbuf, &self.cancel, why).await?;
+        let waited = asked.elapsed();
+        self.pool
+            .stats
+            .wait_us
+            .fetch_add(micros(waited), Ordering::Relaxed);
+        self.app.metrics.checkout_wait(self.unit_caller, waited);
         let mut b = res.map_err(|e| {
             // A database that cannot be reached is a backend fault: it feeds the breaker.
             if matches!(e, crate::pool::CheckoutError::Connect(_)) {
@@ -1422,6 +1443,7 @@ impl Relay {
 
     /// Gives the backend back (or closes it) after the client left.
     async fn finish(&mut self, end: &End) {
+        self.flush_counters();
         if self.pinned {
             self.pool
                 .stats
@@ -1572,4 +1594,9 @@ fn rows_of(body: &[u8]) -> u64 {
         .and_then(|n| std::str::from_utf8(n).ok())
         .and_then(|n| n.parse().ok())
         .unwrap_or(0)
+}
+
+/// Whole microseconds of `d` (saturating).
+fn micros(d: Duration) -> u64 {
+    u64::try_from(d.as_micros()).unwrap_or(u64::MAX)
 }

@@ -8,6 +8,7 @@
 //! backends it holds. Later statements of the unit are checked against the fingerprint rules.
 
 use std::sync::Arc;
+use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 use tokio::io::AsyncRead;
@@ -28,6 +29,9 @@ use super::Relay;
 pub(super) struct StmtRecord {
     class: Arc<Classified>,
     caller: u16,
+    /// Arrived from the client (before admission and checkout).
+    arrived: Instant,
+    /// Sent to the backend.
     start: Instant,
     /// Completed by the client ReadyForQuery with this sequence number.
     ready_seq: u64,
@@ -83,6 +87,7 @@ impl Relay {
         class: &Arc<Classified>,
         client: &mut S,
     ) -> Result<Timeouts, PgError> {
+        self.arrived = Some(Instant::now());
         let caller = self.resolve_caller(class);
         self.last_caller = caller;
         self.cancel.client.set_statement(caller, class.fingerprint);
@@ -182,10 +187,13 @@ impl Relay {
     /// (attributed to the caller its admission resolved).
     pub(super) fn track_statement(&mut self, class: Arc<Classified>, ready_seq: u64) {
         if self.pending.len() < 4096 {
+            let start = Instant::now();
+            self.txn_start.get_or_insert(start);
             self.pending.push(StmtRecord {
                 caller: self.last_caller,
                 class,
-                start: Instant::now(),
+                arrived: self.arrived.take().unwrap_or(start),
+                start,
                 ready_seq,
             });
         }
@@ -201,6 +209,7 @@ impl Relay {
             .take_while(|r| r.ready_seq <= seen)
             .count();
         if done == 0 {
+            self.flush_counters();
             self.rows = 0;
             self.errored = false;
             self.failure = Outcome::Error;
@@ -210,9 +219,14 @@ impl Relay {
         let now = Instant::now();
         let names = self.app.callers.load();
         let n = done;
+        let mut backend_us = 0u64;
         for (i, r) in self.pending.drain(..done).enumerate() {
             let elapsed = now.saturating_duration_since(r.start);
-            self.app.metrics.query(r.caller, elapsed, !self.errored);
+            backend_us = backend_us.saturating_add(super::micros(elapsed));
+            let total = now.saturating_duration_since(r.arrived);
+            self.app
+                .metrics
+                .query(r.caller, total, elapsed, !self.errored);
             // Every statement that reached the backend tells the breaker how it went.
             self.app.policy.record_backend_result(!self.fault);
             let outcome = if self.errored {
@@ -232,10 +246,38 @@ impl Relay {
                 outcome,
             );
         }
+        let stats = &self.pool.stats;
+        stats.queries.fetch_add(n as u64, Ordering::Relaxed);
+        stats.query_us.fetch_add(backend_us, Ordering::Relaxed);
+        self.flush_counters();
         self.rows = 0;
         self.errored = false;
         self.failure = Outcome::Error;
         self.fault = false;
+    }
+
+    /// Adds what the session relayed since the last call to its pool's counters, and the
+    /// transaction that just ended (the client's ReadyForQuery says idle), if any.
+    pub(super) fn flush_counters(&mut self) {
+        let stats = &self.pool.stats;
+        if self.t.txn == b'I'
+            && let Some(started) = self.txn_start.take()
+        {
+            stats.transactions.fetch_add(1, Ordering::Relaxed);
+            stats
+                .transaction_us
+                .fetch_add(super::micros(started.elapsed()), Ordering::Relaxed);
+        }
+        if self.bytes_in > 0 {
+            stats
+                .bytes_received
+                .fetch_add(std::mem::take(&mut self.bytes_in), Ordering::Relaxed);
+        }
+        if self.bytes_out > 0 {
+            stats
+                .bytes_sent
+                .fetch_add(std::mem::take(&mut self.bytes_out), Ordering::Relaxed);
+        }
     }
 
     /// Arms the proxy's own deadline for a statement with a statement timeout: if Postgres
