@@ -207,18 +207,9 @@ impl App {
             .map_err(|e| format!("callers[{}].{}: {}", e.index, e.field, e.message))?;
         self.metrics.set_callers(&names);
         let creds = Arc::new(Credentials::from_config(&config));
-        let (host, port) = match config.backend_url() {
-            Some(u) => (u.host, u.port),
-            None => (config.backend.host.clone(), config.backend.port),
-        };
+        let to = endpoint(&config);
         for pool in self.pools.all() {
-            pool.set_target(
-                &host,
-                port,
-                backend_password(&creds, &pool.user),
-                Duration::from_millis(config.backend.connect_timeout_ms),
-                config.backend.tcp_user_timeout(),
-            );
+            pool.set_target(&to, backend_password(&creds, &pool.user));
         }
         self.pools.set_cap_limits(&config.pool);
         self.creds.store(creds);
@@ -261,10 +252,7 @@ impl App {
         let cfg = self.config.load();
         let creds = self.creds.load();
         let password = backend_password(&creds, user);
-        let (host, port) = match cfg.backend_url() {
-            Some(u) => (u.host, u.port),
-            None => (cfg.backend.host.clone(), cfg.backend.port),
-        };
+        let to = endpoint(&cfg);
         let max = cfg.limits.max_pools;
         let mut created = false;
         let pool = self.pools.get_or_create(database, user, max, || {
@@ -274,15 +262,22 @@ impl App {
                 database,
                 user,
                 cfg.pool_for(database, user),
-                ConnectParams {
-                    host: host.clone(),
-                    port,
-                    user: user.to_string(),
-                    password: password.clone(),
-                    database: database.to_string(),
-                    connect_timeout: Duration::from_millis(cfg.backend.connect_timeout_ms),
-                    tcp_user_timeout: cfg.backend.tcp_user_timeout(),
-                    tls: self.tls.backend(),
+                {
+                    let mut p = ConnectParams {
+                        host: String::new(),
+                        port: 0,
+                        also: Vec::new(),
+                        target: crate::config::TargetAttrs::Any,
+                        startup: Vec::new(),
+                        user: user.to_string(),
+                        password: password.clone(),
+                        database: database.to_string(),
+                        connect_timeout: Duration::ZERO,
+                        tcp_user_timeout: None,
+                        tls: self.tls.backend(),
+                    };
+                    p.set_endpoint(to.clone());
+                    p
                 },
                 caps,
             )
@@ -300,13 +295,7 @@ impl App {
         if !created {
             // A reload between the reads above and a pool created concurrently could leave
             // that pool with the old address or password; every login re-aligns it.
-            pool.set_target(
-                &host,
-                port,
-                password,
-                Duration::from_millis(cfg.backend.connect_timeout_ms),
-                cfg.backend.tcp_user_timeout(),
-            );
+            pool.set_target(&to, password);
         }
         Ok(pool)
     }
@@ -362,6 +351,33 @@ impl App {
 }
 
 /// What the proxy logs in to Postgres with as `user`.
+/// Where pools connect: `backend.url`'s host list and parameters (its connect timeout, when
+/// it gives one, over `backend.connect_timeout_ms`), else `backend.host`/`port`.
+fn endpoint(cfg: &Config) -> crate::pool::Endpoint {
+    let connect_timeout = Duration::from_millis(cfg.backend.connect_timeout_ms);
+    let tcp_user_timeout = cfg.backend.tcp_user_timeout();
+    match cfg.backend_url() {
+        Some(u) => crate::pool::Endpoint {
+            also: u.hosts.iter().skip(1).cloned().collect(),
+            target: u.target,
+            startup: u.startup(),
+            connect_timeout: u.connect_timeout.unwrap_or(connect_timeout),
+            tcp_user_timeout,
+            host: u.host,
+            port: u.port,
+        },
+        None => crate::pool::Endpoint {
+            host: cfg.backend.host.clone(),
+            port: cfg.backend.port,
+            also: Vec::new(),
+            target: crate::config::TargetAttrs::Any,
+            startup: Vec::new(),
+            connect_timeout,
+            tcp_user_timeout,
+        },
+    }
+}
+
 /// The longest queue or checkout wait the config allows: the wait histograms' buckets reach it.
 fn longest_wait(config: &Config) -> Duration {
     let ms = config

@@ -41,16 +41,12 @@ pub async fn online(cfg: &Config) -> Findings {
             return f;
         }
     };
-    let params = ConnectParams {
-        host: url.host.clone(),
-        port: url.port,
-        user: url.user.clone(),
-        password: url.password.clone(),
-        database: url.database.clone(),
-        connect_timeout: Duration::from_millis(cfg.backend.connect_timeout_ms),
-        tcp_user_timeout: cfg.backend.tcp_user_timeout(),
+    let params = ConnectParams::from_url(
+        &url,
+        Duration::from_millis(cfg.backend.connect_timeout_ms),
+        cfg.backend.tcp_user_timeout(),
         tls,
-    };
+    );
     let mut conn = match BackendConn::connect(&params, 1).await {
         Ok(c) => c,
         Err(e) => {

@@ -127,16 +127,12 @@ pub async fn run(app: Arc<App>) {
         match (probe, cfg.backend_url()) {
             (Some(probe), Some(url)) => {
                 if conn.is_none() {
-                    let params = ConnectParams {
-                        host: url.host,
-                        port: url.port,
-                        user: url.user,
-                        password: url.password,
-                        database: url.database,
-                        connect_timeout: Duration::from_millis(cfg.backend.connect_timeout_ms),
-                        tcp_user_timeout: cfg.backend.tcp_user_timeout(),
-                        tls: app.tls.backend(),
-                    };
+                    let params = ConnectParams::from_url(
+                        &url,
+                        Duration::from_millis(cfg.backend.connect_timeout_ms),
+                        cfg.backend.tcp_user_timeout(),
+                        app.tls.backend(),
+                    );
                     match BackendConn::connect(&params, 1).await {
                         Ok(c) => conn = Some(c),
                         Err(e) => {

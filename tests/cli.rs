@@ -885,3 +885,85 @@ fn count_above(text: &str, histogram: &str, le: f64) -> f64 {
     .unwrap_or(0.0);
     count - below
 }
+
+/// The port of the server `c`'s statements run on.
+async fn port(c: &tokio_postgres::Client) -> i32 {
+    let row = c
+        .query_one("SELECT current_setting('port')::int", &[])
+        .await
+        .expect("port");
+    row.get::<_, i32>(0)
+}
+
+/// backend.url as libpq reads it: hosts tried in order (a refused one skipped), a server
+/// that does not qualify for target_session_attrs skipped, application_name sent, and a
+/// parameter the proxy would not act on refused by name.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_backend_url_tries_its_hosts_in_order_and_skips_a_read_only_server() {
+    let a = Cluster::start();
+    let b = Cluster::start();
+    let dir = tempfile::tempdir().expect("tempdir");
+    let config = dir.path().join("pgsluice.yaml");
+    let url = format!(
+        "postgres://{APP_USER}:{APP_PASSWORD}@127.0.0.1:1,{},{}/{APP_DB}\
+         ?target_session_attrs=read-write&connect_timeout=2&application_name=via-url",
+        a.addr(),
+        b.addr()
+    );
+    std::fs::write(
+        &config,
+        format!(
+            "listen: 127.0.0.1:0\nbackend:\n  url: \"{url}\"\nadmin:\n  listen: 127.0.0.1:0\n  \
+             write_token: w\n"
+        ),
+    )
+    .expect("write config");
+    let cfg = config.display().to_string();
+    let p = spawn(&[], &["--config", &cfg]);
+    let conn_url = format!(
+        "host={} port={} user={APP_USER} password={APP_PASSWORD} dbname={APP_DB}",
+        p.listen.ip(),
+        p.listen.port()
+    );
+    let (c, conn) = tokio_postgres::connect(&conn_url, tokio_postgres::NoTls)
+        .await
+        .expect("login");
+    tokio::spawn(conn);
+    assert_eq!(port(&c).await, i32::from(a.addr().port()), "127.0.0.1:1 refused: the next host");
+    let named = a.psql_on(
+        APP_DB,
+        "SELECT count(*) FROM pg_stat_activity WHERE application_name = 'via-url'",
+    );
+    assert!(named.trim() != "0", "the URL's application_name reached the server: {named}");
+
+    // The first server turns read-only: once the pool replaces its connections, the
+    // read-write target skips it for the next host.
+    // (Two calls: ALTER SYSTEM cannot run inside the implicit transaction of one.)
+    a.psql_on("postgres", "ALTER SYSTEM SET default_transaction_read_only = on");
+    a.psql_on("postgres", "SELECT pg_reload_conf()");
+    let (ok, out, err) = tokio::task::spawn_blocking({
+        let admin = p.admin.to_string();
+        move || client(&["reconnect", &format!("{APP_DB}/{APP_USER}"), "--admin", &admin, "--token", "w"])
+    })
+    .await
+    .expect("reconnect");
+    assert!(ok, "{out}{err}");
+    assert_eq!(port(&c).await, i32::from(b.addr().port()), "the read-only server was skipped");
+
+    // A parameter the proxy would not act on is refused by name, not dropped.
+    let bad = dir.path().join("bad.yaml");
+    std::fs::write(
+        &bad,
+        format!(
+            "backend:\n  url: \"postgres://{APP_USER}@{}/{APP_DB}?keepalives=0\"\n",
+            a.addr()
+        ),
+    )
+    .expect("write bad config");
+    let (ok, out, err) = client(&["check-config", &bad.display().to_string()]);
+    assert!(!ok, "{out}");
+    assert!(
+        err.contains("backend.url") && err.contains("\"keepalives\" is not supported"),
+        "{err}"
+    );
+}

@@ -222,7 +222,9 @@ async fn the_critical_reserve_is_free_while_batch_work_queues_and_completes() {
         .admin_request("GET", "/metrics", ADMIN_READ_TOKEN, None)
         .await;
     assert!(
-        metrics.contains("pgsluice_pool_critical_reserve{pool=\"appdb/app\"} 1"),
+        metrics.contains(
+            "pgsluice_pool_critical_reserve{database=\"appdb\",pool=\"appdb/app\",user=\"app\"} 1"
+        ),
         "{metrics}"
     );
     proxy.assert_healthy().await;
@@ -392,7 +394,9 @@ callers:
         .admin_request("GET", "/metrics", ADMIN_READ_TOKEN, None)
         .await;
     assert!(
-        metrics.contains("pgsluice_pool_adaptive_limit{pool=\"appdb/app\"} 6"),
+        metrics.contains(
+            "pgsluice_pool_adaptive_limit{database=\"appdb\",pool=\"appdb/app\",user=\"app\"} 6"
+        ),
         "{metrics}"
     );
     proxy.assert_healthy().await;

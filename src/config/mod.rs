@@ -11,6 +11,7 @@
 
 mod detect;
 mod notes;
+mod url;
 mod validate;
 
 use std::collections::BTreeMap;
@@ -21,7 +22,8 @@ use std::path::{Path, PathBuf};
 use serde::Deserialize;
 
 pub use detect::{AutoRulesConfig, AutoRulesMode, DetectorConfig};
-pub use validate::{BackendUrl, ConfigError, check_dial_addr};
+pub use url::{BackendUrl, TargetAttrs, URL_PARAMETERS};
+pub use validate::{ConfigError, check_dial_addr};
 
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields, default)]
@@ -847,6 +849,21 @@ impl Config {
         }
         let password = self.backend_password(o);
         let mut errs = self.validate(None).err().unwrap_or_default();
+        // The URL's sslmode is the backend TLS mode, unless backend.tls says otherwise.
+        if let Some(mode) = self.backend_url().and_then(|u| u.sslmode) {
+            if self.backend.tls == BackendTlsMode::Prefer || self.backend.tls == mode {
+                self.backend.tls = mode;
+            } else {
+                errs.push(ConfigError {
+                    field: "backend.url".into(),
+                    line: None,
+                    message: format!(
+                        "its sslmode ({mode:?}) conflicts with backend.tls ({:?}): give one",
+                        self.backend.tls
+                    ),
+                });
+            }
+        }
         let b = &self.global_defaults.circuit_breaker;
         if self.backend.url.is_none() {
             for (key, set) in [

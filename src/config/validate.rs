@@ -5,7 +5,7 @@
 use std::collections::HashSet;
 use std::fmt;
 
-use super::Config;
+use super::{BackendUrl, Config};
 
 /// Largest `backend.tcp_user_timeout_ms`: one hour, ample for any network and far inside the
 /// kernel's `int` of milliseconds.
@@ -47,122 +47,6 @@ impl ConfigError {
             message: e.to_string(),
         }
     }
-}
-
-/// `postgres://USER:PASSWORD@HOST:PORT/DB`, percent-decoded.
-#[derive(Clone, PartialEq, Eq)]
-pub struct BackendUrl {
-    pub user: String,
-    pub password: Option<String>,
-    pub host: String,
-    pub port: u16,
-    pub database: String,
-}
-
-impl fmt::Debug for BackendUrl {
-    // Never print the password.
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(
-            f,
-            "postgres://{}@{}:{}/{}",
-            self.user, self.host, self.port, self.database
-        )
-    }
-}
-
-impl BackendUrl {
-    pub fn parse(url: &str) -> Result<BackendUrl, String> {
-        let rest = url
-            .strip_prefix("postgres://")
-            .or_else(|| url.strip_prefix("postgresql://"))
-            .ok_or("must start with postgres:// or postgresql://")?;
-        let rest = rest.split('?').next().unwrap_or(rest);
-        let (userinfo, hostpart) = rest
-            .rsplit_once('@')
-            .ok_or("must name a user: postgres://USER:PASSWORD@HOST:PORT/DB")?;
-        let (user, password) = match userinfo.split_once(':') {
-            Some((u, p)) => (decode(u)?, Some(decode_password(p)?)),
-            None => (decode(userinfo)?, None),
-        };
-        if user.is_empty() {
-            return Err("the user name is empty".into());
-        }
-        let (hostport, database) = match hostpart.split_once('/') {
-            Some((h, d)) if !d.is_empty() => (h, decode(d)?),
-            Some((h, _)) => (h, user.clone()),
-            None => (hostpart, user.clone()),
-        };
-        let (host, port) = if let Some(h) = hostport.strip_prefix('[') {
-            let (h, tail) = h.split_once(']').ok_or("unterminated [ in host")?;
-            (h.to_string(), tail.strip_prefix(':').unwrap_or(""))
-        } else {
-            match hostport.rsplit_once(':') {
-                Some((h, p)) => (h.to_string(), p),
-                None => (hostport.to_string(), ""),
-            }
-        };
-        if host.is_empty() {
-            return Err("the host is empty".into());
-        }
-        let port = if port.is_empty() {
-            5432
-        } else {
-            port.parse::<u16>()
-                .map_err(|_| format!("invalid port `{port}`"))?
-        };
-        Ok(BackendUrl {
-            user,
-            password,
-            host,
-            port,
-            database,
-        })
-    }
-}
-
-/// Percent-decodes a URL segment that is no secret; errors quote it.
-fn decode(s: &str) -> Result<String, String> {
-    percent_decode(s).map_err(|e| e.describe(&format!("`{s}`")))
-}
-
-/// Percent-decodes the password segment; errors never contain its text.
-fn decode_password(s: &str) -> Result<String, String> {
-    percent_decode(s).map_err(|e| e.describe("the password in backend.url (not shown)"))
-}
-
-/// Why a URL segment does not decode.
-enum DecodeError {
-    Percent,
-    Utf8,
-}
-
-impl DecodeError {
-    fn describe(&self, what: &str) -> String {
-        match self {
-            DecodeError::Percent => format!("invalid percent-encoding in {what}"),
-            DecodeError::Utf8 => format!("{what} is not UTF-8 after percent-decoding"),
-        }
-    }
-}
-
-fn percent_decode(s: &str) -> Result<String, DecodeError> {
-    let b = s.as_bytes();
-    let mut out = Vec::with_capacity(b.len());
-    let mut i = 0;
-    while i < b.len() {
-        if b[i] == b'%' {
-            let hex = s
-                .get(i + 1..i + 3)
-                .and_then(|h| u8::from_str_radix(h, 16).ok())
-                .ok_or(DecodeError::Percent)?;
-            out.push(hex);
-            i += 3;
-        } else {
-            out.push(b[i]);
-            i += 1;
-        }
-    }
-    String::from_utf8(out).map_err(|_| DecodeError::Utf8)
 }
 
 /// Checks that `s` is `ADDR/LEN` with a sane prefix length.

@@ -44,8 +44,14 @@ const MAX_CANCEL_KEY: usize = 256;
 /// Where and as whom to connect.
 #[derive(Clone)]
 pub struct ConnectParams {
+    /// The first host to try, then `also` in order (a URL's host list, as libpq tries it).
     pub host: String,
     pub port: u16,
+    pub also: Vec<(String, u16)>,
+    /// Which of those hosts may serve (`target_session_attrs`).
+    pub target: crate::config::TargetAttrs,
+    /// Startup-packet parameters besides user and database (`application_name`, `options`).
+    pub startup: Vec<(String, String)>,
     pub user: String,
     pub password: Option<String>,
     pub database: String,
@@ -54,6 +60,74 @@ pub struct ConnectParams {
     pub tcp_user_timeout: Option<Duration>,
     /// The live `backend.tls` settings (reloadable).
     pub tls: BackendTlsHandle,
+}
+
+/// Where a pool's new connections go: everything of [`ConnectParams`] a reload may change
+/// besides the password.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Endpoint {
+    pub host: String,
+    pub port: u16,
+    pub also: Vec<(String, u16)>,
+    pub target: crate::config::TargetAttrs,
+    pub startup: Vec<(String, String)>,
+    pub connect_timeout: Duration,
+    pub tcp_user_timeout: Option<Duration>,
+}
+
+impl Endpoint {
+    fn of(p: &ConnectParams) -> Endpoint {
+        Endpoint {
+            host: p.host.clone(),
+            port: p.port,
+            also: p.also.clone(),
+            target: p.target,
+            startup: p.startup.clone(),
+            connect_timeout: p.connect_timeout,
+            tcp_user_timeout: p.tcp_user_timeout,
+        }
+    }
+}
+
+impl ConnectParams {
+    /// Where it connects to (see [`Endpoint`]).
+    pub fn endpoint(&self) -> Endpoint {
+        Endpoint::of(self)
+    }
+
+    /// Points it at `e`.
+    pub fn set_endpoint(&mut self, e: Endpoint) {
+        self.host = e.host;
+        self.port = e.port;
+        self.also = e.also;
+        self.target = e.target;
+        self.startup = e.startup;
+        self.connect_timeout = e.connect_timeout;
+        self.tcp_user_timeout = e.tcp_user_timeout;
+    }
+
+    /// Where `url` points, as its user (the URL's connect timeout, when it gives one, wins
+    /// over `connect_timeout`).
+    pub fn from_url(
+        url: &crate::config::BackendUrl,
+        connect_timeout: Duration,
+        tcp_user_timeout: Option<Duration>,
+        tls: BackendTlsHandle,
+    ) -> ConnectParams {
+        ConnectParams {
+            host: url.host.clone(),
+            port: url.port,
+            also: url.hosts.iter().skip(1).cloned().collect(),
+            target: url.target,
+            startup: url.startup(),
+            user: url.user.clone(),
+            password: url.password.clone(),
+            database: url.database.clone(),
+            connect_timeout: url.connect_timeout.unwrap_or(connect_timeout),
+            tcp_user_timeout,
+            tls,
+        }
+    }
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -82,6 +156,9 @@ pub enum ConnectError {
     },
     #[error("protocol error from the server: {0}")]
     Protocol(String),
+    /// The server logged us in but does not qualify for `target_session_attrs`.
+    #[error("{0}")]
+    Target(String),
 }
 
 /// A live, authenticated server connection.
@@ -179,21 +256,74 @@ impl Dirt {
 
 impl BackendConn {
     /// Opens and authenticates a connection, bounded by `p.connect_timeout` as a whole.
+    /// Logs in to the first host that answers and qualifies for `p.target`, trying each in
+    /// order with `p.connect_timeout`; the last host's error when none does.
     pub async fn connect(
         p: &ConnectParams,
         cache_size: usize,
     ) -> Result<BackendConn, ConnectError> {
-        match tokio::time::timeout(p.connect_timeout, Self::connect_inner(p, cache_size)).await {
-            Ok(r) => r,
-            Err(_) => Err(ConnectError::Timeout(p.connect_timeout)),
+        let hosts = std::iter::once((p.host.as_str(), p.port))
+            .chain(p.also.iter().map(|(h, port)| (h.as_str(), *port)));
+        let mut last = None;
+        for (host, port) in hosts {
+            let attempt = async {
+                let mut conn = Self::connect_inner(p, host, port, cache_size).await?;
+                conn.check_target(p.target).await?;
+                Ok(conn)
+            };
+            match tokio::time::timeout(p.connect_timeout, attempt).await {
+                Ok(Ok(conn)) => return Ok(conn),
+                Ok(Err(e)) => {
+                    if !p.also.is_empty() {
+                        tracing::debug!(host, port, error = %e, "backend host skipped");
+                    }
+                    last = Some(e);
+                }
+                Err(_) => last = Some(ConnectError::Timeout(p.connect_timeout)),
+            }
         }
+        Err(last.unwrap_or(ConnectError::Timeout(p.connect_timeout)))
+    }
+
+    /// Whether the server qualifies for `target`: libpq's test, from the ParameterStatus
+    /// Postgres 14+ reports at login (`in_hot_standby`, `default_transaction_read_only`),
+    /// else from `SHOW transaction_read_only`.
+    async fn check_target(
+        &mut self,
+        target: crate::config::TargetAttrs,
+    ) -> Result<(), ConnectError> {
+        use crate::config::TargetAttrs;
+        if target == TargetAttrs::Any {
+            return Ok(());
+        }
+        let param = |k: &str| {
+            self.server_params
+                .iter()
+                .find(|(n, _)| n == k)
+                .map(|(_, v)| v == "on")
+        };
+        let read_only = match (param("in_hot_standby"), param("default_transaction_read_only")) {
+            (Some(standby), Some(default_ro)) => standby || default_ro,
+            _ => self.first_value("SHOW transaction_read_only").await?.as_deref() == Some("on"),
+        };
+        let wanted_read_only = target == TargetAttrs::ReadOnly;
+        if read_only == wanted_read_only {
+            return Ok(());
+        }
+        Err(ConnectError::Target(if read_only {
+            "the server is read-only and target_session_attrs is read-write".into()
+        } else {
+            "the server accepts writes and target_session_attrs is read-only".into()
+        }))
     }
 
     async fn connect_inner(
         p: &ConnectParams,
+        host: &str,
+        port: u16,
         cache_size: usize,
     ) -> Result<BackendConn, ConnectError> {
-        let tcp = TcpStream::connect((p.host.as_str(), p.port)).await?;
+        let tcp = TcpStream::connect((host, port)).await?;
         tcp.set_nodelay(true)?;
         let sock = socket2::SockRef::from(&tcp);
         let ka = socket2::TcpKeepalive::new()
@@ -208,7 +338,7 @@ impl BackendConn {
         }
         let addr = tcp.peer_addr()?;
         let tls = p.tls.current();
-        let mut stream = negotiate_tls(tcp, p, &tls).await?;
+        let mut stream = negotiate_tls(tcp, host, &tls).await?;
         let allow = |method: BackendAuthMethod| {
             if tls.require_auth.contains(&method) {
                 return Ok(());
@@ -222,7 +352,9 @@ impl BackendConn {
 
         let mut out = BytesMut::new();
         frontend::startup_message(
-            [("user", p.user.as_str()), ("database", p.database.as_str())],
+            [("user", p.user.as_str()), ("database", p.database.as_str())]
+                .into_iter()
+                .chain(p.startup.iter().map(|(k, v)| (k.as_str(), v.as_str()))),
             &mut out,
         )?;
         stream.write_all(&out).await?;
@@ -423,6 +555,24 @@ impl BackendConn {
         }
     }
 
+    /// The first column of the first row of a one-statement simple query (`None`: no row).
+    pub async fn first_value(&mut self, sql: &str) -> Result<Option<String>, ConnectError> {
+        let mut out = BytesMut::new();
+        crate::protocol::messages::query(&mut out, sql);
+        self.stream.write_all(&out).await?;
+        let mut buf = BytesMut::new();
+        let (mut err, mut value) = (None, None);
+        loop {
+            let (tag, body) = read_message(&mut self.stream, &mut buf).await?;
+            match tag {
+                b'E' => err = Some(server_error(body)),
+                b'D' if value.is_none() => value = Some(first_column(&body)),
+                b'Z' => return err.map_or(Ok(value.flatten()), Err),
+                _ => {}
+            }
+        }
+    }
+
     /// Runs one simple query and waits for ReadyForQuery; `Ok(status)` or the error.
     pub async fn simple(&mut self, sql: &str) -> Result<u8, ConnectError> {
         let mut out = BytesMut::new();
@@ -449,7 +599,7 @@ impl BackendConn {
 /// SSLRequest according to `backend.tls`; returns the stream to speak the protocol on.
 async fn negotiate_tls(
     mut tcp: TcpStream,
-    p: &ConnectParams,
+    host: &str,
     tls: &crate::tls::BackendTls,
 ) -> Result<BackendStream, ConnectError> {
     let Some(connector) = tls.connector.clone() else {
@@ -470,7 +620,7 @@ async fn negotiate_tls(
     }
     match answer[0] {
         b'S' => {
-            let name = rustls_pki_types::ServerName::try_from(p.host.clone()).map_err(|e| {
+            let name = rustls_pki_types::ServerName::try_from(host.to_owned()).map_err(|e| {
                 ConnectError::Protocol(format!("backend host is not a TLS server name: {e}"))
             })?;
             // rustls' errors (certificate name, expiry, unknown issuer) travel as io::Error.
@@ -545,6 +695,18 @@ fn server_error(body: Bytes) -> ConnectError {
     }
 }
 
+/// The first column of a DataRow, as text (`None` for NULL or a malformed row).
+fn first_column(body: &[u8]) -> Option<String> {
+    let n = i16::from_be_bytes(body.get(..2)?.try_into().ok()?);
+    if n < 1 {
+        return None;
+    }
+    let len = i32::from_be_bytes(body.get(2..6)?.try_into().ok()?);
+    let len = usize::try_from(len).ok()?;
+    let v = body.get(6..6 + len)?;
+    String::from_utf8(v.to_vec()).ok()
+}
+
 /// Reads one whole backend message (used only during login and for proxy-run queries).
 pub async fn read_message<S: AsyncRead + Unpin>(
     stream: &mut S,
@@ -599,6 +761,9 @@ mod tests {
         ConnectParams {
             host: "127.0.0.1".into(),
             port,
+            also: Vec::new(),
+            target: crate::config::TargetAttrs::Any,
+            startup: Vec::new(),
             user: "app".into(),
             password: Some("secret".into()),
             database: "db".into(),

@@ -29,7 +29,7 @@ use tokio::time::Instant;
 use crate::config::{PoolConfig, PoolMode};
 use crate::protocol::PgError;
 
-pub use backend::{BackendConn, ConnectError, ConnectParams, Dirt};
+pub use backend::{BackendConn, ConnectError, ConnectParams, Dirt, Endpoint};
 use slots::{SlotError, SlotPermit, Slots};
 
 /// How long after its backoff window a failed connect still says "unreachable".
@@ -281,33 +281,20 @@ impl Pool {
     /// them (those already open stay as they are: Postgres does not re-check a session's
     /// password; [`Pool::reconnect`] replaces them). A change also ends a failure backoff,
     /// which may be the old address's or password's doing.
-    pub fn set_target(
-        &self,
-        host: &str,
-        port: u16,
-        password: Option<String>,
-        connect_timeout: Duration,
-        tcp_user_timeout: Option<Duration>,
-    ) {
+    pub fn set_target(&self, endpoint: &Endpoint, password: Option<String>) {
         {
             let mut connect = self.connect.lock();
-            if connect.password == password
-                && connect.host == host
-                && connect.port == port
-                && connect.connect_timeout == connect_timeout
-                && connect.tcp_user_timeout == tcp_user_timeout
-            {
+            let was = connect.endpoint();
+            if connect.password == password && was == *endpoint {
                 return;
             }
-            let mut next = ConnectParams::clone(&connect);
-            if next.host != host || next.port != port {
-                tracing::warn!(pool = %self.name, from = %format_args!("{}:{}", next.host, next.port), to = %format_args!("{host}:{port}"), "backend address changed; new connections go there");
+            if (&was.host, was.port, &was.also) != (&endpoint.host, endpoint.port, &endpoint.also)
+            {
+                tracing::warn!(pool = %self.name, from = %format_args!("{}:{}", was.host, was.port), to = %format_args!("{}:{}", endpoint.host, endpoint.port), "backend address changed; new connections go there");
             }
+            let mut next = ConnectParams::clone(&connect);
             next.password = password;
-            next.host = host.to_owned();
-            next.port = port;
-            next.connect_timeout = connect_timeout;
-            next.tcp_user_timeout = tcp_user_timeout;
+            next.set_endpoint(endpoint.clone());
             *connect = Arc::new(next);
         }
         let mut b = self.backoff.lock();

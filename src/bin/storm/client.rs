@@ -86,16 +86,12 @@ impl Failure {
 /// `postgres://USER:PASSWORD@HOST:PORT/DB` → connection parameters.
 pub fn params(url: &str, connect_timeout: Duration) -> Result<ConnectParams, String> {
     let u = BackendUrl::parse(url).map_err(|e| format!("invalid URL: {e}"))?;
-    Ok(ConnectParams {
-        host: u.host,
-        port: u.port,
-        user: u.user,
-        password: u.password,
-        database: u.database,
+    Ok(ConnectParams::from_url(
+        &u,
         connect_timeout,
-        tcp_user_timeout: None,
-        tls: pgsluice::tls::BackendTlsHandle::disabled(),
-    })
+        None,
+        pgsluice::tls::BackendTlsHandle::disabled(),
+    ))
 }
 
 /// Folds digit runs to `N` and bounds the length, so messages group into few reasons.
@@ -180,6 +176,11 @@ pub fn classify(e: &ConnectError) -> Failure {
         },
         ConnectError::MethodNotAllowed { method, .. } => Failure::Error {
             reason: format!("auth method {} not allowed", method.name()),
+            retry_after_ms: None,
+            fatal: true,
+        },
+        ConnectError::Target(m) => Failure::Error {
+            reason: format!("target {}", fold(m)),
             retry_after_ms: None,
             fatal: true,
         },

@@ -282,6 +282,9 @@ mod tests {
         ConnectParams {
             host: "127.0.0.1".into(),
             port,
+            also: Vec::new(),
+            target: pgsluice::config::TargetAttrs::Any,
+            startup: Vec::new(),
             user: "u".into(),
             password: None,
             database: "d".into(),
