@@ -207,11 +207,19 @@ impl App {
             .map_err(|e| format!("callers[{}].{}: {}", e.index, e.field, e.message))?;
         self.metrics.set_callers(&names);
         let creds = Arc::new(Credentials::from_config(&config));
-        let to = endpoint(&config);
         for pool in self.pools.all() {
-            pool.set_target(&to, backend_password(&creds, &pool.user));
+            // A database the new map no longer has keeps its last route until it is unused.
+            if let Ok(r) = route(&config, &creds, &pool.database, &pool.user) {
+                pool.set_route(&r);
+            }
         }
-        self.pools.set_cap_limits(&config.pool);
+        self.pools.set_cap_limits(|name| {
+            if let Some(db) = name.strip_prefix("database ") {
+                config.pool_for(db, "\0").max_db_connections
+            } else {
+                config.pool.max_user_connections
+            }
+        });
         self.creds.store(creds);
         self.callers.store(Arc::new(caller_matcher(&config)));
         for note in config.notes() {
@@ -251,36 +259,28 @@ impl App {
         }
         let cfg = self.config.load();
         let creds = self.creds.load();
-        let password = backend_password(&creds, user);
-        let to = endpoint(&cfg);
+        let route = route(&cfg, &creds, database, user)?;
         let max = cfg.limits.max_pools;
         let mut created = false;
         let pool = self.pools.get_or_create(database, user, max, || {
             created = true;
-            let caps = self.pools.caps_for(database, user, &cfg.pool);
-            Pool::new(
-                database,
-                user,
-                cfg.pool_for(database, user),
-                {
-                    let mut p = ConnectParams {
-                        host: String::new(),
-                        port: 0,
-                        also: Vec::new(),
-                        target: crate::config::TargetAttrs::Any,
-                        startup: Vec::new(),
-                        user: user.to_string(),
-                        password: password.clone(),
-                        database: database.to_string(),
-                        connect_timeout: Duration::ZERO,
-                        tcp_user_timeout: None,
-                        tls: self.tls.backend(),
-                    };
-                    p.set_endpoint(to.clone());
-                    p
-                },
-                caps,
-            )
+            let pool_cfg = cfg.pool_for(database, user);
+            let caps = self.pools.caps_for(database, user, &pool_cfg);
+            let mut p = ConnectParams {
+                host: String::new(),
+                port: 0,
+                also: Vec::new(),
+                target: crate::config::TargetAttrs::Any,
+                startup: Vec::new(),
+                user: String::new(),
+                password: None,
+                database: String::new(),
+                connect_timeout: Duration::ZERO,
+                tcp_user_timeout: None,
+                tls: self.tls.backend(),
+            };
+            route.apply(&mut p);
+            Pool::new(database, user, pool_cfg, p, caps)
         });
         let pool = pool.ok_or_else(|| {
             PgError::fatal(
@@ -295,7 +295,7 @@ impl App {
         if !created {
             // A reload between the reads above and a pool created concurrently could leave
             // that pool with the old address or password; every login re-aligns it.
-            pool.set_target(&to, password);
+            pool.set_route(&route);
         }
         Ok(pool)
     }
@@ -351,6 +351,63 @@ impl App {
 }
 
 /// What the proxy logs in to Postgres with as `user`.
+/// Where and as whom the pool of a client's (database, user) connects: its `databases:`
+/// entry when the map has one (else FATAL 3D000), else `backend.url`'s server with the
+/// client's own database name, user and password.
+fn route(
+    cfg: &Config,
+    creds: &Credentials,
+    database: &str,
+    user: &str,
+) -> Result<crate::pool::Route, PgError> {
+    if cfg.databases.is_empty() {
+        return Ok(crate::pool::Route {
+            endpoint: endpoint(cfg),
+            user: user.to_owned(),
+            database: database.to_owned(),
+            password: backend_password(creds, user),
+        });
+    }
+    let entry = cfg.database_entry(database).ok_or_else(|| {
+        PgError::fatal(
+            "3D000",
+            format!("pgsluice: database \"{database}\" is not in the proxy's databases map"),
+        )
+    })?;
+    let url = entry.target().ok_or_else(|| {
+        PgError::fatal("08006", "pgsluice: the databases map entry does not parse")
+    })?;
+    let connect_timeout = Duration::from_millis(cfg.backend.connect_timeout_ms);
+    let (login, password) = if url.user.is_empty() {
+        (user.to_owned(), backend_password(creds, user))
+    } else {
+        let password = url
+            .password
+            .clone()
+            .or_else(|| backend_password(creds, &url.user));
+        (url.user.clone(), password)
+    };
+    let server_db = match (url.database.is_empty(), entry.name.as_str()) {
+        (false, _) => url.database.clone(),
+        (true, "*") => database.to_owned(),
+        (true, name) => name.to_owned(),
+    };
+    Ok(crate::pool::Route {
+        endpoint: crate::pool::Endpoint {
+            also: url.hosts.iter().skip(1).cloned().collect(),
+            target: url.target,
+            startup: url.startup(),
+            connect_timeout: url.connect_timeout.unwrap_or(connect_timeout),
+            tcp_user_timeout: cfg.backend.tcp_user_timeout(),
+            host: url.host,
+            port: url.port,
+        },
+        user: login,
+        database: server_db,
+        password,
+    })
+}
+
 /// Where pools connect: `backend.url`'s host list and parameters (its connect timeout, when
 /// it gives one, over `backend.connect_timeout_ms`), else `backend.host`/`port`.
 fn endpoint(cfg: &Config) -> crate::pool::Endpoint {

@@ -929,26 +929,49 @@ async fn a_backend_url_tries_its_hosts_in_order_and_skips_a_read_only_server() {
         .await
         .expect("login");
     tokio::spawn(conn);
-    assert_eq!(port(&c).await, i32::from(a.addr().port()), "127.0.0.1:1 refused: the next host");
+    assert_eq!(
+        port(&c).await,
+        i32::from(a.addr().port()),
+        "127.0.0.1:1 refused: the next host"
+    );
     let named = a.psql_on(
         APP_DB,
         "SELECT count(*) FROM pg_stat_activity WHERE application_name = 'via-url'",
     );
-    assert!(named.trim() != "0", "the URL's application_name reached the server: {named}");
+    assert!(
+        named.trim() != "0",
+        "the URL's application_name reached the server: {named}"
+    );
 
     // The first server turns read-only: once the pool replaces its connections, the
     // read-write target skips it for the next host.
     // (Two calls: ALTER SYSTEM cannot run inside the implicit transaction of one.)
-    a.psql_on("postgres", "ALTER SYSTEM SET default_transaction_read_only = on");
+    a.psql_on(
+        "postgres",
+        "ALTER SYSTEM SET default_transaction_read_only = on",
+    );
     a.psql_on("postgres", "SELECT pg_reload_conf()");
     let (ok, out, err) = tokio::task::spawn_blocking({
         let admin = p.admin.to_string();
-        move || client(&["reconnect", &format!("{APP_DB}/{APP_USER}"), "--admin", &admin, "--token", "w"])
+        move || {
+            client(&[
+                "reconnect",
+                &format!("{APP_DB}/{APP_USER}"),
+                "--admin",
+                &admin,
+                "--token",
+                "w",
+            ])
+        }
     })
     .await
     .expect("reconnect");
     assert!(ok, "{out}{err}");
-    assert_eq!(port(&c).await, i32::from(b.addr().port()), "the read-only server was skipped");
+    assert_eq!(
+        port(&c).await,
+        i32::from(b.addr().port()),
+        "the read-only server was skipped"
+    );
 
     // A parameter the proxy would not act on is refused by name, not dropped.
     let bad = dir.path().join("bad.yaml");
@@ -966,4 +989,125 @@ async fn a_backend_url_tries_its_hosts_in_order_and_skips_a_read_only_server() {
         err.contains("backend.url") && err.contains("\"keepalives\" is not supported"),
         "{err}"
     );
+}
+
+/// `databases:` maps the name a client asks for to a server, a database name there and
+/// optionally the user it logs in as; `*` catches the rest; without `*`, other names are
+/// refused with 3D000. A reload applies a changed map.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_databases_map_routes_by_database_name() {
+    let a = Cluster::start();
+    let b = Cluster::start();
+    b.psql_on(
+        APP_DB,
+        "CREATE ROLE reporter LOGIN PASSWORD 'rpw'; GRANT CONNECT ON DATABASE appdb TO reporter",
+    );
+    let dir = tempfile::tempdir().expect("tempdir");
+    let config = dir.path().join("pgsluice.yaml");
+    let write = |catch_all: bool| {
+        let star = if catch_all {
+            format!("  - {{ name: \"*\", url: \"postgres://{}\" }}\n", a.addr())
+        } else {
+            String::new()
+        };
+        std::fs::write(
+            &config,
+            format!(
+                "listen: 127.0.0.1:0\nadmin:\n  listen: 127.0.0.1:0\n  write_token: w\n\
+                 auth:\n  users:\n    - {{ name: {APP_USER}, password: {APP_PASSWORD} }}\n\
+                 databases:\n\
+                 \x20 - {{ name: logical, url: \"postgres://{}/{APP_DB}\", pool_size: 3 }}\n\
+                 \x20 - {{ name: elsewhere, url: \"postgres://reporter:rpw@{}/{APP_DB}\" }}\n\
+                 {star}",
+                a.addr(),
+                b.addr()
+            ),
+        )
+        .expect("write config");
+    };
+    write(true);
+    let p = spawn(&[], &["--config", &config.display().to_string()]);
+    let connect = |db: &str| {
+        let url = format!(
+            "host={} port={} user={APP_USER} password={APP_PASSWORD} dbname={db}",
+            p.listen.ip(),
+            p.listen.port()
+        );
+        async move {
+            let (c, conn) = tokio_postgres::connect(&url, tokio_postgres::NoTls).await?;
+            tokio::spawn(conn);
+            Ok::<_, tokio_postgres::Error>(c)
+        }
+    };
+    let where_ = |c: tokio_postgres::Client| async move {
+        let row = c
+            .query_one(
+                "SELECT current_database()::text, current_setting('port')::int, current_user::text",
+                &[],
+            )
+            .await
+            .expect("where");
+        (
+            row.get::<_, String>(0),
+            row.get::<_, i32>(1),
+            row.get::<_, String>(2),
+        )
+    };
+    let pa = i32::from(a.addr().port());
+    let pb = i32::from(b.addr().port());
+    let logical = connect("logical").await.expect("logical");
+    assert_eq!(
+        where_(logical).await,
+        (APP_DB.to_owned(), pa, APP_USER.to_owned())
+    );
+    // The entry's user for every client of it; session settings still follow the client.
+    let elsewhere = connect("elsewhere").await.expect("elsewhere");
+    elsewhere
+        .batch_execute("SET application_name = 'mine'")
+        .await
+        .expect("SET");
+    for _ in 0..3 {
+        let n = elsewhere
+            .query_one("SELECT current_setting('application_name')", &[])
+            .await
+            .expect("setting");
+        assert_eq!(n.get::<_, String>(0), "mine");
+    }
+    assert_eq!(
+        where_(elsewhere).await,
+        (APP_DB.to_owned(), pb, "reporter".to_owned())
+    );
+    let by_star = connect(APP_DB).await.expect("the * entry");
+    assert_eq!(
+        where_(by_star).await,
+        (APP_DB.to_owned(), pa, APP_USER.to_owned())
+    );
+    let (status, body) = get(p.admin, "/v1/pools");
+    assert_eq!(status, 200);
+    let v: serde_json::Value = serde_json::from_str(&body).expect("pools");
+    let size = v["pools"]
+        .as_array()
+        .and_then(|ps| ps.iter().find(|p| p["name"] == "logical/app"))
+        .map(|p| p["size"].clone());
+    assert_eq!(
+        size,
+        Some(serde_json::json!(3)),
+        "the entry's pool_size: {body}"
+    );
+
+    // Without the * entry (after a reload) other names are refused.
+    write(false);
+    let (ok, out, err) = tokio::task::spawn_blocking({
+        let admin = p.admin.to_string();
+        move || client(&["reload", "--admin", &admin, "--token", "w"])
+    })
+    .await
+    .expect("reload");
+    assert!(ok, "{out}{err}");
+    let e = connect(APP_DB)
+        .await
+        .map(|_| ())
+        .expect_err("not in the map");
+    assert_eq!(e.code().map(|c| c.code()), Some("3D000"), "{e:?}");
+    assert!(connect("logical").await.is_ok());
 }

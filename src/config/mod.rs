@@ -53,6 +53,9 @@ pub struct Config {
     pub pool: PoolConfig,
     /// Per-(database, user) overrides of `pool`.
     pub pools: Vec<PoolOverride>,
+    /// Where each database a client names lives (`databases:`; empty: every database on
+    /// `backend.url`'s server, by its own name).
+    pub databases: Vec<DatabaseEntry>,
     pub auth: AuthConfig,
     pub limits: LimitsConfig,
     pub callers: Vec<CallerConfig>,
@@ -83,6 +86,7 @@ impl Default for Config {
             backend: BackendConfig::default(),
             pool: PoolConfig::default(),
             pools: Vec::new(),
+            databases: Vec::new(),
             auth: AuthConfig::default(),
             limits: LimitsConfig::default(),
             callers: Vec::new(),
@@ -463,6 +467,43 @@ pub struct PoolOverride {
     pub size: Option<usize>,
     pub min_idle: Option<usize>,
     pub session_state: Option<SessionStateMode>,
+}
+
+/// One `databases:` entry: the name clients use, and where and as whom its pools connect.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct DatabaseEntry {
+    /// The database name clients connect to; `*` matches every name without an entry.
+    pub name: String,
+    /// `postgres://[USER[:PASSWORD]@]HOST[:PORT][,HOST…][/DBNAME][?PARAMS]`, read as
+    /// `backend.url` is. Without a user, pools log in as the client's user (its password
+    /// from `auth.users`); with one, every client of this database logs in to Postgres as
+    /// that user. Without a database name: the entry's name (`*`: the client's).
+    pub url: String,
+    /// A file holding the URL user's password (one trailing newline ignored), in place of
+    /// the URL's; re-read on reload.
+    pub password_file: Option<String>,
+    /// Backend connections per pool of this database (else `pool.size` / `pools[]`).
+    pub pool_size: Option<usize>,
+    /// Pool mode of this database's pools (else `pool.mode` / `pools[]`).
+    pub pool_mode: Option<PoolMode>,
+    /// Backend connections to this database across its users (else
+    /// `pool.max_db_connections`; 0: no limit).
+    pub max_db_connections: Option<usize>,
+    /// The password read from `password_file` by [`Config::apply`]. Never part of the file.
+    #[serde(skip)]
+    pub password: Option<Secret>,
+}
+
+impl DatabaseEntry {
+    /// The entry's URL, parsed (validated at load, so `None` only for a config that was not).
+    pub fn target(&self) -> Option<BackendUrl> {
+        let mut u = BackendUrl::parse_entry(&self.url).ok()?;
+        if let Some(p) = &self.password {
+            u.password = Some(p.expose().to_owned());
+        }
+        Some(u)
+    }
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
@@ -849,6 +890,23 @@ impl Config {
         }
         let password = self.backend_password(o);
         let mut errs = self.validate(None).err().unwrap_or_default();
+        for (i, d) in self.databases.iter_mut().enumerate() {
+            if let Some(path) = &d.password_file {
+                match read_password_file(Path::new(path)) {
+                    Ok(p) if !p.expose().is_empty() => d.password = Some(p),
+                    Ok(_) => errs.push(ConfigError {
+                        field: format!("databases[{i}].password_file"),
+                        line: None,
+                        message: "the password is empty".into(),
+                    }),
+                    Err(m) => errs.push(ConfigError {
+                        field: format!("databases[{i}].password_file"),
+                        line: None,
+                        message: m,
+                    }),
+                }
+            }
+        }
         // The URL's sslmode is the backend TLS mode, unless backend.tls says otherwise.
         if let Some(mode) = self.backend_url().and_then(|u| u.sslmode) {
             if self.backend.tls == BackendTlsMode::Prefer || self.backend.tls == mode {
@@ -954,6 +1012,18 @@ impl Config {
     /// Effective pool settings for one (database, user).
     pub fn pool_for(&self, database: &str, user: &str) -> PoolConfig {
         let mut p = self.pool.clone();
+        // The database's entry first, then a `pools[]` entry of this (database, user).
+        if let Some(d) = self.database_entry(database) {
+            if let Some(s) = d.pool_size {
+                p.size = s;
+            }
+            if let Some(m) = d.pool_mode {
+                p.mode = m;
+            }
+            if let Some(n) = d.max_db_connections {
+                p.max_db_connections = n;
+            }
+        }
         if let Some(o) = self
             .pools
             .iter()
@@ -988,6 +1058,14 @@ impl Config {
         let prioritised = self.callers.iter().any(|c| c.priority != Priority::Normal);
         p.adaptive = Some(p.adaptive.unwrap_or(prioritised));
         p
+    }
+
+    /// The `databases:` entry a client's database name selects: its own, else `*`.
+    pub fn database_entry(&self, database: &str) -> Option<&DatabaseEntry> {
+        self.databases
+            .iter()
+            .find(|d| d.name == database)
+            .or_else(|| self.databases.iter().find(|d| d.name == "*"))
     }
 
     /// Whether any pool this file describes runs the adaptive limit (so the load probe must

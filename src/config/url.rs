@@ -77,7 +77,18 @@ impl fmt::Debug for BackendUrl {
 }
 
 impl BackendUrl {
+    /// `backend.url`: a user is required; the database defaults to the user's name.
     pub fn parse(url: &str) -> Result<BackendUrl, String> {
+        Self::parse_with(url, true)
+    }
+
+    /// A `databases[].url`: user and database may be left out (then `user` and `database`
+    /// are empty: the client's user, the entry's name).
+    pub fn parse_entry(url: &str) -> Result<BackendUrl, String> {
+        Self::parse_with(url, false)
+    }
+
+    fn parse_with(url: &str, need_user: bool) -> Result<BackendUrl, String> {
         let rest = url
             .strip_prefix("postgres://")
             .or_else(|| url.strip_prefix("postgresql://"))
@@ -139,11 +150,16 @@ impl BackendUrl {
             }
             msg
         })?;
-        let user = c
-            .get_user()
-            .filter(|u| !u.is_empty())
-            .ok_or("must name a user: postgres://USER:PASSWORD@HOST:PORT/DB")?
-            .to_owned();
+        let user = match c.get_user().filter(|u| !u.is_empty()) {
+            Some(u) => u.to_owned(),
+            None if need_user => {
+                return Err("must name a user: postgres://USER:PASSWORD@HOST:PORT/DB".into());
+            }
+            None => String::new(),
+        };
+        if user.is_empty() && c.get_password().is_some() {
+            return Err("a password without a user".into());
+        }
         let password = c
             .get_password()
             .map(|p| {
@@ -154,7 +170,11 @@ impl BackendUrl {
         let ports = c.get_ports();
         let mut hosts = Vec::new();
         for (i, h) in c.get_hosts().iter().enumerate() {
-            let port = ports.get(i).or_else(|| ports.first()).copied().unwrap_or(5432);
+            let port = ports
+                .get(i)
+                .or_else(|| ports.first())
+                .copied()
+                .unwrap_or(5432);
             match h {
                 Host::Tcp(name) if !name.is_empty() => hosts.push((name.clone(), port)),
                 Host::Tcp(_) => return Err("a host is empty".into()),
@@ -185,8 +205,9 @@ impl BackendUrl {
         if given("connect_timeout") && connect_timeout.is_none() {
             return Err("connect_timeout must be a positive number of seconds".into());
         }
+        let default_db = if need_user { user.as_str() } else { "" };
         Ok(BackendUrl {
-            database: c.get_dbname().unwrap_or(&user).to_owned(),
+            database: c.get_dbname().unwrap_or(default_db).to_owned(),
             user,
             password,
             host,
@@ -279,15 +300,33 @@ mod tests {
         assert_eq!(one_port.hosts, vec![("a".into(), 5432), ("b".into(), 6000)]);
         let plain = BackendUrl::parse("postgresql://app@[::1]/").unwrap();
         assert_eq!((plain.host.as_str(), plain.port), ("::1", 5432));
-        assert_eq!((plain.database.as_str(), plain.target), ("app", TargetAttrs::Any));
+        assert_eq!(
+            (plain.database.as_str(), plain.target),
+            ("app", TargetAttrs::Any)
+        );
 
         for (bad, says) in [
-            ("postgres://app@h/db?keepalives=1", "\"keepalives\" is not supported"),
-            ("postgres://app@h/db?hostaddr=1.2.3.4", "\"hostaddr\" is not supported"),
-            ("postgres://app@h/db?sslmode=sometimes", "sslmode=\"sometimes\""),
-            ("postgres://app@h/db?target_session_attrs=primary", "target_session_attrs"),
+            (
+                "postgres://app@h/db?keepalives=1",
+                "\"keepalives\" is not supported",
+            ),
+            (
+                "postgres://app@h/db?hostaddr=1.2.3.4",
+                "\"hostaddr\" is not supported",
+            ),
+            (
+                "postgres://app@h/db?sslmode=sometimes",
+                "sslmode=\"sometimes\"",
+            ),
+            (
+                "postgres://app@h/db?target_session_attrs=primary",
+                "target_session_attrs",
+            ),
             ("postgres://app@h/db?connect_timeout=0", "connect_timeout"),
-            ("postgres://app@/db?host=/var/run/postgresql", "Unix-domain socket"),
+            (
+                "postgres://app@/db?host=/var/run/postgresql",
+                "Unix-domain socket",
+            ),
             ("postgres://h/db", "must name a user"),
             ("mysql://app@h/db", "postgres://"),
             ("postgres://app@/db?host=a,b,c&port=1,2", "2 ports for"),

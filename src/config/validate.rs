@@ -209,6 +209,36 @@ impl Config {
         {
             p.add("backend.url".into(), e);
         }
+        let mut names = HashSet::new();
+        for (i, d) in self.databases.iter().enumerate() {
+            let at = |k: &str| format!("databases[{i}].{k}");
+            if d.name.is_empty() || d.name.len() > 63 {
+                p.add(at("name"), "must be a database name (1 to 63 bytes) or *");
+            } else if !names.insert(d.name.as_str()) {
+                p.add(at("name"), format!("{:?} has two entries", d.name));
+            }
+            match BackendUrl::parse_entry(&d.url) {
+                Err(e) => p.add(at("url"), e),
+                Ok(u) => {
+                    if u.sslmode.is_some() {
+                        p.add(
+                            at("url"),
+                            "sslmode is set once for every database, in backend.tls (or \
+                             backend.url)",
+                        );
+                    }
+                    if d.password_file.is_some() && u.user.is_empty() {
+                        p.add(
+                            at("password_file"),
+                            "is the password of the URL's user: the URL names none",
+                        );
+                    }
+                }
+            }
+            if d.pool_size == Some(0) {
+                p.add(at("pool_size"), "must be at least 1");
+            }
+        }
         if self.backend.password_file.as_deref() == Some("") {
             p.add(
                 "backend.password_file".into(),

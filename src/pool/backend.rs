@@ -302,9 +302,17 @@ impl BackendConn {
                 .find(|(n, _)| n == k)
                 .map(|(_, v)| v == "on")
         };
-        let read_only = match (param("in_hot_standby"), param("default_transaction_read_only")) {
+        let read_only = match (
+            param("in_hot_standby"),
+            param("default_transaction_read_only"),
+        ) {
             (Some(standby), Some(default_ro)) => standby || default_ro,
-            _ => self.first_value("SHOW transaction_read_only").await?.as_deref() == Some("on"),
+            _ => {
+                self.first_value("SHOW transaction_read_only")
+                    .await?
+                    .as_deref()
+                    == Some("on")
+            }
         };
         let wanted_read_only = target == TargetAttrs::ReadOnly;
         if read_only == wanted_read_only {

@@ -9,7 +9,7 @@
 //!
 //! Knows nothing of clients: sessions hand it a priority and a deadline, and get a [`Pooled`].
 //! As whom it connects is fixed when it is created; where, and with which password, a reload
-//! may change for the connections opened after it ([`Pool::set_target`]).
+//! may change for the connections opened after it ([`Pool::set_route`]).
 
 pub mod adaptive;
 pub mod backend;
@@ -30,6 +30,27 @@ use crate::config::{PoolConfig, PoolMode};
 use crate::protocol::PgError;
 
 pub use backend::{BackendConn, ConnectError, ConnectParams, Dirt, Endpoint};
+
+/// Where and as whom a pool's new connections log in (its `databases:` entry, or
+/// `backend.url`'s server with the client's own names).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Route {
+    pub endpoint: Endpoint,
+    /// The user the server sees (a `databases:` entry may name one for all clients).
+    pub user: String,
+    /// The database name on the server.
+    pub database: String,
+    pub password: Option<String>,
+}
+
+impl Route {
+    pub fn apply(&self, p: &mut ConnectParams) {
+        p.set_endpoint(self.endpoint.clone());
+        p.user = self.user.clone();
+        p.database = self.database.clone();
+        p.password = self.password.clone();
+    }
+}
 use slots::{SlotError, SlotPermit, Slots};
 
 /// How long after its backoff window a failed connect still says "unreachable".
@@ -88,7 +109,7 @@ pub struct Pool {
     pub user: String,
     pub cfg: PoolConfig,
     /// Where and as whom new connections log in. Behind a lock so that a reload can hand a
-    /// changed backend password to a pool that already exists ([`Pool::set_target`]).
+    /// changed backend password to a pool that already exists ([`Pool::set_route`]).
     connect: Mutex<Arc<ConnectParams>>,
     slots: Arc<Slots>,
     /// Boxed: a connection moves between the idle list, the checkout and the client's guard
@@ -211,6 +232,11 @@ impl Pool {
         was
     }
 
+    /// The user the server sees for this pool's connections.
+    pub fn login_user(&self) -> String {
+        self.connect.lock().user.clone()
+    }
+
     pub fn is_paused(&self) -> bool {
         self.paused.load(Ordering::SeqCst)
     }
@@ -281,20 +307,23 @@ impl Pool {
     /// them (those already open stay as they are: Postgres does not re-check a session's
     /// password; [`Pool::reconnect`] replaces them). A change also ends a failure backoff,
     /// which may be the old address's or password's doing.
-    pub fn set_target(&self, endpoint: &Endpoint, password: Option<String>) {
+    pub fn set_route(&self, route: &Route) {
+        let endpoint = &route.endpoint;
         {
             let mut connect = self.connect.lock();
             let was = connect.endpoint();
-            if connect.password == password && was == *endpoint {
+            if connect.password == route.password
+                && was == *endpoint
+                && connect.user == route.user
+                && connect.database == route.database
+            {
                 return;
             }
-            if (&was.host, was.port, &was.also) != (&endpoint.host, endpoint.port, &endpoint.also)
-            {
+            if (&was.host, was.port, &was.also) != (&endpoint.host, endpoint.port, &endpoint.also) {
                 tracing::warn!(pool = %self.name, from = %format_args!("{}:{}", was.host, was.port), to = %format_args!("{}:{}", endpoint.host, endpoint.port), "backend address changed; new connections go there");
             }
             let mut next = ConnectParams::clone(&connect);
-            next.password = password;
-            next.set_endpoint(endpoint.clone());
+            route.apply(&mut next);
             *connect = Arc::new(next);
         }
         let mut b = self.backoff.lock();
@@ -864,15 +893,10 @@ impl Pools {
         ]
     }
 
-    /// A reload's limits, applied to every cap.
-    pub fn set_cap_limits(&self, cfg: &PoolConfig) {
+    /// A reload's limits, applied to every cap by its name (`database X`, `user Y`).
+    pub fn set_cap_limits(&self, limit_of: impl Fn(&str) -> usize) {
         for (name, c) in self.caps.lock().iter() {
-            let limit = if name.starts_with("database ") {
-                cfg.max_db_connections
-            } else {
-                cfg.max_user_connections
-            };
-            c.set_limit(limit);
+            c.set_limit(limit_of(name));
         }
     }
 

@@ -1344,7 +1344,7 @@ impl Relay {
         if pooled && self.capture_needed {
             self.capture_needed = false;
             self.captured.clear();
-            let sql = state::capture_sql(&self.pool.user, &self.custom_gucs);
+            let sql = state::capture_sql(&self.pool.login_user(), &self.custom_gucs);
             messages::query(&mut self.bout, &sql);
             self.t.push(Expect::new(Kind::Query, Mode::Capture));
             return self.flush_backend().await;
