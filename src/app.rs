@@ -208,7 +208,11 @@ impl App {
         self.metrics.set_callers(&names);
         let creds = Arc::new(Credentials::from_config(&config));
         for pool in self.pools.all() {
-            // A database the new map no longer has keeps its last route until it is unused.
+            // Replica pools take their route at their next use (`replica_pool_for`); a
+            // database the new map no longer has keeps its last route until it is unused.
+            if pool.replica {
+                continue;
+            }
             if let Ok(r) = route(&config, &creds, &pool.database, &pool.user) {
                 pool.set_route(&r);
             }
@@ -298,6 +302,79 @@ impl App {
             pool.set_route(&route);
         }
         Ok(pool)
+    }
+
+    /// The pool of `database`'s replicas for `user` (`databases[].replicas`), made with its
+    /// lag probe on first use; `None` when the database has no replicas.
+    pub fn replica_pool_for(&self, database: &str, user: &str) -> Option<Arc<Pool>> {
+        let cfg = self.config.load();
+        let entry = cfg.database_entry(database)?;
+        let replicas = entry.replica_target()?;
+        let creds = self.creds.load();
+        let primary = route(&cfg, &creds, database, user).ok()?;
+        let route = crate::pool::Route {
+            endpoint: crate::pool::Endpoint {
+                also: replicas.hosts.iter().skip(1).cloned().collect(),
+                target: replicas.target,
+                startup: primary.endpoint.startup.clone(),
+                connect_timeout: replicas
+                    .connect_timeout
+                    .unwrap_or(primary.endpoint.connect_timeout),
+                tcp_user_timeout: primary.endpoint.tcp_user_timeout,
+                host: replicas.host,
+                port: replicas.port,
+            },
+            ..primary
+        };
+        let key = format!("{database}\0replica");
+        let mut made = None;
+        let pool = self
+            .pools
+            .get_or_create(&key, user, cfg.limits.max_pools, || {
+                let mut p = ConnectParams {
+                    host: String::new(),
+                    port: 0,
+                    also: Vec::new(),
+                    target: crate::config::TargetAttrs::Any,
+                    startup: Vec::new(),
+                    user: String::new(),
+                    password: None,
+                    database: String::new(),
+                    connect_timeout: Duration::ZERO,
+                    tcp_user_timeout: None,
+                    tls: self.tls.backend(),
+                };
+                route.apply(&mut p);
+                let pool = Pool::with_role(
+                    database,
+                    user,
+                    cfg.pool_for(database, user),
+                    p,
+                    Vec::new(),
+                    true,
+                );
+                made = Some(Arc::clone(&pool));
+                pool
+            })?;
+        if let Some(pool) = made {
+            // Probed at once, then twice a second while the process runs.
+            let weak = Arc::downgrade(&pool);
+            let stop = self.shutdown.clone();
+            tokio::spawn(async move {
+                loop {
+                    let Some(p) = weak.upgrade() else { return };
+                    p.probe_replica(Duration::from_secs(1)).await;
+                    drop(p);
+                    tokio::select! {
+                        _ = tokio::time::sleep(Duration::from_millis(500)) => {}
+                        _ = stop.cancelled() => return,
+                    }
+                }
+            });
+        } else {
+            pool.set_route(&route);
+        }
+        Some(pool)
     }
 
     /// Periodic pool upkeep (idle timeout, min idle) until shutdown; the first round runs at

@@ -1111,3 +1111,165 @@ async fn the_databases_map_routes_by_database_name() {
     assert_eq!(e.code().map(|c| c.code()), Some("3D000"), "{e:?}");
     assert!(connect("logical").await.is_ok());
 }
+
+/// `t` on a hot standby (a built-in the classifier knows touches nothing, so the read is
+/// routable; `pg_is_in_recovery()` is not on its list and would stay on the primary).
+const READ_ONLY: &str = "SELECT current_setting('transaction_read_only') = 'on'";
+
+/// Replica routing: a `route: replica` caller's reads outside a transaction run on the
+/// database's streaming replica, its writes and transactions on the primary, other callers'
+/// reads on the primary; a replica whose replay lags past `max_replica_lag_ms` is skipped
+/// until it catches up.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replica_caller_reads_from_the_standby_and_writes_to_the_primary() {
+    let primary = Cluster::start();
+    primary.psql_on(
+        APP_DB,
+        &format!("CREATE TABLE notes (id serial PRIMARY KEY, v text); ALTER TABLE notes OWNER TO {APP_USER}"),
+    );
+    let replica = Cluster::replica_of(&primary);
+    let dir = tempfile::tempdir().expect("tempdir");
+    let config = dir.path().join("pgsluice.yaml");
+    let write = |fallback: &str| {
+        std::fs::write(
+            &config,
+            format!(
+                "listen: 127.0.0.1:0\nadmin:\n  listen: 127.0.0.1:0\n  write_token: w\n\
+                 auth:\n  users:\n    - {{ name: {APP_USER}, password: {APP_PASSWORD} }}\n\
+                 databases:\n  - name: {APP_DB}\n    url: \"postgres://{}/{APP_DB}\"\n    \
+                 replicas: [\"postgres://{}/{APP_DB}\"]\n    max_replica_lag_ms: 1000\n    \
+                 replica_fallback: {fallback}\n\
+                 callers:\n  - name: analytics\n    match: {{ application_name: analytics }}\n    \
+                 route: replica\n",
+                primary.addr(),
+                replica.addr()
+            ),
+        )
+        .expect("write config");
+    };
+    write("primary");
+    let p = spawn(&[], &["--config", &config.display().to_string()]);
+    let connect = |app: &str| {
+        let url = format!(
+            "host={} port={} user={APP_USER} password={APP_PASSWORD} dbname={APP_DB} \
+             application_name={app}",
+            p.listen.ip(),
+            p.listen.port()
+        );
+        async move {
+            let (c, conn) = tokio_postgres::connect(&url, tokio_postgres::NoTls)
+                .await
+                .expect("login");
+            tokio::spawn(conn);
+            c
+        }
+    };
+    async fn standby(c: &tokio_postgres::Client, sql: &str) -> bool {
+        let rows = c.simple_query(sql).await.expect("query");
+        rows.iter().any(
+            |m| matches!(m, tokio_postgres::SimpleQueryMessage::Row(r) if r.get(0) == Some("t")),
+        )
+    }
+    let analytics = connect("analytics").await;
+    let web = connect("web").await;
+    // The replica pool is made and probed at the first routed read; until the probe has
+    // answered, reads fall back to the primary.
+    let t = Instant::now();
+    while !standby(&analytics, READ_ONLY).await {
+        assert!(
+            t.elapsed() < Duration::from_secs(10),
+            "never routed to the replica"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    // Writes and explicit transactions of the same caller: the primary.
+    let rows = analytics
+        .simple_query(
+            "INSERT INTO notes (v) VALUES ('from analytics') RETURNING pg_is_in_recovery()",
+        )
+        .await
+        .expect("the write runs on the primary");
+    assert!(
+        rows.iter().any(
+            |m| matches!(m, tokio_postgres::SimpleQueryMessage::Row(r) if r.get(0) == Some("f"))
+        )
+    );
+    assert!(
+        !standby(
+            &analytics,
+            "BEGIN; SELECT current_setting('transaction_read_only') = 'on'; COMMIT"
+        )
+        .await
+    );
+    assert!(standby(&analytics, READ_ONLY).await);
+    // Another caller's reads: the primary.
+    assert!(!standby(&web, READ_ONLY).await);
+    let (status, body) = get(p.admin, "/v1/pools");
+    assert_eq!(status, 200);
+    assert!(
+        body.contains("appdb/app@replica") && body.contains("\"replica_healthy\":true"),
+        "{body}"
+    );
+
+    // Replay paused on the standby and a write on the primary: the lag passes 1 s and reads
+    // go to the primary; replay resumed, they come back.
+    replica.psql_on("postgres", "SELECT pg_wal_replay_pause()");
+    primary.psql_on(APP_DB, "INSERT INTO notes (v) VALUES ('while paused')");
+    let t = Instant::now();
+    while standby(&analytics, READ_ONLY).await {
+        assert!(
+            t.elapsed() < Duration::from_secs(15),
+            "a lagging replica kept its reads"
+        );
+        primary.psql_on(APP_DB, "INSERT INTO notes (v) VALUES ('more')");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    replica.psql_on("postgres", "SELECT pg_wal_replay_resume()");
+    let t = Instant::now();
+    while !standby(&analytics, READ_ONLY).await {
+        assert!(
+            t.elapsed() < Duration::from_secs(15),
+            "never back on the caught-up replica"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let rows = analytics
+        .simple_query("SELECT count(*) FROM notes")
+        .await
+        .expect("count on the replica");
+    assert!(rows.iter().any(|m| matches!(m, tokio_postgres::SimpleQueryMessage::Row(r) if r.get(0).is_some_and(|n| n != "0"))));
+
+    // With replica_fallback: refuse, a lagging replica's reads are refused with 53400 (and a
+    // retry hint) instead of running on the primary; writes still go to the primary.
+    write("refuse");
+    let admin = p.admin.to_string();
+    let (ok, out, err) =
+        tokio::task::spawn_blocking(move || client(&["reload", "--admin", &admin, "--token", "w"]))
+            .await
+            .expect("reload");
+    assert!(ok, "{out}{err}");
+    replica.psql_on("postgres", "SELECT pg_wal_replay_pause()");
+    let t = Instant::now();
+    let refused = loop {
+        primary.psql_on(APP_DB, "INSERT INTO notes (v) VALUES ('again')");
+        match analytics.simple_query(READ_ONLY).await {
+            Err(e) => break e,
+            Ok(_) => assert!(t.elapsed() < Duration::from_secs(15), "never refused"),
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    };
+    assert_eq!(
+        refused.code().map(|c| c.code()),
+        Some("53400"),
+        "{refused:?}"
+    );
+    assert!(
+        format!("{refused:?}").contains("ERR_NO_REPLICA"),
+        "{refused:?}"
+    );
+    analytics
+        .simple_query("INSERT INTO notes (v) VALUES ('still writes')")
+        .await
+        .expect("writes are not routed");
+    replica.psql_on("postgres", "SELECT pg_wal_replay_resume()");
+}

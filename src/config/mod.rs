@@ -490,12 +490,42 @@ pub struct DatabaseEntry {
     /// Backend connections to this database across its users (else
     /// `pool.max_db_connections`; 0: no limit).
     pub max_db_connections: Option<usize>,
+    /// Standbys of this database, as URLs (several hosts each, tried in order): reads of
+    /// `route: replica` callers outside explicit transactions run there.
+    #[serde(default)]
+    pub replicas: Vec<String>,
+    /// A replica whose replay lags more than this is skipped (0: never skipped for lag).
+    #[serde(default = "default_replica_lag_ms")]
+    pub max_replica_lag_ms: u64,
+    /// What such a read does when no replica qualifies.
+    #[serde(default)]
+    pub replica_fallback: ReplicaFallback,
     /// The password read from `password_file` by [`Config::apply`]. Never part of the file.
     #[serde(skip)]
     pub password: Option<Secret>,
 }
 
+fn default_replica_lag_ms() -> u64 {
+    5_000
+}
+
 impl DatabaseEntry {
+    /// The replicas' URLs, parsed, as one host list (validated at load).
+    pub fn replica_target(&self) -> Option<BackendUrl> {
+        let mut urls = self
+            .replicas
+            .iter()
+            .filter_map(|u| BackendUrl::parse_entry(u).ok());
+        let mut first = urls.next()?;
+        for u in urls {
+            first.hosts.extend(u.hosts);
+        }
+        if let Some(p) = &self.password {
+            first.password.get_or_insert_with(|| p.expose().to_owned());
+        }
+        Some(first)
+    }
+
     /// The entry's URL, parsed (validated at load, so `None` only for a config that was not).
     pub fn target(&self) -> Option<BackendUrl> {
         let mut u = BackendUrl::parse_entry(&self.url).ok()?;
@@ -667,6 +697,30 @@ pub struct CallerConfig {
     /// `fleet`: `max_qps` and `max_concurrency` hold across the fleet (needs `fleet`).
     #[serde(default)]
     pub scope: Scope,
+    /// `replica`: this caller's reads outside an explicit transaction go to its database's
+    /// replicas (`databases[].replicas`).
+    #[serde(default)]
+    pub route: ReadRoute,
+}
+
+/// Where a caller's reads go.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum ReadRoute {
+    #[default]
+    Primary,
+    Replica,
+}
+
+/// What a `route: replica` read does when no replica qualifies (down, or lagging).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum ReplicaFallback {
+    /// Run on the primary.
+    #[default]
+    Primary,
+    /// Refuse with 53400 and a retry hint.
+    Refuse,
 }
 
 #[derive(Debug, Clone, Deserialize)]

@@ -238,6 +238,11 @@ impl Config {
             if d.pool_size == Some(0) {
                 p.add(at("pool_size"), "must be at least 1");
             }
+            for (j, r) in d.replicas.iter().enumerate() {
+                if let Err(e) = BackendUrl::parse_entry(r) {
+                    p.add(format!("databases[{i}].replicas[{j}]"), e);
+                }
+            }
         }
         if self.backend.password_file.as_deref() == Some("") {
             p.add(

@@ -139,7 +139,23 @@ pub struct Pool {
     epoch: Instant,
     /// Limits shared with other pools; a unit of each is held per open connection.
     caps: Vec<Arc<caps::Cap>>,
+    /// A pool of a database's replicas (`databases[].replicas`): probed for replay lag.
+    pub replica: bool,
+    /// Replicas: the last probe succeeded.
+    replica_healthy: AtomicBool,
+    /// Replicas: replay lag at the last probe (ms).
+    replica_lag_ms: AtomicU64,
 }
+
+/// The replay lag of a standby in ms: 0 when it has replayed all it received, the age of
+/// its last replayed commit when it has not, a day when it has WAL to replay but no commit
+/// replayed since it started (unknown counts as lagging), `-1` on a server that is not in
+/// recovery (a promoted replica is as current as it gets).
+const REPLICA_LAG_SQL: &str = "SELECT CASE WHEN NOT pg_catalog.pg_is_in_recovery() THEN -1 \
+     WHEN pg_catalog.pg_last_wal_receive_lsn() IS NOT DISTINCT FROM \
+     pg_catalog.pg_last_wal_replay_lsn() THEN 0 \
+     ELSE COALESCE((EXTRACT(EPOCH FROM pg_catalog.now() - \
+     pg_catalog.pg_last_xact_replay_timestamp()) * 1000)::bigint, 86400000) END";
 
 /// One backend connection in `GET /v1/servers` (the idle ones; those in use are listed
 /// through their clients).
@@ -158,6 +174,18 @@ impl Pool {
         connect: ConnectParams,
         caps: Vec<Arc<caps::Cap>>,
     ) -> Arc<Pool> {
+        Pool::with_role(database, user, cfg, connect, caps, false)
+    }
+
+    /// As [`Pool::new`]; `replica`: a pool of the database's replicas (named `db/user@replica`).
+    pub fn with_role(
+        database: &str,
+        user: &str,
+        cfg: PoolConfig,
+        connect: ConnectParams,
+        caps: Vec<Arc<caps::Cap>>,
+        replica: bool,
+    ) -> Arc<Pool> {
         let adaptive = (cfg.adaptive == Some(true)).then(|| {
             Mutex::new(adaptive::AdaptiveLimit::new(
                 cfg.size,
@@ -169,7 +197,14 @@ impl Pool {
         });
         let pool = Arc::new(Pool {
             caps,
-            name: format!("{database}/{user}"),
+            replica,
+            replica_healthy: AtomicBool::new(false),
+            replica_lag_ms: AtomicU64::new(0),
+            name: if replica {
+                format!("{database}/{user}@replica")
+            } else {
+                format!("{database}/{user}")
+            },
             database: database.to_string(),
             user: user.to_string(),
             slots: Slots::new(cfg.size, cfg.critical_reserve.unwrap_or(0)),
@@ -230,6 +265,38 @@ impl Pool {
             tracing::warn!(pool = %self.name, "pool resumed by an operator");
         }
         was
+    }
+
+    /// Replicas: reads may go here now — the last probe reached a server whose replay lag is
+    /// within `max_lag_ms` (0: any lag).
+    pub fn replica_usable(&self, max_lag_ms: u64) -> bool {
+        self.replica_healthy.load(Ordering::Relaxed)
+            && (max_lag_ms == 0 || self.replica_lag_ms.load(Ordering::Relaxed) <= max_lag_ms)
+    }
+
+    /// Replicas: measures the replay lag on one of the pool's connections (a low-priority
+    /// checkout, so clients come first); unhealthy when that fails within `within`.
+    pub async fn probe_replica(self: &Arc<Self>, within: Duration) {
+        let probe = async {
+            let mut b = self.checkout(3, Instant::now() + within).await.ok()?;
+            let lag = b.conn().first_value(REPLICA_LAG_SQL).await.ok()??;
+            b.release().await;
+            lag.parse::<i64>().ok()
+        };
+        match tokio::time::timeout(within, probe).await.ok().flatten() {
+            Some(lag) => {
+                self.replica_lag_ms
+                    .store(u64::try_from(lag).unwrap_or(0), Ordering::Relaxed);
+                if !self.replica_healthy.swap(true, Ordering::Relaxed) {
+                    tracing::info!(pool = %self.name, lag_ms = lag.max(0), "replica reachable");
+                }
+            }
+            None => {
+                if self.replica_healthy.swap(false, Ordering::Relaxed) {
+                    tracing::warn!(pool = %self.name, "replica probe failed; reads go elsewhere");
+                }
+            }
+        }
     }
 
     /// The user the server sees for this pool's connections.
@@ -636,6 +703,13 @@ impl Pool {
             max_waiting: self.cfg.max_waiting,
             waiting_refused: self.stats.waiting_refused.load(Ordering::Relaxed),
             paused: self.is_paused(),
+            replica: self.replica,
+            replica_lag_ms: self
+                .replica
+                .then(|| self.replica_lag_ms.load(Ordering::Relaxed)),
+            replica_healthy: self
+                .replica
+                .then(|| self.replica_healthy.load(Ordering::Relaxed)),
             database: self.database.clone(),
             user: self.user.clone(),
             transactions: self.stats.transactions.load(Ordering::Relaxed),
@@ -672,6 +746,12 @@ pub struct PoolSnapshot {
     pub waiting_refused: u64,
     /// Paused by an operator (`POST /v1/pools/{db}/{user}/pause`).
     pub paused: bool,
+    /// A pool of the database's replicas, with its last probe.
+    pub replica: bool,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub replica_lag_ms: Option<u64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub replica_healthy: Option<bool>,
     pub database: String,
     pub user: String,
     pub transactions: u64,

@@ -166,6 +166,12 @@ pub struct Relay {
     txn_start: Option<Instant>,
     /// When the statement being admitted arrived (its client-observed time starts there).
     arrived: Option<Instant>,
+    /// The database has replicas (`databases[].replicas`), read at login.
+    replica_possible: bool,
+    /// The pool of those replicas, made at the first read routed there.
+    replica: Option<Arc<Pool>>,
+    /// The pool the current unit borrows from when it is not `pool` (a replica).
+    unit_pool: Option<Arc<Pool>>,
 }
 
 enum Event {
@@ -204,6 +210,9 @@ impl Relay {
     ) -> Relay {
         let mode = pool.mode();
         let cfg = app.config.load();
+        let replica_possible = cfg
+            .database_entry(&login.database)
+            .is_some_and(|d| !d.replicas.is_empty());
         let classify_on = cfg.classify.enabled;
         let (max_message, max_statements) = (
             cfg.limits.max_message_bytes,
@@ -268,6 +277,9 @@ impl Relay {
             bytes_out: 0,
             txn_start: None,
             arrived: None,
+            replica_possible,
+            replica: None,
+            unit_pool: None,
         }
     }
 
@@ -685,6 +697,11 @@ impl Relay {
             Ok(t) => t,
             Err(e) => return self.refuse_statement(b'Q', e),
         };
+        if self.replica_possible
+            && let Err(e) = self.choose_replica(&class)
+        {
+            return self.refuse_statement(b'Q', e);
+        }
         if let Err(e) = self.ensure_backend(client).await {
             return self.refuse(b'Q', e);
         }
@@ -1099,20 +1116,19 @@ impl Relay {
         if self.backend.is_some() {
             return Ok(());
         }
+        let pool = self.unit_pool.clone().unwrap_or_else(|| self.pool.clone());
         // Each waiter has its own deadline: the pool's checkout timeout, or the caller's queue
         // timeout when that is shorter.
-        let wait = Duration::from_millis(self.pool.cfg.checkout_timeout_ms)
+        let wait = Duration::from_millis(pool.cfg.checkout_timeout_ms)
             .min(self.app.policy.queue_timeout(self.unit_caller));
         let asked = Instant::now();
         let deadline = asked + wait;
-        let pool = self.pool.clone();
         let priority = self.app.policy.priority(self.unit_caller) as usize;
         let checkout = pool.checkout(priority, deadline);
         let why = "client disconnected while waiting";
         let res = unless_client_leaves(checkout, client, &mut self.cbuf, &self.cancel, why).await?;
         let waited = asked.elapsed();
-        self.pool
-            .stats
+        pool.stats
             .wait_us
             .fetch_add(micros(waited), Ordering::Relaxed);
         self.app.metrics.checkout_wait(self.unit_caller, waited);
@@ -1122,10 +1138,10 @@ impl Relay {
                 self.app.policy.record_backend_result(false);
             }
             e.to_pg(
-                &self.pool.name,
+                &pool.name,
                 self.app
                     .policy
-                    .retry_hint_ms(self.unit_caller, self.pool.expected_wait()),
+                    .retry_hint_ms(self.unit_caller, pool.expected_wait()),
             )
         })?;
         let conn = b.conn();
@@ -1137,6 +1153,62 @@ impl Relay {
         set_cancel_target(&self.cancel, Some(&mut b)).await;
         self.backend = Some(b);
         Ok(())
+    }
+
+    /// Before a simple-protocol statement borrows a backend: a read of a `route: replica`
+    /// caller, outside an explicit transaction, with nothing else in the unit, goes to the
+    /// database's replicas when one is reachable and within `max_replica_lag_ms`; otherwise
+    /// to the primary, or refused (`replica_fallback: refuse`). Anything that may write or
+    /// touch the session (a statement with session effects, a locking read, a function the
+    /// classifier cannot see into) stays on the primary.
+    fn choose_replica(&mut self, class: &Classified) -> Result<(), PgError> {
+        use crate::config::{ReadRoute, ReplicaFallback};
+        self.unit_pool = None;
+        let eligible = self.backend.is_none()
+            && self.t.txn == b'I'
+            && !self.t.in_flight()
+            && self.bout.is_empty()
+            && !self.pinned
+            && self.mode == PoolMode::Transaction
+            && class.kind == crate::classify::StmtKind::Read
+            && class.effects.is_empty()
+            && !class.oversized;
+        if !eligible {
+            return Ok(());
+        }
+        let cfg = self.app.config.load();
+        let wants = cfg
+            .callers
+            .get(usize::from(self.last_caller))
+            .is_some_and(|c| c.route == ReadRoute::Replica);
+        let Some(entry) = cfg.database_entry(&self.login.database).filter(|_| wants) else {
+            return Ok(());
+        };
+        if self.replica.is_none() {
+            self.replica = self
+                .app
+                .replica_pool_for(&self.login.database, &self.login.user);
+        }
+        match &self.replica {
+            Some(r) if r.replica_usable(entry.max_replica_lag_ms) => {
+                self.unit_pool = Some(Arc::clone(r));
+                Ok(())
+            }
+            _ if entry.replica_fallback == ReplicaFallback::Refuse => Err(PgError::error(
+                "53400",
+                format!(
+                    "pgsluice: ERR_NO_REPLICA: no replica of database \"{}\" is reachable \
+                     with a replay lag within {} ms",
+                    self.login.database, entry.max_replica_lag_ms
+                ),
+            )
+            .with_detail("limit: databases[].replica_fallback=refuse")
+            .with_hint(format!(
+                "retry_after_ms={}",
+                self.app.policy.retry_hint_ms(self.last_caller, None)
+            ))),
+            _ => Ok(()),
+        }
     }
 
     /// Answers a request we could not serve with an ErrorResponse, keeping protocol order.
@@ -1357,6 +1429,7 @@ impl Relay {
         if let Some(b) = self.backend.take() {
             b.release().await;
         }
+        self.unit_pool = None;
         self.leave_if_draining()
     }
 

@@ -299,6 +299,20 @@ impl Cluster {
         Cluster::start_in(dir)
     }
 
+    /// A physical streaming replica of `primary` (`pg_basebackup -R`), running as a hot
+    /// standby on its own port; same roles, databases and data.
+    pub fn replica_of(primary: &Cluster) -> Cluster {
+        let dir = new_dir();
+        let mut backup = server_command("pg_basebackup");
+        backup
+            .env("PGPASSWORD", SUPERUSER_PASSWORD)
+            .args(["-h", "127.0.0.1", "-p", &primary.port.to_string()])
+            .args(["-U", SUPERUSER, "-X", "stream", "-R", "-c", "fast", "-D"])
+            .arg(dir.path().join("data"));
+        must_succeed(backup, Duration::from_secs(120), "pg_basebackup");
+        Cluster::start_in(dir)
+    }
+
     fn start_in(dir: tempfile::TempDir) -> Cluster {
         let data = dir.path().join("data");
         let watchdog = Watchdog::spawn(
@@ -377,7 +391,12 @@ impl Cluster {
             // connections (the same thing pg_isready would tell us, without a process per poll).
             if fs::read_to_string(&pidfile)
                 .ok()
-                .and_then(|s| s.lines().nth(7).map(|l| l.trim() == "ready"))
+                // ("standby": a hot standby that accepts read-only connections.)
+                .and_then(|s| {
+                    s.lines()
+                        .nth(7)
+                        .map(|l| matches!(l.trim(), "ready" | "standby"))
+                })
                 .unwrap_or(false)
             {
                 self.port = port;
