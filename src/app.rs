@@ -52,6 +52,9 @@ pub struct App {
     pub fp_stats: FingerprintStats,
     /// Prometheus metrics; per-caller handles follow the caller table across reloads.
     pub metrics: Metrics,
+    /// Keys clients of verifier-only users proved (SCRAM pass-through), by user name; the
+    /// proxy logs in to Postgres with them. Memory only, bounded.
+    pub pass_keys: PassKeys,
     /// Databases an operator closed to new client connections (`POST
     /// /v1/databases/{db}/disable`); sessions already open are not touched.
     pub disabled: parking_lot::RwLock<std::collections::BTreeSet<String>>,
@@ -149,6 +152,7 @@ impl App {
             metrics,
             log_limits: Default::default(),
             disabled: Default::default(),
+            pass_keys: Default::default(),
             reloader: OnceLock::new(),
             policy,
             classifier: Classifier::new(
@@ -213,7 +217,7 @@ impl App {
             if pool.replica {
                 continue;
             }
-            if let Ok(r) = route(&config, &creds, &pool.database, &pool.user) {
+            if let Ok(r) = route(&config, &creds, &self.pass_keys, &pool.database, &pool.user) {
                 pool.set_route(&r);
             }
         }
@@ -263,7 +267,7 @@ impl App {
         }
         let cfg = self.config.load();
         let creds = self.creds.load();
-        let route = route(&cfg, &creds, database, user)?;
+        let route = route(&cfg, &creds, &self.pass_keys, database, user)?;
         let max = cfg.limits.max_pools;
         let mut created = false;
         let pool = self.pools.get_or_create(database, user, max, || {
@@ -276,6 +280,7 @@ impl App {
                 also: Vec::new(),
                 target: crate::config::TargetAttrs::Any,
                 startup: Vec::new(),
+                client_key: None,
                 user: String::new(),
                 password: None,
                 database: String::new(),
@@ -311,7 +316,7 @@ impl App {
         let entry = cfg.database_entry(database)?;
         let replicas = entry.replica_target()?;
         let creds = self.creds.load();
-        let primary = route(&cfg, &creds, database, user).ok()?;
+        let primary = route(&cfg, &creds, &self.pass_keys, database, user).ok()?;
         let route = crate::pool::Route {
             endpoint: crate::pool::Endpoint {
                 also: replicas.hosts.iter().skip(1).cloned().collect(),
@@ -337,6 +342,7 @@ impl App {
                     also: Vec::new(),
                     target: crate::config::TargetAttrs::Any,
                     startup: Vec::new(),
+                    client_key: None,
                     user: String::new(),
                     password: None,
                     database: String::new(),
@@ -434,15 +440,26 @@ impl App {
 fn route(
     cfg: &Config,
     creds: &Credentials,
+    keys: &PassKeys,
     database: &str,
     user: &str,
 ) -> Result<crate::pool::Route, PgError> {
+    // A user known by a verifier only logs in with the key its client proved.
+    let key = |u: &str, password: &Option<String>| {
+        if password.is_some() {
+            None
+        } else {
+            keys.read().get(u).cloned()
+        }
+    };
     if cfg.databases.is_empty() {
+        let password = backend_password(creds, user);
         return Ok(crate::pool::Route {
             endpoint: endpoint(cfg),
             user: user.to_owned(),
             database: database.to_owned(),
-            password: backend_password(creds, user),
+            client_key: key(user, &password),
+            password,
         });
     }
     let entry = cfg.database_entry(database).ok_or_else(|| {
@@ -479,11 +496,20 @@ fn route(
             host: url.host,
             port: url.port,
         },
+        client_key: key(&login, &password),
         user: login,
         database: server_db,
         password,
     })
 }
+
+/// Client keys of verifier-only users, by name (see [`App::pass_keys`]).
+pub type PassKeys = parking_lot::RwLock<
+    std::collections::HashMap<String, Arc<crate::auth::passthrough::ClientKey>>,
+>;
+
+/// Most users whose keys are kept.
+pub const MAX_PASS_KEYS: usize = 10_000;
 
 /// Where pools connect: `backend.url`'s host list and parameters (its connect timeout, when
 /// it gives one, over `backend.connect_timeout_ms`), else `backend.host`/`port`.

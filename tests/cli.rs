@@ -1273,3 +1273,97 @@ async fn a_replica_caller_reads_from_the_standby_and_writes_to_the_primary() {
         .expect("writes are not routed");
     replica.psql_on("postgres", "SELECT pg_wal_replay_resume()");
 }
+
+/// Users known by a SCRAM verifier copied from Postgres (no password in the config): the
+/// client proves itself against it and the proxy logs in to Postgres with the key it proved
+/// (pass-through), on as many backend connections as it needs. Passwords also come from a
+/// file or an environment variable.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_user_known_by_its_scram_verifier_logs_in_through_pass_through() {
+    let cluster = Cluster::start();
+    cluster.psql_on(
+        APP_DB,
+        "CREATE ROLE vuser LOGIN PASSWORD 'v-pw'; CREATE ROLE fuser LOGIN PASSWORD 'f-pw'; \
+         CREATE ROLE euser LOGIN PASSWORD 'e-pw'; \
+         GRANT CONNECT ON DATABASE appdb TO vuser, fuser, euser",
+    );
+    let verifier = cluster
+        .psql_on(
+            "postgres",
+            "SELECT rolpassword FROM pg_authid WHERE rolname = 'vuser'",
+        )
+        .trim()
+        .to_owned();
+    assert!(verifier.starts_with("SCRAM-SHA-256$"), "{verifier}");
+    let dir = tempfile::tempdir().expect("tempdir");
+    let pwfile = dir.path().join("fuser.pw");
+    std::fs::write(&pwfile, "f-pw\n").expect("password file");
+    let config = dir.path().join("pgsluice.yaml");
+    std::fs::write(
+        &config,
+        format!(
+            "listen: 127.0.0.1:0\nadmin:\n  listen: 127.0.0.1:0\n\
+             backend:\n  host: 127.0.0.1\n  port: {}\npool:\n  size: 2\n\
+             auth:\n  users:\n    - {{ name: vuser, password: \"{verifier}\" }}\n    \
+             - {{ name: fuser, password_file: \"{}\" }}\n    \
+             - {{ name: euser, password_env: PGSLUICE_TEST_EUSER_PASSWORD }}\n",
+            cluster.addr().port(),
+            pwfile.display()
+        ),
+    )
+    .expect("write config");
+    let p = spawn(
+        &[("PGSLUICE_TEST_EUSER_PASSWORD", "e-pw".to_owned())],
+        &["--config", &config.display().to_string()],
+    );
+    let connect = |user: &str, password: &str| {
+        let url = format!(
+            "host={} port={} user={user} password={password} dbname={APP_DB}",
+            p.listen.ip(),
+            p.listen.port()
+        );
+        async move {
+            let (c, conn) = tokio_postgres::connect(&url, tokio_postgres::NoTls).await?;
+            tokio::spawn(conn);
+            Ok::<_, tokio_postgres::Error>(c)
+        }
+    };
+    // Four clients, two backends: transactions take turns on connections the proxy opened
+    // with the proved key.
+    let mut tasks = Vec::new();
+    for _ in 0..4 {
+        let c = connect("vuser", "v-pw").await.expect("vuser logs in");
+        tasks.push(tokio::spawn(async move {
+            for _ in 0..5 {
+                let row = c
+                    .query_one("SELECT current_user::text, pg_sleep(0.01)::text", &[])
+                    .await?;
+                assert_eq!(row.get::<_, String>(0), "vuser");
+            }
+            Ok::<_, tokio_postgres::Error>(())
+        }));
+    }
+    for t in tasks {
+        t.await
+            .expect("join")
+            .expect("every statement runs as vuser");
+    }
+    let e = connect("vuser", "wrong")
+        .await
+        .map(|_| ())
+        .expect_err("wrong password");
+    assert_eq!(e.code().map(|c| c.code()), Some("28P01"), "{e:?}");
+    for (user, pw) in [("fuser", "f-pw"), ("euser", "e-pw")] {
+        let c = connect(user, pw).await.expect("login");
+        let row = c
+            .query_one("SELECT current_user::text", &[])
+            .await
+            .expect("query");
+        assert_eq!(row.get::<_, String>(0), user);
+    }
+    let log = p.stderr.lock().expect("log").clone();
+    assert!(
+        !log.contains("v-pw") && !log.contains(&verifier),
+        "secrets in the log"
+    );
+}

@@ -12,6 +12,8 @@
 //! not tell which users exist. (Real verifiers get fresh salts when the config is reloaded;
 //! so does the mock secret.)
 
+pub mod passthrough;
+
 use std::borrow::Cow;
 use std::collections::HashMap;
 
@@ -103,15 +105,27 @@ impl Credentials {
     pub fn from_config(cfg: &Config) -> Credentials {
         let mut users = HashMap::new();
         let mut add = |name: &str, password: Option<&str>, method: AuthMethod| {
-            users.insert(
-                name.to_string(),
-                UserAuth {
+            // A verifier in place of the password: SCRAM only, and pass-through toward
+            // Postgres (`passthrough`).
+            let auth = match password.and_then(|p| {
+                p.starts_with("SCRAM-SHA-256$")
+                    .then(|| Verifier::parse(p))
+                    .flatten()
+            }) {
+                Some(v) => UserAuth {
+                    method,
+                    verifier: Some(v),
+                    md5_inner: None,
+                    backend_password: None,
+                },
+                None => UserAuth {
                     method,
                     verifier: password.map(Verifier::from_password),
                     md5_inner: password.map(|p| md5_inner(name, p)),
                     backend_password: password.map(str::to_string),
                 },
-            );
+            };
+            users.insert(name.to_string(), auth);
         };
         if let Some(u) = cfg.backend_url() {
             add(&u.user, u.password.as_deref(), cfg.auth.method);

@@ -567,8 +567,17 @@ impl Default for AuthConfig {
 #[serde(deny_unknown_fields)]
 pub struct UserConfig {
     pub name: String,
-    /// Used both to check the client and to log in to Postgres as this user.
+    /// Used both to check the client and to log in to Postgres as this user. May be a
+    /// SCRAM-SHA-256 verifier (`SCRAM-SHA-256$4096:…`, as `pg_authid.rolpassword` holds it)
+    /// instead: then the proxy logs in to Postgres with the key the client proved
+    /// (SCRAM pass-through; Postgres must hold the same verifier).
     pub password: Option<String>,
+    /// The password (or verifier) from a file, one trailing newline ignored; re-read on
+    /// reload.
+    pub password_file: Option<String>,
+    /// The password (or verifier) from this environment variable, read at start and on
+    /// reload.
+    pub password_env: Option<String>,
     pub method: Option<AuthMethod>,
 }
 
@@ -944,6 +953,35 @@ impl Config {
         }
         let password = self.backend_password(o);
         let mut errs = self.validate(None).err().unwrap_or_default();
+        for (i, u) in self.auth.users.iter_mut().enumerate() {
+            let at = |k: &str| format!("auth.users[{i}].{k}");
+            let read = match (&u.password_file, &u.password_env) {
+                (Some(path), _) => {
+                    Some(read_password_file(Path::new(path)).map_err(|m| (at("password_file"), m)))
+                }
+                (None, Some(var)) => Some(std::env::var(var).map(Secret::new).map_err(|_| {
+                    (
+                        at("password_env"),
+                        format!("{var} is not set (or not UTF-8)"),
+                    )
+                })),
+                (None, None) => None,
+            };
+            match read {
+                Some(Ok(p)) if !p.expose().is_empty() => u.password = Some(p.expose().to_owned()),
+                Some(Ok(_)) => errs.push(ConfigError {
+                    field: at("password"),
+                    line: None,
+                    message: "the password is empty".into(),
+                }),
+                Some(Err((field, message))) => errs.push(ConfigError {
+                    field,
+                    line: None,
+                    message,
+                }),
+                None => {}
+            }
+        }
         for (i, d) in self.databases.iter_mut().enumerate() {
             if let Some(path) = &d.password_file {
                 match read_password_file(Path::new(path)) {

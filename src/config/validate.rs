@@ -209,6 +209,36 @@ impl Config {
         {
             p.add("backend.url".into(), e);
         }
+        for (i, u) in self.auth.users.iter().enumerate() {
+            let given = [
+                u.password.is_some(),
+                u.password_file.is_some(),
+                u.password_env.is_some(),
+            ];
+            if given.iter().filter(|g| **g).count() > 1 {
+                p.add(
+                    format!("auth.users[{i}]"),
+                    "give one of password, password_file and password_env",
+                );
+            }
+            if let Some(pw) = &u.password
+                && pw.starts_with("SCRAM-SHA-256$")
+            {
+                if crate::auth::Verifier::parse(pw).is_none() {
+                    p.add(
+                        format!("auth.users[{i}].password"),
+                        "looks like a SCRAM-SHA-256 verifier but does not parse \
+                         (SCRAM-SHA-256$<iterations>:<salt>$<StoredKey>:<ServerKey>)",
+                    );
+                }
+                if u.method == Some(super::AuthMethod::Md5) {
+                    p.add(
+                        format!("auth.users[{i}].method"),
+                        "md5 needs the password itself; a SCRAM verifier serves scram-sha-256",
+                    );
+                }
+            }
+        }
         let mut names = HashSet::new();
         for (i, d) in self.databases.iter().enumerate() {
             let at = |k: &str| format!("databases[{i}].{k}");
@@ -370,10 +400,14 @@ impl Config {
                 );
             }
             let method = u.method.unwrap_or(self.auth.method);
-            if method != super::AuthMethod::Trust && u.password.is_none() {
+            if method != super::AuthMethod::Trust
+                && u.password.is_none()
+                && u.password_file.is_none()
+                && u.password_env.is_none()
+            {
                 p.add(
                     format!("auth.users[{i}].password"),
-                    "required unless the method is trust",
+                    "required unless the method is trust (or password_file, password_env)",
                 );
             }
         }

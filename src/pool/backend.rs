@@ -52,6 +52,8 @@ pub struct ConnectParams {
     pub target: crate::config::TargetAttrs,
     /// Startup-packet parameters besides user and database (`application_name`, `options`).
     pub startup: Vec<(String, String)>,
+    /// Without a password: the key a client of this user proved (SCRAM pass-through).
+    pub client_key: Option<Arc<crate::auth::passthrough::ClientKey>>,
     pub user: String,
     pub password: Option<String>,
     pub database: String,
@@ -120,6 +122,7 @@ impl ConnectParams {
             also: url.hosts.iter().skip(1).cloned().collect(),
             target: url.target,
             startup: url.startup(),
+            client_key: None,
             user: url.user.clone(),
             password: url.password.clone(),
             database: url.database.clone(),
@@ -370,6 +373,7 @@ impl BackendConn {
 
         let mut buf = BytesMut::with_capacity(1024);
         let mut scram: Option<ScramSha256> = None;
+        let mut keyed: Option<crate::auth::passthrough::KeyedScram<'_>> = None;
         // The method the server asked for, and whether its SCRAM proof was checked.
         let mut asked: Option<BackendAuthMethod> = None;
         let mut server_proved = false;
@@ -434,32 +438,54 @@ impl BackendConn {
                                     "the server offers no SASL mechanism we support".into(),
                                 ));
                             }
-                            let s = ScramSha256::new(
-                                password()?.as_bytes(),
-                                ChannelBinding::unsupported(),
-                            );
-                            frontend::sasl_initial_response(
-                                "SCRAM-SHA-256",
-                                s.message(),
-                                &mut out,
-                            )?;
-                            scram = Some(s);
+                            match (&p.password, &p.client_key) {
+                                (None, Some(key)) => {
+                                    let k = crate::auth::passthrough::KeyedScram::new(key);
+                                    frontend::sasl_initial_response(
+                                        "SCRAM-SHA-256",
+                                        k.message(),
+                                        &mut out,
+                                    )?;
+                                    keyed = Some(k);
+                                }
+                                _ => {
+                                    let s = ScramSha256::new(
+                                        password()?.as_bytes(),
+                                        ChannelBinding::unsupported(),
+                                    );
+                                    frontend::sasl_initial_response(
+                                        "SCRAM-SHA-256",
+                                        s.message(),
+                                        &mut out,
+                                    )?;
+                                    scram = Some(s);
+                                }
+                            }
                         }
                         11 => {
-                            let s = scram.as_mut().ok_or_else(|| {
-                                ConnectError::Protocol("SASLContinue without SASL".into())
-                            })?;
                             check_server_first(data)?;
-                            s.update(data)
-                                .map_err(|e| ConnectError::Auth(e.to_string()))?;
-                            frontend::sasl_response(s.message(), &mut out)?;
+                            if let Some(k) = keyed.as_mut() {
+                                k.update(data).map_err(ConnectError::Auth)?;
+                                frontend::sasl_response(k.message(), &mut out)?;
+                            } else {
+                                let s = scram.as_mut().ok_or_else(|| {
+                                    ConnectError::Protocol("SASLContinue without SASL".into())
+                                })?;
+                                s.update(data)
+                                    .map_err(|e| ConnectError::Auth(e.to_string()))?;
+                                frontend::sasl_response(s.message(), &mut out)?;
+                            }
                         }
                         12 => {
-                            let s = scram.as_mut().ok_or_else(|| {
-                                ConnectError::Protocol("SASLFinal without SASL".into())
-                            })?;
-                            s.finish(data)
-                                .map_err(|e| ConnectError::Auth(e.to_string()))?;
+                            if let Some(k) = keyed.as_mut() {
+                                k.finish(data).map_err(ConnectError::Auth)?;
+                            } else {
+                                let s = scram.as_mut().ok_or_else(|| {
+                                    ConnectError::Protocol("SASLFinal without SASL".into())
+                                })?;
+                                s.finish(data)
+                                    .map_err(|e| ConnectError::Auth(e.to_string()))?;
+                            }
                             server_proved = true;
                         }
                         other => {
@@ -772,6 +798,7 @@ mod tests {
             also: Vec::new(),
             target: crate::config::TargetAttrs::Any,
             startup: Vec::new(),
+            client_key: None,
             user: "app".into(),
             password: Some("secret".into()),
             database: "db".into(),

@@ -33,7 +33,7 @@ pub use backend::{BackendConn, ConnectError, ConnectParams, Dirt, Endpoint};
 
 /// Where and as whom a pool's new connections log in (its `databases:` entry, or
 /// `backend.url`'s server with the client's own names).
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone)]
 pub struct Route {
     pub endpoint: Endpoint,
     /// The user the server sees (a `databases:` entry may name one for all clients).
@@ -41,6 +41,8 @@ pub struct Route {
     /// The database name on the server.
     pub database: String,
     pub password: Option<String>,
+    /// Without a password: the key a client of `user` proved (SCRAM pass-through).
+    pub client_key: Option<Arc<crate::auth::passthrough::ClientKey>>,
 }
 
 impl Route {
@@ -49,6 +51,7 @@ impl Route {
         p.user = self.user.clone();
         p.database = self.database.clone();
         p.password = self.password.clone();
+        p.client_key = self.client_key.clone();
     }
 }
 use slots::{SlotError, SlotPermit, Slots};
@@ -379,10 +382,16 @@ impl Pool {
         {
             let mut connect = self.connect.lock();
             let was = connect.endpoint();
+            let same_key = match (&connect.client_key, &route.client_key) {
+                (Some(a), Some(b)) => Arc::ptr_eq(a, b),
+                (None, None) => true,
+                _ => false,
+            };
             if connect.password == route.password
                 && was == *endpoint
                 && connect.user == route.user
                 && connect.database == route.database
+                && same_key
             {
                 return;
             }

@@ -355,12 +355,37 @@ async fn authenticate<S: AsyncRead + AsyncWrite + Unpin>(
             let server_final = waiting
                 .on_client_final_message(&body)
                 .map_err(|_| PgError::auth_failed(user))?;
-            if known.and_then(|u| u.verifier.as_ref()).is_none() {
+            let Some(known) = known.filter(|u| u.verifier.is_some()) else {
                 return Err(PgError::auth_failed(user));
+            };
+            if known.backend_password.is_none() {
+                remember_client_key(app, user, &verifier, data, &server_first, &body);
             }
             messages::auth_sasl_final(out, server_final.as_bytes());
         }
     }
     messages::auth_ok(out);
     write(s, out).await
+}
+
+/// A user known by its SCRAM verifier alone: keeps the key its client just proved, for the
+/// proxy's own logins as that user (`auth::passthrough`). Bounded; the newest key wins.
+fn remember_client_key(
+    app: &App,
+    user: &str,
+    verifier: &auth::Verifier,
+    client_first: &[u8],
+    server_first: &str,
+    client_final: &[u8],
+) {
+    let Some(key) =
+        auth::passthrough::ClientKey::recover(verifier, client_first, server_first, client_final)
+    else {
+        tracing::warn!(%user, "SCRAM pass-through: the client's key could not be recovered");
+        return;
+    };
+    let mut keys = app.pass_keys.write();
+    if keys.len() < crate::app::MAX_PASS_KEYS || keys.contains_key(user) {
+        keys.insert(user.to_owned(), std::sync::Arc::new(key));
+    }
 }

@@ -285,6 +285,7 @@ mod tests {
             also: Vec::new(),
             target: pgsluice::config::TargetAttrs::Any,
             startup: Vec::new(),
+            client_key: None,
             user: "u".into(),
             password: None,
             database: "d".into(),
