@@ -55,6 +55,8 @@ pub struct App {
     /// Keys clients of verifier-only users proved (SCRAM pass-through), by user name; the
     /// proxy logs in to Postgres with them. Memory only, bounded.
     pub pass_keys: PassKeys,
+    /// Answers of `auth.auth_query` by user name.
+    pub auth_cache: crate::session::auth_query::AuthCache,
     /// Databases an operator closed to new client connections (`POST
     /// /v1/databases/{db}/disable`); sessions already open are not touched.
     pub disabled: parking_lot::RwLock<std::collections::BTreeSet<String>>,
@@ -153,6 +155,7 @@ impl App {
             log_limits: Default::default(),
             disabled: Default::default(),
             pass_keys: Default::default(),
+            auth_cache: Default::default(),
             reloader: OnceLock::new(),
             policy,
             classifier: Classifier::new(
@@ -229,6 +232,7 @@ impl App {
             }
         });
         self.creds.store(creds);
+        self.auth_cache.clear();
         self.callers.store(Arc::new(caller_matcher(&config)));
         for note in config.notes() {
             tracing::warn!("{note}");
@@ -513,7 +517,7 @@ pub const MAX_PASS_KEYS: usize = 10_000;
 
 /// Where pools connect: `backend.url`'s host list and parameters (its connect timeout, when
 /// it gives one, over `backend.connect_timeout_ms`), else `backend.host`/`port`.
-fn endpoint(cfg: &Config) -> crate::pool::Endpoint {
+pub(crate) fn endpoint(cfg: &Config) -> crate::pool::Endpoint {
     let connect_timeout = Duration::from_millis(cfg.backend.connect_timeout_ms);
     let tcp_user_timeout = cfg.backend.tcp_user_timeout();
     match cfg.backend_url() {

@@ -1367,3 +1367,81 @@ async fn a_user_known_by_its_scram_verifier_logs_in_through_pass_through() {
         "secrets in the log"
     );
 }
+
+/// auth_query: a user that exists only in Postgres logs in through the proxy; its verifier is
+/// read through a dedicated user and a SECURITY DEFINER function (as PgBouncer's docs set
+/// it up), the proxy logs in as it by pass-through; wrong passwords and unknown names get
+/// the same 28P01.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn auth_query_logs_in_a_user_that_exists_only_in_postgres() {
+    let cluster = Cluster::start();
+    cluster.psql_on(
+        "postgres",
+        "CREATE ROLE pgsluice_auth LOGIN PASSWORD 'auth-pw'; \
+         CREATE ROLE only_in_pg LOGIN PASSWORD 'pg-pw'",
+    );
+    cluster.psql_on(
+        "postgres",
+        "CREATE FUNCTION public.user_lookup(i_username text, OUT uname name, OUT phash text) \
+         RETURNS record AS $$ SELECT usename, passwd FROM pg_catalog.pg_shadow \
+         WHERE usename = i_username $$ LANGUAGE sql SECURITY DEFINER",
+    );
+    cluster.psql_on(
+        "postgres",
+        "REVOKE ALL ON FUNCTION public.user_lookup(text) FROM public; \
+         GRANT EXECUTE ON FUNCTION public.user_lookup(text) TO pgsluice_auth",
+    );
+    cluster.psql_on(APP_DB, "GRANT CONNECT ON DATABASE appdb TO only_in_pg");
+    let dir = tempfile::tempdir().expect("tempdir");
+    let config = dir.path().join("pgsluice.yaml");
+    std::fs::write(
+        &config,
+        format!(
+            "listen: 127.0.0.1:0\nadmin:\n  listen: 127.0.0.1:0\n\
+             backend:\n  host: 127.0.0.1\n  port: {}\npool:\n  size: 2\n\
+             auth:\n  auth_query:\n    user: pgsluice_auth\n    \
+             password_env: PGSLUICE_TEST_AUTH_PASSWORD\n    \
+             query: \"SELECT uname, phash FROM public.user_lookup($1)\"\n",
+            cluster.addr().port()
+        ),
+    )
+    .expect("write config");
+    let p = spawn(
+        &[("PGSLUICE_TEST_AUTH_PASSWORD", "auth-pw".to_owned())],
+        &["--config", &config.display().to_string()],
+    );
+    let connect = |user: &str, password: &str| {
+        let url = format!(
+            "host={} port={} user={user} password={password} dbname={APP_DB}",
+            p.listen.ip(),
+            p.listen.port()
+        );
+        async move {
+            let (c, conn) = tokio_postgres::connect(&url, tokio_postgres::NoTls).await?;
+            tokio::spawn(conn);
+            Ok::<_, tokio_postgres::Error>(c)
+        }
+    };
+    let mut tasks = Vec::new();
+    for _ in 0..3 {
+        let c = connect("only_in_pg", "pg-pw")
+            .await
+            .expect("only_in_pg logs in");
+        tasks.push(tokio::spawn(async move {
+            for _ in 0..4 {
+                let row = c.query_one("SELECT current_user::text", &[]).await?;
+                assert_eq!(row.get::<_, String>(0), "only_in_pg");
+            }
+            Ok::<_, tokio_postgres::Error>(())
+        }));
+    }
+    for t in tasks {
+        t.await
+            .expect("join")
+            .expect("statements run as only_in_pg");
+    }
+    for (user, pw) in [("only_in_pg", "wrong"), ("nobody", "pg-pw")] {
+        let e = connect(user, pw).await.map(|_| ()).expect_err("refused");
+        assert_eq!(e.code().map(|c| c.code()), Some("28P01"), "{user}: {e:?}");
+    }
+}

@@ -552,6 +552,9 @@ pub struct AuthConfig {
     /// Client authentication method for users that do not set their own.
     pub method: AuthMethod,
     pub users: Vec<UserConfig>,
+    /// Users not in `users` are looked up in Postgres through this query (PgBouncer's
+    /// `auth_query`).
+    pub auth_query: Option<AuthQueryConfig>,
 }
 
 impl Default for AuthConfig {
@@ -559,6 +562,44 @@ impl Default for AuthConfig {
         AuthConfig {
             method: AuthMethod::ScramSha256,
             users: Vec::new(),
+            auth_query: None,
+        }
+    }
+}
+
+/// `auth.auth_query`: where the SCRAM verifier of a user the config does not list is read.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct AuthQueryConfig {
+    /// The user the lookups log in as (it needs to read `pg_shadow`, or to run a `SECURITY
+    /// DEFINER` function that does).
+    pub user: String,
+    pub password: Option<String>,
+    pub password_file: Option<String>,
+    pub password_env: Option<String>,
+    /// `$1` is the user name (passed as a quoted literal); the last column of the first row
+    /// is the verifier.
+    pub query: String,
+    /// The database the lookups run in.
+    pub database: String,
+    /// How long an answer is reused.
+    pub cache_ttl_ms: u64,
+    /// How long "no such user" is reused (short: a new role becomes usable soon, a flood of
+    /// unknown names does not reach Postgres at its rate).
+    pub negative_ttl_ms: u64,
+}
+
+impl Default for AuthQueryConfig {
+    fn default() -> Self {
+        AuthQueryConfig {
+            user: String::new(),
+            password: None,
+            password_file: None,
+            password_env: None,
+            query: "SELECT usename, passwd FROM pg_catalog.pg_shadow WHERE usename = $1".into(),
+            database: "postgres".into(),
+            cache_ttl_ms: 60_000,
+            negative_ttl_ms: 5_000,
         }
     }
 }
@@ -976,6 +1017,28 @@ impl Config {
                 }),
                 Some(Err((field, message))) => errs.push(ConfigError {
                     field,
+                    line: None,
+                    message,
+                }),
+                None => {}
+            }
+        }
+        if let Some(q) = self.auth.auth_query.as_mut() {
+            let read =
+                match (&q.password_file, &q.password_env) {
+                    (Some(path), _) => Some(
+                        read_password_file(Path::new(path))
+                            .map_err(|m| ("auth.auth_query.password_file", m)),
+                    ),
+                    (None, Some(var)) => Some(std::env::var(var).map(Secret::new).map_err(|_| {
+                        ("auth.auth_query.password_env", format!("{var} is not set"))
+                    })),
+                    (None, None) => None,
+                };
+            match read {
+                Some(Ok(p)) => q.password = Some(p.expose().to_owned()),
+                Some(Err((field, message))) => errs.push(ConfigError {
+                    field: field.into(),
                     line: None,
                     message,
                 }),

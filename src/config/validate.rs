@@ -239,6 +239,23 @@ impl Config {
                 }
             }
         }
+        if let Some(q) = &self.auth.auth_query {
+            if q.user.is_empty() {
+                p.add(
+                    "auth.auth_query.user".into(),
+                    "required: the user the lookups log in as",
+                );
+            }
+            if !q.query.contains("$1") {
+                p.add(
+                    "auth.auth_query.query".into(),
+                    "must use $1 for the user name being looked up",
+                );
+            }
+            if q.cache_ttl_ms == 0 {
+                p.add("auth.auth_query.cache_ttl_ms".into(), "must be > 0");
+            }
+        }
         let mut names = HashSet::new();
         for (i, d) in self.databases.iter().enumerate() {
             let at = |k: &str| format!("databases[{i}].{k}");

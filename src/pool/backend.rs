@@ -591,17 +591,30 @@ impl BackendConn {
 
     /// The first column of the first row of a one-statement simple query (`None`: no row).
     pub async fn first_value(&mut self, sql: &str) -> Result<Option<String>, ConnectError> {
+        Ok(self
+            .first_row(sql)
+            .await?
+            .and_then(|r| r.into_iter().next())
+            .flatten())
+    }
+
+    /// The first row of a one-statement simple query as text (`None`: no row; a column is
+    /// `None` when NULL).
+    pub async fn first_row(
+        &mut self,
+        sql: &str,
+    ) -> Result<Option<Vec<Option<String>>>, ConnectError> {
         let mut out = BytesMut::new();
         crate::protocol::messages::query(&mut out, sql);
         self.stream.write_all(&out).await?;
         let mut buf = BytesMut::new();
-        let (mut err, mut value) = (None, None);
+        let (mut err, mut row) = (None, None);
         loop {
             let (tag, body) = read_message(&mut self.stream, &mut buf).await?;
             match tag {
                 b'E' => err = Some(server_error(body)),
-                b'D' if value.is_none() => value = Some(first_column(&body)),
-                b'Z' => return err.map_or(Ok(value.flatten()), Err),
+                b'D' if row.is_none() => row = Some(columns(&body)),
+                b'Z' => return err.map_or(Ok(row), Err),
                 _ => {}
             }
         }
@@ -729,16 +742,34 @@ fn server_error(body: Bytes) -> ConnectError {
     }
 }
 
-/// The first column of a DataRow, as text (`None` for NULL or a malformed row).
-fn first_column(body: &[u8]) -> Option<String> {
-    let n = i16::from_be_bytes(body.get(..2)?.try_into().ok()?);
-    if n < 1 {
-        return None;
+/// The columns of a DataRow as text (`None` for NULL, or text that is not UTF-8; a
+/// malformed row ends the list where it breaks).
+fn columns(body: &[u8]) -> Vec<Option<String>> {
+    let mut out = Vec::new();
+    let Some(n) = body.get(..2).map(|b| i16::from_be_bytes([b[0], b[1]])) else {
+        return out;
+    };
+    let mut at = 2;
+    for _ in 0..n.max(0) {
+        let Some(len) = body
+            .get(at..at + 4)
+            .map(|b| i32::from_be_bytes([b[0], b[1], b[2], b[3]]))
+        else {
+            break;
+        };
+        at += 4;
+        match usize::try_from(len) {
+            Err(_) => out.push(None),
+            Ok(len) => {
+                let Some(v) = body.get(at..at + len) else {
+                    break;
+                };
+                out.push(String::from_utf8(v.to_vec()).ok());
+                at += len;
+            }
+        }
     }
-    let len = i32::from_be_bytes(body.get(2..6)?.try_into().ok()?);
-    let len = usize::try_from(len).ok()?;
-    let v = body.get(6..6 + len)?;
-    String::from_utf8(v.to_vec()).ok()
+    out
 }
 
 /// Reads one whole backend message (used only during login and for proxy-run queries).

@@ -302,7 +302,14 @@ async fn authenticate<S: AsyncRead + AsyncWrite + Unpin>(
     user: &str,
 ) -> Result<(), PgError> {
     let creds = app.creds.load();
-    let known = creds.user(user);
+    let looked_up;
+    let known = match creds.user(user) {
+        Some(u) => Some(u),
+        None => {
+            looked_up = super::auth_query::lookup(app, user).await?;
+            looked_up.as_ref()
+        }
+    };
     let method = known
         .map(|u| u.method)
         .unwrap_or(app.config.load().auth.method);
@@ -345,7 +352,10 @@ async fn authenticate<S: AsyncRead + AsyncWrite + Unpin>(
                     "malformed SASLInitialResponse length",
                 ));
             }
-            let verifier = creds.verifier_or_mock(user);
+            let verifier = match known.and_then(|u| u.verifier.as_ref()) {
+                Some(v) => std::borrow::Cow::Borrowed(v),
+                None => creds.verifier_or_mock(user),
+            };
             let (server_first, waiting) = ScramServerAuth::new()
                 .on_client_first_message_with_secret(data, verifier.secret())
                 .map_err(|_| PgError::auth_failed(user))?;

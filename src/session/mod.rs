@@ -15,6 +15,7 @@
 //! thread ([`Handover`]); the client socket is registered with the session thread's event
 //! loop from the accept on, so only the login steps cross threads.
 
+pub mod auth_query;
 mod handshake;
 pub mod params;
 mod relay;

@@ -1,0 +1,137 @@
+//! `auth.auth_query`: users the config does not list are looked up in Postgres (PgBouncer's
+//! `auth_query`): the proxy logs in as `auth_query.user`, runs the query with the name as a
+//! quoted literal for `$1`, and takes the SCRAM verifier from the last column of the first
+//! row. The client is then checked against that verifier and the proxy's own logins as the
+//! user use SCRAM pass-through (`auth::passthrough`).
+//!
+//! Answers are cached per name (`cache_ttl_ms`; "no such user" for `negative_ttl_ms`), at
+//! most [`MAX_CACHED`] names, so a flood of logins — or of made-up names — costs Postgres at
+//! most one query per name per TTL. A name with no row, or a NULL verifier, is an unknown
+//! user (the mock exchange, 28P01: nothing tells which names exist). An md5 hash is refused
+//! with a message that says why. A failed lookup is FATAL with the reason, never cached.
+
+use std::collections::HashMap;
+use std::time::Duration;
+
+use parking_lot::Mutex;
+use tokio::time::Instant;
+
+use super::params;
+use crate::app::App;
+use crate::auth::{UserAuth, Verifier};
+use crate::config::AuthMethod;
+use crate::pool::{BackendConn, ConnectParams};
+use crate::protocol::PgError;
+
+/// Most names whose answers are kept.
+pub const MAX_CACHED: usize = 10_000;
+
+/// Answers by user name: when they were read, and the verifier (`None`: no such user).
+#[derive(Default)]
+pub struct AuthCache {
+    map: Mutex<HashMap<String, (Instant, Option<Verifier>)>>,
+}
+
+impl AuthCache {
+    fn get(&self, user: &str, ttl: Duration, negative_ttl: Duration) -> Option<Option<Verifier>> {
+        let map = self.map.lock();
+        let (at, v) = map.get(user)?;
+        let ttl = if v.is_some() { ttl } else { negative_ttl };
+        (at.elapsed() < ttl).then(|| v.clone())
+    }
+
+    fn put(&self, user: &str, v: Option<Verifier>, ttl: Duration) {
+        let mut map = self.map.lock();
+        if map.len() >= MAX_CACHED && !map.contains_key(user) {
+            map.retain(|_, (at, _)| at.elapsed() < ttl);
+            if map.len() >= MAX_CACHED {
+                return;
+            }
+        }
+        map.insert(user.to_owned(), (Instant::now(), v));
+    }
+
+    /// Forgets every answer (a reload may point the query elsewhere).
+    pub fn clear(&self) {
+        self.map.lock().clear();
+    }
+}
+
+/// The credentials of `user` from `auth.auth_query`: `Ok(None)` when none is configured or
+/// Postgres has no such user.
+pub async fn lookup(app: &App, user: &str) -> Result<Option<UserAuth>, PgError> {
+    let cfg = app.config.load();
+    let Some(q) = cfg.auth.auth_query.as_ref() else {
+        return Ok(None);
+    };
+    let ttl = Duration::from_millis(q.cache_ttl_ms);
+    let negative_ttl = Duration::from_millis(q.negative_ttl_ms);
+    let verifier = match app.auth_cache.get(user, ttl, negative_ttl) {
+        Some(v) => v,
+        None => {
+            let v = query(app, &cfg, q, user).await?;
+            app.auth_cache.put(user, v.clone(), ttl.max(negative_ttl));
+            v
+        }
+    };
+    Ok(verifier.map(|v| UserAuth {
+        method: AuthMethod::ScramSha256,
+        verifier: Some(v),
+        md5_inner: None,
+        backend_password: None,
+    }))
+}
+
+async fn query(
+    app: &App,
+    cfg: &crate::config::Config,
+    q: &crate::config::AuthQueryConfig,
+    user: &str,
+) -> Result<Option<Verifier>, PgError> {
+    let failed = |why: String| {
+        tracing::error!(auth_user = %q.user, error = %why, "auth_query lookup failed");
+        PgError::fatal(
+            "08006",
+            format!("pgsluice: the user could not be looked up (auth_query): {why}"),
+        )
+    };
+    let mut params = ConnectParams {
+        host: String::new(),
+        port: 0,
+        also: Vec::new(),
+        target: crate::config::TargetAttrs::Any,
+        startup: Vec::new(),
+        client_key: None,
+        user: q.user.clone(),
+        password: q.password.clone(),
+        database: q.database.clone(),
+        connect_timeout: Duration::ZERO,
+        tcp_user_timeout: None,
+        tls: app.tls.backend(),
+    };
+    params.set_endpoint(crate::app::endpoint(cfg));
+    let mut conn = BackendConn::connect(&params, 1)
+        .await
+        .map_err(|e| failed(e.to_string()))?;
+    let sql = q.query.replace("$1", &params::literal(user));
+    let row = conn
+        .first_row(&sql)
+        .await
+        .map_err(|e| failed(e.to_string()))?;
+    let secret = row.and_then(|r| r.into_iter().last()).flatten();
+    match secret {
+        None => Ok(None),
+        Some(s) if s.starts_with("SCRAM-SHA-256$") => Verifier::parse(&s)
+            .map(Some)
+            .ok_or_else(|| failed("the verifier it returned does not parse".into())),
+        Some(s) if s.starts_with("md5") => Err(PgError::fatal(
+            "28000",
+            "pgsluice: Postgres stores an md5 hash for this user; the proxy needs a \
+             SCRAM-SHA-256 verifier (set password_encryption = scram-sha-256 and the password \
+             again)",
+        )),
+        Some(_) => Err(failed(
+            "it returned something other than a SCRAM-SHA-256 verifier".into(),
+        )),
+    }
+}
