@@ -99,14 +99,9 @@ impl Relay {
         let app = self.app.clone();
         let (statement_override, lock_override, warnings) = if self.admission.is_none() {
             let why = "client disconnected while queued";
-            let r = unless_client_leaves(
-                app.policy.admit(&req),
-                client,
-                &mut self.cbuf,
-                &self.cancel,
-                why,
-            )
-            .await?;
+            let r = self
+                .unless_client_leaves(app.policy.admit(&req), client, why)
+                .await?;
             match r {
                 Ok(mut a) => {
                     let w = std::mem::take(&mut a.warnings);
@@ -254,6 +249,25 @@ impl Relay {
         self.errored = false;
         self.failure = Outcome::Error;
         self.fault = false;
+    }
+
+    /// Waits for `fut` while watching the client ([`unless_client_leaves`]), and counts what
+    /// the client sent meanwhile (a pipelining client's next messages, read ahead into the
+    /// buffer) as received: the event loop only counts its own reads.
+    pub(super) async fn unless_client_leaves<S, F>(
+        &mut self,
+        fut: F,
+        client: &mut S,
+        why: &'static str,
+    ) -> Result<F::Output, PgError>
+    where
+        S: AsyncRead + Unpin,
+        F: std::future::Future,
+    {
+        let before = self.cbuf.len();
+        let r = unless_client_leaves(fut, client, &mut self.cbuf, &self.cancel, why).await;
+        self.bytes_in += self.cbuf.len().saturating_sub(before) as u64;
+        r
     }
 
     /// Adds what the session relayed since the last call to its pool's counters, and the
