@@ -163,7 +163,8 @@ pub struct Relay {
     /// the client sent right behind its login, already in the buffer.
     bytes_in: u64,
     bytes_out: u64,
-    /// When the current transaction's first statement was sent.
+    /// When the current transaction's first statement was sent (set once a ReadyForQuery
+    /// completes it; see `transaction_done`).
     txn_start: Option<Instant>,
     /// When the statement being admitted arrived (its client-observed time starts there).
     arrived: Option<Instant>,

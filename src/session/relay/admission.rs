@@ -183,7 +183,6 @@ impl Relay {
     pub(super) fn track_statement(&mut self, class: Arc<Classified>, ready_seq: u64) {
         if self.pending.len() < 4096 {
             let start = Instant::now();
-            self.txn_start.get_or_insert(start);
             self.pending.push(StmtRecord {
                 caller: self.last_caller,
                 class,
@@ -204,6 +203,7 @@ impl Relay {
             .take_while(|r| r.ready_seq <= seen)
             .count();
         if done == 0 {
+            self.transaction_done(None);
             self.flush_counters();
             self.rows = 0;
             self.errored = false;
@@ -215,6 +215,7 @@ impl Relay {
         let names = self.app.callers.load();
         let n = done;
         let mut backend_us = 0u64;
+        self.transaction_done(self.pending.first().map(|r| r.start));
         for (i, r) in self.pending.drain(..done).enumerate() {
             let elapsed = now.saturating_duration_since(r.start);
             backend_us = backend_us.saturating_add(super::micros(elapsed));
@@ -270,18 +271,28 @@ impl Relay {
         r
     }
 
-    /// Adds what the session relayed since the last call to its pool's counters, and the
-    /// transaction that just ended (the client's ReadyForQuery says idle), if any.
-    pub(super) fn flush_counters(&mut self) {
-        let stats = &self.pool.stats;
+    /// At a client ReadyForQuery whose statements were sent from `first_sent` on (`None`:
+    /// it completes none): counts the transaction it ends, if it says idle. A transaction
+    /// starts with the first statement a ReadyForQuery completes, not the first one sent:
+    /// a pipelining client's later statements, sent before this reply, belong to the next.
+    fn transaction_done(&mut self, first_sent: Option<Instant>) {
+        if self.txn_start.is_none() {
+            self.txn_start = first_sent;
+        }
         if self.t.txn == b'I'
             && let Some(started) = self.txn_start.take()
         {
+            let stats = &self.pool.stats;
             stats.transactions.fetch_add(1, Ordering::Relaxed);
             stats
                 .transaction_us
                 .fetch_add(super::micros(started.elapsed()), Ordering::Relaxed);
         }
+    }
+
+    /// Adds the bytes the session relayed since the last call to its pool's counters.
+    pub(super) fn flush_counters(&mut self) {
+        let stats = &self.pool.stats;
         if self.bytes_in > 0 {
             stats
                 .bytes_received
