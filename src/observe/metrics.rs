@@ -49,8 +49,6 @@ pub const KNOWN_REASONS: [&str; 6] = [
 pub const KNOWN_ACTIONS: [&str; 4] = ["REJECT", "THROTTLE", "CONCURRENCY", "TIMEOUT"];
 /// Breaker states with pre-resolved transition counters.
 pub const KNOWN_BREAKER_STATES: [&str; 3] = ["closed", "open", "half_open"];
-/// Pools labelled individually; beyond this they are summed under `pool="other"` (pools are
-/// per (database, user), and a logged-in client chooses the database name).
 /// Values of `pgsluice_breaker_state`.
 pub const BREAKER_CLOSED: i64 = 0;
 pub const BREAKER_HALF_OPEN: i64 = 1;
@@ -287,9 +285,10 @@ struct ScrapeSeries {
     fingerprints_tracked: IntGauge,
 }
 
-/// Registers a collector. Names, help texts and label names are constants of this file, so
-/// failure is a programming error caught by the unit test, never something input can reach.
-fn reg<C: Collector + Clone + 'static>(r: &Registry, c: prometheus::Result<C>) -> C {
+/// Registers a collector. Names, help texts and label names are constants of this file and
+/// `pool_series`, so failure is a programming error caught by the unit tests, never
+/// something input can reach.
+pub(super) fn reg<C: Collector + Clone + 'static>(r: &Registry, c: prometheus::Result<C>) -> C {
     let c = c.expect("static metric definition is valid");
     r.register(Box::new(c.clone()))
         .expect("metric names are unique");
