@@ -1275,6 +1275,23 @@ async fn a_replica_caller_reads_from_the_standby_and_writes_to_the_primary() {
         body.contains("appdb/app@replica") && body.contains("\"replica_healthy\":true"),
         "{body}"
     );
+    // The routed reads are counted in the replica pool's series (same database and user,
+    // its own pool name), not the primary's.
+    let (_, text) = get(p.admin, "/metrics");
+    let replica_pool = |name: &str| {
+        let labels = r#"database="appdb",pool="appdb/app@replica",user="app""#;
+        metric(&text, &format!("{name}{{{labels}}}")).unwrap_or(-1.0)
+    };
+    assert!(replica_pool("pgsluice_pool_queries_total") >= 2.0, "{text}");
+    assert!(
+        replica_pool("pgsluice_pool_transactions_total") >= 2.0,
+        "{text}"
+    );
+    let bytes = metric(
+        &text,
+        r#"pgsluice_pool_bytes_total{database="appdb",direction="received",pool="appdb/app@replica",user="app"}"#,
+    );
+    assert!(bytes.is_some_and(|b| b > 0.0), "{text}");
 
     // Replay paused on the standby and a write on the primary: the lag passes 1 s and reads
     // go to the primary; replay resumed, they come back.

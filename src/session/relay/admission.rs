@@ -18,12 +18,20 @@ use crate::app;
 use crate::classify::{Classified, StmtKind};
 use crate::observe::stats::Outcome;
 use crate::policy::{AdmitRequest, Refusal};
+use crate::pool::{Pool, PoolStats, Pooled};
 use crate::protocol::PgError;
 use crate::protocol::messages;
 
 use super::super::tracker::{Expect, Kind, Mode};
 use super::super::unless_client_leaves;
 use super::Relay;
+
+/// The counters the session's traffic goes to now: those of the pool of the backend it holds
+/// (a replica pool's, for a read routed there), else its own pool's. Statements and
+/// transactions are counted at a ReadyForQuery, while the backend that sent it is held.
+fn counted<'a>(backend: &'a Option<Pooled>, pool: &'a Arc<Pool>) -> &'a PoolStats {
+    &backend.as_ref().map_or(pool, Pooled::pool).stats
+}
 
 /// A statement waiting for its completion, for per-fingerprint statistics.
 pub(super) struct StmtRecord {
@@ -242,7 +250,7 @@ impl Relay {
                 outcome,
             );
         }
-        let stats = &self.pool.stats;
+        let stats = counted(&self.backend, &self.pool);
         stats.queries.fetch_add(n as u64, Ordering::Relaxed);
         stats.query_us.fetch_add(backend_us, Ordering::Relaxed);
         self.flush_counters();
@@ -282,7 +290,7 @@ impl Relay {
         if self.t.txn == b'I'
             && let Some(started) = self.txn_start.take()
         {
-            let stats = &self.pool.stats;
+            let stats = counted(&self.backend, &self.pool);
             stats.transactions.fetch_add(1, Ordering::Relaxed);
             stats
                 .transaction_us
@@ -292,7 +300,7 @@ impl Relay {
 
     /// Adds the bytes the session relayed since the last call to its pool's counters.
     pub(super) fn flush_counters(&mut self) {
-        let stats = &self.pool.stats;
+        let stats = counted(&self.backend, &self.pool);
         if self.bytes_in > 0 {
             stats
                 .bytes_received
