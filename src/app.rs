@@ -437,7 +437,6 @@ impl App {
     }
 }
 
-/// What the proxy logs in to Postgres with as `user`.
 /// Where and as whom the pool of a client's (database, user) connects: its `databases:`
 /// entry when the map has one (else FATAL 3D000), else `backend.url`'s server with the
 /// client's own database name, user and password.
@@ -557,6 +556,7 @@ fn longest_wait(config: &Config) -> Duration {
     Duration::from_millis(ms)
 }
 
+/// What the proxy logs in to Postgres with as `user`.
 fn backend_password(creds: &Credentials, user: &str) -> Option<String> {
     creds.user(user).and_then(|u| u.backend_password.clone())
 }

@@ -810,18 +810,38 @@ async fn pool_statistics_and_separate_wait_and_backend_times_reach_the_metrics()
         c
     };
     let a = connect().await;
-    let b = connect().await;
+    // Kept open to the end: its Terminate would race the scrapes.
+    let b = Arc::new(connect().await);
+    // Every client message after login is a Query: the bytes received are their frames.
+    let mut sent_by_clients = 0usize;
+    let mut frame = |sql: &str| {
+        sent_by_clients += 1 + 4 + sql.len() + 1;
+        sql.to_owned()
+    };
     for i in 0..10 {
-        a.simple_query(&format!("SELECT {i}"))
+        a.simple_query(&frame(&format!("SELECT {i}")))
             .await
             .expect("select");
     }
     // One explicit transaction of three statements, holding the only backend for 400 ms
-    // while the other client waits for it.
-    a.batch_execute("BEGIN; SELECT 1").await.expect("begin");
-    let waiter = tokio::spawn(async move { b.simple_query("SELECT 'waited'").await });
+    // while the other client waits for it; 100 ms into its wait, that client pipelines a
+    // second query, read while it waits.
+    a.batch_execute(&frame("BEGIN; SELECT 1"))
+        .await
+        .expect("begin");
+    let (first, second) = (frame("SELECT 'waited'"), frame("SELECT 'pipelined'"));
+    let b2 = Arc::clone(&b);
+    let waiter = tokio::spawn(async move {
+        let b = b2;
+        let later = async {
+            tokio::time::sleep(Duration::from_millis(100)).await;
+            b.simple_query(&second).await
+        };
+        let (x, y) = tokio::join!(b.simple_query(&first), later);
+        x.and(y)
+    });
     tokio::time::sleep(Duration::from_millis(400)).await;
-    a.batch_execute("SELECT pg_sleep(0.01); COMMIT")
+    a.batch_execute(&frame("SELECT pg_sleep(0.01); COMMIT"))
         .await
         .expect("commit");
     waiter.await.expect("join").expect("the waiting client ran");
@@ -829,10 +849,19 @@ async fn pool_statistics_and_separate_wait_and_backend_times_reach_the_metrics()
     let (status, text) = get(p.admin, "/metrics");
     assert_eq!(status, 200);
     let pool = r#"{database="appdb",pool="appdb/app",user="app"}"#;
+    let received = r#"pgsluice_pool_bytes_total{database="appdb",direction="received",pool="appdb/app",user="app"}"#;
+    let sent = r#"pgsluice_pool_bytes_total{database="appdb",direction="sent",pool="appdb/app",user="app"}"#;
+    assert_eq!(
+        metric(&text, received),
+        Some(sent_by_clients as f64),
+        "every byte the clients sent, the pipelined query included\n{text}"
+    );
     let at = |name: &str| metric(&text, &format!("{name}{pool}")).unwrap_or(-1.0);
-    assert!(at("pgsluice_pool_transactions_total") >= 12.0, "{text}");
+    // Ten, one explicit, and the waiting client's two (pipelined on one backend, each
+    // ended by its own ReadyForQuery).
+    assert_eq!(at("pgsluice_pool_transactions_total"), 13.0, "{text}");
     // One per Query message (a multi-statement text is one), as PgBouncer counts them.
-    assert!(at("pgsluice_pool_queries_total") >= 13.0, "{text}");
+    assert_eq!(at("pgsluice_pool_queries_total"), 14.0, "{text}");
     assert!(
         at("pgsluice_pool_transaction_seconds_total") >= 0.4,
         "{text}"
@@ -873,6 +902,42 @@ async fn pool_statistics_and_separate_wait_and_backend_times_reach_the_metrics()
     let total_slow = count_above(&text, "pgsluice_query_duration_seconds", 0.25);
     let backend_slow = count_above(&text, "pgsluice_backend_duration_seconds", 0.25);
     assert!(total_slow > backend_slow, "{total_slow} vs {backend_slow}");
+
+    // N transactions of the extended protocol (Bind/Execute/Sync of a prepared statement,
+    // as most drivers send them) move every counter by at least N.
+    const N: i32 = 20;
+    let stmt = a.prepare("SELECT $1::int4").await.expect("prepare");
+    let series = [
+        format!("pgsluice_pool_transactions_total{pool}"),
+        format!("pgsluice_pool_queries_total{pool}"),
+        r#"pgsluice_backend_duration_seconds_count{caller="default"}"#.to_owned(),
+        received.to_owned(),
+        sent.to_owned(),
+    ];
+    let read = |text: &str| -> Vec<f64> {
+        series
+            .iter()
+            .map(|s| metric(text, s).unwrap_or(-1.0))
+            .collect()
+    };
+    let before = read(&get(p.admin, "/metrics").1);
+    for i in 0..N {
+        let row = a.query_one(&stmt, &[&i]).await.expect("execute");
+        assert_eq!(row.get::<_, i32>(0), i);
+    }
+    let (status, text) = get(p.admin, "/metrics");
+    assert_eq!(status, 200);
+    let after = read(&text);
+    for (i, s) in series.iter().enumerate() {
+        let grew = after[i] - before[i];
+        let least = if i < 3 { f64::from(N) } else { 1.0 };
+        assert!(
+            before[i] >= 0.0 && grew >= least,
+            "{s}: {} -> {}\n{text}",
+            before[i],
+            after[i]
+        );
+    }
 }
 
 /// Observations of `histogram{caller="default"}` above `le` (count minus that bucket).
@@ -1210,6 +1275,23 @@ async fn a_replica_caller_reads_from_the_standby_and_writes_to_the_primary() {
         body.contains("appdb/app@replica") && body.contains("\"replica_healthy\":true"),
         "{body}"
     );
+    // The routed reads are counted in the replica pool's series (same database and user,
+    // its own pool name), not the primary's.
+    let (_, text) = get(p.admin, "/metrics");
+    let replica_pool = |name: &str| {
+        let labels = r#"database="appdb",pool="appdb/app@replica",user="app""#;
+        metric(&text, &format!("{name}{{{labels}}}")).unwrap_or(-1.0)
+    };
+    assert!(replica_pool("pgsluice_pool_queries_total") >= 2.0, "{text}");
+    assert!(
+        replica_pool("pgsluice_pool_transactions_total") >= 2.0,
+        "{text}"
+    );
+    let bytes = metric(
+        &text,
+        r#"pgsluice_pool_bytes_total{database="appdb",direction="received",pool="appdb/app@replica",user="app"}"#,
+    );
+    assert!(bytes.is_some_and(|b| b > 0.0), "{text}");
 
     // Replay paused on the standby and a write on the primary: the lag passes 1 s and reads
     // go to the primary; replay resumed, they come back.

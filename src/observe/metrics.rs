@@ -49,8 +49,6 @@ pub const KNOWN_REASONS: [&str; 6] = [
 pub const KNOWN_ACTIONS: [&str; 4] = ["REJECT", "THROTTLE", "CONCURRENCY", "TIMEOUT"];
 /// Breaker states with pre-resolved transition counters.
 pub const KNOWN_BREAKER_STATES: [&str; 3] = ["closed", "open", "half_open"];
-/// Pools labelled individually; beyond this they are summed under `pool="other"` (pools are
-/// per (database, user), and a logged-in client chooses the database name).
 /// Values of `pgsluice_breaker_state`.
 pub const BREAKER_CLOSED: i64 = 0;
 pub const BREAKER_HALF_OPEN: i64 = 1;
@@ -63,26 +61,36 @@ const QUERY_BUCKETS: [f64; 16] = [
 const QUEUE_BUCKETS: [f64; 13] = [
     0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
 ];
-/// Coarser wait buckets past a second, used up to the longest wait the config allows.
+/// Coarser wait buckets past a second, used up to the first one above the longest wait the
+/// config allows.
 const LONG_WAIT_BUCKETS: [f64; 10] = [
     2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1800.0, 3600.0,
 ];
 
-/// Buckets of the wait histograms: fine ones up to 1 s, then coarser ones until one reaches
-/// `longest` (the longest queue or checkout timeout configured), so a wait that ends in a
-/// timeout lands in a bucket of its own instead of `+Inf`. Fixed at start: a reload that
-/// raises a timeout beyond the last bucket counts those waits in `+Inf` until a restart.
+/// Buckets of the wait histograms: fine ones up to 1 s, then coarser ones up to the first
+/// above `longest` (the longest queue or checkout timeout configured), with a bucket at
+/// `longest` itself. A wait that ran into that timeout measures a little more than it, so it
+/// lands in the bucket above instead of `+Inf`, and `le` = the timeout counts the waits that
+/// ended in time. Fixed at start: a reload that raises a timeout beyond the last bucket
+/// counts those waits in `+Inf` until a restart.
 pub fn wait_buckets(longest: Duration) -> Vec<f64> {
     let longest = longest.as_secs_f64();
     let mut b = QUEUE_BUCKETS.to_vec();
     for x in LONG_WAIT_BUCKETS {
-        if b.last().is_some_and(|l| *l >= longest) {
+        if b.last().is_some_and(|l| *l > longest) {
             break;
         }
         b.push(x);
     }
-    if b.last().is_some_and(|l| *l < longest) {
-        b.push(longest);
+    if longest > 0.0 {
+        let at = b.partition_point(|x| *x < longest);
+        if b.get(at) != Some(&longest) {
+            b.insert(at, longest);
+        }
+        if b.last().is_some_and(|l| *l <= longest) {
+            // Past the coarse list: one more bucket for the waits that ran into it.
+            b.push(longest * 2.0);
+        }
     }
     b
 }
@@ -277,9 +285,10 @@ struct ScrapeSeries {
     fingerprints_tracked: IntGauge,
 }
 
-/// Registers a collector. Names, help texts and label names are constants of this file, so
-/// failure is a programming error caught by the unit test, never something input can reach.
-fn reg<C: Collector + Clone + 'static>(r: &Registry, c: prometheus::Result<C>) -> C {
+/// Registers a collector. Names, help texts and label names are constants of this file and
+/// `pool_series`, so failure is a programming error caught by the unit tests, never
+/// something input can reach.
+pub(super) fn reg<C: Collector + Clone + 'static>(r: &Registry, c: prometheus::Result<C>) -> C {
     let c = c.expect("static metric definition is valid");
     r.register(Box::new(c.clone()))
         .expect("metric names are unique");
@@ -762,16 +771,34 @@ mod tests {
 
     #[test]
     fn wait_buckets_reach_the_longest_configured_wait() {
-        let b = wait_buckets(Duration::from_secs(1));
-        assert_eq!(b.last(), Some(&1.0));
-        let b = wait_buckets(Duration::from_millis(2000));
-        assert_eq!(&b[b.len() - 2..], &[1.0, 2.5]);
-        let b = wait_buckets(Duration::from_secs(30));
-        assert_eq!(&b[b.len() - 3..], &[5.0, 10.0, 30.0]);
-        let b = wait_buckets(Duration::from_secs(7200));
-        assert_eq!(b.last(), Some(&7200.0));
-        assert!(b.windows(2).all(|w| w[0] < w[1]), "{b:?}");
-        // A checkout that waited 2 s of a 2 s timeout lands in the 2.5 s bucket, not +Inf.
+        // A bucket at the timeout and one above it, whatever the timeout.
+        let tail = |ms: u64| {
+            let b = wait_buckets(Duration::from_millis(ms));
+            assert!(b.windows(2).all(|w| w[0] < w[1]), "{ms}: {b:?}");
+            assert!(QUEUE_BUCKETS.iter().all(|x| b.contains(x)), "{ms}: {b:?}");
+            b[b.len().saturating_sub(3)..].to_vec()
+        };
+        assert_eq!(tail(1000), [0.5, 1.0, 2.5]);
+        assert_eq!(tail(2000), [1.0, 2.0, 2.5]);
+        assert_eq!(tail(5000), [2.5, 5.0, 10.0]);
+        assert_eq!(tail(7000), [5.0, 7.0, 10.0]);
+        assert_eq!(tail(30_000), [10.0, 30.0, 60.0]);
+        assert_eq!(tail(3_600_000), [1800.0, 3600.0, 7200.0]);
+        assert_eq!(tail(7_200_000), [3600.0, 7200.0, 14400.0]);
+        assert_eq!(tail(300), [0.3, 0.5, 1.0]);
+        assert_eq!(wait_buckets(Duration::ZERO), QUEUE_BUCKETS.to_vec());
+        // A wait that ran into a 5 s timeout is above le="5", below +Inf.
+        let m = Metrics::with_longest_wait(&names(&["app"]), Duration::from_secs(5));
+        m.queue_wait(0, Duration::from_millis(5003));
+        let t = m.render();
+        let queue = |le: &str| {
+            sample(
+                &t,
+                &format!(r#"pgsluice_queue_wait_seconds_bucket{{caller="app",le="{le}"}}"#),
+            )
+        };
+        assert_eq!((queue("5"), queue("10")), (Some(0.0), Some(1.0)), "{t}");
+        // A checkout that ended just inside a 2 s timeout: above 1 s, not +Inf.
         let m = Metrics::with_longest_wait(&names(&["app"]), Duration::from_secs(2));
         m.checkout_wait(0, Duration::from_millis(1999));
         m.query(

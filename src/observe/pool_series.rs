@@ -8,10 +8,12 @@
 //! (whose `database` and `user` are `other` too), so a client inventing database names cannot
 //! grow the exposition.
 
-use prometheus::core::Collector;
 use prometheus::{CounterVec, IntCounterVec, IntGaugeVec, Opts, Registry};
 
-/// Most pools with series of their own.
+use super::metrics::reg;
+
+/// Most pools with series of their own: pools are per (database, user), and a logged-in
+/// client chooses the database name.
 pub const MAX_POOL_SERIES: usize = 64;
 
 const LABELS: [&str; 3] = ["pool", "database", "user"];
@@ -40,9 +42,10 @@ pub struct PoolSample {
     pub transactions: u64,
     /// Statements completed on a backend.
     pub queries: u64,
-    /// Bytes read from this pool's clients.
+    /// Bytes read from this pool's clients after login.
     pub bytes_received: u64,
-    /// Bytes sent to this pool's clients.
+    /// Bytes read from this pool's backends for its clients (PgBouncer's `total_sent`
+    /// counts the same: server bytes, replies the pooler swallows included).
     pub bytes_sent: u64,
     /// Time inside transactions, first statement sent to the end (µs).
     pub transaction_us: u64,
@@ -69,13 +72,6 @@ pub(super) struct PoolSeries {
     transaction_seconds: CounterVec,
     query_seconds: CounterVec,
     wait_seconds: CounterVec,
-}
-
-fn reg<C: Collector + Clone + 'static>(r: &Registry, c: prometheus::Result<C>) -> C {
-    let c = c.expect("static metric definition is valid");
-    r.register(Box::new(c.clone()))
-        .expect("metric names are unique");
-    c
 }
 
 fn labels(extra: &[&'static str]) -> Vec<&'static str> {
@@ -152,7 +148,8 @@ impl PoolSeries {
                 IntCounterVec::new(
                     Opts::new(
                         "pgsluice_pool_bytes_total",
-                        "Bytes relayed for the pool's clients: received from them, sent to them.",
+                        "Bytes relayed for the pool's clients: received from them, and read from the \
+                         pool's backends for them (sent).",
                     ),
                     &labels(&["direction"]),
                 ),

@@ -42,7 +42,7 @@ use crate::protocol::messages;
 
 use super::state;
 use super::tracker::{Expect, Kind, Mode, Tracker};
-use super::{End, Login, params, set_cancel_target, unless_client_leaves};
+use super::{End, Login, params, set_cancel_target};
 
 /// A client's named statement (protocol level).
 struct Stmt {
@@ -159,10 +159,12 @@ pub struct Relay {
     /// How the current request's error is counted in the per-fingerprint statistics.
     failure: crate::observe::stats::Outcome,
     /// Bytes read from the client and from the server since they were last added to the
-    /// pool's counters (at each ReadyForQuery and at the end).
+    /// pool's counters (at each ReadyForQuery and at the end). `bytes_in` starts with what
+    /// the client sent right behind its login, already in the buffer.
     bytes_in: u64,
     bytes_out: u64,
-    /// When the current transaction's first statement was sent.
+    /// When the current transaction's first statement was sent (set once a ReadyForQuery
+    /// completes it; see `transaction_done`).
     txn_start: Option<Instant>,
     /// When the statement being admitted arrived (its client-observed time starts there).
     arrived: Option<Instant>,
@@ -219,6 +221,7 @@ impl Relay {
             cfg.limits.max_client_statements,
         );
         drop(cfg);
+        let bytes_in = cbuf.len() as u64;
         Relay {
             app,
             pool,
@@ -273,7 +276,7 @@ impl Relay {
             rows: 0,
             errored: false,
             failure: crate::observe::stats::Outcome::Error,
-            bytes_in: 0,
+            bytes_in,
             bytes_out: 0,
             txn_start: None,
             arrived: None,
@@ -1126,7 +1129,7 @@ impl Relay {
         let priority = self.app.policy.priority(self.unit_caller) as usize;
         let checkout = pool.checkout(priority, deadline);
         let why = "client disconnected while waiting";
-        let res = unless_client_leaves(checkout, client, &mut self.cbuf, &self.cancel, why).await?;
+        let res = self.unless_client_leaves(checkout, client, why).await?;
         let waited = asked.elapsed();
         pool.stats
             .wait_us

@@ -18,12 +18,20 @@ use crate::app;
 use crate::classify::{Classified, StmtKind};
 use crate::observe::stats::Outcome;
 use crate::policy::{AdmitRequest, Refusal};
+use crate::pool::{Pool, PoolStats, Pooled};
 use crate::protocol::PgError;
 use crate::protocol::messages;
 
 use super::super::tracker::{Expect, Kind, Mode};
 use super::super::unless_client_leaves;
 use super::Relay;
+
+/// The counters the session's traffic goes to now: those of the pool of the backend it holds
+/// (a replica pool's, for a read routed there), else its own pool's. Statements and
+/// transactions are counted at a ReadyForQuery, while the backend that sent it is held.
+fn counted<'a>(backend: &'a Option<Pooled>, pool: &'a Arc<Pool>) -> &'a PoolStats {
+    &backend.as_ref().map_or(pool, Pooled::pool).stats
+}
 
 /// A statement waiting for its completion, for per-fingerprint statistics.
 pub(super) struct StmtRecord {
@@ -99,14 +107,9 @@ impl Relay {
         let app = self.app.clone();
         let (statement_override, lock_override, warnings) = if self.admission.is_none() {
             let why = "client disconnected while queued";
-            let r = unless_client_leaves(
-                app.policy.admit(&req),
-                client,
-                &mut self.cbuf,
-                &self.cancel,
-                why,
-            )
-            .await?;
+            let r = self
+                .unless_client_leaves(app.policy.admit(&req), client, why)
+                .await?;
             match r {
                 Ok(mut a) => {
                     let w = std::mem::take(&mut a.warnings);
@@ -188,7 +191,6 @@ impl Relay {
     pub(super) fn track_statement(&mut self, class: Arc<Classified>, ready_seq: u64) {
         if self.pending.len() < 4096 {
             let start = Instant::now();
-            self.txn_start.get_or_insert(start);
             self.pending.push(StmtRecord {
                 caller: self.last_caller,
                 class,
@@ -209,6 +211,7 @@ impl Relay {
             .take_while(|r| r.ready_seq <= seen)
             .count();
         if done == 0 {
+            self.transaction_done(None);
             self.flush_counters();
             self.rows = 0;
             self.errored = false;
@@ -220,6 +223,7 @@ impl Relay {
         let names = self.app.callers.load();
         let n = done;
         let mut backend_us = 0u64;
+        self.transaction_done(self.pending.first().map(|r| r.start));
         for (i, r) in self.pending.drain(..done).enumerate() {
             let elapsed = now.saturating_duration_since(r.start);
             backend_us = backend_us.saturating_add(super::micros(elapsed));
@@ -246,7 +250,7 @@ impl Relay {
                 outcome,
             );
         }
-        let stats = &self.pool.stats;
+        let stats = counted(&self.backend, &self.pool);
         stats.queries.fetch_add(n as u64, Ordering::Relaxed);
         stats.query_us.fetch_add(backend_us, Ordering::Relaxed);
         self.flush_counters();
@@ -256,18 +260,47 @@ impl Relay {
         self.fault = false;
     }
 
-    /// Adds what the session relayed since the last call to its pool's counters, and the
-    /// transaction that just ended (the client's ReadyForQuery says idle), if any.
-    pub(super) fn flush_counters(&mut self) {
-        let stats = &self.pool.stats;
+    /// Waits for `fut` while watching the client ([`unless_client_leaves`]), and counts what
+    /// the client sent meanwhile (a pipelining client's next messages, read ahead into the
+    /// buffer) as received: the event loop only counts its own reads.
+    pub(super) async fn unless_client_leaves<S, F>(
+        &mut self,
+        fut: F,
+        client: &mut S,
+        why: &'static str,
+    ) -> Result<F::Output, PgError>
+    where
+        S: AsyncRead + Unpin,
+        F: std::future::Future,
+    {
+        let before = self.cbuf.len();
+        let r = unless_client_leaves(fut, client, &mut self.cbuf, &self.cancel, why).await;
+        self.bytes_in += self.cbuf.len().saturating_sub(before) as u64;
+        r
+    }
+
+    /// At a client ReadyForQuery whose statements were sent from `first_sent` on (`None`:
+    /// it completes none): counts the transaction it ends, if it says idle. A transaction
+    /// starts with the first statement a ReadyForQuery completes, not the first one sent:
+    /// a pipelining client's later statements, sent before this reply, belong to the next.
+    fn transaction_done(&mut self, first_sent: Option<Instant>) {
+        if self.txn_start.is_none() {
+            self.txn_start = first_sent;
+        }
         if self.t.txn == b'I'
             && let Some(started) = self.txn_start.take()
         {
+            let stats = counted(&self.backend, &self.pool);
             stats.transactions.fetch_add(1, Ordering::Relaxed);
             stats
                 .transaction_us
                 .fetch_add(super::micros(started.elapsed()), Ordering::Relaxed);
         }
+    }
+
+    /// Adds the bytes the session relayed since the last call to its pool's counters.
+    pub(super) fn flush_counters(&mut self) {
+        let stats = counted(&self.backend, &self.pool);
         if self.bytes_in > 0 {
             stats
                 .bytes_received
