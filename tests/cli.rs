@@ -1267,6 +1267,21 @@ async fn a_replica_caller_reads_from_the_standby_and_writes_to_the_primary() {
         .await
     );
     assert!(standby(&analytics, READ_ONLY).await);
+    // A write pipelined behind a routed read waits for that read and runs on the primary
+    // (the replica's backend never sees it).
+    for _ in 0..5 {
+        let (read, write) = tokio::join!(
+            analytics.simple_query(READ_ONLY),
+            analytics.simple_query(
+                "INSERT INTO notes (v) VALUES ('pipelined') \
+                 RETURNING current_setting('transaction_read_only')"
+            )
+        );
+        read.expect("the pipelined read");
+        let rows = write.expect("the pipelined write runs on the primary");
+        assert!(rows.iter().any(|m| matches!(m,
+            tokio_postgres::SimpleQueryMessage::Row(r) if r.get(0) == Some("off"))));
+    }
     // Another caller's reads: the primary.
     assert!(!standby(&web, READ_ONLY).await);
     let (status, body) = get(p.admin, "/v1/pools");

@@ -174,6 +174,9 @@ pub struct Relay {
     replica: Option<Arc<Pool>>,
     /// The pool the current unit borrows from when it is not `pool` (a replica).
     unit_pool: Option<Arc<Pool>>,
+    /// Client frames wait in `cbuf` while a replica runs the read before them (see
+    /// [`Relay::replica_held`]).
+    deferred: bool,
 }
 
 enum Event {
@@ -283,6 +286,7 @@ impl Relay {
             replica_possible,
             replica: None,
             unit_pool: None,
+            deferred: false,
         }
     }
 
@@ -308,6 +312,18 @@ impl Relay {
                     self.on_client_data(client).await
                 }
                 Event::Backend(Ok(0)) | Event::Backend(Err(_)) => return self.backend_gone(),
+                Event::Backend(Ok(n)) if self.deferred => {
+                    self.bytes_out += n as u64;
+                    self.unanswered = None;
+                    match self.on_backend_data(client).await {
+                        Ok(()) if !self.replica_held() => {
+                            // The replica's read is done and its backend back: now the rest.
+                            self.deferred = false;
+                            self.on_client_data(client).await
+                        }
+                        r => r,
+                    }
+                }
                 Event::Backend(Ok(n)) => {
                     self.bytes_out += n as u64;
                     // The server is alive: whatever the cancel does, it will be answered.
@@ -439,7 +455,10 @@ impl Relay {
         {
             return Poll::Ready(Event::Backend(r));
         }
-        if let Poll::Ready(r) = poll_read_buf(Pin::new(&mut *client), cx, &mut self.cbuf) {
+        // Not while a replica runs a read: what follows it waits (`on_client_data`).
+        if !self.replica_held()
+            && let Poll::Ready(r) = poll_read_buf(Pin::new(&mut *client), cx, &mut self.cbuf)
+        {
             return Poll::Ready(Event::Client(r));
         }
         if !self.backend_first
@@ -521,6 +540,12 @@ impl Relay {
         client: &mut S,
     ) -> Result<(), End> {
         loop {
+            if self.replica_held() {
+                // What the client sent after a read routed to a replica waits for that read
+                // to finish: it may write, and the replica's backend must not see it.
+                self.deferred = !self.cbuf.is_empty();
+                break;
+            }
             if self.client_pass > 0 {
                 let take = self.client_pass.min(self.cbuf.len());
                 if take == 0 {
@@ -1129,7 +1154,14 @@ impl Relay {
         let priority = self.app.policy.priority(self.unit_caller) as usize;
         let checkout = pool.checkout(priority, deadline);
         let why = "client disconnected while waiting";
-        let res = self.unless_client_leaves(checkout, client, why).await?;
+        let res = self
+            .unless_client_leaves(checkout, client, why)
+            .await
+            .inspect_err(|_| self.unit_pool = None)?;
+        if res.is_err() {
+            // Whatever comes next chooses its pool afresh.
+            self.unit_pool = None;
+        }
         let waited = asked.elapsed();
         pool.stats
             .wait_us
@@ -1156,6 +1188,11 @@ impl Relay {
         set_cancel_target(&self.cancel, Some(&mut b)).await;
         self.backend = Some(b);
         Ok(())
+    }
+
+    /// A replica's backend is held for a routed read (until its ReadyForQuery releases it).
+    fn replica_held(&self) -> bool {
+        self.unit_pool.is_some() && self.backend.is_some()
     }
 
     /// Before a simple-protocol statement borrows a backend: a read of a `route: replica`
