@@ -1284,6 +1284,31 @@ async fn a_replica_caller_reads_from_the_standby_and_writes_to_the_primary() {
     }
     // Another caller's reads: the primary.
     assert!(!standby(&web, READ_ONLY).await);
+    // A ROUTE rule sends one pattern's reads to the replicas whoever the caller is.
+    let (ok, out, err) = client(&["fingerprint", READ_ONLY, "--json"]);
+    assert!(ok, "{err}");
+    let hash = serde_json::from_str::<serde_json::Value>(&out).expect("json")["fingerprint"]
+        .as_str()
+        .expect("hash")
+        .to_owned();
+    let admin = p.admin.to_string();
+    let (ok, out, err) = tokio::task::spawn_blocking(move || {
+        client(&[
+            "rules", "put", &hash, "--action", "route", "--route", "replica", "--admin", &admin,
+            "--token", "w",
+        ])
+    })
+    .await
+    .expect("rules put");
+    assert!(ok, "{out}{err}");
+    assert!(standby(&web, READ_ONLY).await, "the rule routed web's read");
+    assert!(
+        !standby(
+            &web,
+            "SELECT current_setting('transaction_read_only') = 'on' AND true"
+        )
+        .await
+    );
     let (status, body) = get(p.admin, "/v1/pools");
     assert_eq!(status, 200);
     assert!(

@@ -250,6 +250,15 @@ pub enum RuleAction {
     Throttle,
     Concurrency,
     Timeout,
+    Route,
+}
+
+/// `--route` of a ROUTE rule.
+#[derive(ValueEnum, Debug, Clone, Copy, PartialEq, Eq)]
+#[value(rename_all = "lowercase")]
+pub enum RuleRoute {
+    Replica,
+    Primary,
 }
 
 /// `--on-exceed` of a THROTTLE rule.
@@ -346,6 +355,9 @@ pub struct PutArgs {
     /// THROTTLE: one rate per instance (default) or one for every instance of a fleet.
     #[arg(long, value_enum, ignore_case = true)]
     pub scope: Option<RuleScope>,
+    /// ROUTE: send the pattern's plain reads to the replicas, or keep them on the primary.
+    #[arg(long, value_enum, ignore_case = true)]
+    pub route: Option<RuleRoute>,
 }
 
 impl PutArgs {
@@ -354,7 +366,7 @@ impl PutArgs {
             return Ok(j.as_bytes().to_vec());
         }
         let Some(action) = self.action else {
-            bail!("give --action (REJECT, THROTTLE, CONCURRENCY or TIMEOUT) or --json");
+            bail!("give --action (REJECT, THROTTLE, CONCURRENCY, TIMEOUT or ROUTE) or --json");
         };
         let spec = RuleSpec {
             action: Some(name(action)),
@@ -370,6 +382,7 @@ impl PutArgs {
             mode: self.mode.map(name),
             note: self.note.clone(),
             scope: self.scope.map(name),
+            route: self.route.map(name),
             origin: None,
         };
         Ok(serde_json::to_vec(&spec)?)
@@ -651,6 +664,7 @@ mod tests {
             mode: Some(RuleMode::Warn),
             note: None,
             scope: Some(RuleScope::Fleet),
+            route: None,
         };
         let v: Value = serde_json::from_slice(&args.body().unwrap()).unwrap();
         assert_eq!(

@@ -182,6 +182,8 @@ pub struct Admission {
     /// From a TIMEOUT rule. `Some(ZERO)` means "no timeout" (Postgres reads 0 that way).
     pub statement_timeout_override: Option<Duration>,
     pub lock_timeout_override: Option<Duration>,
+    /// From a ROUTE rule: where the statement's plain read goes (`Some(true)`: replicas).
+    pub route_replica: Option<bool>,
     /// Warn-mode rule notices for the session to send as NOTICE before running the statement.
     pub warnings: Vec<String>,
     /// Time spent waiting (THROTTLE-QUEUE token plus caller queue), for the queue-wait
@@ -206,6 +208,8 @@ pub struct StatementAdmission {
     pub rule_action: Option<&'static str>,
     pub statement_timeout_override: Option<Duration>,
     pub lock_timeout_override: Option<Duration>,
+    /// From a ROUTE rule (see [`Admission::route_replica`]).
+    pub route_replica: Option<bool>,
     /// Warn-mode notices to send to the client.
     pub warnings: Vec<String>,
     _rule_guard: Option<RuleGuard>,
@@ -387,6 +391,7 @@ impl Policy {
                 admission.rule_action = Some(a.rule.def().action.name());
                 admission.statement_timeout_override = a.statement_timeout;
                 admission.lock_timeout_override = a.lock_timeout;
+                admission.route_replica = a.route_replica;
                 admission._rule_guard = a.guard;
                 if !a.wait.is_zero() {
                     tokio::time::sleep_until(now + a.wait).await;
@@ -462,6 +467,7 @@ impl Policy {
             rule_action: stmt.rule_action,
             statement_timeout_override: stmt.statement_timeout_override,
             lock_timeout_override: stmt.lock_timeout_override,
+            route_replica: stmt.route_replica,
             warnings: stmt.warnings,
             queue_wait: if waited {
                 now.saturating_duration_since(req.now)

@@ -73,6 +73,10 @@ pub struct RuleSpec {
     /// `operator` (default; not listed) or `auto`: installed by the anomaly detector.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub origin: Option<String>,
+    /// ROUTE: `replica` (the pattern's plain reads go to the database's replicas) or
+    /// `primary` (they stay on the primary, whatever the caller's `route`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub route: Option<String>,
 }
 
 /// A validation error naming the offending field (`body` for the document as a whole).
@@ -113,6 +117,10 @@ pub enum RuleAction {
         statement_timeout: Option<Duration>,
         lock_timeout: Option<Duration>,
     },
+    /// Where the pattern's plain reads go (`true`: the replicas).
+    Route {
+        replica: bool,
+    },
 }
 
 impl RuleAction {
@@ -123,6 +131,7 @@ impl RuleAction {
             Self::Throttle { .. } => "THROTTLE",
             Self::Concurrency { .. } => "CONCURRENCY",
             Self::Timeout { .. } => "TIMEOUT",
+            Self::Route { .. } => "ROUTE",
         }
     }
 }
@@ -247,6 +256,9 @@ impl RuleSpec {
             )?;
             only("lock_timeout_ms", self.lock_timeout_ms.is_some(), "TIMEOUT")?;
         }
+        if action_name != "ROUTE" {
+            only("route", self.route.is_some(), "ROUTE")?;
+        }
         let action = match action_name.as_str() {
             "REJECT" => RuleAction::Reject,
             "THROTTLE" => self.validate_throttle()?,
@@ -277,11 +289,27 @@ impl RuleSpec {
                     lock_timeout: timeout_field("lock_timeout_ms", self.lock_timeout_ms)?,
                 }
             }
+            "ROUTE" => match self
+                .route
+                .as_deref()
+                .map(str::to_ascii_lowercase)
+                .as_deref()
+            {
+                Some("replica") => RuleAction::Route { replica: true },
+                Some("primary") => RuleAction::Route { replica: false },
+                Some(other) => {
+                    return Err(RuleError::new(
+                        "route",
+                        format!("unknown route {other:?}; expected replica or primary"),
+                    ));
+                }
+                None => return Err(RuleError::new("route", "required for ROUTE")),
+            },
             _ => {
                 return Err(RuleError::new(
                     "action",
                     format!(
-                        "unknown action {:?}; expected REJECT, THROTTLE, CONCURRENCY or TIMEOUT",
+                        "unknown action {:?}; expected REJECT, THROTTLE, CONCURRENCY, TIMEOUT or ROUTE",
                         self.action.as_deref().unwrap_or_default()
                     ),
                 ));
@@ -318,16 +346,26 @@ impl RuleSpec {
                 ));
             }
         };
-        if mode == RuleMode::Warn && matches!(action, RuleAction::Timeout { .. }) {
+        let refuses_nothing = matches!(
+            action,
+            RuleAction::Timeout { .. } | RuleAction::Route { .. }
+        );
+        if mode == RuleMode::Warn && refuses_nothing {
             return Err(RuleError::new(
                 "mode",
-                "warn has no meaning for TIMEOUT (nothing is refused)",
+                format!(
+                    "warn has no meaning for {} (nothing is refused)",
+                    action.name()
+                ),
             ));
         }
-        if matches!(action, RuleAction::Timeout { .. }) && self.error_message.is_some() {
+        if refuses_nothing && self.error_message.is_some() {
             return Err(RuleError::new(
                 "error_message",
-                "TIMEOUT refuses nothing, so it has no error_message",
+                format!(
+                    "{} refuses nothing, so it has no error_message",
+                    action.name()
+                ),
             ));
         }
         let ttl = match self.ttl_seconds {
@@ -486,6 +524,9 @@ impl RuleDef {
             } => {
                 spec.statement_timeout_ms = statement_timeout.map(duration_ms);
                 spec.lock_timeout_ms = lock_timeout.map(duration_ms);
+            }
+            RuleAction::Route { replica } => {
+                spec.route = Some(if *replica { "replica" } else { "primary" }.to_owned());
             }
         }
         spec

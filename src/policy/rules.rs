@@ -141,6 +141,8 @@ pub struct RuleAdmit {
     pub wait: Duration,
     pub statement_timeout: Option<Duration>,
     pub lock_timeout: Option<Duration>,
+    /// ROUTE: where the statement's plain read goes (`Some(true)`: the replicas).
+    pub route_replica: Option<bool>,
     /// Warn mode: what enforcing would have done.
     pub would_refuse: Option<RuleViolation>,
     /// CONCURRENCY slot, held for the statement's lifetime.
@@ -341,6 +343,7 @@ impl RuleSet {
             wait: Duration::ZERO,
             statement_timeout: None,
             lock_timeout: None,
+            route_replica: None,
             would_refuse: None,
             guard: None,
         };
@@ -376,6 +379,10 @@ impl RuleSet {
             } => {
                 admit.statement_timeout = *statement_timeout;
                 admit.lock_timeout = *lock_timeout;
+                None
+            }
+            RuleAction::Route { replica } => {
+                admit.route_replica = Some(*replica);
                 None
             }
         };

@@ -49,6 +49,8 @@ fn valid_rules_parse_and_normalise() {
         r#"{"action":"CONCURRENCY","max_inflight":1}"#,
         r#"{"action":"TIMEOUT","statement_timeout_ms":800}"#,
         r#"{"action":"TIMEOUT","lock_timeout_ms":0}"#,
+        r#"{"action":"ROUTE","route":"replica"}"#,
+        r#"{"action":"ROUTE","route":"primary","callers":["web"]}"#,
         r#"{"action":"REJECT","ttl_seconds":null}"#,
     ] {
         spec(ok)
@@ -117,6 +119,22 @@ fn bad_rules_name_the_field() {
             "between",
         ),
         (r#"{"action":"TIMEOUT"}"#, "statement_timeout_ms", "and/or"),
+        (r#"{"action":"ROUTE"}"#, "route", "required"),
+        (
+            r#"{"action":"ROUTE","route":"elsewhere"}"#,
+            "route",
+            "replica or primary",
+        ),
+        (
+            r#"{"action":"REJECT","route":"replica"}"#,
+            "route",
+            "only valid",
+        ),
+        (
+            r#"{"action":"ROUTE","route":"replica","mode":"warn"}"#,
+            "mode",
+            "nothing is refused",
+        ),
         (
             r#"{"action":"TIMEOUT","lock_timeout_ms":3000000000}"#,
             "lock_timeout_ms",

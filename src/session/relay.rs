@@ -174,6 +174,8 @@ pub struct Relay {
     replica: Option<Arc<Pool>>,
     /// The pool the current unit borrows from when it is not `pool` (a replica).
     unit_pool: Option<Arc<Pool>>,
+    /// A ROUTE rule's word on the statement being admitted (`Some(true)`: replicas).
+    rule_route: Option<bool>,
     /// Client frames wait in `cbuf` while a replica runs the read before them (see
     /// [`Relay::replica_held`]).
     deferred: bool,
@@ -286,6 +288,7 @@ impl Relay {
             replica_possible,
             replica: None,
             unit_pool: None,
+            rule_route: None,
             deferred: false,
         }
     }
@@ -1204,6 +1207,7 @@ impl Relay {
     fn choose_replica(&mut self, class: &Classified) -> Result<(), PgError> {
         use crate::config::{ReadRoute, ReplicaFallback};
         self.unit_pool = None;
+        let rule_route = self.rule_route.take();
         let eligible = self.backend.is_none()
             && self.t.txn == b'I'
             && !self.t.in_flight()
@@ -1217,10 +1221,12 @@ impl Relay {
             return Ok(());
         }
         let cfg = self.app.config.load();
-        let wants = cfg
-            .callers
-            .get(usize::from(self.last_caller))
-            .is_some_and(|c| c.route == ReadRoute::Replica);
+        // A ROUTE rule on the pattern wins over the caller's `route`.
+        let wants = rule_route.unwrap_or_else(|| {
+            cfg.callers
+                .get(usize::from(self.last_caller))
+                .is_some_and(|c| c.route == ReadRoute::Replica)
+        });
         let Some(entry) = cfg.database_entry(&self.login.database).filter(|_| wants) else {
             return Ok(());
         };

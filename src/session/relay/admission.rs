@@ -114,6 +114,7 @@ impl Relay {
                 Ok(mut a) => {
                     let w = std::mem::take(&mut a.warnings);
                     let o = (a.statement_timeout_override, a.lock_timeout_override);
+                    self.rule_route = a.route_replica;
                     app.metrics.queue_wait(caller, a.queue_wait);
                     if let Some(action) = a.rule_action {
                         app.metrics.rule_hit(action, false);
@@ -129,6 +130,7 @@ impl Relay {
                 Ok(mut a) => {
                     let w = std::mem::take(&mut a.warnings);
                     let o = (a.statement_timeout_override, a.lock_timeout_override);
+                    self.rule_route = a.route_replica;
                     if let Some(action) = a.rule_action {
                         app.metrics.rule_hit(action, false);
                     }
