@@ -278,20 +278,7 @@ impl App {
             created = true;
             let pool_cfg = cfg.pool_for(database, user);
             let caps = self.pools.caps_for(database, user, &pool_cfg);
-            let mut p = ConnectParams {
-                host: String::new(),
-                port: 0,
-                also: Vec::new(),
-                target: crate::config::TargetAttrs::Any,
-                startup: Vec::new(),
-                client_key: None,
-                user: String::new(),
-                password: None,
-                database: String::new(),
-                connect_timeout: Duration::ZERO,
-                tcp_user_timeout: None,
-                tls: self.tls.backend(),
-            };
+            let mut p = ConnectParams::blank(self.tls.backend());
             route.apply(&mut p);
             Pool::new(database, user, pool_cfg, p, caps)
         });
@@ -340,20 +327,7 @@ impl App {
         let pool = self
             .pools
             .get_or_create(&key, user, cfg.limits.max_pools, || {
-                let mut p = ConnectParams {
-                    host: String::new(),
-                    port: 0,
-                    also: Vec::new(),
-                    target: crate::config::TargetAttrs::Any,
-                    startup: Vec::new(),
-                    client_key: None,
-                    user: String::new(),
-                    password: None,
-                    database: String::new(),
-                    connect_timeout: Duration::ZERO,
-                    tcp_user_timeout: None,
-                    tls: self.tls.backend(),
-                };
+                let mut p = ConnectParams::blank(self.tls.backend());
                 route.apply(&mut p);
                 let pool = Pool::with_role(
                     database,

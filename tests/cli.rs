@@ -1438,18 +1438,7 @@ async fn a_user_known_by_its_scram_verifier_logs_in_through_pass_through() {
         &[("PGSLUICE_TEST_EUSER_PASSWORD", "e-pw".to_owned())],
         &["--config", &config.display().to_string()],
     );
-    let connect = |user: &str, password: &str| {
-        let url = format!(
-            "host={} port={} user={user} password={password} dbname={APP_DB}",
-            p.listen.ip(),
-            p.listen.port()
-        );
-        async move {
-            let (c, conn) = tokio_postgres::connect(&url, tokio_postgres::NoTls).await?;
-            tokio::spawn(conn);
-            Ok::<_, tokio_postgres::Error>(c)
-        }
-    };
+    let connect = |user: &'static str, password: &'static str| login(&p, user, password, APP_DB);
     // Four clients, two backends: transactions take turns on connections the proxy opened
     // with the proved key.
     let mut tasks = Vec::new();
@@ -1532,18 +1521,7 @@ async fn auth_query_logs_in_a_user_that_exists_only_in_postgres() {
         &[("PGSLUICE_TEST_AUTH_PASSWORD", "auth-pw".to_owned())],
         &["--config", &config.display().to_string()],
     );
-    let connect = |user: &str, password: &str| {
-        let url = format!(
-            "host={} port={} user={user} password={password} dbname={APP_DB}",
-            p.listen.ip(),
-            p.listen.port()
-        );
-        async move {
-            let (c, conn) = tokio_postgres::connect(&url, tokio_postgres::NoTls).await?;
-            tokio::spawn(conn);
-            Ok::<_, tokio_postgres::Error>(c)
-        }
-    };
+    let connect = |user: &'static str, password: &'static str| login(&p, user, password, APP_DB);
     let mut tasks = Vec::new();
     for _ in 0..3 {
         let c = connect("only_in_pg", "pg-pw")
@@ -1566,4 +1544,21 @@ async fn auth_query_logs_in_a_user_that_exists_only_in_postgres() {
         let e = connect(user, pw).await.map(|_| ()).expect_err("refused");
         assert_eq!(e.code().map(|c| c.code()), Some("28P01"), "{user}: {e:?}");
     }
+}
+
+/// A client of the spawned proxy, logged in as `user` to `db`.
+async fn login(
+    p: &Spawned,
+    user: &str,
+    password: &str,
+    db: &str,
+) -> Result<tokio_postgres::Client, tokio_postgres::Error> {
+    let url = format!(
+        "host={} port={} user={user} password={password} dbname={db}",
+        p.listen.ip(),
+        p.listen.port()
+    );
+    let (c, conn) = tokio_postgres::connect(&url, tokio_postgres::NoTls).await?;
+    tokio::spawn(conn);
+    Ok(c)
 }

@@ -92,6 +92,24 @@ impl Endpoint {
 }
 
 impl ConnectParams {
+    /// Nowhere and as nobody yet: a route fills it in (`pool::Route::apply`).
+    pub fn blank(tls: BackendTlsHandle) -> ConnectParams {
+        ConnectParams {
+            host: String::new(),
+            port: 0,
+            also: Vec::new(),
+            target: crate::config::TargetAttrs::Any,
+            startup: Vec::new(),
+            client_key: None,
+            user: String::new(),
+            password: None,
+            database: String::new(),
+            connect_timeout: Duration::ZERO,
+            tcp_user_timeout: None,
+            tls,
+        }
+    }
+
     /// Where it connects to (see [`Endpoint`]).
     pub fn endpoint(&self) -> Endpoint {
         Endpoint::of(self)

@@ -96,18 +96,10 @@ async fn query(
         )
     };
     let mut params = ConnectParams {
-        host: String::new(),
-        port: 0,
-        also: Vec::new(),
-        target: crate::config::TargetAttrs::Any,
-        startup: Vec::new(),
-        client_key: None,
         user: q.user.clone(),
         password: q.password.clone(),
         database: q.database.clone(),
-        connect_timeout: Duration::ZERO,
-        tcp_user_timeout: None,
-        tls: app.tls.backend(),
+        ..ConnectParams::blank(app.tls.backend())
     };
     params.set_endpoint(crate::app::endpoint(cfg));
     let mut conn = BackendConn::connect(&params, 1)
