@@ -256,21 +256,7 @@ fn spawn(envs: &[(&str, String)], args: &[&str]) -> Spawned {
 
 /// GET with the read token: (status, body).
 fn get(admin: SocketAddr, path: &str) -> (u16, String) {
-    let mut s = TcpStream::connect(admin).expect("connect to the admin API");
-    s.set_read_timeout(Some(Duration::from_secs(10)))
-        .expect("timeout");
-    write!(
-        s,
-        "GET {path} HTTP/1.0\r\nHost: 127.0.0.1\r\nAuthorization: Bearer read\r\n\r\n"
-    )
-    .expect("request");
-    let mut text = String::new();
-    s.read_to_string(&mut text).expect("response");
-    let status = text
-        .split_whitespace()
-        .nth(1)
-        .and_then(|c| c.parse().ok())
-        .unwrap_or(0);
+    let (status, text) = get_as(admin, "127.0.0.1", path);
     let body = text
         .split_once("\r\n\r\n")
         .map_or("", |(_, b)| b)
