@@ -56,7 +56,7 @@ pub struct App {
     /// proxy logs in to Postgres with them. Memory only, bounded.
     pub pass_keys: PassKeys,
     /// Answers of `auth.auth_query` by user name.
-    pub auth_cache: crate::session::auth_query::AuthCache,
+    pub auth_cache: crate::auth::cache::AuthCache,
     /// Databases an operator closed to new client connections (`POST
     /// /v1/databases/{db}/disable`); sessions already open are not touched.
     pub disabled: parking_lot::RwLock<std::collections::BTreeSet<String>>,
@@ -341,13 +341,14 @@ impl App {
                 pool
             })?;
         if let Some(pool) = made {
-            // Probed at once, then twice a second while the process runs.
+            // Probed at once, then twice a second while the process runs; a replica that
+            // cannot answer within 3 s is left out until it does.
             let weak = Arc::downgrade(&pool);
             let stop = self.shutdown.clone();
             tokio::spawn(async move {
                 loop {
                     let Some(p) = weak.upgrade() else { return };
-                    p.probe_replica(Duration::from_secs(1)).await;
+                    p.probe_replica(Duration::from_secs(3)).await;
                     drop(p);
                     tokio::select! {
                         _ = tokio::time::sleep(Duration::from_millis(500)) => {}

@@ -1167,6 +1167,24 @@ async fn the_databases_map_routes_by_database_name() {
 /// routable; `pg_is_in_recovery()` is not on its list and would stay on the primary).
 const READ_ONLY: &str = "SELECT current_setting('transaction_read_only') = 'on'";
 
+/// Waits (at most 15 s) until `c`'s routed read runs on the standby.
+async fn until_standby(c: &tokio_postgres::Client) {
+    let t = Instant::now();
+    loop {
+        let rows = c.simple_query(READ_ONLY).await.expect("read");
+        if rows.iter().any(
+            |m| matches!(m, tokio_postgres::SimpleQueryMessage::Row(r) if r.get(0) == Some("t")),
+        ) {
+            return;
+        }
+        assert!(
+            t.elapsed() < Duration::from_secs(15),
+            "never routed to the replica"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
 /// Replica routing: a `route: replica` caller's reads outside a transaction run on the
 /// database's streaming replica, its writes and transactions on the primary, other callers'
 /// reads on the primary; a replica whose replay lags past `max_replica_lag_ms` is skipped
@@ -1225,14 +1243,7 @@ async fn a_replica_caller_reads_from_the_standby_and_writes_to_the_primary() {
     let web = connect("web").await;
     // The replica pool is made and probed at the first routed read; until the probe has
     // answered, reads fall back to the primary.
-    let t = Instant::now();
-    while !standby(&analytics, READ_ONLY).await {
-        assert!(
-            t.elapsed() < Duration::from_secs(10),
-            "never routed to the replica"
-        );
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+    until_standby(&analytics).await;
     // Writes and explicit transactions of the same caller: the primary.
     let rows = analytics
         .simple_query(
@@ -1252,7 +1263,8 @@ async fn a_replica_caller_reads_from_the_standby_and_writes_to_the_primary() {
         )
         .await
     );
-    assert!(standby(&analytics, READ_ONLY).await);
+    // (Eventually: on a loaded machine a probe can time out and send a read to the primary.)
+    until_standby(&analytics).await;
     // A write pipelined behind a routed read waits for that read and runs on the primary
     // (the replica's backend never sees it).
     for _ in 0..5 {
@@ -1287,7 +1299,7 @@ async fn a_replica_caller_reads_from_the_standby_and_writes_to_the_primary() {
     .await
     .expect("rules put");
     assert!(ok, "{out}{err}");
-    assert!(standby(&web, READ_ONLY).await, "the rule routed web's read");
+    until_standby(&web).await;
     assert!(
         !standby(
             &web,

@@ -738,6 +738,9 @@ async fn incident_controls_pause_resume_reconnect_list_kill_and_disable() {
 const CAPS_YAML: &str = "\
 pool:
   max_db_connections: 3
+  checkout_timeout_ms: 15000
+global_defaults:
+  queue_timeout_ms: 15000
 auth:
   users:
     - { name: app2, password: secret2 }

@@ -12,6 +12,7 @@
 //! not tell which users exist. (Real verifiers get fresh salts when the config is reloaded;
 //! so does the mock secret.)
 
+pub mod cache;
 pub mod passthrough;
 
 use std::borrow::Cow;

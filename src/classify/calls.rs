@@ -19,8 +19,8 @@
 //! - Built-ins reached through an operator, a trigger or a cast a client defined are beyond
 //!   any reading of the text; docs/OPERATIONS.md names that limit and its remedy.
 
-use super::kind::Stmt;
 use super::normalize::Class;
+use super::stmt::Stmt;
 
 /// What a `name(` in a statement is.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

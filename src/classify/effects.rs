@@ -20,8 +20,8 @@
 //!   classifier's answer is "no effect" only when every call in the statement is a built-in
 //!   function known not to touch session state.
 
-use super::kind::Stmt;
 use super::normalize::Class;
+use super::stmt::Stmt;
 
 /// Upper bound on effects reported for one statement string.
 pub const MAX_EFFECTS: usize = 64;

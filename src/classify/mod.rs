@@ -44,6 +44,7 @@ pub mod kind;
 mod normalize;
 mod scan;
 mod shape;
+mod stmt;
 pub mod tags;
 
 pub use caller::{CallerId, CallerMatcher, CallerRule, Cidr, CidrError, DEFAULT_CALLER_NAME};

@@ -27,14 +27,13 @@ use std::time::Duration;
 
 use arc_swap::ArcSwap;
 use parking_lot::Mutex;
-use prometheus::core::Collector;
 use prometheus::{
     Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge, IntGaugeVec, Opts,
     Registry, TextEncoder,
 };
 
-use super::pool_series::PoolSeries;
 pub use super::pool_series::{MAX_POOL_SERIES, PoolSample};
+use super::pool_series::{PoolSeries, reg};
 
 /// Refusal reasons with pre-resolved per-caller counters (the policy's `RefusalKind` labels).
 pub const KNOWN_REASONS: [&str; 6] = [
@@ -283,16 +282,6 @@ struct ScrapeSeries {
     caller_admitted: IntCounterVec,
     rules: IntGauge,
     fingerprints_tracked: IntGauge,
-}
-
-/// Registers a collector. Names, help texts and label names are constants of this file and
-/// `pool_series`, so failure is a programming error caught by the unit tests, never
-/// something input can reach.
-pub(super) fn reg<C: Collector + Clone + 'static>(r: &Registry, c: prometheus::Result<C>) -> C {
-    let c = c.expect("static metric definition is valid");
-    r.register(Box::new(c.clone()))
-        .expect("metric names are unique");
-    c
 }
 
 fn counter_vec(r: &Registry, name: &str, help: &str, labels: &[&str]) -> IntCounterVec {

@@ -8,9 +8,18 @@
 //! (whose `database` and `user` are `other` too), so a client inventing database names cannot
 //! grow the exposition.
 
+use prometheus::core::Collector;
 use prometheus::{CounterVec, IntCounterVec, IntGaugeVec, Opts, Registry};
 
-use super::metrics::reg;
+/// Registers a collector (for `metrics` too). Names, help texts and label names are
+/// constants of this file and `metrics`, so failure is a programming error caught by the unit
+/// tests, never something input can reach.
+pub(super) fn reg<C: Collector + Clone + 'static>(r: &Registry, c: prometheus::Result<C>) -> C {
+    let c = c.expect("static metric definition is valid");
+    r.register(Box::new(c.clone()))
+        .expect("metric names are unique");
+    c
+}
 
 /// Most pools with series of their own: pools are per (database, user), and a logged-in
 /// client chooses the database name.

@@ -5,16 +5,12 @@
 //! user use SCRAM pass-through (`auth::passthrough`).
 //!
 //! Answers are cached per name (`cache_ttl_ms`; "no such user" for `negative_ttl_ms`), at
-//! most [`MAX_CACHED`] names, so a flood of logins — or of made-up names — costs Postgres at
+//! most `auth::cache::MAX_CACHED` names, so a flood of logins — or of made-up names — costs Postgres at
 //! most one query per name per TTL. A name with no row, or a NULL verifier, is an unknown
 //! user (the mock exchange, 28P01: nothing tells which names exist). An md5 hash is refused
 //! with a message that says why. A failed lookup is FATAL with the reason, never cached.
 
-use std::collections::HashMap;
 use std::time::Duration;
-
-use parking_lot::Mutex;
-use tokio::time::Instant;
 
 use super::params;
 use crate::app::App;
@@ -22,40 +18,6 @@ use crate::auth::{UserAuth, Verifier};
 use crate::config::AuthMethod;
 use crate::pool::{BackendConn, ConnectParams};
 use crate::protocol::PgError;
-
-/// Most names whose answers are kept.
-pub const MAX_CACHED: usize = 10_000;
-
-/// Answers by user name: when they were read, and the verifier (`None`: no such user).
-#[derive(Default)]
-pub struct AuthCache {
-    map: Mutex<HashMap<String, (Instant, Option<Verifier>)>>,
-}
-
-impl AuthCache {
-    fn get(&self, user: &str, ttl: Duration, negative_ttl: Duration) -> Option<Option<Verifier>> {
-        let map = self.map.lock();
-        let (at, v) = map.get(user)?;
-        let ttl = if v.is_some() { ttl } else { negative_ttl };
-        (at.elapsed() < ttl).then(|| v.clone())
-    }
-
-    fn put(&self, user: &str, v: Option<Verifier>, ttl: Duration) {
-        let mut map = self.map.lock();
-        if map.len() >= MAX_CACHED && !map.contains_key(user) {
-            map.retain(|_, (at, _)| at.elapsed() < ttl);
-            if map.len() >= MAX_CACHED {
-                return;
-            }
-        }
-        map.insert(user.to_owned(), (Instant::now(), v));
-    }
-
-    /// Forgets every answer (a reload may point the query elsewhere).
-    pub fn clear(&self) {
-        self.map.lock().clear();
-    }
-}
 
 /// The credentials of `user` from `auth.auth_query`: `Ok(None)` when none is configured or
 /// Postgres has no such user.
