@@ -374,7 +374,15 @@ async fn run(
     });
     tokio::spawn(app.clone().maintain());
     pgsluice::probe::spawn(app.clone())?;
-    let fleet = tokio::spawn(pgsluice::fleet::run(app.clone()));
+    let fleet = tokio::spawn({
+        let app = app.clone();
+        async move {
+            if let Some(f) = app.fleet.clone() {
+                let peer_id = app.config.load().peer_id;
+                pgsluice::fleet::run(f, &app.policy, peer_id, app.shutdown.clone()).await;
+            }
+        }
+    });
     if let Some(peer) = peer {
         tokio::spawn(pgsluice::server::serve_peer_cancels(app.clone(), peer));
     }

@@ -56,8 +56,8 @@ use serde::Serialize;
 use tokio::time::Instant;
 
 use self::store::{Keys, Member, RuleSnapshot, Scripts};
-use crate::app::App;
 use crate::config::{Config, FleetConfig, PeerConfig, check_dial_addr};
+use crate::policy::Policy;
 use crate::policy::rules::{MAX_RULE_JSON_BYTES, RuleSet, StoredRule};
 
 /// How often fleet buckets are topped up even if nobody woke the filler.
@@ -313,8 +313,8 @@ impl Fleet {
     }
 
     /// One connected stretch: returns when Redis fails (or never, until cancelled).
-    async fn session(&self, app: &App) -> redis::RedisResult<()> {
-        let rules = app.policy.rules();
+    async fn session(&self, policy: &Policy) -> redis::RedisResult<()> {
+        let rules = policy.rules();
         let config = redis::AsyncConnectionConfig::new()
             .set_connection_timeout(Some(CALL_TIMEOUT))
             .set_response_timeout(Some(CALL_TIMEOUT));
@@ -340,7 +340,7 @@ impl Fleet {
                 "fleet: seeded an empty Redis with this instance's rules"
             );
         }
-        self.beat(&mut conn, app).await?;
+        self.beat(&mut conn, policy).await?;
         *self.conn.lock() = Some(conn.clone());
         self.set_up(true, rules);
 
@@ -352,7 +352,7 @@ impl Fleet {
         let gate = Arc::clone(rules.gate());
         loop {
             tokio::select! {
-                _ = beat.tick() => self.beat(&mut conn, app).await?,
+                _ = beat.tick() => self.beat(&mut conn, policy).await?,
                 msg = messages.next() => match msg {
                     Some(_) => self.sync(&mut conn, rules).await?,
                     None => return Err(redis::RedisError::from(std::io::Error::other(
@@ -366,7 +366,11 @@ impl Fleet {
     }
 
     /// Heartbeat: renew membership, learn the live set, catch up on rules if behind.
-    async fn beat(&self, conn: &mut MultiplexedConnection, app: &App) -> redis::RedisResult<()> {
+    async fn beat(
+        &self,
+        conn: &mut MultiplexedConnection,
+        policy: &Policy,
+    ) -> redis::RedisResult<()> {
         let ttl = u64::try_from(self.heartbeat.as_millis() * 3).unwrap_or(u64::MAX);
         if self.claimed_peer_id {
             let renew = self.scripts.renew_peer_id(
@@ -424,11 +428,11 @@ impl Fleet {
             *last = refused;
         }
         *self.members.lock() = members;
-        app.policy.set_fleet_members(n);
+        policy.set_fleet_members(n);
         let stamp = (hb.epoch, hb.version);
         let expired = unix_ms() >= self.next_expiry.load(Ordering::Relaxed);
         if expired || self.applied.lock().as_ref() != Some(&stamp) {
-            self.sync(conn, app.policy.rules()).await?;
+            self.sync(conn, policy.rules()).await?;
         }
         Ok(())
     }
@@ -524,22 +528,26 @@ fn checked_members(members: Vec<Member>) -> (Vec<Member>, Vec<(String, String)>)
 
 /// The fleet task: connects, runs [`Fleet::session`], and on failure degrades and retries
 /// with full-jitter backoff, until shutdown.
-pub async fn run(app: Arc<App>) {
-    let Some(fleet) = app.fleet.clone() else {
-        return;
-    };
-    if app.config.load().peer_id == 0 {
+/// It takes what it uses: the fleet, the policy it feeds (rules, member count), this
+/// instance's `peer_id` and the shutdown token.
+pub async fn run(
+    fleet: Arc<Fleet>,
+    policy: &Policy,
+    peer_id: u8,
+    shutdown: tokio_util::sync::CancellationToken,
+) {
+    if peer_id == 0 {
         tracing::info!(
             "fleet: no peer_id, so cancel keys of this instance are not routed by other members"
         );
     }
-    let rules = app.policy.rules();
+    let rules = policy.rules();
     let mut attempt = 0u32;
     loop {
         let started = Instant::now();
         let result = tokio::select! {
-            r = fleet.session(&app) => r,
-            _ = app.shutdown.cancelled() => {
+            r = fleet.session(policy) => r,
+            _ = shutdown.cancelled() => {
                 fleet.leave().await;
                 return;
             }
@@ -560,7 +568,7 @@ pub async fn run(app: Arc<App>) {
         attempt = attempt.saturating_add(1);
         tokio::select! {
             _ = tokio::time::sleep(Duration::from_millis(wait)) => {}
-            _ = app.shutdown.cancelled() => return,
+            _ = shutdown.cancelled() => return,
         }
     }
 }
