@@ -22,14 +22,11 @@ use std::collections::VecDeque;
 use std::sync::Arc;
 use std::time::Duration;
 
-use bytes::BytesMut;
-use tokio::io::AsyncWriteExt;
 use tokio::time::Instant;
 
 use crate::app::App;
 use crate::config::Config;
-use crate::pool::backend::{BackendConn, ConnectError, ConnectParams, read_message};
-use crate::protocol::messages;
+use crate::pool::backend::{BackendConn, ConnectError, ConnectParams};
 
 /// Round trips timed per built-in reading.
 pub const SAMPLES: usize = 5;
@@ -195,38 +192,8 @@ pub async fn read(
 
 /// Runs `sql` and returns the first column of the first row as a number.
 pub async fn scalar(c: &mut BackendConn, sql: &str) -> Result<Option<f64>, ConnectError> {
-    let mut out = BytesMut::new();
-    messages::query(&mut out, sql);
-    c.stream.write_all(&out).await?;
-    let mut buf = BytesMut::new();
-    let mut value = None;
-    let mut error = None;
-    loop {
-        let (tag, body) = read_message(&mut c.stream, &mut buf).await?;
-        match tag {
-            b'D' if value.is_none() && body.len() >= 6 => {
-                let n = i32::from_be_bytes([body[2], body[3], body[4], body[5]]);
-                if n >= 0 && body.len() >= 6 + n as usize {
-                    value = std::str::from_utf8(&body[6..6 + n as usize])
-                        .ok()
-                        .and_then(|s| s.trim().parse::<f64>().ok());
-                }
-            }
-            b'E' => {
-                error = Some(ConnectError::Protocol(
-                    crate::protocol::error::field_of(&body, b'M')
-                        .unwrap_or("probe query failed")
-                        .to_string(),
-                ));
-            }
-            b'Z' => break,
-            _ => {}
-        }
-    }
-    match error {
-        Some(e) => Err(e),
-        None => Ok(value),
-    }
+    let value = c.first_value(sql).await?;
+    Ok(value.and_then(|s| s.trim().parse::<f64>().ok()))
 }
 
 #[cfg(test)]

@@ -622,24 +622,30 @@ impl BackendConn {
         &mut self,
         sql: &str,
     ) -> Result<Option<Vec<Option<String>>>, ConnectError> {
-        let mut out = BytesMut::new();
-        crate::protocol::messages::query(&mut out, sql);
-        self.stream.write_all(&out).await?;
-        let mut buf = BytesMut::new();
-        let (mut err, mut row) = (None, None);
-        loop {
-            let (tag, body) = read_message(&mut self.stream, &mut buf).await?;
-            match tag {
-                b'E' => err = Some(server_error(body)),
-                b'D' if row.is_none() => row = Some(columns(&body)),
-                b'Z' => return err.map_or(Ok(row), Err),
-                _ => {}
+        let mut row = None;
+        self.simple_query(sql, |tag, body| {
+            if tag == b'D' && row.is_none() {
+                row = Some(columns(body));
             }
-        }
+        })
+        .await?;
+        Ok(row)
     }
 
     /// Runs one simple query and waits for ReadyForQuery; `Ok(status)` or the error.
     pub async fn simple(&mut self, sql: &str) -> Result<u8, ConnectError> {
+        self.simple_query(sql, |_, _| {}).await
+    }
+
+    /// The one way the proxy runs a query of its own on a connection it holds: sends `sql`
+    /// as a simple Query, shows every message up to the ReadyForQuery to `each` (type and
+    /// body, errors included), and returns the transaction status — or the first error,
+    /// once the ReadyForQuery has come, so the connection is left between requests.
+    pub async fn simple_query(
+        &mut self,
+        sql: &str,
+        mut each: impl FnMut(u8, &[u8]),
+    ) -> Result<u8, ConnectError> {
         let mut out = BytesMut::new();
         crate::protocol::messages::query(&mut out, sql);
         self.stream.write_all(&out).await?;
@@ -647,15 +653,12 @@ impl BackendConn {
         let mut err = None;
         loop {
             let (tag, body) = read_message(&mut self.stream, &mut buf).await?;
-            match tag {
-                b'E' => err = Some(server_error(body)),
-                b'Z' => {
-                    return match err {
-                        Some(e) => Err(e),
-                        None => Ok(body.first().copied().unwrap_or(b'I')),
-                    };
-                }
-                _ => {}
+            if tag == b'Z' {
+                return err.map_or(Ok(body.first().copied().unwrap_or(b'I')), Err);
+            }
+            each(tag, &body);
+            if tag == b'E' && err.is_none() {
+                err = Some(server_error(body));
             }
         }
     }

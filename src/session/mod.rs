@@ -426,43 +426,32 @@ async fn learn_settings(
         }
         return Ok(());
     };
-    let mut out = BytesMut::new();
-    messages::query(&mut out, &sql);
-    let lost = |e: &dyn std::fmt::Display| {
-        PgError::backend_unavailable(e, app.policy.connection_hint_ms(None)).into_fatal()
-    };
-    let io = |e: std::io::Error| lost(&e);
-    conn.stream.write_all(&out).await.map_err(io)?;
-    let mut buf = BytesMut::new();
     let mut reported: Vec<(String, String)> = Vec::new();
     let mut error = None;
-    loop {
-        let (tag, body) = crate::pool::backend::read_message(&mut conn.stream, &mut buf)
-            .await
-            .map_err(|e| lost(&e))?;
-        match tag {
-            b'S' => {
-                let mut parts = body.split(|&c| c == 0);
-                if let (Some(n), Some(v)) = (parts.next(), parts.next()) {
-                    reported.push((
-                        String::from_utf8_lossy(n).into_owned(),
-                        String::from_utf8_lossy(v).into_owned(),
-                    ));
-                }
+    let run = conn.simple_query(&sql, |tag, body| match tag {
+        b'S' => {
+            let mut parts = body.split(|&c| c == 0);
+            if let (Some(n), Some(v)) = (parts.next(), parts.next()) {
+                reported.push((
+                    String::from_utf8_lossy(n).into_owned(),
+                    String::from_utf8_lossy(v).into_owned(),
+                ));
             }
-            b'E' => {
-                let code = crate::protocol::error::sqlstate_of(&body).unwrap_or("22023");
-                let msg = crate::protocol::error::field_of(&body, b'M')
-                    .unwrap_or("invalid startup parameter");
-                error = Some(PgError::fatal(static_code(code), msg.to_string()));
-            }
-            b'Z' => break,
-            _ => {}
         }
-    }
-    if let Some(e) = error {
-        // The backend is fine (the failed SELECT left nothing behind); the client is not.
-        return Err(e);
+        b'E' if error.is_none() => {
+            let code = crate::protocol::error::sqlstate_of(body).unwrap_or("22023");
+            let msg =
+                crate::protocol::error::field_of(body, b'M').unwrap_or("invalid startup parameter");
+            error = Some(PgError::fatal(static_code(code), msg.to_string()));
+        }
+        _ => {}
+    });
+    if let Err(e) = run.await {
+        // The server's error (the backend is fine: the failed SELECT left nothing behind; the
+        // client is not), or the connection is lost.
+        return Err(error.unwrap_or_else(|| {
+            PgError::backend_unavailable(e, app.policy.connection_hint_ms(None)).into_fatal()
+        }));
     }
     conn.applied = login.settings.clone();
     for (k, v) in &login.settings {

@@ -41,7 +41,7 @@ use crate::protocol::framing::{self, Direction};
 use crate::protocol::messages;
 
 use super::state;
-use super::tracker::{Expect, Kind, Mode, Tracker};
+use super::tracker::{Expect, Kind, Mode, Outbox};
 use super::{End, Login, params, set_cancel_target};
 
 /// A client's named statement (protocol level).
@@ -69,9 +69,9 @@ pub struct Relay {
     rbuf: BytesMut,
     /// Pending writes to the client / the backend.
     cout: BytesMut,
-    bout: BytesMut,
     backend: Option<Pooled>,
-    t: Tracker,
+    /// Bytes for the backend and the replies they are owed, written together.
+    out: Outbox,
     stmts: HashMap<Bytes, Stmt>,
     /// Body bytes of a client CopyData frame still to stream through.
     client_pass: usize,
@@ -237,9 +237,8 @@ impl Relay {
             // Buffers grow on first use: an idle client costs little more than its socket.
             rbuf: BytesMut::new(),
             cout: BytesMut::new(),
-            bout: BytesMut::new(),
             backend: None,
-            t: Tracker::default(),
+            out: Outbox::default(),
             stmts: HashMap::new(),
             client_pass: 0,
             client_drop: 0,
@@ -379,8 +378,8 @@ impl Relay {
     /// otherwise. Each limit is looked up once per idle period.
     fn arm_idle_timers(&mut self) {
         use crate::clients::ClientState;
-        let waiting_for_client = !self.t.in_flight() && self.bout.is_empty();
-        let in_txn = self.backend.is_some() && self.t.txn != b'I';
+        let waiting_for_client = !self.out.t.in_flight() && self.out.is_empty();
+        let in_txn = self.backend.is_some() && self.out.t.txn != b'I';
         self.cancel
             .client
             .set_state(match (waiting_for_client, in_txn) {
@@ -555,7 +554,7 @@ impl Relay {
                     break;
                 }
                 let chunk = self.cbuf.split_to(take);
-                self.bout.extend_from_slice(&chunk);
+                self.out.pass(&chunk);
                 self.client_pass -= take;
                 continue;
             }
@@ -599,7 +598,7 @@ impl Relay {
                 if h.tag == b'd' && self.backend.is_some() && !self.skip_to_sync {
                     let have = self.cbuf.len();
                     let chunk = self.cbuf.split();
-                    self.bout.extend_from_slice(&chunk);
+                    self.out.pass(&chunk);
                     self.client_pass = h.total - have;
                 }
                 break;
@@ -608,7 +607,7 @@ impl Relay {
             self.on_client_frame(h.tag, frame, client).await?;
         }
         self.flush_backend().await?;
-        self.t.answer_synthetic(&mut self.cout);
+        self.out.t.answer_synthetic(&mut self.cout);
         self.flush_client(client).await?;
         self.maybe_release().await
     }
@@ -623,7 +622,7 @@ impl Relay {
         if self.skip_to_sync {
             if tag == b'S' {
                 self.skip_to_sync = false;
-                messages::ready_for_query(&mut self.cout, self.t.txn);
+                messages::ready_for_query(&mut self.cout, self.out.t.txn);
             } else if tag == b'X' {
                 return Err(End::Terminated);
             }
@@ -642,13 +641,13 @@ impl Relay {
                 // CopyInResponse has come back (pgx does), and the server reads them in order.
                 // Outside COPY, Postgres ignores them itself; with no backend we do.
                 if self.backend.is_some() {
-                    self.bout.extend_from_slice(&frame);
+                    self.out.pass(&frame);
                 }
                 return Ok(());
             }
             b'H' => {
                 if self.backend.is_some() {
-                    self.bout.extend_from_slice(&frame);
+                    self.out.pass(&frame);
                 }
                 return Ok(());
             }
@@ -667,13 +666,12 @@ impl Relay {
         }
         match tag {
             b'S' => {
-                self.expect_ready(Expect::new(Kind::Sync, Mode::Forward));
-                self.bout.extend_from_slice(&frame);
+                self.send_ready(Expect::new(Kind::Sync, Mode::Forward), &frame);
                 self.restore_timeouts();
             }
             b'E' => {
-                self.t.push(Expect::new(Kind::Execute, Mode::Forward));
-                self.bout.extend_from_slice(&frame);
+                self.out
+                    .send(Expect::new(Kind::Execute, Mode::Forward), &frame);
             }
             b'D' | b'C' => self.on_target(tag, frame, &body)?,
             _ => {
@@ -692,10 +690,15 @@ impl Relay {
         )))
     }
 
-    /// A client ReadyForQuery-bearing request (Query, Sync, FunctionCall).
-    fn expect_ready(&mut self, e: Expect) {
+    /// A ReadyForQuery-bearing request (Query, Sync, FunctionCall) the client sees answered.
+    fn send_ready(&mut self, e: Expect, frame: &[u8]) {
+        self.send_ready_with(e, |buf| buf.extend_from_slice(frame));
+    }
+
+    /// [`Relay::send_ready`] for a request written in place.
+    fn send_ready_with(&mut self, e: Expect, write: impl FnOnce(&mut BytesMut)) {
         self.ready_sent += 1;
-        self.t.push(e);
+        self.out.send_with(e, write);
     }
 
     async fn on_query<S: AsyncRead + AsyncWrite + Unpin>(
@@ -746,11 +749,12 @@ impl Relay {
                 // One injected statement: its RowDescription, DataRow and CommandComplete.
                 e.skip_complete = 1;
                 e.pos_shift = p.chars().count() as u32;
-                messages::raw(&mut self.bout, b'Q', &[p.as_bytes(), sql, b"\0"]);
+                self.send_ready_with(e, |buf| {
+                    messages::raw(buf, b'Q', &[p.as_bytes(), sql, b"\0"])
+                });
             }
-            None => self.bout.extend_from_slice(&frame),
+            None => self.send_ready(e, &frame),
         }
-        self.expect_ready(e);
         self.restore_timeouts();
         self.track_statement(class, self.ready_sent);
         Ok(())
@@ -776,8 +780,7 @@ impl Relay {
             return self.refuse_statement(b'F', e);
         }
         self.inject_timeouts(timeouts, &class, true);
-        self.expect_ready(Expect::new(Kind::FunctionCall, Mode::Forward));
-        self.bout.extend_from_slice(&frame);
+        self.send_ready(Expect::new(Kind::FunctionCall, Mode::Forward), &frame);
         self.restore_timeouts();
         self.track_statement(class, self.ready_sent);
         Ok(())
@@ -836,8 +839,8 @@ impl Relay {
                 Bytes::new()
             };
             self.unnamed_class = Some(class);
-            self.t.push(Expect::new(Kind::Parse, Mode::Forward));
-            self.bout.extend_from_slice(&frame);
+            self.out
+                .send(Expect::new(Kind::Parse, Mode::Forward), &frame);
             return Ok(());
         }
         if self.mode == PoolMode::Session {
@@ -852,8 +855,8 @@ impl Relay {
                     class,
                 },
             );
-            self.t.push(Expect::new(Kind::Parse, Mode::Forward));
-            self.bout.extend_from_slice(&frame);
+            self.out
+                .send(Expect::new(Kind::Parse, Mode::Forward), &frame);
             return Ok(());
         }
         let mut h = Xxh3::with_seed(self.app.statement_seed);
@@ -870,7 +873,7 @@ impl Relay {
         // Redefining a name replaces it (drivers close before reuse; we stay lenient).
         self.stmts.insert(body.slice_ref(name), stmt);
         if self.is_prepared(hash, query, types) {
-            self.t.push(Expect::new(Kind::Parse, Mode::Synthetic));
+            self.out.answer_here(Kind::Parse);
         } else {
             self.prepare_on_backend(hash, query, types, Mode::Forward);
         }
@@ -900,17 +903,22 @@ impl Relay {
         let conn = self.backend_conn();
         if let Some(i) = conn.stale.iter().position(|h| *h == hash) {
             conn.stale.swap_remove(i);
-            messages::target(&mut self.bout, b'C', b'S', &server_name(hash));
-            self.t.push(Expect::new(Kind::Close, Mode::Swallow));
+            self.out
+                .send_with(Expect::new(Kind::Close, Mode::Swallow), |buf| {
+                    messages::target(buf, b'C', b'S', &server_name(hash))
+                });
         }
         if let Some(old) = self.backend_conn().prepared.insert(hash, query, types) {
-            messages::target(&mut self.bout, b'C', b'S', &server_name(old));
-            self.t.push(Expect::new(Kind::Close, Mode::Swallow));
+            self.out
+                .send_with(Expect::new(Kind::Close, Mode::Swallow), |buf| {
+                    messages::target(buf, b'C', b'S', &server_name(old))
+                });
         }
-        messages::parse_named(&mut self.bout, &server_name(hash), query, types);
         let mut e = Expect::new(Kind::Parse, mode);
         e.stmt = Some(hash);
-        self.t.push(e);
+        self.out.send_with(e, |buf| {
+            messages::parse_named(buf, &server_name(hash), query, types)
+        });
     }
 
     /// Makes sure the client's statement `name` exists on this backend; returns its proxy name.
@@ -979,11 +987,12 @@ impl Relay {
         let server = self.ensure_prepared(stmt);
         let mut e = Expect::new(Kind::Bind, Mode::Forward);
         e.target = self.stmts.get(stmt).map(|s| s.hash).filter(|_| renamed);
-        self.t.push(e);
         match server {
-            Some(server) => messages::bind_renamed(&mut self.bout, portal, &server, tail),
+            Some(server) => self
+                .out
+                .send_with(e, |buf| messages::bind_renamed(buf, portal, &server, tail)),
             // Unnamed, or unknown to us: Postgres gives the client the right error.
-            None => self.bout.extend_from_slice(&frame),
+            None => self.out.send(e, &frame),
         }
         Ok(())
     }
@@ -1000,28 +1009,28 @@ impl Relay {
                     .get(name)
                     .map(|s| s.hash)
                     .filter(|_| self.mode == PoolMode::Transaction);
-                self.t.push(e);
                 match server {
-                    Some(server) => messages::target(&mut self.bout, b'D', b'S', &server),
-                    None => self.bout.extend_from_slice(&frame),
+                    Some(server) => self
+                        .out
+                        .send_with(e, |buf| messages::target(buf, b'D', b'S', &server)),
+                    None => self.out.send(e, &frame),
                 }
             }
             (b'D', _) => {
-                self.t
-                    .push(Expect::new(Kind::DescribePortal, Mode::Forward));
-                self.bout.extend_from_slice(&frame);
+                self.out
+                    .send(Expect::new(Kind::DescribePortal, Mode::Forward), &frame);
             }
             (b'C', b'S') if !name.is_empty() && self.mode == PoolMode::Transaction => {
                 // The server statement stays cached for others; only the client's name goes.
                 self.stmts.remove(name);
-                self.t.push(Expect::new(Kind::Close, Mode::Synthetic));
+                self.out.answer_here(Kind::Close);
             }
             _ => {
                 if kind == b'S' {
                     self.stmts.remove(name);
                 }
-                self.t.push(Expect::new(Kind::Close, Mode::Forward));
-                self.bout.extend_from_slice(&frame);
+                self.out
+                    .send(Expect::new(Kind::Close, Mode::Forward), &frame);
             }
         }
         Ok(())
@@ -1113,20 +1122,25 @@ impl Relay {
     /// (an injected `DO … RAISE`), so the transaction aborts exactly as for any error there;
     /// otherwise it is answered by the proxy and nothing reaches the database.
     fn refuse_statement(&mut self, tag: u8, e: PgError) -> Result<(), End> {
-        if self.backend.is_none() || (self.t.txn == b'I' && !self.t.in_flight()) {
+        if self.backend.is_none() || (self.out.t.txn == b'I' && !self.out.t.in_flight()) {
             return self.refuse(tag, e);
         }
         let sql = raise_sql(&e);
         if tag == b'Q' || tag == b'F' {
-            messages::query(&mut self.bout, &sql);
-            self.expect_ready(Expect::new(Kind::Query, Mode::Forward));
+            self.send_ready_with(Expect::new(Kind::Query, Mode::Forward), |buf| {
+                messages::query(buf, &sql)
+            });
         } else {
-            messages::parse_named(&mut self.bout, b"", sql.as_bytes(), b"\0\0");
-            self.t.push(Expect::new(Kind::Parse, Mode::Swallow));
-            messages::bind_renamed(&mut self.bout, b"", b"", b"\0\0\0\0\0\0");
-            self.t.push(Expect::new(Kind::Bind, Mode::Swallow));
-            messages::raw(&mut self.bout, b'E', &[b"\0", &0i32.to_be_bytes()]);
-            self.t.push(Expect::new(Kind::Execute, Mode::Swallow));
+            let o = &mut self.out;
+            o.send_with(Expect::new(Kind::Parse, Mode::Swallow), |buf| {
+                messages::parse_named(buf, b"", sql.as_bytes(), b"\0\0")
+            });
+            o.send_with(Expect::new(Kind::Bind, Mode::Swallow), |buf| {
+                messages::bind_renamed(buf, b"", b"", b"\0\0\0\0\0\0")
+            });
+            o.send_with(Expect::new(Kind::Execute, Mode::Swallow), |buf| {
+                messages::raw(buf, b'E', &[b"\0", &0i32.to_be_bytes()])
+            });
         }
         Ok(())
     }
@@ -1185,8 +1199,7 @@ impl Relay {
         let conn = b.conn();
         if let Some(sql) = params::apply_sql(&conn.applied, &self.login.settings) {
             conn.applied = self.login.settings.clone();
-            messages::query(&mut self.bout, &sql);
-            self.t.push(Expect::new(Kind::Query, Mode::Swallow));
+            self.out.query(Mode::Swallow, &sql);
         }
         set_cancel_target(&self.cancel, Some(&mut b)).await;
         self.backend = Some(b);
@@ -1209,9 +1222,9 @@ impl Relay {
         self.unit_pool = None;
         let rule_route = self.rule_route.take();
         let eligible = self.backend.is_none()
-            && self.t.txn == b'I'
-            && !self.t.in_flight()
-            && self.bout.is_empty()
+            && self.out.t.txn == b'I'
+            && !self.out.t.in_flight()
+            && self.out.is_empty()
             && !self.pinned
             && self.mode == PoolMode::Transaction
             && class.kind == crate::classify::StmtKind::Read
@@ -1264,8 +1277,8 @@ impl Relay {
         }
         e.encode(&mut self.cout);
         match tag {
-            b'Q' | b'F' => messages::ready_for_query(&mut self.cout, self.t.txn),
-            b'S' => messages::ready_for_query(&mut self.cout, self.t.txn),
+            b'Q' | b'F' => messages::ready_for_query(&mut self.cout, self.out.t.txn),
+            b'S' => messages::ready_for_query(&mut self.cout, self.out.t.txn),
             _ => self.skip_to_sync = true,
         }
         Ok(())
@@ -1287,7 +1300,7 @@ impl Relay {
                 self.backend_pass -= take;
                 continue;
             }
-            self.t.answer_synthetic(&mut self.cout);
+            self.out.t.answer_synthetic(&mut self.cout);
             let h = match framing::header(&self.rbuf, Direction::Backend) {
                 Ok(Some(h)) => h,
                 Ok(None) => break,
@@ -1297,8 +1310,8 @@ impl Relay {
                 }
             };
             if self.rbuf.len() < h.total {
-                if matches!(h.tag, b'D' | b'd') && !self.t.capturing() {
-                    let step = self.t.on_backend(h.tag, None);
+                if matches!(h.tag, b'D' | b'd') && !self.out.t.capturing() {
+                    let step = self.out.t.on_backend(h.tag, None);
                     let have = self.rbuf.len();
                     let chunk = self.rbuf.split();
                     if step.forward {
@@ -1315,7 +1328,7 @@ impl Relay {
                 self.note_stale_plan(body);
             }
             let swallow = self.retry.is_some() && self.retry_filter(h.tag, body);
-            let step = self.t.on_backend(h.tag, body.first().copied());
+            let step = self.out.t.on_backend(h.tag, body.first().copied());
             if swallow {
                 if h.tag == b'Z' {
                     self.retry_replay();
@@ -1376,9 +1389,9 @@ impl Relay {
             }
         }
         if self.backend_pass == 0 {
-            self.t.answer_synthetic(&mut self.cout);
+            self.out.t.answer_synthetic(&mut self.cout);
         }
-        if !self.t.in_flight() {
+        if !self.out.t.in_flight() {
             // The statements the backstop was armed for are answered. Left armed, it would
             // cancel whatever the client runs next in the same transaction (and, if that one
             // were silent, give up its connection); a later statement arms its own.
@@ -1394,7 +1407,7 @@ impl Relay {
         let stale = crate::protocol::error::sqlstate_of(body) == Some("0A000")
             && field_of(body, b'M')
                 .is_some_and(|m| m.contains("cached plan must not change result type"));
-        if let (true, Some(hash)) = (stale, self.t.head_target()) {
+        if let (true, Some(hash)) = (stale, self.out.t.head_target()) {
             let conn = self.backend_conn();
             conn.prepared.remove(hash);
             if !conn.stale.contains(&hash) {
@@ -1427,7 +1440,7 @@ impl Relay {
     }
 
     async fn flush_backend(&mut self) -> Result<(), End> {
-        if self.bout.is_empty() {
+        if self.out.is_empty() {
             return Ok(());
         }
         if let Some(h) = self.backstop_cancel.take() {
@@ -1435,21 +1448,21 @@ impl Relay {
             let _ = h.await;
         }
         let Some(b) = self.backend.as_mut() else {
-            self.bout.clear();
+            self.out.clear();
             return Ok(());
         };
-        let r = b.conn().stream.write_all(&self.bout).await;
-        self.bout.clear();
+        let r = b.conn().stream.write_all(self.out.pending()).await;
+        self.out.clear();
         r.map_err(|_| self.backend_gone())
     }
 
     /// In transaction mode, returns the backend once it is idle with nothing owed (after
     /// reading back its session settings if the client changed them).
     async fn maybe_release(&mut self) -> Result<(), End> {
-        let quiet = self.t.idle()
+        let quiet = self.out.t.idle()
             && self.backend_pass == 0
             && self.rbuf.is_empty()
-            && self.bout.is_empty()
+            && self.out.is_empty()
             && !self.skip_to_sync;
         if !quiet {
             return Ok(());
@@ -1463,8 +1476,7 @@ impl Relay {
             self.capture_needed = false;
             self.captured.clear();
             let sql = state::capture_sql(&self.pool.login_user(), &self.custom_gucs);
-            messages::query(&mut self.bout, &sql);
-            self.t.push(Expect::new(Kind::Query, Mode::Capture));
+            self.out.query(Mode::Capture, &sql);
             return self.flush_backend().await;
         }
         self.end_unit();
@@ -1493,7 +1505,7 @@ impl Relay {
     /// the backend cannot be released to another client before the cancel has arrived, and
     /// if it was released (or lent again) before the cancel could start, none is sent.
     fn cancel_backend_query(&mut self, why: &'static str) -> Option<tokio::task::JoinHandle<()>> {
-        if !self.t.in_flight() {
+        if !self.out.t.in_flight() {
             return None;
         }
         let b = self.backend.as_mut()?;
@@ -1546,7 +1558,7 @@ impl Relay {
         if let Some(b) = self.backend.take() {
             b.discard();
         }
-        if self.t.in_flight() {
+        if self.out.t.in_flight() {
             self.app.policy.record_backend_result(false);
         }
         self.end_unit();
@@ -1580,18 +1592,18 @@ impl Relay {
         // read back, a read-back or re-apply still unanswered, budgets not yet put back,
         // replies still owed. Assume the worst: DISCARD ALL before anyone else gets it.
         if self.capture_needed
-            || self.t.capturing()
+            || self.out.t.capturing()
             || self.restore_after.is_some()
-            || !self.t.idle()
+            || !self.out.t.idle()
         {
             b.conn().dirty.all = true;
         }
         let cleanup = Cleanup {
-            pending_ready: self.t.pending_ready() + usize::from(self.t.sync_pending),
-            in_flight: self.t.in_flight(),
-            copy_in: self.t.copy_in,
-            sync_pending: self.t.sync_pending,
-            txn: self.t.txn,
+            pending_ready: self.out.t.pending_ready() + usize::from(self.out.t.sync_pending),
+            in_flight: self.out.t.in_flight(),
+            copy_in: self.out.t.copy_in,
+            sync_pending: self.out.t.sync_pending,
+            txn: self.out.t.txn,
             skip: self.backend_pass,
             buffered: std::mem::take(&mut self.rbuf),
             session_mode: self.mode == PoolMode::Session,

@@ -13,6 +13,11 @@ use bytes::BytesMut;
 
 use crate::protocol::messages;
 
+mod outbox;
+pub use outbox::Outbox;
+#[cfg(test)]
+mod oracle_tests;
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Kind {
     Parse,
@@ -113,7 +118,8 @@ impl Default for Tracker {
 }
 
 impl Tracker {
-    pub fn push(&mut self, e: Expect) {
+    /// Private to this module: requests are queued through [`Outbox`], with their bytes.
+    fn push(&mut self, e: Expect) {
         match e.kind {
             Kind::Sync => self.sync_pending = false,
             Kind::Query | Kind::FunctionCall => {}

@@ -10,13 +10,11 @@
 
 use std::time::Duration;
 
-use bytes::BytesMut;
 use pgsluice::config::BackendUrl;
-use pgsluice::pool::backend::{BackendConn, ConnectError, ConnectParams, read_message};
+use pgsluice::pool::backend::{BackendConn, ConnectError, ConnectParams};
 
 use super::login;
 use pgsluice::protocol::error::field_of;
-use pgsluice::protocol::messages;
 use tokio::io::AsyncWriteExt;
 
 /// Why an attempt failed.
@@ -218,45 +216,6 @@ pub async fn connect_from(
 /// One simple query; `Ok` at ReadyForQuery without an error.
 pub async fn run(conn: &mut BackendConn, sql: &str) -> Result<(), Failure> {
     conn.simple(sql).await.map(|_| ()).map_err(|e| classify(&e))
-}
-
-/// First column of the first row of a simple query, as text (`None` for NULL or no row).
-pub async fn scalar(conn: &mut BackendConn, sql: &str) -> Result<Option<String>, ConnectError> {
-    let mut out = BytesMut::new();
-    messages::query(&mut out, sql);
-    conn.stream.write_all(&out).await?;
-    let mut buf = BytesMut::new();
-    let mut value = None;
-    let mut err = None;
-    loop {
-        let (tag, body) = read_message(&mut conn.stream, &mut buf).await?;
-        match tag {
-            b'D' if value.is_none() => value = Some(first_column(&body)),
-            b'E' => {
-                let msg = field_of(&body, b'M').unwrap_or("error").to_owned();
-                err = Some(ConnectError::Protocol(msg));
-            }
-            b'Z' => {
-                return match err {
-                    Some(e) => Err(e),
-                    None => Ok(value.flatten()),
-                };
-            }
-            _ => {}
-        }
-    }
-}
-
-/// DataRow body → first column as text.
-fn first_column(body: &[u8]) -> Option<String> {
-    let n = i16::from_be_bytes([*body.first()?, *body.get(1)?]);
-    if n < 1 {
-        return None;
-    }
-    let len = i32::from_be_bytes(body.get(2..6)?.try_into().ok()?);
-    let len = usize::try_from(len).ok()?; // -1 = NULL
-    let v = body.get(6..6 + len)?;
-    Some(String::from_utf8_lossy(v).into_owned())
 }
 
 /// Sends Terminate and drops the connection (so the server does not log an unexpected EOF).

@@ -40,7 +40,7 @@ pub async fn start(
         .map_err(|f| format!("monitor connection failed: {f:?}"))?;
     let sql = count_sql(user);
     // Probe once so a bad monitor URL fails loudly instead of silently reporting nothing.
-    client::scalar(&mut conn, &sql)
+    conn.first_value(&sql)
         .await
         .map_err(|e| format!("monitor query failed: {e}"))?;
     Ok(on.spawn(async move {
@@ -51,7 +51,7 @@ pub async fn start(
                 _ = tick.tick() => {}
                 _ = stop.cancelled() => break,
             }
-            match client::scalar(&mut conn, &sql).await {
+            match conn.first_value(&sql).await {
                 Ok(Some(v)) => {
                     if let Ok(n) = v.parse::<u64>() {
                         rec.backends(n);

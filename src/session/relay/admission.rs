@@ -289,7 +289,7 @@ impl Relay {
         if self.txn_start.is_none() {
             self.txn_start = first_sent;
         }
-        if self.t.txn == b'I'
+        if self.out.t.txn == b'I'
             && let Some(started) = self.txn_start.take()
         {
             let stats = counted(&self.backend, &self.pool);
@@ -353,33 +353,31 @@ impl Relay {
             || matches!(class.kind, StmtKind::Transaction | StmtKind::Session)
             // SHOW reports settings: it must see the client's, not ours.
             || class.normalized.get(..4).is_some_and(|w| w.eq_ignore_ascii_case("show"))
-            || self.t.txn == b'E'
+            || self.out.t.txn == b'E'
             // An empty query (or only a comment) must still answer EmptyQueryResponse.
             || class.normalized.trim().is_empty()
         {
             return None;
         }
         self.arm_backstop(t);
-        if class.own_transaction && self.t.txn == b'I' {
+        if class.own_transaction && self.out.t.txn == b'I' {
             // `VACUUM`, `CREATE INDEX CONCURRENTLY`, `CALL`, a FunctionCall: no SET LOCAL can
             // share their transaction. The budget is set for the session in a request of its
             // own before theirs and put back after it (`restore_timeouts`). That needs a gap
             // between requests: in the middle of an extended batch only the backstop holds.
-            if self.t.sync_pending || self.restore_after.is_some() {
+            if self.out.t.sync_pending || self.restore_after.is_some() {
                 return None;
             }
-            messages::query(&mut self.bout, &session_timeout_sql(t));
-            self.t.push(Expect::new(Kind::Query, Mode::Swallow));
+            self.out.query(Mode::Swallow, &session_timeout_sql(t));
             self.restore_after = Some(restore_timeout_sql(t));
             return None;
         }
         let sql = timeout_sql(t);
         if simple {
-            if self.t.txn == b'I' {
+            if self.out.t.txn == b'I' {
                 return Some(format!("{sql};"));
             }
-            messages::query(&mut self.bout, &sql);
-            self.t.push(Expect::new(Kind::Query, Mode::Swallow));
+            self.out.query(Mode::Swallow, &sql);
             return None;
         }
         let hash = xxhash_rust::xxh3::xxh3_64_with_seed(sql.as_bytes(), self.app.statement_seed);
@@ -390,12 +388,16 @@ impl Relay {
             self.prepare_on_backend(hash, sql.as_bytes(), NO_TYPES, Mode::Swallow);
         }
         // No parameters, text results.
-        messages::bind_renamed(&mut self.bout, PORTAL, &name, b"\0\0\0\0\0\0");
-        self.t.push(Expect::new(Kind::Bind, Mode::Swallow));
-        messages::raw(&mut self.bout, b'E', &[PORTAL, b"\0", &0i32.to_be_bytes()]);
-        self.t.push(Expect::new(Kind::Execute, Mode::Swallow));
-        messages::target(&mut self.bout, b'C', b'P', PORTAL);
-        self.t.push(Expect::new(Kind::Close, Mode::Swallow));
+        let o = &mut self.out;
+        o.send_with(Expect::new(Kind::Bind, Mode::Swallow), |buf| {
+            messages::bind_renamed(buf, PORTAL, &name, b"\0\0\0\0\0\0")
+        });
+        o.send_with(Expect::new(Kind::Execute, Mode::Swallow), |buf| {
+            messages::raw(buf, b'E', &[PORTAL, b"\0", &0i32.to_be_bytes()])
+        });
+        o.send_with(Expect::new(Kind::Close, Mode::Swallow), |buf| {
+            messages::target(buf, b'C', b'P', PORTAL)
+        });
         None
     }
 }
@@ -405,8 +407,7 @@ impl Relay {
     /// client's settings back, in a request of its own.
     pub(super) fn restore_timeouts(&mut self) {
         if let Some(sql) = self.restore_after.take() {
-            messages::query(&mut self.bout, &sql);
-            self.t.push(Expect::new(Kind::Query, Mode::Swallow));
+            self.out.query(Mode::Swallow, &sql);
         }
     }
 }

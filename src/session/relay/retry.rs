@@ -38,7 +38,7 @@ pub(super) struct Retry {
 impl Relay {
     /// A Bind of a named statement opening a fresh batch: start recording.
     pub(super) fn retry_start(&mut self, hash: u64, frame: &Bytes) {
-        if self.t.txn != b'I' || self.t.in_flight() {
+        if self.out.t.txn != b'I' || self.out.t.in_flight() {
             self.retry = None;
             return;
         }
@@ -118,10 +118,12 @@ impl Relay {
                         continue;
                     };
                     let server = self.ensure_prepared(stmt);
-                    self.t.push(Expect::new(Kind::Bind, Mode::Forward));
+                    let e = Expect::new(Kind::Bind, Mode::Forward);
                     match server {
-                        Some(s) => messages::bind_renamed(&mut self.bout, portal, &s, tail),
-                        None => self.bout.extend_from_slice(&f),
+                        Some(s) => self
+                            .out
+                            .send_with(e, |buf| messages::bind_renamed(buf, portal, &s, tail)),
+                        None => self.out.send(e, &f),
                     }
                 }
                 b'D' => {
@@ -130,27 +132,27 @@ impl Relay {
                     };
                     if kind == b'S' {
                         let server = self.ensure_prepared(name);
-                        self.t.push(Expect::new(Kind::DescribeStmt, Mode::Forward));
+                        let e = Expect::new(Kind::DescribeStmt, Mode::Forward);
                         match server {
-                            Some(s) => messages::target(&mut self.bout, b'D', b'S', &s),
-                            None => self.bout.extend_from_slice(&f),
+                            Some(s) => self
+                                .out
+                                .send_with(e, |buf| messages::target(buf, b'D', b'S', &s)),
+                            None => self.out.send(e, &f),
                         }
                     } else {
-                        self.t
-                            .push(Expect::new(Kind::DescribePortal, Mode::Forward));
-                        self.bout.extend_from_slice(&f);
+                        self.out
+                            .send(Expect::new(Kind::DescribePortal, Mode::Forward), &f);
                     }
                 }
                 b'E' => {
-                    self.t.push(Expect::new(Kind::Execute, Mode::Forward));
-                    self.bout.extend_from_slice(&f);
+                    self.out.send(Expect::new(Kind::Execute, Mode::Forward), &f);
                 }
                 b'S' => {
                     // The original Sync's ReadyForQuery was swallowed: same count.
-                    self.t.push(Expect::new(Kind::Sync, Mode::Forward));
-                    self.bout.extend_from_slice(&f);
+                    self.out.send(Expect::new(Kind::Sync, Mode::Forward), &f);
                 }
-                _ => self.bout.extend_from_slice(&f),
+                // Flush: no reply of its own.
+                _ => self.out.pass(&f),
             }
         }
     }

@@ -1,0 +1,303 @@
+//! An isolation oracle for the outbox and the tracker, without sockets: random pipelines of
+//! client requests, mixed with what the proxy injects (timeout `SET`s, re-Parses, settings
+//! replays, the capture query) and with requests it answers itself (a Parse of a statement
+//! already prepared, a Close it keeps cached), run against a simulated Postgres. What the
+//! client receives through the proxy must be exactly what it would receive talking to
+//! Postgres directly with its own requests: the same replies in the same order, nothing of
+//! the proxy's own requests, errors skipping to Sync as Postgres does.
+
+use bytes::BytesMut;
+
+use super::{Expect, Kind, Mode, Outbox};
+
+/// Who a request belongs to.
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum Origin {
+    Client,
+    /// The proxy's own (`Swallow`, or `Capture`); never fails in these scenarios.
+    Injected(Mode),
+    /// The client's, answered by the proxy (nothing sent).
+    AnsweredHere,
+}
+
+#[derive(Debug, Clone, Copy)]
+struct Op {
+    kind: Kind,
+    origin: Origin,
+    /// The simulated server fails this request (client requests only).
+    fails: bool,
+}
+
+/// The frontend tag and a body; a failing request's body starts with `!`.
+fn encode(buf: &mut BytesMut, op: Op) {
+    let tag = match op.kind {
+        Kind::Parse => b'P',
+        Kind::Bind => b'B',
+        Kind::DescribeStmt => b'D',
+        Kind::DescribePortal => b'D',
+        Kind::Execute => b'E',
+        Kind::Close => b'C',
+        Kind::Sync => b'S',
+        Kind::Query => b'Q',
+        Kind::FunctionCall => b'F',
+    };
+    let body: &[u8] = match (op.kind, op.fails) {
+        (Kind::DescribeStmt, _) => b"S",
+        (Kind::DescribePortal, _) => b"P",
+        (_, true) => b"!",
+        (_, false) => b".",
+    };
+    buf.extend_from_slice(&[tag]);
+    buf.extend_from_slice(&(body.len() as i32 + 4).to_be_bytes());
+    buf.extend_from_slice(body);
+}
+
+/// What Postgres answers to a byte stream of requests: `(tag, first body byte)` per message.
+fn postgres(bytes: &[u8]) -> Vec<(u8, Option<u8>)> {
+    let mut out = Vec::new();
+    let mut failed = false; // extended protocol: skip to Sync after an error
+    let mut rest = bytes;
+    while !rest.is_empty() {
+        let tag = rest[0];
+        let len = i32::from_be_bytes(rest[1..5].try_into().unwrap()) as usize;
+        let body = &rest[5..1 + len];
+        rest = &rest[1 + len..];
+        let fails = body.first() == Some(&b'!');
+        match tag {
+            b'Q' | b'F' => {
+                failed = false;
+                if fails {
+                    out.push((b'E', None));
+                } else if tag == b'Q' {
+                    out.extend([(b'T', None), (b'D', None), (b'C', None)]);
+                } else {
+                    out.push((b'V', None));
+                }
+                out.push((b'Z', Some(b'I')));
+            }
+            b'S' => {
+                failed = false;
+                out.push((b'Z', Some(b'I')));
+            }
+            b'H' => {}
+            _ if failed => {}
+            _ if fails => {
+                failed = true;
+                out.push((b'E', None));
+            }
+            b'P' => out.push((b'1', None)),
+            b'B' => out.push((b'2', None)),
+            b'C' => out.push((b'3', None)),
+            b'E' => out.extend([(b'D', None), (b'C', None)]),
+            b'D' if body == b"S" => out.extend([(b't', None), (b'T', None)]),
+            b'D' => out.push((b'T', None)),
+            other => panic!("unexpected frontend message {}", char::from(other)),
+        }
+    }
+    out
+}
+
+/// What a client sees through the proxy: the outbox and tracker between it and `postgres`.
+/// `steps` are the requests in the order the relay makes them, in rounds: all of a round is
+/// written before the server answers it (pipelining).
+fn through_proxy(rounds: &[Vec<Op>]) -> Vec<u8> {
+    let mut o = Outbox::default();
+    let mut client = BytesMut::new();
+    let mut seen = Vec::new();
+    for round in rounds {
+        for &op in round {
+            let mode = match op.origin {
+                Origin::Client => Mode::Forward,
+                Origin::Injected(m) => m,
+                Origin::AnsweredHere => {
+                    o.answer_here(op.kind);
+                    continue;
+                }
+            };
+            o.send_with(Expect::new(op.kind, mode), |buf| encode(buf, op));
+        }
+        o.t.answer_synthetic(&mut client);
+        let replies = postgres(o.pending());
+        o.clear();
+        for (tag, first) in replies {
+            if o.t.on_backend(tag, first).forward {
+                client.extend_from_slice(&[tag]);
+            }
+            o.t.answer_synthetic(&mut client);
+        }
+    }
+    assert!(o.t.idle(), "the backend owes nothing at the end: {:?}", o.t);
+    // Synthetic replies are whole frames; forwarded ones were recorded by tag only.
+    let mut i = 0;
+    while i < client.len() {
+        match client[i] {
+            b'1' | b'3' if client.get(i + 1..i + 5) == Some(&[0, 0, 0, 4]) => {
+                seen.push(client[i]);
+                i += 5;
+            }
+            t => {
+                seen.push(t);
+                i += 1;
+            }
+        }
+    }
+    seen
+}
+
+/// What the client would see talking to Postgres itself.
+fn direct(rounds: &[Vec<Op>]) -> Vec<u8> {
+    let mut seen = Vec::new();
+    for round in rounds {
+        let mut buf = BytesMut::new();
+        for &op in round {
+            if op.origin == Origin::Client || op.origin == Origin::AnsweredHere {
+                encode(&mut buf, op);
+            }
+        }
+        seen.extend(postgres(&buf).into_iter().map(|(t, _)| t));
+    }
+    seen
+}
+
+/// A small deterministic generator (xorshift), so a failure names its seed.
+struct Rng(u64);
+
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        self.0
+    }
+    fn chance(&mut self, percent: u64) -> bool {
+        self.next() % 100 < percent
+    }
+}
+
+/// One unit of work as the relay writes it: a simple query, or an extended batch to its Sync.
+fn unit(r: &mut Rng, out: &mut Vec<Op>) {
+    let client = |kind, fails| Op {
+        kind,
+        origin: Origin::Client,
+        fails,
+    };
+    let injected = |kind| Op {
+        kind,
+        origin: Origin::Injected(Mode::Swallow),
+        fails: false,
+    };
+    if r.chance(40) {
+        // Simple protocol: maybe a settings replay or timeout SET first, then the query.
+        if r.chance(40) {
+            out.push(injected(Kind::Query));
+        }
+        let kind = if r.chance(15) {
+            Kind::FunctionCall
+        } else {
+            Kind::Query
+        };
+        out.push(client(kind, r.chance(15)));
+        if r.chance(15) {
+            // The session-settings read-back at the end of a transaction.
+            out.push(Op {
+                kind: Kind::Query,
+                origin: Origin::Injected(Mode::Capture),
+                fails: false,
+            });
+        }
+        return;
+    }
+    // Extended protocol, one or more statements, then Sync.
+    for _ in 0..1 + r.next() % 3 {
+        if r.chance(50) {
+            let origin = if r.chance(40) {
+                Origin::AnsweredHere // already prepared on this backend
+            } else {
+                Origin::Client
+            };
+            let fails = origin == Origin::Client && r.chance(10);
+            out.push(Op {
+                kind: Kind::Parse,
+                origin,
+                fails,
+            });
+        }
+        if r.chance(30) {
+            out.push(injected(Kind::Parse)); // re-prepare on this backend
+        }
+        if r.chance(30) {
+            // The timeouts statement: Bind/Execute/Close of a prepared SET LOCAL.
+            out.extend([
+                injected(Kind::Bind),
+                injected(Kind::Execute),
+                injected(Kind::Close),
+            ]);
+        }
+        if r.chance(20) {
+            out.push(client(Kind::DescribeStmt, false));
+        }
+        out.push(client(Kind::Bind, r.chance(10)));
+        if r.chance(50) {
+            out.push(client(Kind::DescribePortal, false));
+        }
+        out.push(client(Kind::Execute, r.chance(10)));
+        if r.chance(20) {
+            let origin = if r.chance(50) {
+                Origin::AnsweredHere // the statement stays cached for others
+            } else {
+                Origin::Client
+            };
+            out.push(Op {
+                kind: Kind::Close,
+                origin,
+                fails: false,
+            });
+        }
+    }
+    out.push(client(Kind::Sync, false));
+}
+
+fn scenario(seed: u64) -> Vec<Vec<Op>> {
+    let mut r = Rng(seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1);
+    let mut rounds = Vec::new();
+    for _ in 0..1 + r.next() % 4 {
+        let mut round = Vec::new();
+        for _ in 0..1 + r.next() % 5 {
+            unit(&mut r, &mut round);
+        }
+        rounds.push(round);
+    }
+    rounds
+}
+
+#[test]
+fn the_client_sees_what_postgres_would_have_told_it_and_nothing_of_the_proxys_own() {
+    for seed in 0..5_000u64 {
+        let rounds = scenario(seed);
+        let want = direct(&rounds);
+        let got = through_proxy(&rounds);
+        assert_eq!(
+            String::from_utf8_lossy(&got),
+            String::from_utf8_lossy(&want),
+            "seed {seed}: {rounds:#?}"
+        );
+    }
+}
+
+#[test]
+fn the_oracle_notices_a_reply_that_leaks() {
+    // An injected query sent as if it were the client's: its replies reach the client.
+    let leak = vec![vec![
+        Op {
+            kind: Kind::Query,
+            origin: Origin::Injected(Mode::Forward),
+            fails: false,
+        },
+        Op {
+            kind: Kind::Query,
+            origin: Origin::Client,
+            fails: false,
+        },
+    ]];
+    assert_ne!(through_proxy(&leak), direct(&leak));
+}
