@@ -20,10 +20,14 @@ use crate::policy::rules::RuleSet;
 use crate::policy::{CallerPolicy, Policy, Priority, RetryPolicy, Scope};
 use crate::pool::{ConnectParams, Pool, Pools};
 use crate::protocol::PgError;
+use crate::runtime::Runtime;
 
 pub struct App {
-    pub config: ArcSwap<Config>,
-    pub creds: ArcSwap<Credentials>,
+    /// Config, credentials and the caller tables of one configuration, swapped as one on
+    /// reload (see [`Runtime`]).
+    pub runtime: ArcSwap<Runtime>,
+    /// Serialises reloads: each builds its caller table on the one installed before it.
+    reload_lock: parking_lot::Mutex<()>,
     pub pools: Pools,
     /// The pools the config names that keep `min_idle` connections open from the start
     /// ([`App::warm_pools`]); held here so the sweep of unused pools leaves them (and their
@@ -46,8 +50,6 @@ pub struct App {
     /// Seed of the hashes that name shared prepared statements (random per process, so
     /// collisions cannot be crafted; texts are compared on reuse as well).
     pub statement_seed: u64,
-    /// Who is calling: config callers in order, `default` last (ids match the policy's).
-    pub callers: ArcSwap<CallerMatcher>,
     /// Per-fingerprint statistics (top-K by total time, the rest aggregated).
     pub fp_stats: FingerprintStats,
     /// Prometheus metrics; per-caller handles follow the caller table across reloads.
@@ -123,6 +125,17 @@ impl App {
         self.cancels.set_phase(cancel::Phase::Forcing);
     }
 
+    /// The configuration in force (one `Arc` clone; a session's hot path loads [`App::runtime`]
+    /// once and reads all it needs from that).
+    pub fn config(&self) -> Arc<Config> {
+        Arc::clone(&self.runtime.load().config)
+    }
+
+    /// The credentials in force.
+    pub fn creds(&self) -> Arc<Credentials> {
+        Arc::clone(&self.runtime.load().creds)
+    }
+
     /// Builds the app; `rules` are the runtime rules loaded from the rules file (if any).
     pub fn new(config: Config, rules: Arc<RuleSet>) -> Result<Arc<App>, String> {
         Self::with_fleet_peer_id(config, rules, false)
@@ -141,6 +154,8 @@ impl App {
         let metrics = Metrics::with_longest_wait(&caller_names(&callers), longest_wait(&config));
         let policy = Policy::with_rules(callers, breaker, rules)
             .map_err(|e| format!("callers[{}].{}: {}", e.index, e.field, e.message))?;
+        let limits = policy.table();
+        let caller_metrics = metrics.callers().as_ref().clone();
         let cancels = Arc::new(cancel::Registry::new(peer_layout(&config)));
         let fleet = Fleet::from_config(&config, claimed_peer_id)?;
         if fleet.is_some() {
@@ -172,11 +187,16 @@ impl App {
                 "Bind of an unknown prepared statement",
             ),
             statement_seed: rand::random::<u64>(),
-            callers: ArcSwap::from_pointee(caller_matcher(&config)),
             tls: crate::tls::Tls::new(&config).map_err(|e| e.to_string())?,
             fp_stats: FingerprintStats::new(config.classify.stats_capacity),
-            config: ArcSwap::from_pointee(config),
-            creds: ArcSwap::from_pointee(creds),
+            runtime: ArcSwap::from_pointee(Runtime {
+                callers: caller_matcher(&config),
+                config: Arc::new(config),
+                creds: Arc::new(creds),
+                limits,
+                caller_metrics,
+            }),
+            reload_lock: parking_lot::Mutex::new(()),
             pools: Pools::default(),
             warm: parking_lot::Mutex::new(Vec::new()),
             cancels,
@@ -191,28 +211,30 @@ impl App {
     /// pools that exist, for their new connections), caller limits and breaker settings.
     /// Validation already happened; if the policy refuses it, nothing changes.
     pub fn reload(&self, mut config: Config) -> Result<(), String> {
+        let _one_at_a_time = self.reload_lock.lock();
         if let Some(fleet) = &self.fleet
             && fleet.peer_id_claimed()
             && config.peer_id == 0
         {
             // The id claimed at start stays: keys handed out carry it.
-            config.peer_id = self.config.load().peer_id;
+            config.peer_id = self.config().peer_id;
         }
         if peer_layout(&config) != self.cancels.layout() {
             // Keys already handed out carry the old id; they must keep routing home.
             return Err("peer_id, and peers being set or empty, change only at restart".into());
         }
-        if config.fleet != self.config.load().fleet {
+        if config.fleet != self.config().fleet {
             return Err("the fleet section changes only at restart".into());
         }
         let tls = crate::tls::Tls::prepare(&config).map_err(|e| e.to_string())?;
         warn_exposed_auth(&config);
         let (callers, breaker) = policy_inputs(&config);
         let names = caller_names(&callers);
-        self.policy
+        let limits = self
+            .policy
             .reconfigure(callers, breaker)
             .map_err(|e| format!("callers[{}].{}: {}", e.index, e.field, e.message))?;
-        self.metrics.set_callers(&names);
+        let caller_metrics = self.metrics.set_callers(&names);
         let creds = Arc::new(Credentials::from_config(&config));
         for pool in self.pools.all() {
             // Replica pools take their route at their next use (`replica_pool_for`); a
@@ -231,13 +253,18 @@ impl App {
                 config.pool.max_user_connections
             }
         });
-        self.creds.store(creds);
-        self.auth_cache.clear();
-        self.callers.store(Arc::new(caller_matcher(&config)));
         for note in config.notes() {
             tracing::warn!("{note}");
         }
-        self.config.store(Arc::new(config));
+        // One swap: sessions see the old configuration or the new one, never a mix.
+        self.runtime.store(Arc::new(Runtime {
+            callers: caller_matcher(&config),
+            config: Arc::new(config),
+            creds,
+            limits,
+            caller_metrics,
+        }));
+        self.auth_cache.clear();
         self.tls.install(tls);
         Ok(())
     }
@@ -269,8 +296,8 @@ impl App {
             )
             .with_detail(format!("POST /v1/databases/{database}/enable reopens it")));
         }
-        let cfg = self.config.load();
-        let creds = self.creds.load();
+        let cfg = self.config();
+        let creds = self.creds();
         let route = route(&cfg, &creds, &self.pass_keys, database, user)?;
         let max = cfg.limits.max_pools;
         let mut created = false;
@@ -303,10 +330,10 @@ impl App {
     /// The pool of `database`'s replicas for `user` (`databases[].replicas`), made with its
     /// lag probe on first use; `None` when the database has no replicas.
     pub fn replica_pool_for(&self, database: &str, user: &str) -> Option<Arc<Pool>> {
-        let cfg = self.config.load();
+        let cfg = self.config();
         let entry = cfg.database_entry(database)?;
         let replicas = entry.replica_target()?;
-        let creds = self.creds.load();
+        let creds = self.creds();
         let primary = route(&cfg, &creds, &self.pass_keys, database, user).ok()?;
         let route = crate::pool::Route {
             endpoint: crate::pool::Endpoint {
@@ -385,7 +412,7 @@ impl App {
     /// before the first client arrives; other pools exist from their first login on. Runs
     /// every upkeep round, so a reload that names a new pool warms it too.
     fn warm_pools(&self) {
-        let cfg = self.config.load();
+        let cfg = self.config();
         let mut named: Vec<(String, String)> = cfg
             .pools
             .iter()
@@ -807,6 +834,59 @@ mod tests {
         );
     }
 
+    /// A reload that reorders the callers: a session holding the snapshot from before still
+    /// finds, for the id that snapshot's matcher gave it, that caller's limits, timeouts and
+    /// series — never those of whoever has that index now — while the live state (slots
+    /// taken) is the same one under either snapshot.
+    #[tokio::test]
+    async fn a_snapshot_taken_before_a_reload_stays_whole() {
+        let caller = |name: &str, conc: u32, timeout: u64| {
+            format!(
+                "  - {{ name: {name}, max_concurrency: {conc}, queue_depth: 0, \
+                 statement_timeout_ms: {timeout}, match: {{ application_name: {name} }} }}\n"
+            )
+        };
+        let before = format!("callers:\n{}{}", caller("x", 1, 111), caller("y", 5, 222));
+        let after = format!("callers:\n{}{}", caller("y", 5, 222), caller("x", 1, 111));
+        let app = App::new(
+            Config::from_yaml(&before).unwrap(),
+            Arc::new(RuleSet::new()),
+        )
+        .unwrap();
+        let old = app.runtime.load_full();
+        app.reload(Config::from_yaml(&after).unwrap()).unwrap();
+        let new = app.runtime.load_full();
+        let x_old = old.callers.resolve(&[], Some("x"), "u", None);
+        let x_new = new.callers.resolve(&[], Some("x"), "u", None);
+        assert_eq!((x_old, x_new), (0, 1), "the reload moved x");
+        for rt in [&old, &new] {
+            let x = rt.callers.resolve(&[], Some("x"), "u", None);
+            assert_eq!(rt.callers.name(x), "x");
+            assert_eq!(
+                statement_timeout(&rt.config, x, "read"),
+                Some(Duration::from_millis(111))
+            );
+        }
+        // x's one slot, taken through the old snapshot, is taken under the new one too.
+        let req = |caller| crate::policy::AdmitRequest {
+            caller,
+            fingerprint: 1,
+            now: tokio::time::Instant::now(),
+        };
+        let held = app.policy.admit_in(&old.limits, &req(x_old)).await.unwrap();
+        let refused = app.policy.admit_in(&new.limits, &req(x_new)).await;
+        assert!(
+            refused.is_err(),
+            "x has max_concurrency 1 under both snapshots"
+        );
+        // y (index 0 now, 1 before) is not x: its slots are free under either snapshot.
+        let y_old = old.callers.resolve(&[], Some("y"), "u", None);
+        assert!(app.policy.admit_in(&old.limits, &req(y_old)).await.is_ok());
+        assert!(app.policy.admit_in(&new.limits, &req(0)).await.is_ok());
+        drop(held);
+        assert!(app.policy.admit_in(&new.limits, &req(x_new)).await.is_ok());
+    }
+
     #[tokio::test]
     async fn reload_keeps_the_cancel_key_layout() {
         let yaml = "peer_id: 1\npeers:\n  - { id: 2, addr: \"10.0.0.2:6432\" }\n";
@@ -815,12 +895,12 @@ mod tests {
         // Peer addresses may change; the id and peers-or-not may not.
         let moved = "peer_id: 1\npeers:\n  - { id: 2, addr: \"10.0.0.3:6432\" }\n";
         app.reload(Config::from_yaml(moved).unwrap()).unwrap();
-        assert_eq!(app.config.load().peers[0].addr, "10.0.0.3:6432");
+        assert_eq!(app.config().peers[0].addr, "10.0.0.3:6432");
         for bad in ["", "peer_id: 3\npeers:\n  - { id: 2, addr: \"a:1\" }\n"] {
             let err = app.reload(Config::from_yaml(bad).unwrap()).unwrap_err();
             assert!(err.contains("restart"), "{err}");
         }
-        assert_eq!(app.config.load().peers[0].addr, "10.0.0.3:6432");
+        assert_eq!(app.config().peers[0].addr, "10.0.0.3:6432");
     }
 
     #[tokio::test]
@@ -831,7 +911,7 @@ mod tests {
         let app = App::with_fleet_peer_id(running, Arc::new(RuleSet::new()), true).unwrap();
         assert_eq!(app.cancels.layout(), cancel::PeerLayout::new(Some(7)));
         app.reload(Config::from_yaml(file).unwrap()).unwrap();
-        assert_eq!(app.config.load().peer_id, 7);
+        assert_eq!(app.config().peer_id, 7);
         let moved = file.replace("instance_id: a", "instance_id: b");
         let err = app.reload(Config::from_yaml(&moved).unwrap()).unwrap_err();
         assert!(err.contains("fleet"), "{err}");

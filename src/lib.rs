@@ -37,6 +37,7 @@ pub mod policy;
 pub mod pool;
 pub mod probe;
 pub mod protocol;
+pub mod runtime;
 pub mod server;
 pub mod session;
 pub mod systemd;

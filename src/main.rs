@@ -346,7 +346,7 @@ async fn run(
     println!("pgsluice admin listening on {}", admin.local_addr()?);
     println!("pgsluice listening on {}", listener.local_addr()?);
     tracing::info!(addr = %listener.local_addr()?, "pgsluice listening");
-    for note in app.config.load().notes() {
+    for note in app.config().notes() {
         tracing::warn!("{note}");
     }
 
@@ -378,7 +378,7 @@ async fn run(
         let app = app.clone();
         async move {
             if let Some(f) = app.fleet.clone() {
-                let peer_id = app.config.load().peer_id;
+                let peer_id = app.config().peer_id;
                 pgsluice::fleet::run(f, &app.policy, peer_id, app.shutdown.clone()).await;
             }
         }
@@ -388,7 +388,7 @@ async fn run(
     }
     let notifier = Arc::new(pgsluice::systemd::Notifier::from_env());
     tokio::spawn(signals(app.clone(), cli, notifier.clone()));
-    notifier.ready(&format!("serving on {}", app.config.load().listen));
+    notifier.ready(&format!("serving on {}", app.config().listen));
     pgsluice::server::serve(app, listener, login).await;
     admin_stop.cancel();
     let _ = tokio::time::timeout(std::time::Duration::from_secs(2), admin_task).await;

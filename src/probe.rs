@@ -112,7 +112,7 @@ pub async fn run(app: Arc<App>) {
     let mut running: Option<Probe> = None;
     let mut load = LoadEstimate::default();
     loop {
-        let cfg = app.config.load_full();
+        let cfg = app.config();
         let b = &cfg.global_defaults.circuit_breaker;
         let interval = Duration::from_millis(b.probe_interval_ms.max(100));
         let probe = Probe::of(&cfg);

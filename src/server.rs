@@ -119,7 +119,7 @@ pub async fn serve(app: Arc<App>, listener: TcpListener, login: Option<tokio::ru
             }
         };
         let _ = sock.set_nodelay(true);
-        let max = app.config.load().limits.max_client_conn;
+        let max = app.config().limits.max_client_conn;
         let n = app.stats.clients.fetch_add(1, Ordering::Relaxed);
         let slot = ClientSlot(app.clone());
         app.stats.clients_total.fetch_add(1, Ordering::Relaxed);
@@ -132,7 +132,7 @@ pub async fn serve(app: Arc<App>, listener: TcpListener, login: Option<tokio::ru
         let handover = handover.clone();
         // The wait for a handshake slot (bounded by the handshake timeout) runs in the
         // connection's own task: accepting never waits.
-        let timeout = Duration::from_millis(app.config.load().limits.handshake_timeout_ms);
+        let timeout = Duration::from_millis(app.config().limits.handshake_timeout_ms);
         let deadline = tokio::time::Instant::now() + timeout;
         spawn(&tasks, login.as_ref(), async move {
             match HandshakeSlot::acquire(&app2, peer.ip(), deadline).await {
@@ -143,7 +143,7 @@ pub async fn serve(app: Arc<App>, listener: TcpListener, login: Option<tokio::ru
     }
     drop(listener);
     tasks.close();
-    let grace = Duration::from_millis(app.config.load().limits.shutdown_timeout_ms);
+    let grace = Duration::from_millis(app.config().limits.shutdown_timeout_ms);
     if tokio::time::timeout(grace, tasks.wait()).await.is_err() {
         tracing::warn!(
             remaining = tasks.len(),
@@ -181,7 +181,7 @@ pub async fn serve_peer_cancels(app: Arc<App>, listener: TcpListener) {
             let _permit = permit;
             let read = tokio::time::timeout(PEER_READ_TIMEOUT, read_cancel(&mut sock)).await;
             if let Ok(Some((pid, secret))) = read {
-                let peers = app.cancel_peers(&app.config.load());
+                let peers = app.cancel_peers(&app.config());
                 // Passed on by a peer, which charged the sender's address already.
                 app.cancels.cancel(pid, &secret, &peers, None).await;
             }

@@ -635,15 +635,18 @@ async fn metrics_parse_and_move() {
     assert_eq!(sample(&before.text(), refused), Some(0.0));
 
     app.metrics
+        .callers()
         .query(0, Duration::from_millis(4), Duration::from_millis(3), true);
-    app.metrics.query(
+    app.metrics.callers().query(
         0,
         Duration::from_millis(40),
         Duration::from_millis(30),
         true,
     );
-    app.metrics.queue_wait(1, Duration::from_millis(2));
-    app.metrics.refusal(1, "rate_limited");
+    app.metrics
+        .callers()
+        .queue_wait(1, Duration::from_millis(2));
+    app.metrics.callers().refusal(1, "rate_limited");
     app.metrics.rule_hit("THROTTLE", true);
     for _ in 0..5 {
         app.policy.record_backend_result(false);

@@ -332,7 +332,7 @@ fn subject_name(s: &Subject) -> &'static str {
 /// `GET /v1/anomalies`: the current anomalies, oldest first, with evidence and the rule
 /// that would stop each.
 pub async fn list(State(st): State<Arc<AdminState>>, _: NoQuery) -> Json<impl Serialize> {
-    let cfg = st.app.config.load_full();
+    let cfg = st.app.config();
     let active = st.anomalies.lock().detector.active();
     let now_ms = unix_ms();
     let anomalies = if cfg.detector.enabled {
@@ -351,7 +351,7 @@ pub async fn list(State(st): State<Arc<AdminState>>, _: NoQuery) -> Json<impl Se
 /// ended, and applies `auto_rules`.
 pub async fn detect_loop(st: Arc<AdminState>) {
     loop {
-        let cfg = st.app.config.load_full();
+        let cfg = st.app.config();
         let pause = if cfg.detector.enabled {
             cfg.detector.tick_ms
         } else {

@@ -154,7 +154,7 @@ pub async fn guard(
     next: Next,
 ) -> Result<Response, ApiError> {
     let access = Access::of(req.method(), req.uri().path());
-    let cfg = st.app.config.load();
+    let cfg = st.app.config();
     if access != Access::Open {
         super::host::check(&req, &cfg.admin.allowed_hosts)?;
     }

@@ -49,7 +49,8 @@ pub async fn clients(State(st): State<Arc<AdminState>>, _: NoQuery) -> Json<impl
 }
 
 fn client_rows(st: &AdminState) -> Vec<ClientSnapshot> {
-    let names = st.app.callers.load();
+    let rt = st.app.runtime.load();
+    let names = &rt.callers;
     let mut rows: Vec<ClientSnapshot> = st
         .app
         .cancels

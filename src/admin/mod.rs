@@ -76,7 +76,7 @@ pub fn router(app: Arc<App>) -> Router {
 /// the process environment).
 pub fn router_with_env(app: Arc<App>, env: EnvTokens) -> Router {
     let written = app.policy.rules().to_json_bytes().ok();
-    let board = anomalies::Board::new(&app.config.load().detector);
+    let board = anomalies::Board::new(&app.config().detector);
     let st = Arc::new(AdminState {
         app,
         env,

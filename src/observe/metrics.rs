@@ -236,7 +236,7 @@ struct Inner {
     /// In [`KNOWN_BREAKER_STATES`] order.
     transition_handles: Vec<IntCounter>,
     /// Index = caller id; never empty (the last entry is `default`).
-    callers: ArcSwap<Vec<CallerHandles>>,
+    callers: ArcSwap<CallerMetrics>,
     /// Serialises `set_callers` so two reloads cannot interleave their series cleanup.
     callers_lock: Mutex<()>,
     /// Scrape-time series; the lock is held from writing them to the end of encoding.
@@ -250,6 +250,59 @@ struct DetectSeries {
     anomalies: IntCounterVec,
     active: IntGauge,
     auto_rules: IntCounterVec,
+}
+
+/// The per-caller series, indexed by caller id (last = `default`): one value per reload,
+/// held in the runtime snapshot beside the matcher that hands out the ids.
+#[derive(Clone)]
+pub struct CallerMetrics {
+    handles: Arc<[CallerHandles]>,
+    /// For refusal reasons outside [`KNOWN_REASONS`].
+    refusals: IntCounterVec,
+}
+
+impl CallerMetrics {
+    /// Runs `f` with the caller's handles; unknown ids are the last entry (`default`).
+    fn with_caller(&self, caller: u16, f: impl FnOnce(&CallerHandles)) {
+        let table = &self.handles;
+        if let Some(h) = table.get(usize::from(caller)).or_else(|| table.last()) {
+            f(h);
+        }
+    }
+
+    /// A statement that reached the backend finished: `pgsluice_queries_total{caller,outcome}`,
+    /// `pgsluice_query_duration_seconds{caller}` (`total`: from its arrival) and
+    /// `pgsluice_backend_duration_seconds{caller}` (`backend`: from its sending).
+    pub fn query(&self, caller: u16, total: Duration, backend: Duration, ok: bool) {
+        self.with_caller(caller, |h| {
+            if ok { &h.ok } else { &h.error }.inc();
+            h.duration.observe(total.as_secs_f64());
+            h.backend.observe(backend.as_secs_f64());
+        });
+    }
+
+    /// A checkout waited this long: `pgsluice_checkout_wait_seconds{caller}`.
+    pub fn checkout_wait(&self, caller: u16, waited: Duration) {
+        self.with_caller(caller, |h| h.checkout_wait.observe(waited.as_secs_f64()));
+    }
+
+    /// An admitted statement waited this long: `pgsluice_queue_wait_seconds{caller}`.
+    pub fn queue_wait(&self, caller: u16, waited: Duration) {
+        self.with_caller(caller, |h| h.queue_wait.observe(waited.as_secs_f64()));
+    }
+
+    /// A statement was refused: `pgsluice_refusals_total{caller,reason}`.
+    pub fn refusal(&self, caller: u16, reason: &'static str) {
+        self.with_caller(caller, |h| {
+            match KNOWN_REASONS.iter().position(|r| *r == reason) {
+                Some(i) => h.refusals[i].inc(),
+                None => self
+                    .refusals
+                    .with_label_values(&[h.name.as_str(), reason])
+                    .inc(),
+            }
+        });
+    }
 }
 
 /// Pre-resolved handles of one caller.
@@ -433,12 +486,15 @@ impl Metrics {
             backend_duration,
             queue_wait,
             checkout_wait,
-            refusals,
+            refusals: refusals.clone(),
             rule_hits,
             rule_hit_handles,
             breaker_transitions,
             transition_handles,
-            callers: ArcSwap::from_pointee(Vec::new()),
+            callers: ArcSwap::from_pointee(CallerMetrics {
+                handles: Arc::new([]),
+                refusals: refusals.clone(),
+            }),
             callers_lock: Mutex::new(()),
             scrape: Mutex::new(scrape),
             fleet: std::sync::OnceLock::new(),
@@ -451,16 +507,18 @@ impl Metrics {
         m
     }
 
-    /// Swaps in the caller table after a reload. Series of callers that are gone are removed
-    /// (so the label set stays the configured one); the rest keep counting.
-    pub fn set_callers(&self, caller_names: &[String]) {
+    /// Swaps in the caller table after a reload and returns it (for the runtime snapshot
+    /// sessions load, so a caller id always meets the table of its own configuration).
+    /// Series of callers that are gone are removed (so the label set stays the configured
+    /// one); the rest keep counting.
+    pub fn set_callers(&self, caller_names: &[String]) -> CallerMetrics {
         let i = &self.inner;
         let _serial = i.callers_lock.lock();
         let mut names: Vec<String> = caller_names.to_vec();
         if names.last().map(String::as_str) != Some("default") {
             names.push("default".to_owned());
         }
-        let table: Vec<CallerHandles> = names
+        let handles: Arc<[CallerHandles]> = names
             .iter()
             .map(|n| CallerHandles {
                 name: n.clone(),
@@ -476,8 +534,12 @@ impl Metrics {
                     .collect(),
             })
             .collect();
-        let old = i.callers.swap(Arc::new(table));
-        for gone in old.iter().filter(|h| !names.contains(&h.name)) {
+        let table = CallerMetrics {
+            handles,
+            refusals: i.refusals.clone(),
+        };
+        let old = i.callers.swap(Arc::new(table.clone()));
+        for gone in old.handles.iter().filter(|h| !names.contains(&h.name)) {
             let n = gone.name.as_str();
             // Removal of a series that was never created only returns an error: ignored.
             let _ = i.queries.remove_label_values(&[n, "ok"]);
@@ -490,49 +552,12 @@ impl Metrics {
                 let _ = i.refusals.remove_label_values(&[n, r]);
             }
         }
+        table
     }
 
-    /// Runs `f` with the caller's handles; unknown ids are the last entry (`default`).
-    fn with_caller(&self, caller: u16, f: impl FnOnce(&CallerHandles)) {
-        let table = self.inner.callers.load();
-        if let Some(h) = table.get(usize::from(caller)).or_else(|| table.last()) {
-            f(h);
-        }
-    }
-
-    /// A statement that reached the backend finished: `pgsluice_queries_total{caller,outcome}`,
-    /// `pgsluice_query_duration_seconds{caller}` (`total`: from its arrival) and
-    /// `pgsluice_backend_duration_seconds{caller}` (`backend`: from its sending).
-    pub fn query(&self, caller: u16, total: Duration, backend: Duration, ok: bool) {
-        self.with_caller(caller, |h| {
-            if ok { &h.ok } else { &h.error }.inc();
-            h.duration.observe(total.as_secs_f64());
-            h.backend.observe(backend.as_secs_f64());
-        });
-    }
-
-    /// A checkout waited this long: `pgsluice_checkout_wait_seconds{caller}`.
-    pub fn checkout_wait(&self, caller: u16, waited: Duration) {
-        self.with_caller(caller, |h| h.checkout_wait.observe(waited.as_secs_f64()));
-    }
-
-    /// An admitted statement waited this long: `pgsluice_queue_wait_seconds{caller}`.
-    pub fn queue_wait(&self, caller: u16, waited: Duration) {
-        self.with_caller(caller, |h| h.queue_wait.observe(waited.as_secs_f64()));
-    }
-
-    /// A statement was refused: `pgsluice_refusals_total{caller,reason}`.
-    pub fn refusal(&self, caller: u16, reason: &'static str) {
-        self.with_caller(caller, |h| {
-            match KNOWN_REASONS.iter().position(|r| *r == reason) {
-                Some(i) => h.refusals[i].inc(),
-                None => self
-                    .inner
-                    .refusals
-                    .with_label_values(&[h.name.as_str(), reason])
-                    .inc(),
-            }
-        });
+    /// The caller table installed last (for callers that hold no runtime snapshot).
+    pub fn callers(&self) -> Arc<CallerMetrics> {
+        self.inner.callers.load_full()
     }
 
     /// A fingerprint rule matched: `pgsluice_rule_hits_total{action,outcome}`.
@@ -778,7 +803,7 @@ mod tests {
         assert_eq!(wait_buckets(Duration::ZERO), QUEUE_BUCKETS.to_vec());
         // A wait that ran into a 5 s timeout is above le="5", below +Inf.
         let m = Metrics::with_longest_wait(&names(&["app"]), Duration::from_secs(5));
-        m.queue_wait(0, Duration::from_millis(5003));
+        m.callers().queue_wait(0, Duration::from_millis(5003));
         let t = m.render();
         let queue = |le: &str| {
             sample(
@@ -789,8 +814,8 @@ mod tests {
         assert_eq!((queue("5"), queue("10")), (Some(0.0), Some(1.0)), "{t}");
         // A checkout that ended just inside a 2 s timeout: above 1 s, not +Inf.
         let m = Metrics::with_longest_wait(&names(&["app"]), Duration::from_secs(2));
-        m.checkout_wait(0, Duration::from_millis(1999));
-        m.query(
+        m.callers().checkout_wait(0, Duration::from_millis(1999));
+        m.callers().query(
             0,
             Duration::from_millis(2100),
             Duration::from_millis(100),
@@ -830,14 +855,15 @@ mod tests {
     #[test]
     fn unknown_caller_id_counts_as_default() {
         let m = Metrics::new(&names(&["app", "default"]));
-        m.query(0, Duration::from_millis(3), Duration::from_millis(2), true);
-        m.query(
+        m.callers()
+            .query(0, Duration::from_millis(3), Duration::from_millis(2), true);
+        m.callers().query(
             999,
             Duration::from_millis(3),
             Duration::from_millis(2),
             false,
         );
-        m.refusal(999, "rate_limited");
+        m.callers().refusal(999, "rate_limited");
         let t = m.render();
         assert_eq!(
             sample(&t, r#"pgsluice_queries_total{caller="app",outcome="ok"}"#),
@@ -862,9 +888,9 @@ mod tests {
     #[test]
     fn default_is_appended_and_removed_callers_disappear() {
         let m = Metrics::new(&names(&["a", "b"]));
-        m.query(1, Duration::ZERO, Duration::ZERO, true);
+        m.callers().query(1, Duration::ZERO, Duration::ZERO, true);
         m.set_callers(&names(&["b", "default"]));
-        m.query(0, Duration::ZERO, Duration::ZERO, true);
+        m.callers().query(0, Duration::ZERO, Duration::ZERO, true);
         let t = m.render();
         assert!(!t.contains(r#"caller="a""#), "{t}");
         assert_eq!(
@@ -877,7 +903,7 @@ mod tests {
     #[test]
     fn unknown_labels_take_the_slow_path() {
         let m = Metrics::new(&[]);
-        m.refusal(0, "client_limit");
+        m.callers().refusal(0, "client_limit");
         m.rule_hit("SOMETHING", true);
         m.rule_hit("THROTTLE", false);
         m.breaker_transition("open");

@@ -249,9 +249,49 @@ pub struct CallerSnapshot {
 
 /// The policy engine shared by all sessions.
 pub struct Policy {
-    callers: RwLock<Arc<[Arc<CallerState>]>>,
+    /// The table installed last (for the admin API, fleet shares and callers that hold no
+    /// snapshot of their own); sessions use the one in the runtime snapshot they loaded.
+    callers: RwLock<CallerTable>,
     breaker: Breaker,
     rules: Arc<RuleSet>,
+}
+
+/// The callers' limits and live state, indexed by caller id (last = `default`). One value
+/// per reload: a session takes it from the same snapshot as the matcher that gave it the
+/// id, so an id never meets another configuration's table.
+#[derive(Clone)]
+pub struct CallerTable(Arc<[Arc<CallerState>]>);
+
+impl std::fmt::Debug for CallerTable {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_list()
+            .entries(self.0.iter().map(|c| &c.policy.name))
+            .finish()
+    }
+}
+
+impl CallerTable {
+    /// `(id, state)` for a caller id, out-of-range ids mapping to the last (`default`) entry.
+    fn caller(&self, id: u16) -> (u16, &Arc<CallerState>) {
+        let last = self.0.len() - 1; // never empty: build_table refuses an empty list
+        let index = usize::from(id).min(last);
+        (u16::try_from(index).unwrap_or(u16::MAX), &self.0[index])
+    }
+
+    /// The longest wait of caller `id` for a slot (it also bounds its wait for a backend).
+    pub fn queue_timeout(&self, id: u16) -> Duration {
+        self.caller(id).1.policy.queue_timeout
+    }
+
+    /// The longest a client of caller `id` may stay idle inside a transaction.
+    pub fn idle_transaction_timeout(&self, id: u16) -> Option<Duration> {
+        self.caller(id).1.policy.idle_transaction_timeout
+    }
+
+    /// Caller `id`'s priority (unknown ids are the default caller).
+    pub fn priority(&self, id: u16) -> Priority {
+        self.caller(id).1.policy.priority
+    }
 }
 
 /// Per-caller runtime state; rebuilt on reload around the same limiter and stats.
@@ -286,23 +326,36 @@ impl Policy {
         let now = Instant::now();
         let table = build_table(callers, &[], now, rules.gate())?;
         Ok(Self {
-            callers: RwLock::new(table),
+            callers: RwLock::new(CallerTable(table)),
             breaker: Breaker::new(breaker, now),
             rules,
         })
     }
 
     /// Hot reload: validate everything first, then swap in one step (never half-applied).
+    /// Callers that keep their name keep their live state (slots, queue, bucket, counters).
+    /// Returns the new table for the runtime snapshot sessions load; the caller serialises
+    /// reloads (each builds on the table installed before it).
     pub fn reconfigure(
         &self,
         callers: Vec<CallerPolicy>,
         breaker: BreakerConfig,
-    ) -> Result<(), PolicyError> {
-        let old = self.callers.read().clone();
-        let table = build_table(callers, &old, Instant::now(), self.rules.gate())?;
-        *self.callers.write() = table;
+    ) -> Result<CallerTable, PolicyError> {
+        let old = self.table();
+        let table = CallerTable(build_table(
+            callers,
+            &old.0,
+            Instant::now(),
+            self.rules.gate(),
+        )?);
+        *self.callers.write() = table.clone();
         self.breaker.set_config(breaker);
-        Ok(())
+        Ok(table)
+    }
+
+    /// The caller table installed last.
+    pub fn table(&self) -> CallerTable {
+        self.callers.read().clone()
     }
 
     /// The fleet learned a new number of live instances: fleet-scoped callers get their new
@@ -313,7 +366,7 @@ impl Policy {
             return;
         }
         gate.set_members(members);
-        for c in self.callers.read().iter() {
+        for c in self.callers.read().0.iter() {
             let limits = local_limits(&c.policy, gate.members());
             if c.limiter.limits() != limits {
                 c.limiter.set_limits(limits);
@@ -335,6 +388,7 @@ impl Policy {
     pub fn caller_id(&self, name: &str) -> Option<u16> {
         let table = self.callers.read();
         table
+            .0
             .iter()
             .position(|c| c.policy.name == name)
             .and_then(|i| u16::try_from(i).ok())
@@ -419,14 +473,23 @@ impl Policy {
     /// Decide on one statement. May wait (THROTTLE-QUEUE token, caller queue) up to the
     /// caller's queue timeout; cancel-safe — dropping the future gives everything back.
     pub async fn admit(&self, req: &AdmitRequest) -> Result<Admission, Refusal> {
-        let (id, caller) = self.caller(req.caller);
+        self.admit_in(&self.table(), req).await
+    }
+
+    /// [`Policy::admit`] against `table`, the one of the snapshot `req.caller` was resolved in.
+    pub async fn admit_in(
+        &self,
+        table: &CallerTable,
+        req: &AdmitRequest,
+    ) -> Result<Admission, Refusal> {
+        let (id, caller) = table.caller(req.caller);
         let policy = &caller.policy;
         let deadline = req
             .now
             .checked_add(policy.queue_timeout)
             .unwrap_or_else(|| req.now + Duration::from_secs(86_400));
         // 1. Fingerprint rules, 2a. caller rate.
-        let (stmt, mut now, mut waited) = self.rules_and_rate(id, &caller, req).await?;
+        let (stmt, mut now, mut waited) = self.rules_and_rate(id, caller, req).await?;
 
         // 2b. Caller concurrency, queueing if allowed.
         let permit = match caller.limiter.try_acquire() {
@@ -437,7 +500,7 @@ impl Policy {
                     && let Some(shed) = self.breaker.would_shed(policy.priority, now)
                 {
                     let reason = self.circuit_reason(policy, &shed);
-                    return Err(self.refuse(id, &caller, reason, req.fingerprint, now));
+                    return Err(self.refuse(id, caller, reason, req.fingerprint, now));
                 }
                 let acquired = limiter.acquire(deadline).await;
                 now = Instant::now();
@@ -446,7 +509,7 @@ impl Policy {
                     Ok(permit) => permit,
                     Err(refusal) => {
                         let reason = limit_reason(policy, &refusal);
-                        return Err(self.refuse(id, &caller, reason, req.fingerprint, now));
+                        return Err(self.refuse(id, caller, reason, req.fingerprint, now));
                     }
                 }
             }
@@ -457,7 +520,7 @@ impl Policy {
             Ok(ticket) => ticket,
             Err(shed) => {
                 let reason = self.circuit_reason(policy, &shed);
-                return Err(self.refuse(id, &caller, reason, req.fingerprint, now));
+                return Err(self.refuse(id, caller, reason, req.fingerprint, now));
             }
         };
 
@@ -483,36 +546,30 @@ impl Policy {
     /// Rules only, for a statement inside a unit that already holds an [`Admission`] (a
     /// transaction on a borrowed backend): the caller's concurrency is already counted.
     pub async fn check_statement(&self, req: &AdmitRequest) -> Result<StatementAdmission, Refusal> {
-        let (id, caller) = self.caller(req.caller);
+        self.check_statement_in(&self.table(), req).await
+    }
+
+    /// [`Policy::check_statement`] against `table` (see [`Policy::admit_in`]).
+    pub async fn check_statement_in(
+        &self,
+        table: &CallerTable,
+        req: &AdmitRequest,
+    ) -> Result<StatementAdmission, Refusal> {
+        let (id, caller) = table.caller(req.caller);
         let policy = &caller.policy;
         // 1. Rules and 2a. the caller's rate: every statement takes a token, pipelined or
         //    not. (Concurrency is already counted: the unit holds its backend and its slot.)
-        let (admission, now, _) = self.rules_and_rate(id, &caller, req).await?;
+        let (admission, now, _) = self.rules_and_rate(id, caller, req).await?;
         // 3. Circuit breaker: an open breaker sheds the statement, but it takes no ticket of
         //    its own — the unit's admission holds the one that counts it in flight (a ticket
         //    per statement counted every open transaction twice, and its later statements
         //    used up the in-flight threshold and the critical reserve by themselves).
         if let Some(shed) = self.breaker.would_shed(policy.priority, now) {
             let reason = self.circuit_reason(policy, &shed);
-            return Err(self.refuse(id, &caller, reason, req.fingerprint, now));
+            return Err(self.refuse(id, caller, reason, req.fingerprint, now));
         }
         caller.stats.admitted.fetch_add(1, Ordering::Relaxed);
         Ok(admission)
-    }
-
-    /// How long caller `id` may wait for a slot (also bounds its wait for a backend).
-    pub fn queue_timeout(&self, id: u16) -> Duration {
-        self.caller(id).1.policy.queue_timeout
-    }
-
-    /// How long a client of caller `id` may stay idle inside a transaction.
-    pub fn idle_transaction_timeout(&self, id: u16) -> Option<Duration> {
-        self.caller(id).1.policy.idle_transaction_timeout
-    }
-
-    /// The priority of caller `id` (unknown ids are the default caller).
-    pub fn priority(&self, id: u16) -> Priority {
-        self.caller(id).1.policy.priority
     }
 
     /// Outcome of a statement that reached the backend: `false` for backend faults only
@@ -533,8 +590,9 @@ impl Policy {
 
     /// Per-caller limits, load and refusals.
     pub fn callers(&self) -> Vec<CallerSnapshot> {
-        let table = self.callers.read().clone();
+        let table = self.table();
         table
+            .0
             .iter()
             .enumerate()
             .map(|(i, c)| {
@@ -578,22 +636,21 @@ impl Policy {
         self.breaker.state(Instant::now())
     }
 
-    /// `(id, state)` for a caller id, out-of-range ids mapping to the last (`default`) entry.
-    fn caller(&self, id: u16) -> (u16, Arc<CallerState>) {
-        let table = self.callers.read();
-        let last = table.len() - 1; // never empty: build_table refuses an empty list
-        let index = usize::from(id).min(last);
-        (
-            u16::try_from(index).unwrap_or(u16::MAX),
-            Arc::clone(&table[index]),
-        )
-    }
-
     /// A retry hint for a refusal outside admission (a pool checkout that timed out, a
     /// database that cannot be reached) for caller `id`: its retry policy and refusal streak,
     /// or — with the refusing queue's `expected` wait — spread around that wait.
     pub fn retry_hint_ms(&self, id: u16, expected: Option<Duration>) -> u64 {
-        let (_, caller) = self.caller(id);
+        self.retry_hint_ms_in(&self.table(), id, expected)
+    }
+
+    /// [`Policy::retry_hint_ms`] against `table` (see [`Policy::admit_in`]).
+    pub fn retry_hint_ms_in(
+        &self,
+        table: &CallerTable,
+        id: u16,
+        expected: Option<Duration>,
+    ) -> u64 {
+        let (_, caller) = table.caller(id);
         caller.stats.backoff.retry_after_ms(
             &caller.policy.retry,
             Duration::ZERO,

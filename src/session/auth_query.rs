@@ -22,7 +22,7 @@ use crate::protocol::PgError;
 /// The credentials of `user` from `auth.auth_query`: `Ok(None)` when none is configured or
 /// Postgres has no such user.
 pub async fn lookup(app: &App, user: &str) -> Result<Option<UserAuth>, PgError> {
-    let cfg = app.config.load();
+    let cfg = app.config();
     let Some(q) = cfg.auth.auth_query.as_ref() else {
         return Ok(None);
     };

@@ -223,7 +223,7 @@ pub async fn startup<S: AsyncRead + AsyncWrite + Unpin>(
                 return Err(Fail::Silent("repeated SSL/GSS negotiation request"));
             }
             StartupPacket::Cancel { pid, secret } => {
-                let config = app.config.load_full();
+                let config = app.config();
                 let peers = app.cancel_peers(&config);
                 let from = cancel::Source {
                     ip: peer,
@@ -301,7 +301,7 @@ async fn authenticate<S: AsyncRead + AsyncWrite + Unpin>(
     out: &mut BytesMut,
     user: &str,
 ) -> Result<(), PgError> {
-    let creds = app.creds.load();
+    let creds = app.creds();
     let looked_up;
     let known = match creds.user(user) {
         Some(u) => Some(u),
@@ -310,9 +310,7 @@ async fn authenticate<S: AsyncRead + AsyncWrite + Unpin>(
             looked_up.as_ref()
         }
     };
-    let method = known
-        .map(|u| u.method)
-        .unwrap_or(app.config.load().auth.method);
+    let method = known.map(|u| u.method).unwrap_or(app.config().auth.method);
     match method {
         AuthMethod::Trust if known.is_some() => {}
         AuthMethod::Trust => return Err(PgError::auth_failed(user)),

@@ -82,7 +82,7 @@ impl HandshakeSlot {
         ip: IpAddr,
         deadline: Instant,
     ) -> Result<HandshakeSlot, PgError> {
-        let limits = &app.config.load().limits;
+        let limits = &app.config().limits;
         let (max, per_address) = (limits.max_handshakes, limits.max_handshakes_per_address);
         let refused = |limit: &'static str, n: usize| {
             PgError::too_many_handshakes(
@@ -157,7 +157,7 @@ pub async fn run<S, G>(
     S: AsyncRead + AsyncWrite + Unpin + Send + 'static,
     G: Send + 'static,
 {
-    let limits = app.config.load().limits.clone();
+    let limits = app.config().limits.clone();
     let write_timeout = Duration::from_millis(limits.client_write_timeout_ms);
     let mut stream = ClientStream::Plain(WriteTimeout::new(stream, write_timeout));
     let mut buf = BytesMut::with_capacity(8 * 1024);
@@ -555,7 +555,7 @@ async fn client_alive<S: AsyncRead + Unpin>(client: &mut S, buf: &mut BytesMut) 
 
 /// Whether a `log.connections` line may be written now: `Some(lines left out before it)`.
 fn connection_line(app: &App) -> Option<u64> {
-    let cfg = app.config.load();
+    let cfg = app.config();
     if !cfg.log.connections {
         return None;
     }

@@ -39,6 +39,7 @@ use crate::protocol::PgError;
 use crate::protocol::error::field_of;
 use crate::protocol::framing::{self, Direction};
 use crate::protocol::messages;
+use crate::runtime::Runtime;
 
 use super::state;
 use super::tracker::{Expect, Kind, Mode, Outbox};
@@ -138,6 +139,9 @@ pub struct Relay {
     peer_ip: Option<std::net::IpAddr>,
     /// Admission of the current unit (caller permit held while the backend is).
     admission: Option<Admission>,
+    /// The runtime snapshot of the current unit (loaded when its first statement is
+    /// admitted): caller ids, limits, series and timeouts all come from it.
+    rt: Arc<Runtime>,
     /// Rule admissions of later statements in the unit (CONCURRENCY slots).
     stmt_admissions: Vec<StatementAdmission>,
     unit_caller: u16,
@@ -216,7 +220,8 @@ impl Relay {
         peer: std::net::SocketAddr,
     ) -> Relay {
         let mode = pool.mode();
-        let cfg = app.config.load();
+        let rt = app.runtime.load_full();
+        let cfg = Arc::clone(&rt.config);
         let replica_possible = cfg
             .database_entry(&login.database)
             .is_some_and(|d| !d.replicas.is_empty());
@@ -269,6 +274,7 @@ impl Relay {
             peer_ip: Some(peer.ip()),
             classify_on,
             admission: None,
+            rt,
             stmt_admissions: Vec::new(),
             unit_caller: 0,
             last_caller: 0,
@@ -390,7 +396,7 @@ impl Relay {
         if !waiting_for_client || in_txn {
             self.idle_client = None;
         } else if self.idle_client.is_none() {
-            let limit = self.app.config.load().limits.client_idle_timeout_ms;
+            let limit = self.app.config().limits.client_idle_timeout_ms;
             if limit > 0 {
                 self.idle_client = Some(Instant::now() + Duration::from_millis(limit));
             }
@@ -398,7 +404,7 @@ impl Relay {
         if !(waiting_for_client && in_txn) {
             self.idle_txn = None;
         } else if self.idle_txn.is_none()
-            && let Some(limit) = self.app.policy.idle_transaction_timeout(self.unit_caller)
+            && let Some(limit) = self.rt.limits.idle_transaction_timeout(self.unit_caller)
         {
             self.idle_txn = Some(Instant::now() + limit);
         }
@@ -409,12 +415,11 @@ impl Relay {
     /// rolls the transaction back and the backend goes back to the pool.
     fn idle_transaction_over(&mut self) -> End {
         let limit = self
-            .app
-            .policy
+            .rt
+            .limits
             .idle_transaction_timeout(self.unit_caller)
             .unwrap_or_default();
-        let callers = self.app.callers.load();
-        let caller = callers.name(self.unit_caller);
+        let caller = self.rt.callers.name(self.unit_caller);
         tracing::info!(caller = %caller, limit_ms = limit.as_millis(), "idle-in-transaction timeout");
         End::Error(
             PgError::fatal(
@@ -431,7 +436,7 @@ impl Relay {
     /// The client sat idle between transactions past `limits.client_idle_timeout_ms`: end
     /// the session as Postgres' own `idle_session_timeout` does (FATAL 57P05).
     fn client_idle_over(&mut self) -> End {
-        let limit = self.app.config.load().limits.client_idle_timeout_ms;
+        let limit = self.app.config().limits.client_idle_timeout_ms;
         tracing::info!(limit_ms = limit, "client idle timeout");
         End::Error(
             PgError::fatal(
@@ -1165,10 +1170,10 @@ impl Relay {
         // Each waiter has its own deadline: the pool's checkout timeout, or the caller's queue
         // timeout when that is shorter.
         let wait = Duration::from_millis(pool.cfg.checkout_timeout_ms)
-            .min(self.app.policy.queue_timeout(self.unit_caller));
+            .min(self.rt.limits.queue_timeout(self.unit_caller));
         let asked = Instant::now();
         let deadline = asked + wait;
-        let priority = self.app.policy.priority(self.unit_caller) as usize;
+        let priority = self.rt.limits.priority(self.unit_caller) as usize;
         let checkout = pool.checkout(priority, deadline);
         let why = "client disconnected while waiting";
         let res = self
@@ -1183,7 +1188,9 @@ impl Relay {
         pool.stats
             .wait_us
             .fetch_add(micros(waited), Ordering::Relaxed);
-        self.app.metrics.checkout_wait(self.unit_caller, waited);
+        self.rt
+            .caller_metrics
+            .checkout_wait(self.unit_caller, waited);
         let mut b = res.map_err(|e| {
             // A database that cannot be reached is a backend fault: it feeds the breaker.
             if matches!(e, crate::pool::CheckoutError::Connect(_)) {
@@ -1191,9 +1198,11 @@ impl Relay {
             }
             e.to_pg(
                 &pool.name,
-                self.app
-                    .policy
-                    .retry_hint_ms(self.unit_caller, pool.expected_wait()),
+                self.app.policy.retry_hint_ms_in(
+                    &self.rt.limits,
+                    self.unit_caller,
+                    pool.expected_wait(),
+                ),
             )
         })?;
         let conn = b.conn();
@@ -1233,7 +1242,7 @@ impl Relay {
         if !eligible {
             return Ok(());
         }
-        let cfg = self.app.config.load();
+        let cfg = Arc::clone(&self.rt.config);
         // A ROUTE rule on the pattern wins over the caller's `route`.
         let wants = rule_route.unwrap_or_else(|| {
             cfg.callers
@@ -1264,7 +1273,9 @@ impl Relay {
             .with_detail("limit: databases[].replica_fallback=refuse")
             .with_hint(format!(
                 "retry_after_ms={}",
-                self.app.policy.retry_hint_ms(self.last_caller, None)
+                self.app
+                    .policy
+                    .retry_hint_ms_in(&self.rt.limits, self.last_caller, None)
             ))),
             _ => Ok(()),
         }

@@ -80,7 +80,7 @@ impl Relay {
     /// Resolves the caller of a statement: its comment tags first, then the session's
     /// application_name, user and address.
     fn resolve_caller(&self, class: &Classified) -> u16 {
-        self.app.callers.load().resolve(
+        self.rt.callers.resolve(
             &class.tags,
             self.login.application_name(),
             &self.login.user,
@@ -96,6 +96,13 @@ impl Relay {
         client: &mut S,
     ) -> Result<Timeouts, PgError> {
         self.arrived = Some(Instant::now());
+        if self.admission.is_none() {
+            // A new unit: it runs under the configuration in force now, all of it (caller
+            // matching, limits, series, timeouts) from one snapshot, whatever a reload does
+            // meanwhile.
+            self.rt = self.app.runtime.load_full();
+        }
+        let rt = Arc::clone(&self.rt);
         let caller = self.resolve_caller(class);
         self.last_caller = caller;
         self.cancel.client.set_statement(caller, class.fingerprint);
@@ -108,14 +115,14 @@ impl Relay {
         let (statement_override, lock_override, warnings) = if self.admission.is_none() {
             let why = "client disconnected while queued";
             let r = self
-                .unless_client_leaves(app.policy.admit(&req), client, why)
+                .unless_client_leaves(app.policy.admit_in(&rt.limits, &req), client, why)
                 .await?;
             match r {
                 Ok(mut a) => {
                     let w = std::mem::take(&mut a.warnings);
                     let o = (a.statement_timeout_override, a.lock_timeout_override);
                     self.rule_route = a.route_replica;
-                    app.metrics.queue_wait(caller, a.queue_wait);
+                    rt.caller_metrics.queue_wait(caller, a.queue_wait);
                     if let Some(action) = a.rule_action {
                         app.metrics.rule_hit(action, false);
                     }
@@ -126,7 +133,7 @@ impl Relay {
                 Err(r) => return Err(self.refused(class, caller, &r)),
             }
         } else {
-            match app.policy.check_statement(&req).await {
+            match app.policy.check_statement_in(&rt.limits, &req).await {
                 Ok(mut a) => {
                     let w = std::mem::take(&mut a.warnings);
                     let o = (a.statement_timeout_override, a.lock_timeout_override);
@@ -143,21 +150,21 @@ impl Relay {
         for w in warnings {
             PgError::error("01000", w).encode_notice(&mut self.cout);
         }
-        let cfg = app.config.load();
+        let cfg = &rt.config;
         Ok(Timeouts {
             statement: statement_override
-                .or_else(|| app::statement_timeout(&cfg, caller, class.kind.as_str())),
-            lock: lock_override.or_else(|| app::lock_timeout(&cfg, caller)),
+                .or_else(|| app::statement_timeout(cfg, caller, class.kind.as_str())),
+            lock: lock_override.or_else(|| app::lock_timeout(cfg, caller)),
         })
     }
 
     fn refused(&self, class: &Arc<Classified>, caller: u16, r: &Refusal) -> PgError {
-        self.app.metrics.refusal(caller, r.kind.reason());
+        self.rt.caller_metrics.refusal(caller, r.kind.reason());
         if let Some(action) = r.rule_action {
             self.app.metrics.rule_hit(action, true);
         }
-        let names = self.app.callers.load();
-        let cfg = self.app.config.load();
+        let names = &self.rt.callers;
+        let cfg = &self.rt.config;
         if cfg.log.refusals
             && let Some(suppressed) = self.app.log_limits.refusals.admit(
                 crate::observe::stats::unix_ms(),
@@ -222,7 +229,8 @@ impl Relay {
             return;
         }
         let now = Instant::now();
-        let names = self.app.callers.load();
+        let rt = Arc::clone(&self.rt);
+        let names = &rt.callers;
         let n = done;
         let mut backend_us = 0u64;
         self.transaction_done(self.pending.first().map(|r| r.start));
@@ -230,8 +238,7 @@ impl Relay {
             let elapsed = now.saturating_duration_since(r.start);
             backend_us = backend_us.saturating_add(super::micros(elapsed));
             let total = now.saturating_duration_since(r.arrived);
-            self.app
-                .metrics
+            rt.caller_metrics
                 .query(r.caller, total, elapsed, !self.errored);
             // Every statement that reached the backend tells the breaker how it went.
             self.app.policy.record_backend_result(!self.fault);
