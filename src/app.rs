@@ -67,11 +67,10 @@ pub struct App {
     /// What `POST /v1/reload` runs: main sets it to the same re-read as SIGHUP. Unset in
     /// tests and embedders, where the endpoint answers 503.
     pub reloader: OnceLock<Reloader>,
-    /// Fired on shutdown: stop accepting, finish in-flight work ([`App::begin_shutdown`]).
+    /// Fired on shutdown: stop accepting, background tasks end ([`App::begin_shutdown`]).
+    /// Sessions follow the phase in [`cancel::Registry::phase`] instead (draining, then
+    /// forcing), which wakes each through its own entry rather than through this token.
     pub shutdown: CancellationToken,
-    /// Fired when the shutdown grace period is over: cancel what still runs
-    /// ([`App::force_stop`]).
-    pub force: CancellationToken,
     /// Client and backend TLS (certificates re-read on reload).
     pub tls: crate::tls::Tls,
     /// Fleet mode (a `fleet` section): membership, shared rules and limits through Redis.
@@ -121,7 +120,6 @@ impl App {
 
     /// The shutdown grace period is over: sessions cancel what still runs and leave.
     pub fn force_stop(&self) {
-        self.force.cancel();
         self.cancels.set_phase(cancel::Phase::Forcing);
     }
 
@@ -202,7 +200,6 @@ impl App {
             cancels,
             stats: AppStats::default(),
             shutdown: CancellationToken::new(),
-            force: CancellationToken::new(),
             fleet,
         }))
     }

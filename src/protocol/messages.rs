@@ -117,25 +117,65 @@ pub fn cstr(buf: &[u8]) -> Option<(&[u8], &[u8])> {
     Some((&buf[..end], &buf[end + 1..]))
 }
 
-/// Parse body: (statement name, query text, parameter-type section as raw bytes).
-pub fn parse_body(body: &[u8]) -> Option<(&[u8], &[u8], &[u8])> {
-    let (name, rest) = cstr(body)?;
-    let (query, types) = cstr(rest)?;
-    Some((name, query, types))
+/// A Parse message's body, borrowed: statement name (empty: the unnamed one), query text and
+/// the parameter-type section as raw bytes (count and OIDs, passed on untouched).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Parse<'a> {
+    pub name: &'a [u8],
+    pub query: &'a [u8],
+    pub types: &'a [u8],
 }
 
-/// Bind body: (portal name, statement name, everything after the statement name).
-pub fn bind_body(body: &[u8]) -> Option<(&[u8], &[u8], &[u8])> {
-    let (portal, rest) = cstr(body)?;
-    let (stmt, tail) = cstr(rest)?;
-    Some((portal, stmt, tail))
+impl<'a> Parse<'a> {
+    pub fn read(body: &'a [u8]) -> Option<Self> {
+        let (name, rest) = cstr(body)?;
+        let (query, types) = cstr(rest)?;
+        Some(Parse { name, query, types })
+    }
 }
 
-/// Describe/Close body: ('S' or 'P', name).
-pub fn target_body(body: &[u8]) -> Option<(u8, &[u8])> {
-    let (&kind, rest) = body.split_first()?;
-    let (name, tail) = cstr(rest)?;
-    (tail.is_empty() && (kind == b'S' || kind == b'P')).then_some((kind, name))
+/// A Bind message's body, borrowed: portal, statement name, and everything after the
+/// statement name (formats, parameters, result formats), passed on untouched.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Bind<'a> {
+    pub portal: &'a [u8],
+    pub statement: &'a [u8],
+    pub tail: &'a [u8],
+}
+
+impl<'a> Bind<'a> {
+    pub fn read(body: &'a [u8]) -> Option<Self> {
+        let (portal, rest) = cstr(body)?;
+        let (statement, tail) = cstr(rest)?;
+        Some(Bind {
+            portal,
+            statement,
+            tail,
+        })
+    }
+}
+
+/// What a Describe or Close names.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Target<'a> {
+    Statement(&'a [u8]),
+    Portal(&'a [u8]),
+}
+
+impl<'a> Target<'a> {
+    /// A Describe/Close body: `'S'` or `'P'`, then the name; anything else is malformed.
+    pub fn read(body: &'a [u8]) -> Option<Self> {
+        let (&kind, rest) = body.split_first()?;
+        let (name, tail) = cstr(rest)?;
+        if !tail.is_empty() {
+            return None;
+        }
+        match kind {
+            b'S' => Some(Target::Statement(name)),
+            b'P' => Some(Target::Portal(name)),
+            _ => None,
+        }
+    }
 }
 
 /// Query body: the SQL text without its terminator.
@@ -323,15 +363,25 @@ mod tests {
     #[test]
     fn reads_bodies_without_copying() {
         assert_eq!(
-            parse_body(b"s1\0select 1\0\0\0"),
-            Some((&b"s1"[..], &b"select 1"[..], &b"\0\0"[..]))
+            Parse::read(b"s1\0select 1\0\0\0"),
+            Some(Parse {
+                name: b"s1",
+                query: b"select 1",
+                types: b"\0\0"
+            })
         );
         assert_eq!(
-            bind_body(b"\0s1\0\0\0"),
-            Some((&b""[..], &b"s1"[..], &b"\0\0"[..]))
+            Bind::read(b"\0s1\0\0\0"),
+            Some(Bind {
+                portal: b"",
+                statement: b"s1",
+                tail: b"\0\0"
+            })
         );
-        assert_eq!(target_body(b"Ss1\0"), Some((b'S', &b"s1"[..])));
-        assert_eq!(target_body(b"Xs1\0"), None);
+        assert_eq!(Target::read(b"Ss1\0"), Some(Target::Statement(b"s1")));
+        assert_eq!(Target::read(b"Pp\0"), Some(Target::Portal(b"p")));
+        assert_eq!(Target::read(b"Xs1\0"), None);
+        assert_eq!(Target::read(b"Ss1\0x"), None);
         assert_eq!(query_body(b"select 1\0"), Some(&b"select 1"[..]));
     }
 

@@ -39,6 +39,7 @@ use crate::protocol::PgError;
 use crate::protocol::error::field_of;
 use crate::protocol::framing::{self, Direction};
 use crate::protocol::messages;
+use crate::protocol::messages::Target;
 use crate::runtime::Runtime;
 
 use super::state;
@@ -797,8 +798,8 @@ impl Relay {
         body: &Bytes,
         client: &mut S,
     ) -> Result<(), End> {
-        let (name, query, types) =
-            messages::parse_body(body).ok_or_else(|| Self::malformed("Parse"))?;
+        let messages::Parse { name, query, types } =
+            messages::Parse::read(body).ok_or_else(|| Self::malformed("Parse"))?;
         if !name.is_empty()
             && self.stmts.len() >= self.max_statements
             && !self.stmts.contains_key(name)
@@ -947,8 +948,11 @@ impl Relay {
         body: &Bytes,
         client: &mut S,
     ) -> Result<(), End> {
-        let (portal, stmt, tail) =
-            messages::bind_body(body).ok_or_else(|| Self::malformed("Bind"))?;
+        let messages::Bind {
+            portal,
+            statement: stmt,
+            tail,
+        } = messages::Bind::read(body).ok_or_else(|| Self::malformed("Bind"))?;
         let known = if stmt.is_empty() {
             self.unnamed_class.clone()
         } else {
@@ -1003,10 +1007,10 @@ impl Relay {
     }
 
     fn on_target(&mut self, tag: u8, frame: Bytes, body: &Bytes) -> Result<(), End> {
-        let (kind, name) =
-            messages::target_body(body).ok_or_else(|| Self::malformed("Describe/Close"))?;
-        match (tag, kind) {
-            (b'D', b'S') => {
+        let target =
+            messages::Target::read(body).ok_or_else(|| Self::malformed("Describe/Close"))?;
+        match (tag, target) {
+            (b'D', Target::Statement(name)) => {
                 let server = self.ensure_prepared(name);
                 let mut e = Expect::new(Kind::DescribeStmt, Mode::Forward);
                 e.target = self
@@ -1021,17 +1025,19 @@ impl Relay {
                     None => self.out.send(e, &frame),
                 }
             }
-            (b'D', _) => {
+            (b'D', Target::Portal(_)) => {
                 self.out
                     .send(Expect::new(Kind::DescribePortal, Mode::Forward), &frame);
             }
-            (b'C', b'S') if !name.is_empty() && self.mode == PoolMode::Transaction => {
+            (b'C', Target::Statement(name))
+                if !name.is_empty() && self.mode == PoolMode::Transaction =>
+            {
                 // The server statement stays cached for others; only the client's name goes.
                 self.stmts.remove(name);
                 self.out.answer_here(Kind::Close);
             }
-            _ => {
-                if kind == b'S' {
+            (_, target) => {
+                if let Target::Statement(name) = target {
                     self.stmts.remove(name);
                 }
                 self.out

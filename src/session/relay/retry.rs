@@ -114,7 +114,12 @@ impl Relay {
             let body = f.slice(framing::HEADER_LEN..);
             match tag {
                 b'B' => {
-                    let Some((portal, stmt, tail)) = messages::bind_body(&body) else {
+                    let Some(messages::Bind {
+                        portal,
+                        statement: stmt,
+                        tail,
+                    }) = messages::Bind::read(&body)
+                    else {
                         continue;
                     };
                     let server = self.ensure_prepared(stmt);
@@ -127,10 +132,10 @@ impl Relay {
                     }
                 }
                 b'D' => {
-                    let Some((kind, name)) = messages::target_body(&body) else {
+                    let Some(target) = messages::Target::read(&body) else {
                         continue;
                     };
-                    if kind == b'S' {
+                    if let messages::Target::Statement(name) = target {
                         let server = self.ensure_prepared(name);
                         let e = Expect::new(Kind::DescribeStmt, Mode::Forward);
                         match server {
