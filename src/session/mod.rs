@@ -22,6 +22,10 @@ mod relay;
 mod state;
 mod tracker;
 
+/// The relay core's isolation oracle, for the `relay_oracle` fuzz target.
+#[cfg(fuzzing)]
+pub use tracker::oracle as relay_oracle;
+
 use std::io;
 use std::net::{IpAddr, SocketAddr};
 use std::pin::Pin;

@@ -15,8 +15,8 @@ use crate::protocol::messages;
 
 mod outbox;
 pub use outbox::Outbox;
-#[cfg(test)]
-mod oracle_tests;
+#[cfg(any(test, fuzzing))]
+pub mod oracle;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Kind {

@@ -5,6 +5,10 @@
 //! client receives through the proxy must be exactly what it would receive talking to
 //! Postgres directly with its own requests: the same replies in the same order, nothing of
 //! the proxy's own requests, errors skipping to Sync as Postgres does.
+//!
+//! [`check`] builds a scenario from arbitrary bytes: the unit tests feed it a seeded random
+//! stream, the `relay_oracle` fuzz target whatever libFuzzer finds (compiled for tests and
+//! under `cfg(fuzzing)` only).
 
 use bytes::BytesMut;
 
@@ -159,15 +163,19 @@ fn direct(rounds: &[Vec<Op>]) -> Vec<u8> {
     seen
 }
 
-/// A small deterministic generator (xorshift), so a failure names its seed.
-struct Rng(u64);
+/// Where a scenario's choices come from: one byte each (0 once the input is used up, so
+/// every input makes a finite scenario).
+struct Choices<'a>(&'a [u8]);
 
-impl Rng {
+impl Choices<'_> {
     fn next(&mut self) -> u64 {
-        self.0 ^= self.0 << 13;
-        self.0 ^= self.0 >> 7;
-        self.0 ^= self.0 << 17;
-        self.0
+        match self.0.split_first() {
+            Some((&b, rest)) => {
+                self.0 = rest;
+                u64::from(b)
+            }
+            None => 0,
+        }
     }
     fn chance(&mut self, percent: u64) -> bool {
         self.next() % 100 < percent
@@ -175,7 +183,7 @@ impl Rng {
 }
 
 /// One unit of work as the relay writes it: a simple query, or an extended batch to its Sync.
-fn unit(r: &mut Rng, out: &mut Vec<Op>) {
+fn unit(r: &mut Choices<'_>, out: &mut Vec<Op>) {
     let client = |kind, fails| Op {
         kind,
         origin: Origin::Client,
@@ -257,30 +265,53 @@ fn unit(r: &mut Rng, out: &mut Vec<Op>) {
     out.push(client(Kind::Sync, false));
 }
 
-fn scenario(seed: u64) -> Vec<Vec<Op>> {
-    let mut r = Rng(seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1);
+fn scenario(data: &[u8]) -> Vec<Vec<Op>> {
+    let r = &mut Choices(data);
     let mut rounds = Vec::new();
     for _ in 0..1 + r.next() % 4 {
         let mut round = Vec::new();
         for _ in 0..1 + r.next() % 5 {
-            unit(&mut r, &mut round);
+            unit(r, &mut round);
         }
         rounds.push(round);
     }
     rounds
 }
 
+/// Runs the scenario `data` describes through the proxy and directly; panics when the client
+/// would see anything else through the proxy.
+pub fn check(data: &[u8]) {
+    let rounds = scenario(data);
+    let want = direct(&rounds);
+    let got = through_proxy(&rounds);
+    assert_eq!(
+        String::from_utf8_lossy(&got),
+        String::from_utf8_lossy(&want),
+        "{rounds:#?}"
+    );
+}
+
+/// A seeded stream of choices (xorshift), so a failing test names its seed.
+#[cfg(test)]
+fn random_bytes(seed: u64, n: usize) -> Vec<u8> {
+    let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    (0..n)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x as u8
+        })
+        .collect()
+}
+
 #[test]
 fn the_client_sees_what_postgres_would_have_told_it_and_nothing_of_the_proxys_own() {
     for seed in 0..5_000u64 {
-        let rounds = scenario(seed);
-        let want = direct(&rounds);
-        let got = through_proxy(&rounds);
-        assert_eq!(
-            String::from_utf8_lossy(&got),
-            String::from_utf8_lossy(&want),
-            "seed {seed}: {rounds:#?}"
-        );
+        let data = random_bytes(seed, 400);
+        if let Err(e) = std::panic::catch_unwind(|| check(&data)) {
+            panic!("seed {seed}: {e:?}");
+        }
     }
 }
 
