@@ -19,13 +19,16 @@
 #          [--modes "simple extended prepared"] [--pool N] [--storm-clients N]
 #          [--storm-secs S] [--idle-clients N] [--skip-storms] [--skip-idle]
 #          [--incident-clients N] [--incident-deadline S] [--skip-incident] [--quick]
-#          [--no-build] [--out DIR] [--port-base P] [--keep]
+#          [--no-build] [--out DIR] [--port-base P] [--keep] [--unix]
 #        benches/compare.sh --only incident [benches/incident.sh options]
 # Defaults keep a run to a few minutes on 2 cores (the incident adds up to ~5); use e.g.
 # --duration 15 --rounds 3 for numbers worth quoting. Needs: PostgreSQL server binaries,
 # pgbench, psql, pgbouncer (Debian: apt-get install -y postgresql pgbouncer), cargo. Run as
 # root or as a normal user; as root, Postgres and PgBouncer run as the `postgres` user.
 # Binaries are taken from $CARGO_TARGET_DIR (default target/) /release.
+# --unix: the pgbench and latency runs over Unix-domain sockets on both sides (pgbench to each
+# target's socket, PgBouncer's and pgsluice's servers on Postgres's socket); the storm, idle and
+# incident parts stay on TCP.
 set -euo pipefail
 
 DURATION=5
@@ -44,6 +47,7 @@ SKIP_INCIDENT=0
 INCIDENT_ARGS=()
 BUILD=1
 KEEP=0
+UNIX=0
 OUT=""
 PORT_BASE=25400
 
@@ -74,6 +78,7 @@ while [ $# -gt 0 ]; do
     --out) OUT=$2; shift 2 ;;
     --port-base) PORT_BASE=$2; shift 2 ;;
     --keep) KEEP=1; shift ;;
+    --unix) UNIX=1; shift ;;
     -h|--help) usage 0 ;;
     *) echo "unknown option: $1" >&2; usage 2 ;;
   esac
@@ -206,16 +211,27 @@ log "pgbench -i -s 10"
   || die "pgbench -i failed: $(tail -5 "$TMP/pgbench-init.log")"
 
 # --- PgBouncer -----------------------------------------------------------------------------
+# Where pgbench meets each target, and where the proxies meet Postgres: 127.0.0.1, or with
+# --unix the socket directory all three listen in (each socket is named by its port).
+if [ "$UNIX" = 1 ]; then
+  BENCH_HOST=$TMP; SERVER_HOST=$TMP; BOUNCER_SOCKET_DIR=$TMP
+  SLUICE_BACKEND="postgres://postgres:$PASSWORD@/bench?host=$TMP&port=$PGPORT"
+  SLUICE_SOCKET="unix_socket_dir: $TMP"
+else
+  BENCH_HOST=127.0.0.1; SERVER_HOST=127.0.0.1; BOUNCER_SOCKET_DIR=
+  SLUICE_BACKEND="postgres://postgres:$PASSWORD@127.0.0.1:$PGPORT/bench"
+  SLUICE_SOCKET=""
+fi
 BOUNCER_PREPARED=0
 if printf '%s\n1.21.0\n' "$BOUNCER_VERSION" | sort -V -C 2>/dev/null; then :; else BOUNCER_PREPARED=1; fi
 printf '"postgres" "%s"\n"storm" "%s"\n' "$PASSWORD" "$PASSWORD" >"$TMP/userlist.txt"
 cat >"$TMP/pgbouncer.ini" <<EOF
 [databases]
-bench = host=127.0.0.1 port=$PGPORT dbname=bench
+bench = host=$SERVER_HOST port=$PGPORT dbname=bench
 [pgbouncer]
 listen_addr = 127.0.0.1
 listen_port = $BOUNCER_PORT
-unix_socket_dir =
+unix_socket_dir = $BOUNCER_SOCKET_DIR
 auth_type = md5
 auth_file = $TMP/userlist.txt
 pool_mode = transaction
@@ -241,10 +257,11 @@ BOUNCER_PID=$(cat "$TMP/pgbouncer.pid")
 # pgbench measures the proxy path, not a caller limit.
 cat >"$TMP/pgsluice.yaml" <<EOF
 listen: 127.0.0.1:$SLUICE_PORT
+$SLUICE_SOCKET
 admin:
   listen: 127.0.0.1:$ADMIN_PORT
 backend:
-  url: postgres://postgres:$PASSWORD@127.0.0.1:$PGPORT/bench
+  url: $SLUICE_BACKEND
   require_auth: [scram-sha-256, trust]   # the throwaway cluster above uses trust auth
 pool:
   size: $POOL
@@ -323,7 +340,7 @@ run_pgbench() { # target mode clients round
     printf '%s\t%s\t%s\t%s\tn/a\t-\t-\t-\t-\n' "$mode" "$c" "$t" "$r" >>"$RESULTS"; return
   fi
   before=$(cpu_ticks "${PID[$t]}"); pg0=$(pg_ticks); children_cpu_s; ch0=$CH
-  out=$("$PGBENCH" -n -S -M "$mode" -c "$c" -j 2 -T "$DURATION" -h 127.0.0.1 -p "${PORT[$t]}" \
+  out=$("$PGBENCH" -n -S -M "$mode" -c "$c" -j 2 -T "$DURATION" -h "$BENCH_HOST" -p "${PORT[$t]}" \
         -U postgres bench 2>&1) || true
   # Direct: let the postmaster reap pgbench's backends, so their CPU reaches its cutime.
   after=$(cpu_ticks "${PID[$t]}"); sleep 0.5; pg1=$(pg_ticks); children_cpu_s; ch1=$CH
@@ -365,7 +382,7 @@ for r in $(seq 1 "$ROUNDS"); do
     log "round $r: -c 1 latency via $t"
     rm -f "$TMP"/lat_*
     "$PGBENCH" -n -S -M simple -c 1 -j 1 -T "$LAT_DURATION" -l --log-prefix="$TMP/lat_$t" \
-      -h 127.0.0.1 -p "${PORT[$t]}" -U postgres bench >/dev/null 2>&1 || true
+      -h "$BENCH_HOST" -p "${PORT[$t]}" -U postgres bench >/dev/null 2>&1 || true
     p50=$(cat "$TMP"/lat_"$t".* 2>/dev/null | awk '{print $3}' | median)
     printf '%s\t%s\t%s\n' "$t" "$r" "$p50" >>"$LAT"
   done

@@ -22,7 +22,7 @@
 //! This module decides and sends; it never reads the configuration itself.
 
 use std::collections::HashMap;
-use std::net::{IpAddr, SocketAddr};
+use std::net::IpAddr;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU8, Ordering as AtomicOrdering};
 use std::time::Duration;
@@ -30,10 +30,11 @@ use std::time::Duration;
 use bytes::BytesMut;
 use futures_util::task::AtomicWaker;
 use parking_lot::Mutex;
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio::net::TcpStream;
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
+use tokio::net::{TcpStream, UnixStream};
 use tokio::sync::Semaphore;
 
+use crate::addr::ServerAddr;
 use crate::auth::ct_eq;
 use crate::clients::{ClientInfo, ClientMeta, Order};
 use crate::config::PeerConfig;
@@ -129,7 +130,7 @@ pub struct Source {
 /// The backend key to forward a cancel to.
 #[derive(Debug, Clone)]
 pub struct Target {
-    pub addr: SocketAddr,
+    pub addr: ServerAddr,
     pub pid: i32,
     pub secret: Arc<[u8]>,
 }
@@ -412,7 +413,10 @@ impl Registry {
 
 /// Sends a CancelRequest for `t` and waits until the server has read it (it closes the socket).
 pub async fn send(t: &Target) -> std::io::Result<()> {
-    deliver(TcpStream::connect(t.addr).await?, t.pid, &t.secret).await
+    match &t.addr {
+        ServerAddr::Tcp(a) => deliver(TcpStream::connect(a).await?, t.pid, &t.secret).await,
+        ServerAddr::Unix(p) => deliver(UnixStream::connect(p).await?, t.pid, &t.secret).await,
+    }
 }
 
 /// Passes a cancel on to a peer's client address (`host:port`) and waits for it to close.
@@ -432,7 +436,11 @@ fn packet(pid: i32, secret: &[u8]) -> BytesMut {
     b
 }
 
-async fn deliver(mut s: TcpStream, pid: i32, secret: &[u8]) -> std::io::Result<()> {
+async fn deliver<S: AsyncRead + AsyncWrite + Unpin>(
+    mut s: S,
+    pid: i32,
+    secret: &[u8],
+) -> std::io::Result<()> {
     s.write_all(&packet(pid, secret)).await?;
     let mut sink = [0u8; 16];
     while s.read(&mut sink).await? > 0 {}
@@ -442,6 +450,7 @@ async fn deliver(mut s: TcpStream, pid: i32, secret: &[u8]) -> std::io::Result<(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::net::SocketAddr;
 
     /// A stand-in for Postgres' postmaster: counts CancelRequests for `pid`.
     async fn counting_server() -> (SocketAddr, Arc<std::sync::atomic::AtomicUsize>) {
@@ -471,7 +480,7 @@ mod tests {
         let r = Arc::new(Registry::new(PeerLayout::new(None)));
         let reg = r.register(4);
         let target = || Target {
-            addr,
+            addr: ServerAddr::Tcp(addr),
             pid: 42,
             secret: Arc::from(&[1u8, 2, 3, 4][..]),
         };

@@ -7,7 +7,6 @@
 //! one per-session handle the process already keeps and can wake; this module owns only the
 //! record, its states and the snapshot it gives.
 
-use std::net::SocketAddr;
 use std::sync::atomic::{AtomicI32, AtomicU8, AtomicU16, AtomicU64, Ordering::Relaxed};
 
 use serde::Serialize;
@@ -54,7 +53,8 @@ pub enum Order {
 pub struct ClientMeta {
     pub user: String,
     pub database: String,
-    pub addr: SocketAddr,
+    /// `unix` for a client of the Unix-domain socket.
+    pub addr: crate::addr::ClientAddr,
     pub tls: bool,
 }
 
@@ -172,7 +172,7 @@ mod tests {
         let meta = ClientMeta {
             user: "app".into(),
             database: "appdb".into(),
-            addr: "127.0.0.1:5000".parse().unwrap(),
+            addr: crate::addr::ClientAddr::Tcp("127.0.0.1:5000".parse().unwrap()),
             tls: false,
         };
         let c = ClientInfo::new(7, Some(meta));

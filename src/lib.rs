@@ -4,7 +4,8 @@
 //! Modules in the order a query meets them:
 //!
 //! ```text
-//! server    accept loop, client slots, graceful stop
+//! server    accept loop (TCP and the Unix socket), client slots, graceful stop
+//! addr      client and server addresses: TCP, or a Unix-domain socket
 //! per_address  each source address's share of handshakes and cancels in flight
 //! session   handshake (SSL/GSS answer, startup, auth) → relay loop (framing, statement
 //!           renaming, replies matched to requests) → release at ReadyForQuery('I')
@@ -21,6 +22,7 @@
 //! systemd   READY/RELOADING/STOPPING notifications for a `Type=notify` unit
 //! ```
 
+pub mod addr;
 pub mod admin;
 pub mod app;
 pub mod auth;

@@ -29,6 +29,9 @@ struct Cli {
     /// Address clients connect to [default: 127.0.0.1:6432].
     #[arg(long, env = "PGSLUICE_LISTEN")]
     listen: Option<SocketAddr>,
+    /// Also listen on the Unix-domain socket DIR/.s.PGSQL.PORT (PORT: --listen's port).
+    #[arg(long, value_name = "DIR", env = "PGSLUICE_UNIX_SOCKET_DIR")]
+    unix_socket_dir: Option<PathBuf>,
     /// postgres://USER[:PASSWORD]@HOST:PORT/DB — that user may log in with that password.
     #[arg(long, env = "PGSLUICE_BACKEND_URL", hide_env_values = true)]
     backend: Option<String>,
@@ -99,6 +102,7 @@ fn load(cli: &Cli) -> Result<Config, Vec<ConfigError>> {
     };
     base.apply(&Overrides {
         listen: cli.listen,
+        unix_socket_dir: cli.unix_socket_dir.clone(),
         admin_listen: cli.admin_listen,
         backend: cli.backend.clone(),
         backend_password_file: cli.backend_password_file.clone(),
@@ -326,6 +330,17 @@ async fn run(
     };
     // Port 0 becomes the port the OS chose: a fleet member announces where it listens.
     config.listen = listener.local_addr()?;
+    let unix = match &config.unix_socket_dir {
+        Some(dir) => {
+            let mode = config.unix_socket_mode_bits().unwrap_or(0o777);
+            Some(pgsluice::server::bind_unix(
+                dir,
+                config.listen.port(),
+                mode,
+            )?)
+        }
+        None => None,
+    };
     if let Some(peer) = &peer {
         config.peer_listen = Some(peer.local_addr()?);
     }
@@ -344,6 +359,9 @@ async fn run(
         println!("pgsluice peer cancels listening on {}", peer.local_addr()?);
     }
     println!("pgsluice admin listening on {}", admin.local_addr()?);
+    if let Some(u) = &unix {
+        println!("pgsluice unix socket listening on {}", u.path().display());
+    }
     println!("pgsluice listening on {}", listener.local_addr()?);
     tracing::info!(addr = %listener.local_addr()?, "pgsluice listening");
     for note in app.config().notes() {
@@ -389,7 +407,11 @@ async fn run(
     let notifier = Arc::new(pgsluice::systemd::Notifier::from_env());
     tokio::spawn(signals(app.clone(), cli, notifier.clone()));
     notifier.ready(&format!("serving on {}", app.config().listen));
-    pgsluice::server::serve(app, listener, login).await;
+    let listeners = pgsluice::server::Listeners {
+        tcp: listener,
+        unix,
+    };
+    pgsluice::server::serve(app, listeners, login).await;
     admin_stop.cancel();
     let _ = tokio::time::timeout(std::time::Duration::from_secs(2), admin_task).await;
     // The fleet task leaves the member set on shutdown (one Redis call, bounded).

@@ -4,22 +4,26 @@
 //! when the process runs out of file descriptors, and the graceful stop on shutdown: the
 //! listener closes at once, sessions finish their transactions for up to
 //! `shutdown_timeout_ms`, then `force` cancels what still runs and the stragglers get a short
-//! moment to tell their clients (57P01). Also binds the client listener, with SO_REUSEPORT
-//! when several instances share the port. With a login runtime, accepted connections are
+//! moment to tell their clients (57P01). Also binds the client listeners: TCP, with
+//! SO_REUSEPORT when several instances share the port, and the Unix-domain socket in
+//! `unix_socket_dir` (clients of both are served alike). With a login runtime, accepted connections are
 //! refused or logged in there (the accept itself stays here, with the sessions).
 
 use std::net::SocketAddr;
+use std::os::unix::fs::{FileTypeExt, MetadataExt, PermissionsExt};
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 use bytes::BytesMut;
 use socket2::{Domain, Protocol, Socket, Type};
-use tokio::io::AsyncWriteExt;
-use tokio::net::TcpListener;
+use tokio::io::{AsyncRead, AsyncWrite, AsyncWriteExt};
+use tokio::net::{TcpListener, UnixListener};
 use tokio::time::Instant;
 use tokio_util::task::TaskTracker;
 
+use crate::addr::ClientAddr;
 use crate::app::App;
 use crate::protocol::PgError;
 use crate::session::{self, HandshakeSlot};
@@ -85,13 +89,105 @@ pub fn bind(addr: SocketAddr, reuseport: bool) -> std::io::Result<TcpListener> {
     TcpListener::from_std(socket.into())
 }
 
+/// The proxy's Unix-domain socket, `DIR/.s.PGSQL.PORT` (PgBouncer's `unix_socket_dir`), so
+/// `psql -h DIR -p PORT` and drivers given a socket directory find it. The file is removed
+/// when this is dropped (if it is still the one bound here).
+pub struct UnixSocket {
+    listener: UnixListener,
+    path: PathBuf,
+    /// Device and inode of the file bound here.
+    file: (u64, u64),
+}
+
+impl UnixSocket {
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+}
+
+impl Drop for UnixSocket {
+    fn drop(&mut self) {
+        if std::fs::symlink_metadata(&self.path).is_ok_and(|m| (m.dev(), m.ino()) == self.file) {
+            let _ = std::fs::remove_file(&self.path);
+        }
+    }
+}
+
+/// Binds `DIR/.s.PGSQL.PORT` with permissions `mode`. A socket file left by a process that
+/// died is replaced; one a live server answers on, or a file that is not a socket, is an
+/// error (nothing is deleted that might be someone else's).
+pub fn bind_unix(dir: &Path, port: u16, mode: u32) -> std::io::Result<UnixSocket> {
+    use std::io::{Error, ErrorKind};
+    let path = crate::addr::socket_file(dir, port);
+    if let Ok(meta) = std::fs::symlink_metadata(&path) {
+        if !meta.file_type().is_socket() {
+            return Err(Error::new(
+                ErrorKind::AlreadyExists,
+                format!("{} exists and is not a socket", path.display()),
+            ));
+        }
+        match std::os::unix::net::UnixStream::connect(&path) {
+            Ok(_) => {
+                return Err(Error::new(
+                    ErrorKind::AddrInUse,
+                    format!("another server listens on {}", path.display()),
+                ));
+            }
+            Err(e) if e.kind() == ErrorKind::ConnectionRefused => std::fs::remove_file(&path)?,
+            Err(e) => {
+                return Err(Error::new(e.kind(), format!("{}: {e}", path.display())));
+            }
+        }
+    }
+    let listener = UnixListener::bind(&path)
+        .map_err(|e| Error::new(e.kind(), format!("{}: {e}", path.display())))?;
+    std::fs::set_permissions(&path, std::fs::Permissions::from_mode(mode))?;
+    let meta = std::fs::symlink_metadata(&path)?;
+    Ok(UnixSocket {
+        listener,
+        path,
+        file: (meta.dev(), meta.ino()),
+    })
+}
+
 /// The accept queue length asked of the kernel (tokio's own default; capped by somaxconn).
 const LISTEN_BACKLOG: i32 = 1024;
+
+/// Where clients connect: the TCP listener, and the Unix-domain socket in `unix_socket_dir`
+/// when one is configured.
+pub struct Listeners {
+    pub tcp: TcpListener,
+    pub unix: Option<UnixSocket>,
+}
+
+/// One accepted client connection.
+enum Accepted {
+    Tcp(tokio::net::TcpStream),
+    Unix(tokio::net::UnixStream),
+}
+
+impl Listeners {
+    async fn accept(&self) -> std::io::Result<(Accepted, ClientAddr)> {
+        let unix = async {
+            match &self.unix {
+                Some(u) => u.listener.accept().await,
+                None => std::future::pending().await,
+            }
+        };
+        tokio::select! {
+            r = self.tcp.accept() => r.map(|(s, a)| {
+                let _ = s.set_nodelay(true);
+                (Accepted::Tcp(s), ClientAddr::Tcp(a))
+            }),
+            r = unix => r.map(|(s, _)| (Accepted::Unix(s), ClientAddr::Unix)),
+        }
+    }
+}
 
 /// Accepts clients until shutdown, then waits for sessions up to `shutdown_timeout_ms`.
 /// With `login`, new connections are refused or logged in on that runtime and their
 /// sessions handed back to this one (see [`session::Handover`]).
-pub async fn serve(app: Arc<App>, listener: TcpListener, login: Option<tokio::runtime::Handle>) {
+pub async fn serve(app: Arc<App>, listeners: Listeners, login: Option<tokio::runtime::Handle>) {
     let tasks = TaskTracker::new();
     let handover = match &login {
         Some(_) => session::Handover::to(tasks.clone(), tokio::runtime::Handle::current()),
@@ -102,7 +198,7 @@ pub async fn serve(app: Arc<App>, listener: TcpListener, login: Option<tokio::ru
     let mut warnings = AcceptWarnings::default();
     loop {
         let accepted = tokio::select! {
-            r = listener.accept() => r,
+            r = listeners.accept() => r,
             _ = app.shutdown.cancelled() => break,
         };
         let (sock, peer) = match accepted {
@@ -118,30 +214,13 @@ pub async fn serve(app: Arc<App>, listener: TcpListener, login: Option<tokio::ru
                 continue;
             }
         };
-        let _ = sock.set_nodelay(true);
-        let max = app.config().limits.max_client_conn;
-        let n = app.stats.clients.fetch_add(1, Ordering::Relaxed);
-        let slot = ClientSlot(app.clone());
-        app.stats.clients_total.fetch_add(1, Ordering::Relaxed);
-        if n >= max {
-            let e = PgError::too_many_clients(max, app.policy.connection_hint_ms(None));
-            spawn(&tasks, login.as_ref(), refuse(slot, sock, e));
-            continue;
+        match sock {
+            Accepted::Tcp(s) => admit(&app, &tasks, login.as_ref(), &handover, s, peer),
+            Accepted::Unix(s) => admit(&app, &tasks, login.as_ref(), &handover, s, peer),
         }
-        let app2 = app.clone();
-        let handover = handover.clone();
-        // The wait for a handshake slot (bounded by the handshake timeout) runs in the
-        // connection's own task: accepting never waits.
-        let timeout = Duration::from_millis(app.config().limits.handshake_timeout_ms);
-        let deadline = tokio::time::Instant::now() + timeout;
-        spawn(&tasks, login.as_ref(), async move {
-            match HandshakeSlot::acquire(&app2, peer.ip(), deadline).await {
-                Ok(h) => session::run(app2, sock, peer, h, handover, slot).await,
-                Err(e) => refuse(slot, sock, e).await,
-            }
-        });
     }
-    drop(listener);
+    // The socket file goes with the listener: a client that finds none tries elsewhere.
+    drop(listeners);
     tasks.close();
     let grace = Duration::from_millis(app.config().limits.shutdown_timeout_ms);
     if tokio::time::timeout(grace, tasks.wait()).await.is_err() {
@@ -157,6 +236,40 @@ pub async fn serve(app: Arc<App>, listener: TcpListener, login: Option<tokio::ru
             tracing::warn!(remaining = tasks.len(), "closing remaining sessions");
         }
     }
+}
+
+/// Takes a client slot for a new connection (or refuses it above `max_client_conn`) and
+/// starts its task, which waits for a handshake slot (bounded by the handshake timeout) and
+/// runs the session: accepting never waits.
+fn admit<S>(
+    app: &Arc<App>,
+    tasks: &TaskTracker,
+    login: Option<&tokio::runtime::Handle>,
+    handover: &session::Handover,
+    sock: S,
+    peer: ClientAddr,
+) where
+    S: AsyncRead + AsyncWrite + Unpin + Send + 'static,
+{
+    let max = app.config().limits.max_client_conn;
+    let n = app.stats.clients.fetch_add(1, Ordering::Relaxed);
+    let slot = ClientSlot(app.clone());
+    app.stats.clients_total.fetch_add(1, Ordering::Relaxed);
+    if n >= max {
+        let e = PgError::too_many_clients(max, app.policy.connection_hint_ms(None));
+        spawn(tasks, login, refuse(slot, sock, e));
+        return;
+    }
+    let app2 = app.clone();
+    let handover = handover.clone();
+    let timeout = Duration::from_millis(app.config().limits.handshake_timeout_ms);
+    let deadline = tokio::time::Instant::now() + timeout;
+    spawn(tasks, login, async move {
+        match HandshakeSlot::acquire(&app2, peer.source_ip(), deadline).await {
+            Ok(h) => session::run(app2, sock, peer, h, handover, slot).await,
+            Err(e) => refuse(slot, sock, e).await,
+        }
+    });
 }
 
 /// Accepts CancelRequests passed on by peer instances on this instance's own `peer_listen`
@@ -221,7 +334,7 @@ where
 const FORCE_GRACE: Duration = Duration::from_secs(2);
 
 /// Tells a client it cannot be served now, and closes. The client slot is held until then.
-async fn refuse(slot: ClientSlot, mut sock: tokio::net::TcpStream, e: PgError) {
+async fn refuse<S: AsyncWrite + Unpin>(slot: ClientSlot, mut sock: S, e: PgError) {
     let _slot = slot;
     let mut out = BytesMut::new();
     e.encode(&mut out);
@@ -231,6 +344,30 @@ async fn refuse(slot: ClientSlot, mut sock: tokio::net::TcpStream, e: PgError) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[tokio::test]
+    async fn the_unix_socket_replaces_a_stale_file_but_never_a_live_one_or_a_plain_file() {
+        let dir = std::env::temp_dir().join(format!("pgsluice-unix-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).expect("dir");
+        let path = crate::addr::socket_file(&dir, 6432);
+        // Left by a process that died: a socket file nobody listens on.
+        drop(std::os::unix::net::UnixListener::bind(&path).expect("stale"));
+        let live = bind_unix(&dir, 6432, 0o770).expect("replaces the stale file");
+        let mode = std::fs::metadata(&path).expect("meta").permissions().mode();
+        assert_eq!(mode & 0o777, 0o770);
+        let e = bind_unix(&dir, 6432, 0o777)
+            .err()
+            .expect("a live server's socket");
+        assert_eq!(e.kind(), std::io::ErrorKind::AddrInUse, "{e}");
+        assert!(e.to_string().contains(".s.PGSQL.6432"), "{e}");
+        drop(live);
+        assert!(!path.exists(), "removed with the listener");
+        std::fs::write(&path, b"not a socket").expect("file");
+        let e = bind_unix(&dir, 6432, 0o777).err().expect("a plain file");
+        assert!(e.to_string().contains("not a socket"), "{e}");
+        assert!(path.exists(), "not deleted");
+        std::fs::remove_dir_all(&dir).expect("cleanup");
+    }
 
     #[tokio::test(start_paused = true)]
     async fn accept_warnings_are_rate_limited() {

@@ -21,8 +21,9 @@ use arc_swap::ArcSwap;
 use bytes::{Buf, BytesMut};
 use rustls_pki_types::pem::PemObject;
 use rustls_pki_types::{CertificateDer, PrivateKeyDer, ServerName, UnixTime};
+use tokio::io::Interest;
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
-use tokio::net::TcpStream;
+use tokio::net::{TcpStream, UnixStream};
 use tokio_rustls::rustls::client::WebPkiServerVerifier;
 use tokio_rustls::rustls::client::danger::{
     HandshakeSignatureValid, ServerCertVerified, ServerCertVerifier,
@@ -544,27 +545,44 @@ impl<S: AsyncRead + AsyncWrite + Unpin> AsyncWrite for ClientStream<S> {
     }
 }
 
-/// A server connection: plain TCP, or TLS over TCP.
+/// A server connection: plain TCP, TLS over TCP, or a Unix-domain socket.
 pub enum BackendStream {
     Plain(TcpStream),
     Tls(Box<Flushed<tokio_rustls::client::TlsStream<TcpStream>>>),
+    Unix(UnixStream),
 }
 
 impl BackendStream {
-    /// The TCP socket underneath (for socket options and idle peeks).
-    pub fn tcp(&self) -> &TcpStream {
-        match self {
-            BackendStream::Plain(s) => s,
-            BackendStream::Tls(s) => s.get_ref().get_ref().0,
-        }
-    }
-
     pub fn is_tls(&self) -> bool {
         matches!(self, BackendStream::Tls(_))
     }
 
     pub(crate) fn tls(s: tokio_rustls::client::TlsStream<TcpStream>) -> BackendStream {
         BackendStream::Tls(Box::new(Flushed::new(s)))
+    }
+
+    /// True when the server has sent something (or closed) that nobody has read: a peek at
+    /// the socket underneath, made only when the runtime has seen it become readable since
+    /// its last `WouldBlock` (`try_io` returns `WouldBlock` without a system call otherwise,
+    /// and clears the readiness when the peek finds nothing), so a quiet socket costs none.
+    pub fn has_pending_input(&self) -> bool {
+        fn peek(fd: std::os::fd::BorrowedFd<'_>) -> io::Result<usize> {
+            let mut b = [std::mem::MaybeUninit::<u8>::uninit(); 1];
+            socket2::SockRef::from(&fd).peek(&mut b)
+        }
+        use std::os::fd::AsFd;
+        let r = match self {
+            BackendStream::Plain(s) => s.try_io(Interest::READABLE, || peek(s.as_fd())),
+            BackendStream::Tls(s) => {
+                let tcp = s.get_ref().get_ref().0;
+                tcp.try_io(Interest::READABLE, || peek(tcp.as_fd()))
+            }
+            BackendStream::Unix(s) => s.try_io(Interest::READABLE, || peek(s.as_fd())),
+        };
+        match r {
+            Ok(_) => true, // data, or 0 = EOF
+            Err(e) => e.kind() != io::ErrorKind::WouldBlock,
+        }
     }
 }
 
@@ -577,6 +595,7 @@ impl AsyncRead for BackendStream {
         match self.get_mut() {
             BackendStream::Plain(s) => Pin::new(s).poll_read(cx, buf),
             BackendStream::Tls(s) => Pin::new(s.as_mut()).poll_read(cx, buf),
+            BackendStream::Unix(s) => Pin::new(s).poll_read(cx, buf),
         }
     }
 }
@@ -590,6 +609,7 @@ impl AsyncWrite for BackendStream {
         match self.get_mut() {
             BackendStream::Plain(s) => Pin::new(s).poll_write(cx, buf),
             BackendStream::Tls(s) => Pin::new(s.as_mut()).poll_write(cx, buf),
+            BackendStream::Unix(s) => Pin::new(s).poll_write(cx, buf),
         }
     }
 
@@ -597,6 +617,7 @@ impl AsyncWrite for BackendStream {
         match self.get_mut() {
             BackendStream::Plain(s) => Pin::new(s).poll_flush(cx),
             BackendStream::Tls(s) => Pin::new(s.as_mut()).poll_flush(cx),
+            BackendStream::Unix(s) => Pin::new(s).poll_flush(cx),
         }
     }
 
@@ -604,6 +625,7 @@ impl AsyncWrite for BackendStream {
         match self.get_mut() {
             BackendStream::Plain(s) => Pin::new(s).poll_shutdown(cx),
             BackendStream::Tls(s) => Pin::new(s.as_mut()).poll_shutdown(cx),
+            BackendStream::Unix(s) => Pin::new(s).poll_shutdown(cx),
         }
     }
 }

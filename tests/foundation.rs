@@ -473,6 +473,107 @@ async fn cancel_stops_a_running_query() {
     proxy.assert_healthy().await;
 }
 
+/// Unix-domain sockets on both sides (PgBouncer's `unix_socket_dir`, and a backend URL with
+/// `host=DIR`): a client reaches the proxy at DIR/.s.PGSQL.PORT while TCP clients go on, the
+/// proxy reaches Postgres through its socket (the server sees no client address), a cancel
+/// travels both sockets, the client list says `unix`, and a graceful stop removes the file.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn unix_sockets_on_both_sides() {
+    if support::direct_mode() {
+        note_skipped("Unix-domain sockets (proxy options)");
+        return;
+    }
+    let cluster = Cluster::start();
+    let dir = tempfile::tempdir().expect("socket dir");
+    let mut proxy = Proxy::start(
+        &cluster,
+        ProxyOptions::pool(2)
+            .backend_over_socket()
+            .arg("--unix-socket-dir")
+            .arg(dir.path().to_str().expect("utf-8 dir")),
+    );
+    let port = proxy.addr().port();
+    let file = dir.path().join(format!(".s.PGSQL.{port}"));
+    assert!(file.exists(), "{} missing", file.display());
+
+    let mut config = tokio_postgres::Config::new();
+    config
+        .host_path(dir.path())
+        .port(port)
+        .user(APP_USER)
+        .password(APP_PASSWORD)
+        .dbname(APP_DB);
+    let (client, conn) = within(STEP, "login over the socket", config.connect(NoTls))
+        .await
+        .expect("login over the proxy's Unix socket");
+    tokio::spawn(conn);
+    let client = Arc::new(client);
+    // Extended protocol; the server's end is its Unix socket (no client address).
+    let row = client
+        .query_one("SELECT inet_client_addr() IS NULL, $1::int + 1", &[&41i32])
+        .await
+        .expect("query over the sockets");
+    assert!(
+        row.get::<_, bool>(0),
+        "the backend connection is not on the Unix socket"
+    );
+    assert_eq!(row.get::<_, i32>(1), 42);
+    // A TCP client at the same time.
+    let tcp = proxy.client().await;
+    assert_eq!(scalar(&tcp, "SELECT 'tcp'").await, "tcp");
+
+    let (status, body) = proxy
+        .admin_request("GET", "/v1/clients", support::proxy::ADMIN_READ_TOKEN, None)
+        .await;
+    assert_eq!(status, 200, "{body}");
+    let clients: serde_json::Value = serde_json::from_str(&body).expect("json");
+    let addresses: Vec<&str> = clients["clients"]
+        .as_array()
+        .expect("clients")
+        .iter()
+        .filter_map(|c| c["address"].as_str())
+        .collect();
+    assert!(addresses.contains(&"unix"), "{body}");
+    assert!(
+        addresses.iter().any(|a| a.starts_with("127.0.0.1:")),
+        "{body}"
+    );
+
+    // A cancel: client → proxy over its socket, proxy → Postgres over the server's.
+    let running = {
+        let client = Arc::clone(&client);
+        tokio::spawn(async move { client.simple_query("SELECT pg_sleep(10)").await })
+    };
+    let monitor = cluster.monitor().await;
+    eventually(STEP, "pg_sleep(10) to show up as active", || async {
+        !monitor.active_queries_like("pg_sleep(10)").await.is_empty()
+    })
+    .await;
+    let started = Instant::now();
+    within(
+        STEP,
+        "CancelRequest",
+        client.cancel_token().cancel_query(NoTls),
+    )
+    .await
+    .expect("send cancel");
+    let err = within(Duration::from_secs(5), "the cancelled query", running)
+        .await
+        .expect("task")
+        .expect_err("a cancelled pg_sleep(10) must fail");
+    assert_eq!(sqlstate(&err), SqlState::QUERY_CANCELED.code(), "{err:?}");
+    assert!(started.elapsed() < Duration::from_secs(3));
+    assert_eq!(scalar(&client, "SELECT 'after'").await, "after");
+
+    drop((client, tcp));
+    proxy.sigterm();
+    assert!(
+        proxy.wait_exit(Duration::from_secs(20)).is_some(),
+        "the proxy did not stop"
+    );
+    assert!(!file.exists(), "the socket file outlived the proxy");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn cancel_from_an_idle_client_never_hits_another_client() {
     let cluster = Cluster::start();

@@ -33,6 +33,13 @@ pub struct Config {
     /// SO_REUSEPORT (and SO_REUSEADDR) on the client listener, so that several instances can
     /// share `listen` and one can be restarted while the others accept. Read at start only.
     pub listen_reuseport: bool,
+    /// A directory for a Unix-domain socket besides `listen` (PgBouncer's `unix_socket_dir`):
+    /// clients reach it as `DIR/.s.PGSQL.PORT`, PORT being `listen`'s port (`psql -h DIR -p
+    /// PORT`). Unset: TCP only. Read at start only.
+    pub unix_socket_dir: Option<PathBuf>,
+    /// Permissions of that socket, in octal (`"0777"`: every local user may connect, as
+    /// PgBouncer's default; `"0770"`: the proxy's group only). Read at start only.
+    pub unix_socket_mode: String,
     /// This instance's id among `peers` (1..=255); its cancel keys carry it. Read at start only.
     pub peer_id: u8,
     /// The other instances sharing the port: a CancelRequest for a key one of them issued is
@@ -78,6 +85,8 @@ impl Default for Config {
         Config {
             listen: SocketAddr::from(([127, 0, 0, 1], 6432)),
             listen_reuseport: false,
+            unix_socket_dir: None,
+            unix_socket_mode: "0777".to_owned(),
             peer_id: 0,
             peers: Vec::new(),
             peer_listen: None,
@@ -913,6 +922,7 @@ impl Default for LogConfig {
 #[derive(Debug, Clone, Default)]
 pub struct Overrides {
     pub listen: Option<SocketAddr>,
+    pub unix_socket_dir: Option<PathBuf>,
     pub admin_listen: Option<SocketAddr>,
     pub backend: Option<String>,
     /// `--backend-password-file`: wins over the two below and the URL's password.
@@ -950,6 +960,12 @@ fn read_password_file(path: &Path) -> Result<Secret, String> {
 }
 
 impl Config {
+    /// `unix_socket_mode` as permission bits (validated: octal, at most `0777`).
+    pub fn unix_socket_mode_bits(&self) -> Option<u32> {
+        let digits = self.unix_socket_mode.trim_start_matches("0o");
+        u32::from_str_radix(digits, 8).ok().filter(|m| *m <= 0o777)
+    }
+
     /// Parses YAML text; `Err` lists every problem found, each naming field and line.
     pub fn from_yaml(text: &str) -> Result<Config, Vec<ConfigError>> {
         let cfg: Config = if text.trim().is_empty() {
@@ -976,6 +992,9 @@ impl Config {
     pub fn apply(mut self, o: &Overrides) -> Result<Config, Vec<ConfigError>> {
         if let Some(l) = o.listen {
             self.listen = l;
+        }
+        if let Some(d) = &o.unix_socket_dir {
+            self.unix_socket_dir = Some(d.clone());
         }
         if let Some(l) = o.admin_listen {
             self.admin.listen = l;
@@ -1077,6 +1096,22 @@ impl Config {
                 });
             }
         }
+        // Postgres speaks no TLS on its Unix sockets: a mode that demands TLS cannot be met.
+        if !matches!(
+            self.backend.tls,
+            BackendTlsMode::Disable | BackendTlsMode::Prefer
+        ) && let Some(dir) = self.socket_hosts().next()
+        {
+            errs.push(ConfigError {
+                field: "backend.tls".into(),
+                line: None,
+                message: format!(
+                    "{:?} demands TLS, which Postgres does not speak on the Unix-domain socket \
+                     in {dir}: use disable or prefer, or a TCP host",
+                    self.backend.tls
+                ),
+            });
+        }
         let b = &self.global_defaults.circuit_breaker;
         if self.backend.url.is_none() {
             for (key, set) in [
@@ -1152,6 +1187,26 @@ impl Config {
 
     /// The backend URL, parsed (validated on load, so `None` only when absent), with the
     /// password from a file or the environment in place of the URL's, if one was given.
+    /// Every server host that is a Unix-domain socket directory (backend, databases,
+    /// replicas).
+    fn socket_hosts(&self) -> impl Iterator<Item = String> + '_ {
+        let primary = match self.backend_url() {
+            Some(u) => u.hosts,
+            None => vec![(self.backend.host.clone(), self.backend.port)],
+        };
+        let entries = self.databases.iter().flat_map(|d| {
+            std::iter::once(&d.url)
+                .chain(&d.replicas)
+                .filter_map(|u| BackendUrl::parse_entry(u).ok())
+                .flat_map(|u| u.hosts)
+        });
+        primary
+            .into_iter()
+            .chain(entries)
+            .map(|(h, _)| h)
+            .filter(|h| crate::addr::is_socket_dir(h))
+    }
+
     pub fn backend_url(&self) -> Option<BackendUrl> {
         let mut url = self
             .backend

@@ -8,8 +8,9 @@
 //! (sent in the startup packet), `sslmode` (`disable` … `verify-full`: the backend TLS mode),
 //! and `host`, `port`, `user`, `password`, `dbname` given as parameters. Anything else
 //! (`keepalives`, `hostaddr`, `channel_binding`, `load_balance_hosts`, …) is an error that
-//! names it. Unix-domain socket hosts are refused (not supported yet). Errors never quote the
-//! password.
+//! names it. A host that is a directory (`host=/var/run/postgresql`, or `%2Fvar%2Frun%2Fpostgresql`
+//! in the authority) is a Unix-domain socket directory, as in libpq: the server's socket is
+//! `DIR/.s.PGSQL.PORT`. Errors never quote the password.
 
 use std::fmt;
 use std::str::FromStr;
@@ -178,13 +179,17 @@ impl BackendUrl {
             match h {
                 Host::Tcp(name) if !name.is_empty() => hosts.push((name.clone(), port)),
                 Host::Tcp(_) => return Err("a host is empty".into()),
-                Host::Unix(path) => {
-                    return Err(format!(
-                        "{} is a Unix-domain socket directory; pgsluice connects over TCP only \
-                         (use 127.0.0.1 for a local server)",
-                        path.display()
-                    ));
-                }
+                Host::Unix(path) => match path.to_str() {
+                    Some(dir) if crate::addr::is_socket_dir(dir) => {
+                        hosts.push((dir.to_owned(), port))
+                    }
+                    _ => {
+                        return Err(format!(
+                            "the socket directory {} must be an absolute UTF-8 path",
+                            path.display()
+                        ));
+                    }
+                },
             }
         }
         if ports.len() > 1 && ports.len() != hosts.len() {
@@ -323,10 +328,6 @@ mod tests {
                 "target_session_attrs",
             ),
             ("postgres://app@h/db?connect_timeout=0", "connect_timeout"),
-            (
-                "postgres://app@/db?host=/var/run/postgresql",
-                "Unix-domain socket",
-            ),
             ("postgres://h/db", "must name a user"),
             ("mysql://app@h/db", "postgres://"),
             ("postgres://app@/db?host=a,b,c&port=1,2", "2 ports for"),
@@ -334,6 +335,15 @@ mod tests {
             let e = BackendUrl::parse(bad).unwrap_err();
             assert!(e.contains(says), "{bad}: {e}");
         }
+        // Socket directories, as a parameter or percent-encoded in the authority, and mixed
+        // with TCP hosts.
+        let u = BackendUrl::parse("postgres://app@/db?host=/var/run/postgresql&port=5433").unwrap();
+        assert_eq!(u.hosts, vec![("/var/run/postgresql".into(), 5433)]);
+        let u = BackendUrl::parse("postgres://app@%2Ftmp%2Fpg,db2:5434/db").unwrap();
+        assert_eq!(
+            u.hosts,
+            vec![("/tmp/pg".into(), 5432), ("db2".into(), 5434)]
+        );
         let e = BackendUrl::parse("postgres://app:hunter2@h/db?x=1").unwrap_err();
         assert!(!e.contains("hunter2"), "{e}");
     }

@@ -11,6 +11,9 @@ use super::{BackendUrl, Config};
 /// kernel's `int` of milliseconds.
 const MAX_TCP_USER_TIMEOUT_MS: u64 = 3_600_000;
 
+/// The longest Unix-domain socket path Linux takes (`sun_path` is 108 bytes with its NUL).
+const MAX_SOCKET_PATH: usize = 107;
+
 /// One problem in a configuration.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ConfigError {
@@ -228,6 +231,29 @@ impl Config {
             text,
             out: Vec::new(),
         };
+        if self.unix_socket_mode_bits().is_none() {
+            p.add(
+                "unix_socket_mode".into(),
+                format!(
+                    "{:?} is not permission bits in octal, e.g. \"0770\"",
+                    self.unix_socket_mode
+                ),
+            );
+        }
+        if let Some(dir) = &self.unix_socket_dir {
+            if !dir.is_absolute() {
+                p.add("unix_socket_dir".into(), "must be an absolute path");
+            } else if crate::addr::socket_file(dir, self.listen.port())
+                .as_os_str()
+                .len()
+                > MAX_SOCKET_PATH
+            {
+                p.add(
+                    "unix_socket_dir".into(),
+                    format!("the socket path would pass the {MAX_SOCKET_PATH}-byte limit"),
+                );
+            }
+        }
         if let Some(url) = &self.backend.url
             && let Err(e) = BackendUrl::parse(url)
         {
@@ -858,6 +884,42 @@ mod tests {
         assert_eq!(errs[0].line, Some(2));
         let errs = Config::from_yaml("backend:\n  require_auth: [gss]\n").unwrap_err();
         assert!(errs[0].message.contains("gss"), "{}", errs[0]);
+    }
+
+    #[test]
+    fn the_unix_socket_settings_are_checked() {
+        let c = Config::from_yaml("unix_socket_dir: /run/pgsluice\nunix_socket_mode: \"0770\"\n")
+            .unwrap();
+        assert_eq!(
+            c.unix_socket_dir.as_deref(),
+            Some(std::path::Path::new("/run/pgsluice"))
+        );
+        assert_eq!(c.unix_socket_mode_bits(), Some(0o770));
+        assert_eq!(Config::default().unix_socket_mode_bits(), Some(0o777));
+        for (yaml, field, says) in [
+            ("unix_socket_dir: run\n", "unix_socket_dir", "absolute"),
+            ("unix_socket_mode: \"0778\"\n", "unix_socket_mode", "octal"),
+            ("unix_socket_mode: \"1777\"\n", "unix_socket_mode", "octal"),
+        ] {
+            let errs = Config::from_yaml(yaml).unwrap_err();
+            assert_eq!(errs[0].field, field, "{yaml}");
+            assert!(errs[0].message.contains(says), "{}", errs[0]);
+        }
+        // A socket-directory backend host cannot have TLS; prefer falls back to plain.
+        let over = |tls: &str| {
+            Config::from_yaml(&format!(
+                "backend:\n  url: \"postgres://app@/db?host=/run/pg\"\n  tls: {tls}\n"
+            ))
+            .unwrap()
+            .apply(&crate::config::Overrides::default())
+        };
+        assert!(over("prefer").is_ok());
+        let errs = over("require").unwrap_err();
+        assert_eq!(errs[0].field, "backend.tls");
+        assert!(errs[0].message.contains("/run/pg"), "{}", errs[0]);
+        let long = format!("unix_socket_dir: /{}\n", "d".repeat(100));
+        let errs = Config::from_yaml(&long).unwrap_err();
+        assert!(errs[0].message.contains("107-byte"), "{}", errs[0]);
     }
 
     #[test]

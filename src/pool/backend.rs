@@ -16,7 +16,6 @@
 //! gets no plaintext fallback, and bytes a server sends after its one-byte SSL answer, before
 //! the TLS handshake, abort the connection (CVE-2021-23222) rather than being read as protocol.
 
-use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -27,6 +26,7 @@ use tokio::io::{AsyncRead, AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 use tokio::time::Instant;
 
+use crate::addr::ServerAddr;
 use crate::config::{BackendAuthMethod, BackendTlsMode};
 pub use crate::tls::BackendStream;
 use crate::tls::BackendTlsHandle;
@@ -185,7 +185,8 @@ pub enum ConnectError {
 /// A live, authenticated server connection.
 pub struct BackendConn {
     pub stream: BackendStream,
-    pub addr: SocketAddr,
+    /// Where cancel requests for this backend go.
+    pub addr: ServerAddr,
     pub pid: i32,
     /// Shared with the session's cancel target, so lending the connection copies no key.
     pub secret: Arc<[u8]>,
@@ -352,22 +353,39 @@ impl BackendConn {
         port: u16,
         cache_size: usize,
     ) -> Result<BackendConn, ConnectError> {
-        let tcp = TcpStream::connect((host, port)).await?;
-        tcp.set_nodelay(true)?;
-        let sock = socket2::SockRef::from(&tcp);
-        let ka = socket2::TcpKeepalive::new()
-            .with_time(Duration::from_secs(30))
-            .with_interval(Duration::from_secs(10));
-        sock.set_tcp_keepalive(&ka)?;
-        // Keepalive alone never fires while sent data waits unacknowledged (a partition in
-        // the middle of a query): the user timeout covers that case, and bounds keepalive too.
-        #[cfg(any(target_os = "linux", target_os = "android"))]
-        if let Some(t) = p.tcp_user_timeout {
-            sock.set_tcp_user_timeout(Some(t))?;
-        }
-        let addr = tcp.peer_addr()?;
         let tls = p.tls.current();
-        let mut stream = negotiate_tls(tcp, host, &tls).await?;
+        let (mut stream, addr) = if crate::addr::is_socket_dir(host) {
+            let path = crate::addr::socket_file(std::path::Path::new(host), port);
+            let unix = tokio::net::UnixStream::connect(&path)
+                .await
+                .map_err(|e| std::io::Error::new(e.kind(), format!("{}: {e}", path.display())))?;
+            // Postgres speaks no TLS on its Unix sockets (libpq does not ask there either).
+            if tls.connector.is_some() && tls.mode != BackendTlsMode::Prefer {
+                return Err(ConnectError::Protocol(format!(
+                    "backend.tls is {:?} but {host} is a Unix-domain socket, where Postgres \
+                     speaks no TLS (use disable or prefer)",
+                    tls.mode
+                )));
+            }
+            (BackendStream::Unix(unix), ServerAddr::Unix(path.into()))
+        } else {
+            let tcp = TcpStream::connect((host, port)).await?;
+            tcp.set_nodelay(true)?;
+            let sock = socket2::SockRef::from(&tcp);
+            let ka = socket2::TcpKeepalive::new()
+                .with_time(Duration::from_secs(30))
+                .with_interval(Duration::from_secs(10));
+            sock.set_tcp_keepalive(&ka)?;
+            // Keepalive alone never fires while sent data waits unacknowledged (a partition
+            // in the middle of a query): the user timeout covers that case, and bounds
+            // keepalive too.
+            #[cfg(any(target_os = "linux", target_os = "android"))]
+            if let Some(t) = p.tcp_user_timeout {
+                sock.set_tcp_user_timeout(Some(t))?;
+            }
+            let addr = ServerAddr::Tcp(tcp.peer_addr()?);
+            (negotiate_tls(tcp, host, &tls).await?, addr)
+        };
         let allow = |method: BackendAuthMethod| {
             if tls.require_auth.contains(&method) {
                 return Ok(());
@@ -596,14 +614,15 @@ impl BackendConn {
     /// costs no system call. A close or message that arrived since the runtime last polled
     /// for events is caught by the first read or write instead, like any other fault.
     pub fn has_pending_input(&self) -> bool {
-        let tcp = self.stream.tcp();
-        let peek = || {
-            let mut b = [std::mem::MaybeUninit::<u8>::uninit(); 1];
-            socket2::SockRef::from(tcp).peek(&mut b)
-        };
-        match tcp.try_io(tokio::io::Interest::READABLE, peek) {
-            Ok(_) => true, // data, or 0 = EOF
-            Err(e) => e.kind() != std::io::ErrorKind::WouldBlock,
+        self.stream.has_pending_input()
+    }
+
+    /// Where a cancel request for this backend's running statement goes.
+    pub fn cancel_target(&self) -> crate::cancel::Target {
+        crate::cancel::Target {
+            addr: self.addr.clone(),
+            pid: self.pid,
+            secret: self.secret.clone(),
         }
     }
 

@@ -27,7 +27,7 @@ mod tracker;
 pub use tracker::oracle as relay_oracle;
 
 use std::io;
-use std::net::{IpAddr, SocketAddr};
+use std::net::IpAddr;
 use std::pin::Pin;
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
@@ -39,6 +39,7 @@ use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, ReadBuf};
 use tokio::time::{Instant, Sleep};
 use tokio_util::task::TaskTracker;
 
+use crate::addr::ClientAddr;
 use crate::app::App;
 use crate::cancel;
 use crate::per_address::AddressGuard;
@@ -153,7 +154,7 @@ type Client<S> = ClientStream<WriteTimeout<S>>;
 pub async fn run<S, G>(
     app: Arc<App>,
     stream: S,
-    peer: SocketAddr,
+    peer: ClientAddr,
     slot: HandshakeSlot,
     handover: Handover,
     hold: G,
@@ -168,7 +169,7 @@ pub async fn run<S, G>(
     let deadline = Instant::now() + Duration::from_millis(limits.handshake_timeout_ms);
     let started = tokio::time::timeout_at(
         deadline,
-        handshake::startup(&app, &mut stream, &mut buf, peer.ip()),
+        handshake::startup(&app, &mut stream, &mut buf, peer.source_ip()),
     )
     .await;
     let login = match started {
@@ -192,7 +193,7 @@ pub async fn run<S, G>(
 async fn startup_failed<S: AsyncRead + AsyncWrite + Unpin>(
     app: &App,
     stream: &mut Client<S>,
-    peer: SocketAddr,
+    peer: ClientAddr,
     r: Result<Result<(), Fail>, tokio::time::error::Elapsed>,
 ) {
     let e = match r {
@@ -220,7 +221,7 @@ async fn logged_in<S: AsyncRead + AsyncWrite + Unpin>(
     app: Arc<App>,
     mut stream: Client<S>,
     buf: BytesMut,
-    peer: SocketAddr,
+    peer: ClientAddr,
     slot: HandshakeSlot,
     login: Login,
     deadline: Instant,
@@ -490,14 +491,7 @@ impl PgError {
 
 /// Sets (or clears) where this client's cancel requests go.
 async fn set_cancel_target(entry: &cancel::Entry, b: Option<&mut Pooled>) {
-    let t = b.map(|b| {
-        let c = b.conn();
-        cancel::Target {
-            addr: c.addr,
-            pid: c.pid,
-            secret: c.secret.clone(),
-        }
-    });
+    let t = b.map(|b| b.conn().cancel_target());
     entry.client.set_backend(t.as_ref().map(|t| t.pid));
     entry.set(t).await;
 }

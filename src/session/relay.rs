@@ -136,7 +136,7 @@ pub struct Relay {
     custom_gucs: Vec<String>,
     /// `classify.enabled` when the session started.
     classify_on: bool,
-    /// Client address, for caller matching by CIDR.
+    /// Client address, for caller matching by CIDR (none over the Unix socket).
     peer_ip: Option<std::net::IpAddr>,
     /// Admission of the current unit (caller permit held while the backend is).
     admission: Option<Admission>,
@@ -218,7 +218,7 @@ impl Relay {
         login: Login,
         cancel: Arc<cancel::Entry>,
         cbuf: BytesMut,
-        peer: std::net::SocketAddr,
+        peer: crate::addr::ClientAddr,
     ) -> Relay {
         let mode = pool.mode();
         let rt = app.runtime.load_full();
@@ -272,7 +272,7 @@ impl Relay {
             idle_client: None,
             timer: None,
             backend_first: false,
-            peer_ip: Some(peer.ip()),
+            peer_ip: peer.ip(),
             classify_on,
             admission: None,
             rt,
@@ -1659,12 +1659,7 @@ impl Cleanup {
     async fn drain(&self, b: &mut Pooled) -> Result<(), ()> {
         let conn = b.conn();
         if self.in_flight && !self.copy_in {
-            let t = cancel::Target {
-                addr: conn.addr,
-                pid: conn.pid,
-                secret: conn.secret.clone(),
-            };
-            let _ = cancel::send(&t).await;
+            let _ = cancel::send(&conn.cancel_target()).await;
         }
         let mut out = BytesMut::new();
         if self.copy_in {

@@ -77,6 +77,8 @@ pub struct ProxyOptions {
     pub url_password: bool,
     /// Extra environment variables of the proxy process.
     pub envs: Vec<(String, String)>,
+    /// Reach the cluster through its Unix-domain socket instead of TCP.
+    pub backend_socket: bool,
 }
 
 impl ProxyOptions {
@@ -91,6 +93,7 @@ impl ProxyOptions {
             listen: None,
             url_password: true,
             envs: Vec::new(),
+            backend_socket: false,
         }
     }
 
@@ -109,6 +112,12 @@ impl ProxyOptions {
     /// Start the proxy with at most `limit` open file descriptors.
     pub fn nofile(mut self, limit: u64) -> ProxyOptions {
         self.nofile = Some(limit);
+        self
+    }
+
+    /// Connect to Postgres through its Unix-domain socket (`host=DIR` in the URL).
+    pub fn backend_over_socket(mut self) -> ProxyOptions {
+        self.backend_socket = true;
         self
     }
 
@@ -169,10 +178,19 @@ impl Proxy {
             };
         }
         let backend_addr = options.backend_addr.unwrap_or_else(|| cluster.addr());
-        let backend = if options.url_password {
-            format!("postgres://{APP_USER}:{APP_PASSWORD}@{backend_addr}/{APP_DB}")
+        let (at, query) = if options.backend_socket {
+            let dir = cluster.socket_dir().display();
+            (
+                String::new(),
+                format!("?host={dir}&port={}", cluster.port()),
+            )
         } else {
-            format!("postgres://{APP_USER}@{backend_addr}/{APP_DB}")
+            (backend_addr.to_string(), String::new())
+        };
+        let backend = if options.url_password {
+            format!("postgres://{APP_USER}:{APP_PASSWORD}@{at}/{APP_DB}{query}")
+        } else {
+            format!("postgres://{APP_USER}@{at}/{APP_DB}{query}")
         };
         let bin = env!("CARGO_BIN_EXE_pgsluice");
         let mut cmd = match options.nofile {

@@ -106,7 +106,7 @@ async fn login(
 ) -> Result<BackendConn, ConnectError> {
     let tcp = tcp(p, local).await?;
     tcp.set_nodelay(true)?;
-    let addr = tcp.peer_addr()?;
+    let addr = pgsluice::addr::ServerAddr::Tcp(tcp.peer_addr()?);
     let mut stream = BackendStream::Plain(tcp);
 
     let mut out = BytesMut::new();
@@ -323,7 +323,10 @@ mod tests {
         let conn = connect(&params(port), None, Some(local))
             .await
             .expect("login");
-        assert_eq!(conn.stream.tcp().local_addr().expect("addr").ip(), local);
+        let BackendStream::Plain(tcp) = &conn.stream else {
+            panic!("a plain TCP connection");
+        };
+        assert_eq!(tcp.local_addr().expect("addr").ip(), local);
         assert_eq!(
             server.await.expect("server"),
             ["user", "u", "database", "d"]
