@@ -4,7 +4,8 @@
 # Starts its own throwaway Postgres (max_connections=300, fsync off, pgbench -i -s 10),
 # PgBouncer (transaction mode, auth via a userlist) and pgsluice (release build, --backend),
 # both proxies with the same pool size, then measures:
-#   * pgbench -S TPS in -M simple / extended / prepared at -c 8, 64, 512 (-j 2), targets
+#   * pgbench -S TPS in -M simple / extended / prepared (and, with --modes "... connect",
+#     pgbench -C: a login per transaction) at -c 8, 64, 512 (-j 2), targets
 #     interleaved per point and rotated per round (A B C, B C A, C A B, ...);
 #   * proxy CPU time per transaction (utime+stime from /proc/PID/stat / transactions);
 #   * added p50 latency at -c 1 (pgbench per-transaction log);
@@ -340,7 +341,10 @@ run_pgbench() { # target mode clients round
     printf '%s\t%s\t%s\t%s\tn/a\t-\t-\t-\t-\n' "$mode" "$c" "$t" "$r" >>"$RESULTS"; return
   fi
   before=$(cpu_ticks "${PID[$t]}"); pg0=$(pg_ticks); children_cpu_s; ch0=$CH
-  out=$("$PGBENCH" -n -S -M "$mode" -c "$c" -j 2 -T "$DURATION" -h "$BENCH_HOST" -p "${PORT[$t]}" \
+  local how=(-M "$mode")
+  # "connect": pgbench -C, a new connection (and login) for every transaction.
+  [ "$mode" = connect ] && how=(-M simple -C)
+  out=$("$PGBENCH" -n -S "${how[@]}" -c "$c" -j 2 -T "$DURATION" -h "$BENCH_HOST" -p "${PORT[$t]}" \
         -U postgres bench 2>&1) || true
   # Direct: let the postmaster reap pgbench's backends, so their CPU reaches its cutime.
   after=$(cpu_ticks "${PID[$t]}"); sleep 0.5; pg1=$(pg_ticks); children_cpu_s; ch1=$CH
