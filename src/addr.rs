@@ -17,8 +17,8 @@ pub enum ClientAddr {
 }
 
 impl ClientAddr {
-    /// The client's IP address; none over a Unix socket (address-based callers, per-address
-    /// shares and cancel charges then do not apply, as Postgres's `client_addr` is NULL).
+    /// The client's IP address; none over a Unix socket, where address-based callers do not
+    /// match (as Postgres's `client_addr` is NULL there). Shares use [`Self::source_ip`].
     pub fn ip(&self) -> Option<IpAddr> {
         match self {
             ClientAddr::Tcp(a) => Some(a.ip()),

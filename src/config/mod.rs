@@ -1185,8 +1185,6 @@ impl Config {
         }
     }
 
-    /// The backend URL, parsed (validated on load, so `None` only when absent), with the
-    /// password from a file or the environment in place of the URL's, if one was given.
     /// Every server host that is a Unix-domain socket directory (backend, databases,
     /// replicas).
     fn socket_hosts(&self) -> impl Iterator<Item = String> + '_ {
@@ -1207,6 +1205,8 @@ impl Config {
             .filter(|h| crate::addr::is_socket_dir(h))
     }
 
+    /// The backend URL, parsed (validated on load, so `None` only when absent), with the
+    /// password from a file or the environment in place of the URL's, if one was given.
     pub fn backend_url(&self) -> Option<BackendUrl> {
         let mut url = self
             .backend
