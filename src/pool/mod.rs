@@ -142,6 +142,12 @@ pub struct Pool {
     epoch: Instant,
     /// Limits shared with other pools; a unit of each is held per open connection.
     caps: Vec<Arc<caps::Cap>>,
+    /// Connects of this pool waiting at one of its caps (counted once per cap).
+    cap_waiting: AtomicUsize,
+    /// Checkouts waiting to open a connection (for a connect attempt or a cap unit): a
+    /// connection put back idle wakes them through `returned`, since one of them can use it.
+    connect_waiting: AtomicUsize,
+    returned: tokio::sync::Notify,
     /// A pool of a database's replicas (`databases[].replicas`): probed for replay lag.
     pub replica: bool,
     /// Replicas: the last probe succeeded.
@@ -200,6 +206,9 @@ impl Pool {
         });
         let pool = Arc::new(Pool {
             caps,
+            cap_waiting: AtomicUsize::new(0),
+            connect_waiting: AtomicUsize::new(0),
+            returned: tokio::sync::Notify::new(),
             replica,
             replica_healthy: AtomicBool::new(false),
             replica_lag_ms: AtomicU64::new(0),
@@ -482,28 +491,34 @@ impl Pool {
             })?;
         self.stats.checkouts.fetch_add(1, Ordering::Relaxed);
         loop {
-            let candidate = self.idle.lock().pop();
-            let Some(mut conn) = candidate else { break };
-            let now = Instant::now();
-            if conn.expires <= now || conn.has_pending_input() || self.replaced(&conn) {
-                self.close(conn);
-                continue;
-            }
-            let idle_for = now.saturating_duration_since(conn.idle_since);
-            if idle_for >= Duration::from_millis(self.cfg.health_check_after_ms) {
-                let ok = matches!(
-                    tokio::time::timeout(Duration::from_secs(2), conn.simple(";")).await,
-                    Ok(Ok(b'I'))
-                );
-                if !ok {
+            while let Some(mut conn) = self.pop_idle() {
+                let now = Instant::now();
+                if conn.expires <= now || conn.has_pending_input() || self.replaced(&conn) {
                     self.close(conn);
                     continue;
                 }
+                let idle_for = now.saturating_duration_since(conn.idle_since);
+                if idle_for >= Duration::from_millis(self.cfg.health_check_after_ms) {
+                    let ok = matches!(
+                        tokio::time::timeout(Duration::from_secs(2), conn.simple(";")).await,
+                        Ok(Ok(b'I'))
+                    );
+                    if !ok {
+                        self.close(conn);
+                        continue;
+                    }
+                }
+                return Ok(self.guard(conn, permit));
             }
-            return Ok(self.guard(conn, permit));
+            // `None`: a connection came back idle while this one waited to open one.
+            if let Some(conn) = self.open_conn(deadline, true).await? {
+                return Ok(self.guard(conn, permit));
+            }
         }
-        let conn = self.open_conn(deadline).await?;
-        Ok(self.guard(conn, permit))
+    }
+
+    fn pop_idle(&self) -> Option<Box<BackendConn>> {
+        self.idle.lock().pop()
     }
 
     fn guard(self: &Arc<Self>, conn: Box<BackendConn>, permit: SlotPermit) -> Pooled {
@@ -523,28 +538,56 @@ impl Pool {
         }
     }
 
-    /// Opens a new connection, respecting the attempt cap and the failure backoff.
-    async fn open_conn(&self, deadline: Instant) -> Result<Box<BackendConn>, CheckoutError> {
+    /// Opens a new connection, respecting the attempt cap, the shared caps and the failure
+    /// backoff. `for_checkout`: `None` when a connection of this pool is idle or comes back
+    /// idle while it waits (the checkout takes that one instead of waiting on for a unit it
+    /// may never get); the `min_idle` upkeep opens one whatever is idle.
+    async fn open_conn(
+        &self,
+        deadline: Instant,
+        for_checkout: bool,
+    ) -> Result<Option<Box<BackendConn>>, CheckoutError> {
         if let Some(e) = self.backing_off() {
             return Err(CheckoutError::Connect(e));
         }
-        let _attempt = match tokio::time::timeout_at(deadline, self.attempts.acquire()).await {
-            Ok(Ok(p)) => p,
-            _ => {
-                return Err(CheckoutError::Timeout {
-                    waited: Duration::ZERO,
-                    limit: Duration::ZERO,
-                });
+        struct Waiting<'a>(&'a AtomicUsize);
+        impl Drop for Waiting<'_> {
+            fn drop(&mut self) {
+                self.0.fetch_sub(1, Ordering::AcqRel);
             }
+        }
+        self.connect_waiting.fetch_add(1, Ordering::AcqRel);
+        let waiting = Waiting(&self.connect_waiting);
+        let returned = self.returned.notified();
+        tokio::pin!(returned);
+        returned.as_mut().enable();
+        if for_checkout && !self.idle.lock().is_empty() {
+            return Ok(None);
+        }
+        let _attempt = tokio::select! {
+            biased;
+            _ = returned.as_mut(), if for_checkout => return Ok(None),
+            p = tokio::time::timeout_at(deadline, self.attempts.acquire()) => match p {
+                Ok(Ok(p)) => p,
+                _ => {
+                    return Err(CheckoutError::Timeout {
+                        waited: Duration::ZERO,
+                        limit: Duration::ZERO,
+                    });
+                }
+            },
         };
         // Those queued behind the attempts that just failed back off too, instead of each
         // trying in turn.
         if let Some(e) = self.backing_off() {
             return Err(CheckoutError::Connect(e));
         }
-        let units = caps::take_all(&self.caps, self, deadline)
-            .await
-            .map_err(CheckoutError::Capped)?;
+        let units = tokio::select! {
+            biased;
+            _ = returned.as_mut(), if for_checkout => return Ok(None),
+            u = caps::take_all(&self.caps, self, deadline) => u.map_err(CheckoutError::Capped)?,
+        };
+        drop(waiting);
         self.stats.connects.fetch_add(1, Ordering::Relaxed);
         let params = Arc::clone(&self.connect.lock());
         match BackendConn::connect(&params, self.cfg.prepared_cache_size).await {
@@ -564,7 +607,7 @@ impl Pool {
                 b.failures = 0;
                 b.until = None;
                 b.last_error = None;
-                Ok(Box::new(conn))
+                Ok(Some(Box::new(conn)))
             }
             Err(e) => {
                 drop(units);
@@ -602,8 +645,17 @@ impl Pool {
             self.close(conn);
             return;
         }
+        // Another pool sharing a full cap waits with far fewer connections: the unit is
+        // worth more there than this idle connection here.
+        if self.caps.iter().any(|c| c.should_yield(self)) {
+            self.close(conn);
+            return;
+        }
         conn.idle_since = now;
         self.idle.lock().push(conn);
+        if self.connect_waiting.load(Ordering::Acquire) > 0 {
+            self.returned.notify_waiters();
+        }
         for c in &self.caps {
             c.idle_returned();
         }
@@ -679,7 +731,10 @@ impl Pool {
             if self.open.load(Ordering::Relaxed) >= self.cfg.size {
                 return;
             }
-            let Ok(conn) = self.open_conn(Instant::now() + connect_timeout).await else {
+            let Ok(Some(conn)) = self
+                .open_conn(Instant::now() + connect_timeout, false)
+                .await
+            else {
                 return;
             };
             self.put_idle(conn);
