@@ -24,9 +24,29 @@
 //!
 //! The key starts with NUL, so it can never equal an exact-text key in the same cache.
 
-/// Word characters as Postgres' lexer sees them (letters, digits, `_`, `$`, non-ASCII).
+/// Byte classes for the pass: word characters as Postgres' lexer sees them (letters, digits,
+/// `_`, `$`, non-ASCII), and the bytes that start something the pass must look at. A byte of
+/// neither class (spaces, most punctuation) is copied without a second look.
+const WORD: u8 = 1;
+const SPECIAL: u8 = 2;
+static CLASS: [u8; 256] = {
+    let mut t = [0u8; 256];
+    let mut c = 0;
+    while c < 256 {
+        let b = c as u8;
+        if b.is_ascii_alphanumeric() || b == b'_' || b == b'$' || b >= 0x80 {
+            t[c] |= WORD;
+        }
+        if matches!(b, b'\\' | b'$' | b'-' | b'/' | b'"' | b'\'') || b.is_ascii_digit() {
+            t[c] |= SPECIAL;
+        }
+        c += 1;
+    }
+    t
+};
+
 fn is_word_byte(b: u8) -> bool {
-    b.is_ascii_alphanumeric() || b == b'_' || b == b'$' || b >= 0x80
+    CLASS[usize::from(b)] & WORD != 0
 }
 
 /// Writes the shape key of `sql` into `out` (cleared first). Returns `true` when `out` holds a
@@ -51,7 +71,12 @@ fn shape_into(sql: &str, out: &mut String) -> Option<usize> {
     let mut blanked = 0;
     let mut i = 0;
     while i < len {
-        match b[i] {
+        let c = b[i];
+        if CLASS[usize::from(c)] == 0 {
+            i += 1;
+            continue;
+        }
+        match c {
             b'\\' | b'$' => return None,
             b'-' if b.get(i + 1) == Some(&b'-') => {
                 i += 2;
@@ -105,11 +130,15 @@ fn shape_into(sql: &str, out: &mut String) -> Option<usize> {
             }
             c if is_word_byte(c) => {
                 // A word, digits included (`t1`): verbatim.
-                while i < len && is_word_byte(b[i]) {
-                    if b[i] == b'$' {
-                        return None;
+                while let Some(&w) = b.get(i) {
+                    match CLASS[usize::from(w)] {
+                        WORD => i += 1,
+                        k if k & WORD == 0 => break,
+                        // Digits are word bytes too; `$` (a parameter or a dollar quote in
+                        // a word's tail) gives up, as everywhere.
+                        _ if w == b'$' => return None,
+                        _ => i += 1,
                     }
-                    i += 1;
                 }
             }
             _ => i += 1,

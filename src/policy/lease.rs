@@ -376,7 +376,7 @@ impl Rate {
             Self::Local(b) => b.try_take(now),
             Self::Fleet(b) => match b.try_take(now) {
                 Err(_) if b.lease_may_come(now) => {
-                    b.wait_lease(now).await;
+                    Box::pin(b.wait_lease(now)).await;
                     b.try_take(Instant::now())
                 }
                 r => r,

@@ -397,6 +397,9 @@ impl Policy {
     /// Steps shared by [`Policy::admit`] and [`Policy::check_statement`]: (1) the fingerprint
     /// rules, which may wait for a THROTTLE-QUEUE token, and (2a) the caller's rate bucket.
     /// Returns the statement's admission so far, the time after any wait, and whether it waited.
+    /// Its rare waits (a fleet lease, a QUEUE rule's delay) are boxed, and so is the
+    /// caller's queue in [`Policy::admit_in`]: the futures stay small, and the session moves
+    /// them on every statement.
     async fn rules_and_rate(
         &self,
         id: u16,
@@ -417,7 +420,7 @@ impl Policy {
         if let RuleCheck::AwaitLease { bucket, until } = check {
             // A fleet THROTTLE whose lease ran dry: wait for a token (REJECT: briefly, while
             // the shared bucket may have one; QUEUE: up to the caller's queue timeout).
-            bucket.wait_for_token(until).await;
+            Box::pin(bucket.wait_for_token(until)).await;
             now = Instant::now();
             waited = true;
             check = self.rules.check(
@@ -448,7 +451,7 @@ impl Policy {
                 admission.route_replica = a.route_replica;
                 admission._rule_guard = a.guard;
                 if !a.wait.is_zero() {
-                    tokio::time::sleep_until(now + a.wait).await;
+                    Box::pin(tokio::time::sleep_until(now + a.wait)).await;
                     now = Instant::now();
                     waited = true;
                 }
@@ -502,7 +505,7 @@ impl Policy {
                     let reason = self.circuit_reason(policy, &shed);
                     return Err(self.refuse(id, caller, reason, req.fingerprint, now));
                 }
-                let acquired = limiter.acquire(deadline).await;
+                let acquired = Box::pin(limiter.acquire(deadline)).await;
                 now = Instant::now();
                 waited = true;
                 match acquired {

@@ -457,6 +457,30 @@ impl Pool {
         self.cfg.mode
     }
 
+    /// The checkout that waits for nothing: the pool is not paused, a slot is free at once
+    /// for `priority`, and the most recently idle connection is usable without a health
+    /// check. `None`: [`Pool::checkout`] does the rest (the session's hot path takes this
+    /// first, so the large checkout future is built only when it must wait or connect).
+    pub fn try_checkout_now(self: &Arc<Self>, priority: usize) -> Option<Pooled> {
+        if self.paused.load(Ordering::SeqCst) {
+            return None;
+        }
+        let permit = self.slots.try_acquire(priority)?;
+        let conn = {
+            let mut idle = self.idle.lock();
+            let conn = idle.last()?;
+            let now = Instant::now();
+            let fresh = now.saturating_duration_since(conn.idle_since)
+                < Duration::from_millis(self.cfg.health_check_after_ms);
+            if !fresh || conn.expires <= now || self.replaced(conn) || conn.has_pending_input() {
+                return None;
+            }
+            idle.pop()?
+        };
+        self.stats.checkouts.fetch_add(1, Ordering::Relaxed);
+        Some(self.guard(conn, permit))
+    }
+
     /// Borrows a connection: waits by `priority` (0 = critical … 3 = low) until `deadline`.
     pub async fn checkout(
         self: &Arc<Self>,
@@ -510,8 +534,10 @@ impl Pool {
                 }
                 return Ok(self.guard(conn, permit));
             }
-            // `None`: a connection came back idle while this one waited to open one.
-            if let Some(conn) = self.open_conn(deadline, true).await? {
+            // `None`: a connection came back idle while this one waited to open one. Boxed:
+            // the connect's future is large, and inline it made every checkout future (moved
+            // into the session's wait on each checkout) as large.
+            if let Some(conn) = Box::pin(self.open_conn(deadline, true)).await? {
                 return Ok(self.guard(conn, permit));
             }
         }

@@ -116,18 +116,8 @@ impl Slots {
         let priority = priority.min(PRIORITIES - 1);
         let rx = {
             let mut g = self.inner.lock();
-            // Someone of equal or higher priority already waiting goes first.
-            let ahead = g.waiters[..=priority]
-                .iter()
-                .any(|q| q.iter().any(|tx| !tx.is_closed()));
-            if !ahead && g.may_take(priority) {
-                g.available -= 1;
-                g.held[priority] += 1;
-                return Ok(SlotPermit {
-                    slots: self.clone(),
-                    priority,
-                    armed: true,
-                });
+            if let Some(p) = self.take_free(&mut g, priority) {
+                return Ok(p);
             }
             if priority > 0 && g.queued() >= max_waiting {
                 // Waiters that left are dropped from the queues lazily: count only live ones
@@ -195,6 +185,30 @@ impl Slots {
     }
 
     /// The adaptive limit's shares (most slots per priority); new room goes to waiters.
+    /// A slot for `priority` if one is free now and nobody of equal or higher priority waits.
+    pub fn try_acquire(self: &Arc<Self>, priority: usize) -> Option<SlotPermit> {
+        let priority = priority.min(PRIORITIES - 1);
+        let mut g = self.inner.lock();
+        self.take_free(&mut g, priority)
+    }
+
+    fn take_free(self: &Arc<Self>, g: &mut Inner, priority: usize) -> Option<SlotPermit> {
+        // Someone of equal or higher priority already waiting goes first.
+        let ahead = g.waiters[..=priority]
+            .iter()
+            .any(|q| q.iter().any(|tx| !tx.is_closed()));
+        if ahead || !g.may_take(priority) {
+            return None;
+        }
+        g.available -= 1;
+        g.held[priority] += 1;
+        Some(SlotPermit {
+            slots: self.clone(),
+            priority,
+            armed: true,
+        })
+    }
+
     pub fn set_caps(self: &Arc<Self>, caps: [usize; PRIORITIES]) {
         {
             let mut g = self.inner.lock();

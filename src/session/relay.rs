@@ -1180,12 +1180,16 @@ impl Relay {
         let asked = Instant::now();
         let deadline = asked + wait;
         let priority = self.rt.limits.priority(self.unit_caller) as usize;
-        let checkout = pool.checkout(priority, deadline);
-        let why = "client disconnected while waiting";
-        let res = self
-            .unless_client_leaves(checkout, client, why)
-            .await
-            .inspect_err(|_| self.unit_pool = None)?;
+        let res = match pool.try_checkout_now(priority) {
+            Some(b) => Ok(b),
+            None => {
+                let checkout = pool.checkout(priority, deadline);
+                let why = "client disconnected while waiting";
+                self.unless_client_leaves(checkout, client, why)
+                    .await
+                    .inspect_err(|_| self.unit_pool = None)?
+            }
+        };
         if res.is_err() {
             // Whatever comes next chooses its pool afresh.
             self.unit_pool = None;
