@@ -1177,24 +1177,25 @@ impl Relay {
         // timeout when that is shorter.
         let wait = Duration::from_millis(pool.cfg.checkout_timeout_ms)
             .min(self.rt.limits.queue_timeout(self.unit_caller));
-        let asked = Instant::now();
-        let deadline = asked + wait;
         let priority = self.rt.limits.priority(self.unit_caller) as usize;
-        let res = match pool.try_checkout_now(priority) {
-            Some(b) => Ok(b),
+        // Taken at once: no clock reads for a wait that did not happen.
+        let (res, waited) = match pool.try_checkout_now(priority) {
+            Some(b) => (Ok(b), Duration::ZERO),
             None => {
-                let checkout = pool.checkout(priority, deadline);
+                let asked = Instant::now();
+                let checkout = pool.checkout(priority, asked + wait);
                 let why = "client disconnected while waiting";
-                self.unless_client_leaves(checkout, client, why)
+                let res = self
+                    .unless_client_leaves(checkout, client, why)
                     .await
-                    .inspect_err(|_| self.unit_pool = None)?
+                    .inspect_err(|_| self.unit_pool = None)?;
+                (res, asked.elapsed())
             }
         };
         if res.is_err() {
             // Whatever comes next chooses its pool afresh.
             self.unit_pool = None;
         }
-        let waited = asked.elapsed();
         pool.stats
             .wait_us
             .fetch_add(micros(waited), Ordering::Relaxed);

@@ -95,7 +95,8 @@ impl Relay {
         class: &Arc<Classified>,
         client: &mut S,
     ) -> Result<Timeouts, PgError> {
-        self.arrived = Some(Instant::now());
+        let arrived = Instant::now();
+        self.arrived = Some(arrived);
         if self.admission.is_none() {
             // A new unit: it runs under the configuration in force now, all of it (caller
             // matching, limits, series, timeouts) from one snapshot, whatever a reload does
@@ -109,7 +110,7 @@ impl Relay {
         let req = AdmitRequest {
             caller,
             fingerprint: class.fingerprint,
-            now: Instant::now(),
+            now: arrived,
         };
         let app = self.app.clone();
         let (statement_override, lock_override, warnings) = if self.admission.is_none() {
