@@ -355,11 +355,8 @@ impl BackendConn {
     ) -> Result<BackendConn, ConnectError> {
         let tls = p.tls.current();
         let (mut stream, addr) = if crate::addr::is_socket_dir(host) {
-            let path = crate::addr::socket_file(std::path::Path::new(host), port);
-            let unix = tokio::net::UnixStream::connect(&path)
-                .await
-                .map_err(|e| std::io::Error::new(e.kind(), format!("{}: {e}", path.display())))?;
             // Postgres speaks no TLS on its Unix sockets (libpq does not ask there either).
+            // The config check refuses this already; a backstop, before any connect.
             if tls.connector.is_some() && tls.mode != BackendTlsMode::Prefer {
                 return Err(ConnectError::Protocol(format!(
                     "backend.tls is {:?} but {host} is a Unix-domain socket, where Postgres \
@@ -367,6 +364,10 @@ impl BackendConn {
                     tls.mode
                 )));
             }
+            let path = crate::addr::socket_file(std::path::Path::new(host), port);
+            let unix = tokio::net::UnixStream::connect(&path)
+                .await
+                .map_err(|e| std::io::Error::new(e.kind(), format!("{}: {e}", path.display())))?;
             (BackendStream::Unix(unix), ServerAddr::Unix(path.into()))
         } else {
             let tcp = TcpStream::connect((host, port)).await?;
