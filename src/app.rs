@@ -6,7 +6,6 @@ use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
 use arc_swap::ArcSwap;
-use tokio_util::sync::CancellationToken;
 
 use crate::auth::Credentials;
 use crate::cancel;
@@ -67,10 +66,8 @@ pub struct App {
     /// What `POST /v1/reload` runs: main sets it to the same re-read as SIGHUP. Unset in
     /// tests and embedders, where the endpoint answers 503.
     pub reloader: OnceLock<Reloader>,
-    /// Fired on shutdown: stop accepting, background tasks end ([`App::begin_shutdown`]).
-    /// Sessions follow the phase in [`cancel::Registry::phase`] instead (draining, then
-    /// forcing), which wakes each through its own entry rather than through this token.
-    pub shutdown: CancellationToken,
+    /// The process's phase, its stop signal and its client tasks ([`App::begin_shutdown`]).
+    pub life: crate::lifecycle::Lifecycle,
     /// Client and backend TLS (certificates re-read on reload).
     pub tls: crate::tls::Tls,
     /// Fleet mode (a `fleet` section): membership, shared rules and limits through Redis.
@@ -114,13 +111,14 @@ impl AppStats {
 impl App {
     /// Graceful shutdown: stop accepting; sessions finish their transaction and leave.
     pub fn begin_shutdown(&self) {
-        self.shutdown.cancel();
-        self.cancels.set_phase(cancel::Phase::Draining);
+        self.life.advance(crate::lifecycle::Phase::Draining);
+        self.cancels.wake_all();
     }
 
     /// The shutdown grace period is over: sessions cancel what still runs and leave.
     pub fn force_stop(&self) {
-        self.cancels.set_phase(cancel::Phase::Forcing);
+        self.life.advance(crate::lifecycle::Phase::Forcing);
+        self.cancels.wake_all();
     }
 
     /// The configuration in force (one `Arc` clone; a session's hot path loads [`App::runtime`]
@@ -199,7 +197,7 @@ impl App {
             warm: parking_lot::Mutex::new(Vec::new()),
             cancels,
             stats: AppStats::default(),
-            shutdown: CancellationToken::new(),
+            life: crate::lifecycle::Lifecycle::new(),
             fleet,
         }))
     }
@@ -368,7 +366,7 @@ impl App {
             // Probed at once, then twice a second while the process runs; a replica that
             // cannot answer within 3 s is left out until it does.
             let weak = Arc::downgrade(&pool);
-            let stop = self.shutdown.clone();
+            let stop = self.life.stop_token();
             tokio::spawn(async move {
                 loop {
                     let Some(p) = weak.upgrade() else { return };
@@ -393,7 +391,7 @@ impl App {
         loop {
             tokio::select! {
                 _ = tick.tick() => {}
-                _ = self.shutdown.cancelled() => return,
+                _ = self.life.stopping() => return,
             }
             self.warm_pools();
             for p in self.pools.all() {

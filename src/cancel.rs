@@ -24,7 +24,7 @@
 use std::collections::HashMap;
 use std::net::IpAddr;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU8, Ordering as AtomicOrdering};
+use std::sync::atomic::Ordering as AtomicOrdering;
 use std::time::Duration;
 
 use bytes::BytesMut;
@@ -109,15 +109,6 @@ impl PeerLayout {
     }
 }
 
-/// Where the process is in its life: sessions finish their transaction when draining and
-/// cancel what runs when forcing.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
-pub enum Phase {
-    Running = 0,
-    Draining = 1,
-    Forcing = 2,
-}
-
 /// Who sent a CancelRequest to the client port, and how many of its source address's cancels
 /// may be in flight at once.
 #[derive(Debug, Clone, Copy)]
@@ -144,9 +135,9 @@ pub struct Entry {
     /// Client CancelRequests passed to this session's backend so far: the session reads it to
     /// tell a 57014 the client asked for from one that says the server is in trouble.
     requested: std::sync::atomic::AtomicU64,
-    /// Woken when the process moves to another [`Phase`]: the session's event loop reads
-    /// the phase from an atomic instead of polling the process-wide shutdown tokens (whose
-    /// every poll takes their lock). Also woken by an operator's order ([`Entry::terminate`]).
+    /// Woken when the process moves to another phase ([`crate::lifecycle::Phase`]): the
+    /// session's event loop reads the phase from an atomic instead of polling the stop
+    /// signal (whose every poll takes its lock). Also woken by an operator's order ([`Entry::terminate`]).
     pub wake: AtomicWaker,
     /// What the admin API shows of this session, and an operator's order to it.
     pub client: ClientInfo,
@@ -224,8 +215,6 @@ pub struct Registry {
     in_flight: Semaphore,
     /// Each source address's share of the cancels being handled ([`Source`]).
     by_address: Arc<PerAddress>,
-    /// The process' [`Phase`], as a `u8`.
-    phase: AtomicU8,
     /// The last client id handed out ([`ClientInfo::id`]).
     next_client: std::sync::atomic::AtomicU64,
     pub sent: std::sync::atomic::AtomicU64,
@@ -249,7 +238,6 @@ impl Registry {
             layout,
             in_flight: Semaphore::new(64),
             by_address: Arc::default(),
-            phase: AtomicU8::new(Phase::Running as u8),
             next_client: Default::default(),
             sent: Default::default(),
             ignored: Default::default(),
@@ -262,18 +250,10 @@ impl Registry {
         self.layout
     }
 
-    pub fn phase(&self) -> Phase {
-        match self.phase.load(AtomicOrdering::SeqCst) {
-            0 => Phase::Running,
-            1 => Phase::Draining,
-            _ => Phase::Forcing,
-        }
-    }
-
-    /// Moves the process to `phase` (never back) and wakes every registered session, which
-    /// registers its waker before it reads the phase, so none misses the change.
-    pub fn set_phase(&self, phase: Phase) {
-        self.phase.fetch_max(phase as u8, AtomicOrdering::SeqCst);
+    /// Wakes every registered session, which reads the process's phase
+    /// ([`crate::lifecycle::Lifecycle::phase`]) after registering its waker, so none misses a
+    /// change made before this call.
+    pub fn wake_all(&self) {
         for e in self.map.lock().values() {
             e.wake.wake();
         }

@@ -33,6 +33,7 @@ pub mod cli;
 pub mod clients;
 pub mod config;
 pub mod fleet;
+pub mod lifecycle;
 pub mod observe;
 pub mod per_address;
 pub mod policy;

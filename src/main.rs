@@ -397,7 +397,7 @@ async fn run(
         async move {
             if let Some(f) = app.fleet.clone() {
                 let peer_id = app.config().peer_id;
-                pgsluice::fleet::run(f, &app.policy, peer_id, app.shutdown.clone()).await;
+                pgsluice::fleet::run(f, &app.policy, peer_id, app.life.stop_token()).await;
             }
         }
     });
@@ -465,7 +465,7 @@ async fn signals(app: Arc<App>, cli: Arc<Cli>, notifier: Arc<pgsluice::systemd::
                 continue;
             }
         }
-        if app.shutdown.is_cancelled() {
+        if app.life.is_stopping() {
             tracing::warn!("second shutdown signal: exiting now");
             std::process::exit(0);
         }

@@ -165,7 +165,7 @@ pub async fn run(app: Arc<App>) {
         }
         tokio::select! {
             _ = tokio::time::sleep(interval) => {}
-            _ = app.shutdown.cancelled() => return,
+            _ = app.life.stopping() => return,
         }
     }
 }

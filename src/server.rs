@@ -188,7 +188,7 @@ impl Listeners {
 /// With `login`, new connections are refused or logged in on that runtime and their
 /// sessions handed back to this one (see [`session::Handover`]).
 pub async fn serve(app: Arc<App>, listeners: Listeners, login: Option<tokio::runtime::Handle>) {
-    let tasks = TaskTracker::new();
+    let tasks = app.life.clients().clone();
     let handover = match &login {
         Some(_) => session::Handover::to(tasks.clone(), tokio::runtime::Handle::current()),
         None => session::Handover::default(),
@@ -199,7 +199,7 @@ pub async fn serve(app: Arc<App>, listeners: Listeners, login: Option<tokio::run
     loop {
         let accepted = tokio::select! {
             r = listeners.accept() => r,
-            _ = app.shutdown.cancelled() => break,
+            _ = app.life.stopping() => break,
         };
         let (sock, peer) = match accepted {
             Ok(x) => {
@@ -221,21 +221,10 @@ pub async fn serve(app: Arc<App>, listeners: Listeners, login: Option<tokio::run
     }
     // The socket file goes with the listener: a client that finds none tries elsewhere.
     drop(listeners);
-    tasks.close();
     let grace = Duration::from_millis(app.config().limits.shutdown_timeout_ms);
-    if tokio::time::timeout(grace, tasks.wait()).await.is_err() {
-        tracing::warn!(
-            remaining = tasks.len(),
-            "shutdown timeout reached; cancelling what still runs"
-        );
-        app.force_stop();
-        if tokio::time::timeout(FORCE_GRACE, tasks.wait())
-            .await
-            .is_err()
-        {
-            tracing::warn!(remaining = tasks.len(), "closing remaining sessions");
-        }
-    }
+    app.life
+        .drain(grace, FORCE_GRACE, || app.force_stop())
+        .await;
 }
 
 /// Takes a client slot for a new connection (or refuses it above `max_client_conn`) and

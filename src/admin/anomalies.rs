@@ -359,7 +359,7 @@ pub async fn detect_loop(st: Arc<AdminState>) {
         };
         tokio::select! {
             _ = tokio::time::sleep(Duration::from_millis(pause)) => {}
-            _ = st.app.shutdown.cancelled() => return,
+            _ = st.app.life.stopping() => return,
         }
         if !cfg.detector.enabled {
             let mut board = st.anomalies.lock();

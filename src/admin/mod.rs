@@ -67,7 +67,7 @@ pub struct AdminState {
 
 /// The admin API over `app`, with token fallbacks read from the environment now. Inside a
 /// tokio runtime it also starts the expired-rule purge ([`rules::purge_loop`]), which stops
-/// when `app.shutdown` fires.
+/// when the drain begins (`app.life`).
 pub fn router(app: Arc<App>) -> Router {
     router_with_env(app, EnvTokens::from_env())
 }
@@ -143,7 +143,7 @@ async fn readyz(State(st): State<Arc<AdminState>>, _: NoQuery) -> impl IntoRespo
     let pools = st.app.pools.all();
     let failing: Vec<String> = pools.iter().filter_map(|p| p.unreachable()).collect();
     let unreachable = !pools.is_empty() && failing.len() == pools.len();
-    if st.app.shutdown.is_cancelled() {
+    if st.app.life.is_stopping() {
         let body = Ready {
             ready: false,
             reason: Some("shutting down".into()),

@@ -454,7 +454,7 @@ pub async fn purge_loop(st: Arc<AdminState>) {
     loop {
         tokio::select! {
             _ = tick.tick() => {}
-            _ = st.app.shutdown.cancelled() => return,
+            _ = st.app.life.stopping() => return,
         }
         let live = st.app.policy.rules();
         let mut written = st.rules_file.lock().await;

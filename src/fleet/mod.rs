@@ -529,7 +529,8 @@ fn checked_members(members: Vec<Member>) -> (Vec<Member>, Vec<(String, String)>)
 /// The fleet task: connects, runs [`Fleet::session`], and on failure degrades and retries
 /// with full-jitter backoff, until shutdown.
 /// It takes what it uses: the fleet, the policy it feeds (rules, member count), this
-/// instance's `peer_id` and the shutdown token.
+/// instance's `peer_id` and the process's stop signal
+/// ([`crate::lifecycle::Lifecycle::stop_token`]).
 pub async fn run(
     fleet: Arc<Fleet>,
     policy: &Policy,

@@ -29,9 +29,10 @@ use tokio_util::io::poll_read_buf;
 use xxhash_rust::xxh3::Xxh3;
 
 use crate::app::App;
-use crate::cancel::{self, Phase};
+use crate::cancel;
 use crate::classify::Classified;
 use crate::config::PoolMode;
+use crate::lifecycle::Phase;
 use crate::policy::{Admission, StatementAdmission};
 use crate::pool::prepared::{Lookup, server_name};
 use crate::pool::{Pool, Pooled};
@@ -481,7 +482,7 @@ impl Relay {
         if self.cancel.client.order() == crate::clients::Order::Terminate {
             return Poll::Ready(Event::Terminate);
         }
-        match self.app.cancels.phase() {
+        match self.app.life.phase() {
             Phase::Draining | Phase::Forcing if !self.draining => Poll::Ready(Event::Shutdown),
             Phase::Forcing => Poll::Ready(Event::Force),
             _ => Poll::Pending,
