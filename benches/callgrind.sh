@@ -1,0 +1,85 @@
+#!/usr/bin/env bash
+# User-space instructions per `pgbench -S` transaction through pgsluice, counted by
+# `valgrind --tool=callgrind` (a count, not a time: repeatable whatever else the machine
+# runs). The proxy runs twice under callgrind, with T1 and then T2 transactions per client;
+# (Ir(T2) - Ir(T1)) / (C * (T2 - T1)) is the cost of one transaction, with start-up and
+# logins cancelled out. Then the functions that grew most between the runs, per transaction.
+#
+#   benches/callgrind.sh [CLIENTS...]      (default: 8 64)
+#
+# Environment as benches/ab-lib.sh (a Postgres with `pgbench -i` tables); T1 (50) and T2
+# (250) transactions per client, MODE (simple), TOP (25) functions listed. The proxy runs
+# with pool 20, fingerprinting and the default policy on, and backend TLS off (PgBouncer's
+# default; a Postgres with ssl=on would otherwise add TLS to every backend write).
+set -euo pipefail
+source "$(dirname "${BASH_SOURCE[0]}")/ab-lib.sh"
+: "${T1:=50}" "${T2:=250}" "${MODE:=simple}" "${TOP:=25}"
+command -v valgrind >/dev/null || { echo "valgrind missing: apt-get install valgrind" >&2; exit 1; }
+ab_setup
+cat >"$DIR/p.yaml" <<YAML
+backend:
+  tls: disable
+  require_auth: [scram-sha-256, md5, trust]
+pool:
+  size: 20
+callers:
+  - name: billing
+    match: {tag: {service: billing}}
+    priority: critical
+    max_concurrency: 8
+global_defaults:
+  max_concurrency: 2000
+  queue_depth: 2000
+  queue_timeout_ms: 30000
+log:
+  level: warn
+YAML
+
+# Ir of the whole proxy run with `$1` clients and `$2` transactions each; profile in $DIR/$3.
+run() {
+    local c=$1 t=$2 out=$DIR/$3
+    valgrind --tool=callgrind --callgrind-out-file="$out" "$BIN" --config "$DIR/p.yaml" \
+        --listen 127.0.0.1:0 --admin-listen 127.0.0.1:0 \
+        --backend "postgres://$PGUSER:$PGPASSWORD@$PGHOST:$PGPORT/$PGDATABASE" \
+        >"$DIR/cg.out" 2>"$DIR/cg.log" &
+    local pid=$!
+    local port=""
+    for _ in $(seq 300); do
+        port=$(sed -n 's/^pgsluice listening on .*:\([0-9]*\)$/\1/p' "$DIR/cg.out")
+        [ -n "$port" ] && break
+        sleep 0.2
+    done
+    [ -n "$port" ] || { cat "$DIR/cg.log" >&2; exit 1; }
+    pgbench -h 127.0.0.1 -p "$port" -n -S -M "$MODE" -c "$c" -t "$t" >"$DIR/pgbench.log" 2>&1 ||
+        { cat "$DIR/pgbench.log" >&2; exit 1; }
+    kill -TERM "$pid"
+    wait "$pid" || true
+    callgrind_annotate --auto=no --threshold=100 "$out" 2>/dev/null |
+        grep -E '^ *[0-9,]+ \(' | grep -v '=>' >"$out.txt"
+}
+
+clients=("$@")
+[ ${#clients[@]} -gt 0 ] || clients=(8 64)
+for c1 in "${clients[@]}"; do
+        run "$c1" "$T1" small
+        run "$c1" "$T2" big
+        python3 - "$DIR/small.txt" "$DIR/big.txt" "$((c1 * (T2 - T1)))" "$c1" "$TOP" <<'PY'
+import re, sys
+small, big, n, c, top = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4], int(sys.argv[5])
+def load(f):
+    d = {}
+    for line in open(f):
+        m = re.match(r'\s*([\d,]+) \([^)]*\)\s+(.*)', line)
+        if m:
+            k = re.sub(r' \[.*\]$', '', m.group(2))
+            k = re.sub(r'^.*/(src|library|sysdeps|malloc|string|time)/', '', k)
+            d[k] = d.get(k, 0) + int(m.group(1).replace(',', ''))
+    return d
+b, s = load(big), load(small)
+total = b.pop('PROGRAM TOTALS', 0) - s.pop('PROGRAM TOTALS', 0)
+print(f"clients {c}: {total / n:.0f} user-space instructions per transaction")
+rows = sorted(((v - s.get(k, 0)) / n, k) for k, v in b.items())
+for v, k in reversed(rows[-top:]):
+    print(f"  {v:7.0f}  {k[:140]}")
+PY
+done
