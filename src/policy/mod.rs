@@ -578,7 +578,11 @@ impl Policy {
     /// Outcome of a statement that reached the backend: `false` for backend faults only
     /// (errors, timeouts, lost connections), `true` otherwise.
     pub fn record_backend_result(&self, ok: bool) {
-        let now = Instant::now();
+        self.record_backend_result_at(ok, Instant::now());
+    }
+
+    /// [`Policy::record_backend_result`] with the clock already read.
+    pub fn record_backend_result_at(&self, ok: bool, now: Instant) {
         if ok {
             self.breaker.on_success(now);
         } else {

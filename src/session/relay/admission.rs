@@ -242,7 +242,7 @@ impl Relay {
             rt.caller_metrics
                 .query(r.caller, total, elapsed, !self.errored);
             // Every statement that reached the backend tells the breaker how it went.
-            self.app.policy.record_backend_result(!self.fault);
+            self.app.policy.record_backend_result_at(!self.fault, now);
             let outcome = if self.errored {
                 self.failure
             } else {
