@@ -502,7 +502,7 @@ async fn set_cancel_target(entry: &cancel::Entry, b: Option<&mut Pooled>) {
 /// such futures complete at once, and then neither is looked at; a wait that does not is
 /// shown as `waiting` in `GET /v1/clients`.
 async fn unless_client_leaves<S, F>(
-    fut: F,
+    mut fut: Pin<&mut F>,
     client: &mut S,
     buf: &mut BytesMut,
     entry: &cancel::Entry,
@@ -513,8 +513,9 @@ where
     F: std::future::Future,
 {
     use crate::clients::{ClientState, Order};
-    tokio::pin!(fut);
-    if let Poll::Ready(r) = futures_util::poll!(&mut fut) {
+    // Pinned by the caller: a future passed by value is copied into each async frame it
+    // passes through, and a checkout's or an admission's is large.
+    if let Poll::Ready(r) = futures_util::poll!(fut.as_mut()) {
         return Ok(r);
     }
     entry.client.set_state(ClientState::Waiting);
@@ -528,7 +529,7 @@ where
     tokio::pin!(ordered);
     let r = loop {
         tokio::select! {
-            r = &mut fut => break Ok(r),
+            r = fut.as_mut() => break Ok(r),
             alive = client_alive(client, buf) => {
                 if !alive {
                     break Err(PgError::fatal("08006", why));

@@ -1184,7 +1184,7 @@ impl Relay {
             Some(b) => (Ok(b), Duration::ZERO),
             None => {
                 let asked = Instant::now();
-                let checkout = pool.checkout(priority, asked + wait);
+                let checkout = std::pin::pin!(pool.checkout(priority, asked + wait));
                 let why = "client disconnected while waiting";
                 let res = self
                     .unless_client_leaves(checkout, client, why)

@@ -115,9 +115,8 @@ impl Relay {
         let app = self.app.clone();
         let (statement_override, lock_override, warnings) = if self.admission.is_none() {
             let why = "client disconnected while queued";
-            let r = self
-                .unless_client_leaves(app.policy.admit_in(&rt.limits, &req), client, why)
-                .await?;
+            let admit = std::pin::pin!(app.policy.admit_in(&rt.limits, &req));
+            let r = self.unless_client_leaves(admit, client, why).await?;
             match r {
                 Ok(mut a) => {
                     let w = std::mem::take(&mut a.warnings);
@@ -275,7 +274,7 @@ impl Relay {
     /// buffer) as received: the event loop only counts its own reads.
     pub(super) async fn unless_client_leaves<S, F>(
         &mut self,
-        fut: F,
+        fut: std::pin::Pin<&mut F>,
         client: &mut S,
         why: &'static str,
     ) -> Result<F::Output, PgError>
