@@ -17,6 +17,8 @@ source "$(dirname "${BASH_SOURCE[0]}")/ab-lib.sh"
 command -v valgrind >/dev/null || { echo "valgrind missing: apt-get install valgrind" >&2; exit 1; }
 ab_setup
 cat >"$DIR/p.yaml" <<YAML
+log:
+  level: warn
 backend:
   tls: disable
   require_auth: [scram-sha-256, md5, trust]
@@ -31,8 +33,6 @@ global_defaults:
   max_concurrency: 2000
   queue_depth: 2000
   queue_timeout_ms: 30000
-log:
-  level: warn
 YAML
 
 # Ir of the whole proxy run with `$1` clients and `$2` transactions each; profile in $DIR/$3.

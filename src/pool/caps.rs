@@ -122,18 +122,20 @@ impl Cap {
         self.other_waiters(pool).any(|open| open + 2 <= mine)
     }
 
-    /// The open connections of each other member pool with a connect waiting here.
-    fn other_waiters(&self, pool: &Pool) -> impl Iterator<Item = usize> {
-        let members: Vec<Arc<Pool>> = self
-            .members
+    /// The member pools besides `pool` (taken out of the lock, which eviction must not hold).
+    fn others(&self, pool: &Pool) -> Vec<Arc<Pool>> {
+        self.members
             .lock()
             .iter()
             .filter_map(Weak::upgrade)
-            .collect();
-        let asking: *const Pool = pool;
-        members
+            .filter(|p| !std::ptr::eq(Arc::as_ptr(p), pool))
+            .collect()
+    }
+
+    /// The open connections of each other member pool with a connect waiting here.
+    fn other_waiters(&self, pool: &Pool) -> impl Iterator<Item = usize> {
+        self.others(pool)
             .into_iter()
-            .filter(move |p| !std::ptr::eq(Arc::as_ptr(p), asking))
             .filter(|p| p.cap_waiting.load(Ordering::Acquire) > 0)
             .map(|p| p.open.load(Ordering::Relaxed))
     }
@@ -147,16 +149,7 @@ impl Cap {
 
     /// Closes one idle connection of another member pool; whether it found one.
     fn evict_for(&self, asking: &Pool) -> bool {
-        let members: Vec<Arc<Pool>> = self
-            .members
-            .lock()
-            .iter()
-            .filter_map(Weak::upgrade)
-            .collect();
-        members
-            .iter()
-            .filter(|p| !std::ptr::eq(Arc::as_ptr(p), asking))
-            .any(|p| p.evict_one_idle())
+        self.others(asking).iter().any(|p| p.evict_one_idle())
     }
 }
 
