@@ -26,7 +26,8 @@ use tokio_postgres::{AsyncMessage, NoTls, SimpleQueryMessage};
 use support::pg::{APP_DB, APP_PASSWORD, APP_USER, Cluster};
 use support::proxy::{Proxy, ProxyOptions};
 use support::sql::{
-    BackendSampler, STEP, assert_pool_bound, eventually, scalar, simple_values, sqlstate,
+    BackendSampler, STEP, assert_pool_bound, eventually, scalar, send_cancel, simple_values,
+    sleep_running, sqlstate,
 };
 use support::wire::{Backend, WireClient};
 use support::{note_skipped, pgbench, run_with_timeout_async, within};
@@ -540,23 +541,10 @@ async fn unix_sockets_on_both_sides() {
     );
 
     // A cancel: client → proxy over its socket, proxy → Postgres over the server's.
-    let running = {
-        let client = Arc::clone(&client);
-        tokio::spawn(async move { client.simple_query("SELECT pg_sleep(10)").await })
-    };
     let monitor = cluster.monitor().await;
-    eventually(STEP, "pg_sleep(10) to show up as active", || async {
-        !monitor.active_queries_like("pg_sleep(10)").await.is_empty()
-    })
-    .await;
+    let running = sleep_running(&client, &monitor).await;
     let started = Instant::now();
-    within(
-        STEP,
-        "CancelRequest",
-        client.cancel_token().cancel_query(NoTls),
-    )
-    .await
-    .expect("send cancel");
+    send_cancel(&client).await;
     let err = within(Duration::from_secs(5), "the cancelled query", running)
         .await
         .expect("task")
@@ -597,13 +585,7 @@ async fn cancel_from_an_idle_client_never_hits_another_client() {
     })
     .await;
     for _ in 0..3 {
-        within(
-            STEP,
-            "idle client's CancelRequest",
-            idle.cancel_token().cancel_query(NoTls),
-        )
-        .await
-        .expect("send cancel");
+        send_cancel(&idle).await;
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
     let result = within(STEP, "the busy client's query", running)
@@ -1251,15 +1233,8 @@ async fn backend_terminated_mid_query_gives_an_error_not_a_hang() {
     let cluster = Cluster::start();
     let proxy = Proxy::start(&cluster, ProxyOptions::pool(2));
     let client = Arc::new(proxy.client().await);
-    let running = {
-        let client = Arc::clone(&client);
-        tokio::spawn(async move { client.simple_query("SELECT pg_sleep(10)").await })
-    };
     let monitor = cluster.monitor().await;
-    eventually(STEP, "pg_sleep(10) to be active", || async {
-        !monitor.active_queries_like("pg_sleep(10)").await.is_empty()
-    })
-    .await;
+    let running = sleep_running(&client, &monitor).await;
     assert!(monitor.terminate_backends(APP_DB, APP_USER).await >= 1);
     let result = within(
         Duration::from_secs(5),
@@ -1285,17 +1260,7 @@ async fn backend_restart_fast_idle_clients_recover_and_running_ones_get_57p01() 
     let idle = proxy.client().await;
     assert_eq!(scalar(&idle, "SELECT 1").await, "1");
     let busy = Arc::new(proxy.client().await);
-    let running = {
-        let busy = Arc::clone(&busy);
-        tokio::spawn(async move { busy.simple_query("SELECT pg_sleep(10)").await })
-    };
-    {
-        let monitor = cluster.monitor().await;
-        eventually(STEP, "pg_sleep(10) to be active", || async {
-            !monitor.active_queries_like("pg_sleep(10)").await.is_empty()
-        })
-        .await;
-    }
+    let running = sleep_running(&busy, &cluster.monitor().await).await;
     tokio::task::block_in_place(|| cluster.restart_fast());
 
     let result = within(

@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 
 use tokio_postgres::{Client, SimpleQueryMessage};
 
-use super::pg::{APP_DB, APP_USER, Cluster};
+use super::pg::{APP_DB, APP_USER, Cluster, Monitor};
 use super::proxy::Proxy;
 use super::{note_skipped, within};
 
@@ -56,6 +56,34 @@ where
         assert!(Instant::now() < deadline, "not within {limit:?}: {what}");
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
+}
+
+/// A statement left running: `SELECT pg_sleep(10)` on `client`, in a task.
+pub type Running = tokio::task::JoinHandle<Result<Vec<SimpleQueryMessage>, tokio_postgres::Error>>;
+
+/// Starts `SELECT pg_sleep(10)` on `client` in a task and returns once Postgres shows it
+/// active (`monitor` reads pg_stat_activity): a statement to cancel, kill or interrupt.
+pub async fn sleep_running(client: &Arc<Client>, monitor: &Monitor) -> Running {
+    let running = {
+        let client = Arc::clone(client);
+        tokio::spawn(async move { client.simple_query("SELECT pg_sleep(10)").await })
+    };
+    eventually(STEP, "pg_sleep(10) to show up as active", || async {
+        !monitor.active_queries_like("pg_sleep(10)").await.is_empty()
+    })
+    .await;
+    running
+}
+
+/// Sends a CancelRequest for `client`'s running statement (on a new connection, as libpq).
+pub async fn send_cancel(client: &Client) {
+    within(
+        STEP,
+        "CancelRequest",
+        client.cancel_token().cancel_query(tokio_postgres::NoTls),
+    )
+    .await
+    .expect("send cancel");
 }
 
 /// Samples the number of `app` backends until stopped; returns the maximum seen.
