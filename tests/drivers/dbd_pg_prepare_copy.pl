@@ -4,7 +4,7 @@
 # DBD::Pg gave it; then COPY ... FROM STDIN with pg_putcopydata/pg_putcopyend in a transaction.
 #
 # Usage: perl dbd_pg_prepare_copy.pl CONNINFO TABLE   (TABLE has columns id int, note text)
-# Prints one line per observation; tests/drivers.rs compares them with a direct connection.
+# Prints one line per observation; tests/suite/drivers.rs compares them with a direct connection.
 use strict;
 use warnings;
 use DBI;

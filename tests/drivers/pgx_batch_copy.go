@@ -3,7 +3,7 @@
 // prepared under the name s1, which pg_prepared_statements and SQL EXECUTE must see.
 //
 // Usage: pgx_batch_copy CONNINFO TABLE   (TABLE has columns id int, note text)
-// Prints one line per observation; tests/drivers.rs compares them with a direct connection.
+// Prints one line per observation; tests/suite/drivers.rs compares them with a direct connection.
 package main
 
 import (

@@ -3,7 +3,7 @@
 # DEALLOCATE, after which the name is free again.
 #
 # Usage: ruby ruby_pg_prepare.rb CONNINFO
-# Prints one line per observation; tests/drivers.rs compares them with a direct connection.
+# Prints one line per observation; tests/suite/drivers.rs compares them with a direct connection.
 require 'pg'
 
 abort 'usage: ruby_pg_prepare.rb CONNINFO' unless ARGV.length == 1

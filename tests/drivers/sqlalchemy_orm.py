@@ -4,7 +4,7 @@ PREPARE/EXECUTE/DEALLOCATE on a pooled connection, and COPY FROM STDIN through t
 connection.
 
 Usage: python3 sqlalchemy_orm.py CONNINFO TABLE   (TABLE has columns id int, note text)
-Prints one line per observation; tests/drivers.rs compares them with a direct connection.
+Prints one line per observation; tests/suite/drivers.rs compares them with a direct connection.
 """
 import io
 import sys

@@ -1,0 +1,560 @@
+//! TESTS.md B: TLS toward clients and toward Postgres, negotiation, the auth matrix.
+
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use rustls_pki_types::CertificateDer;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpListener;
+
+use crate::support::pg::{APP_DB, APP_PASSWORD, APP_USER, Cluster, server_identity};
+use crate::support::proxy::{Proxy, ProxyOptions};
+use crate::support::raw::{
+    Raw, cert, client_tls, first_value, gss_request, oracle, pools_at_rest, query, ssl_request,
+    startup, tls_direct, tls_via_request, write,
+};
+use crate::support::run_with_timeout_async;
+use crate::support::sql::{eventually, scalar, sqlstate};
+
+/// A proxy with client TLS in `mode`, its certificate for localhost/127.0.0.1, and the DER
+/// certificate clients must trust.
+struct TlsProxy {
+    proxy: Proxy,
+    root: CertificateDer<'static>,
+    dir: tempfile::TempDir,
+}
+
+fn tls_yaml(dir: &Path, mode: &str, extra: &str) -> PathBuf {
+    write(
+        dir,
+        "c.yaml",
+        &format!(
+            "tls:\n  mode: {mode}\n  cert_file: {0}/cert.pem\n  key_file: {0}/key.pem\n{extra}",
+            dir.display()
+        ),
+    )
+}
+
+fn tls_proxy(cluster: &Cluster, mode: &str) -> TlsProxy {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let (c, k, root) = cert(&["localhost", "127.0.0.1"], false);
+    write(dir.path(), "cert.pem", &c);
+    write(dir.path(), "key.pem", &k);
+    let cfg = tls_yaml(dir.path(), mode, "");
+    let proxy = Proxy::start(cluster, ProxyOptions::pool(3).config_file(cfg));
+    TlsProxy { proxy, root, dir }
+}
+
+fn psql(addr: SocketAddr, sslmode: &str, sql: &str) -> std::process::Command {
+    let mut cmd = Cluster::tool_command("psql", addr, APP_USER, APP_PASSWORD, APP_DB);
+    cmd.env("PGSSLMODE", sslmode)
+        .args(["-X", "-q", "-A", "-t", "-c", sql]);
+    cmd
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn b1_b3_b4_b5_client_tls_negotiation() {
+    let cluster = Cluster::start();
+    let t = tls_proxy(&cluster, "allow");
+    let addr = t.proxy.addr();
+    // B1: a StartupMessage and a Query pipelined behind the SSLRequest.
+    let mut c = Raw::tcp(addr).await;
+    let mut b = ssl_request();
+    b.extend(startup(0, &[("user", APP_USER), ("database", APP_DB)]));
+    b.extend(query("DROP TABLE IF EXISTS never"));
+    c.send(&b).await.expect("send");
+    let (tag, body) = c.recv().await.expect("an ErrorResponse, not 'S'");
+    assert_eq!(tag, b'E');
+    assert_eq!(crate::support::raw::field(&body, b'C'), "08P01");
+    assert!(crate::support::raw::field(&body, b'M').contains("unencrypted data after SSL request"));
+    assert!(c.closes().await);
+
+    // B4: TLS through SSLRequest, then SCRAM and a query inside TLS.
+    let mut c = tls_via_request(addr, client_tls(&t.root, false))
+        .await
+        .expect("TLS");
+    c.app_login().await;
+    let msgs = c.query("SELECT 7").await.expect("query over TLS");
+    assert_eq!(first_value(&msgs).as_deref(), Some("7"));
+    // B3: an SSLRequest inside TLS is closed without a reply.
+    c.send(&ssl_request()).await.ok();
+    // B4: direct TLS with ALPN works; without ALPN it is refused.
+    let mut c = tls_direct(addr, client_tls(&t.root, true))
+        .await
+        .expect("direct TLS");
+    c.app_login().await;
+    assert_eq!(
+        first_value(&c.query("SELECT 8").await.expect("q")).as_deref(),
+        Some("8")
+    );
+    match tls_direct(addr, client_tls(&t.root, false)).await {
+        Err(_) => {}
+        Ok(mut c) => {
+            let r = c.login(0, APP_USER, APP_PASSWORD, &[]).await;
+            assert!(r.is_err(), "direct TLS without ALPN must not log in");
+        }
+    }
+    // B4: GSSENCRequest gets 'N' and the session continues (then SSL is still possible).
+    let mut c = Raw::tcp(addr).await;
+    c.send(&gss_request()).await.expect("gss");
+    assert_eq!(c.byte().await.expect("answer"), b'N');
+    c.app_login().await;
+    assert_eq!(
+        first_value(&c.query("SELECT 9").await.expect("q")).as_deref(),
+        Some("9")
+    );
+    // B3: SSL→S is allowed after GSS→N; GSS twice is closed without a second answer.
+    let mut c = Raw::tcp(addr).await;
+    c.send(&gss_request()).await.expect("gss");
+    assert_eq!(c.byte().await.expect("answer"), b'N');
+    c.send(&gss_request()).await.expect("gss again");
+    assert!(
+        c.closes().await,
+        "second GSSENCRequest must close the connection"
+    );
+    assert!(c.rbuf.is_empty(), "no second answer");
+    // psql (libpq 15) with sslmode=require.
+    let out = run_with_timeout_async(
+        psql(
+            addr,
+            "require",
+            "SELECT ssl FROM pg_stat_ssl WHERE pid = pg_backend_pid()",
+        ),
+        Duration::from_secs(30),
+    )
+    .await;
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    oracle(&t.proxy).await;
+
+    // B5: require refuses a plaintext StartupMessage before authentication.
+    std::fs::write(t.dir.path().join("c.yaml"), "").ok();
+    let req = tls_proxy(&cluster, "require");
+    let mut c = Raw::tcp(req.proxy.addr()).await;
+    c.send(&startup(0, &[("user", APP_USER), ("database", APP_DB)]))
+        .await
+        .expect("send");
+    let (tag, body) = c.recv().await.expect("error");
+    assert_eq!(tag, b'E', "no authentication request may come first");
+    assert_eq!(crate::support::raw::field(&body, b'C'), "28000");
+    let out = run_with_timeout_async(
+        psql(req.proxy.addr(), "disable", "SELECT 1"),
+        Duration::from_secs(30),
+    )
+    .await;
+    assert!(!out.status.success());
+    let out = run_with_timeout_async(
+        psql(req.proxy.addr(), "require", "SELECT 1"),
+        Duration::from_secs(30),
+    )
+    .await;
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let mut c = tls_via_request(req.proxy.addr(), client_tls(&req.root, false))
+        .await
+        .expect("TLS");
+    c.app_login().await;
+    // B3 with TLS disabled: SSL→N, GSS→N, SSL again → closed without a third reply.
+    let plain = Proxy::start(&cluster, ProxyOptions::pool(1));
+    let mut c = Raw::tcp(plain.addr()).await;
+    c.send(&ssl_request()).await.expect("ssl");
+    assert_eq!(c.byte().await.expect("N"), b'N');
+    c.send(&gss_request()).await.expect("gss");
+    assert_eq!(c.byte().await.expect("N"), b'N');
+    c.send(&ssl_request()).await.expect("ssl again");
+    assert!(c.closes().await);
+    assert!(c.rbuf.is_empty(), "no third reply");
+    // B1 on a proxy without TLS, too.
+    let mut c = Raw::tcp(plain.addr()).await;
+    let mut b = ssl_request();
+    b.extend(startup(0, &[("user", APP_USER)]));
+    c.send(&b).await.expect("send");
+    assert_eq!(c.error().await.map(|e| e.0).as_deref(), Some("08P01"));
+    // Direct TLS to a proxy without TLS: closed.
+    assert!(
+        tls_direct(plain.addr(), client_tls(&req.root, true))
+            .await
+            .is_err()
+    );
+    oracle(&plain).await;
+}
+
+/// Turns SSL on in `cluster` with this certificate and key (reload; new connections use it).
+fn enable_backend_ssl(cluster: &Cluster, cert_pem: &str, key_pem: &str, tag: &str) {
+    let data = cluster.socket_dir().join("data");
+    let (crt, key) = (
+        data.join(format!("{tag}.crt")),
+        data.join(format!("{tag}.key")),
+    );
+    std::fs::write(&crt, cert_pem).expect("cert");
+    std::fs::write(&key, key_pem).expect("key");
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::set_permissions(&key, std::fs::Permissions::from_mode(0o600)).expect("chmod");
+    if let Some((uid, gid)) = server_identity() {
+        std::os::unix::fs::chown(&crt, Some(uid), Some(gid)).expect("chown");
+        std::os::unix::fs::chown(&key, Some(uid), Some(gid)).expect("chown");
+    }
+    cluster.psql(&format!(
+        "ALTER SYSTEM SET ssl_cert_file = '{}'",
+        crt.display()
+    ));
+    cluster.psql(&format!(
+        "ALTER SYSTEM SET ssl_key_file = '{}'",
+        key.display()
+    ));
+    cluster.psql("ALTER SYSTEM SET ssl = on");
+    cluster.psql("SELECT pg_reload_conf()");
+    std::thread::sleep(Duration::from_millis(300));
+}
+
+fn backend_yaml(dir: &Path, mode: &str, root: Option<&Path>) -> PathBuf {
+    let root = root
+        .map(|r| format!("  root_cert_file: {}\n", r.display()))
+        .unwrap_or_default();
+    write(
+        dir,
+        &format!("{mode}.yaml"),
+        &format!("backend:\n  tls: {mode}\n  connect_timeout_ms: 3000\n{root}"),
+    )
+}
+
+/// Connects through `proxy` and returns the SQLSTATE of the failure, or "ok" with the backend's
+/// `ssl` flag.
+async fn try_select(proxy: &Proxy) -> String {
+    match proxy.try_client_with(&proxy.app_config()).await {
+        Err(e) => sqlstate(&e),
+        Ok((client, _task)) => match client
+            .simple_query("SELECT ssl::text FROM pg_stat_ssl WHERE pid = pg_backend_pid()")
+            .await
+        {
+            Ok(m) => format!(
+                "ok ssl={}",
+                crate::support::sql::simple_values(&m)[0]
+                    .clone()
+                    .unwrap_or_default()
+            ),
+            Err(e) => sqlstate(&e),
+        },
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn b5_backend_tls_modes_never_fall_back() {
+    let cluster = Cluster::start();
+    let dir = tempfile::tempdir().expect("tempdir");
+    // Without SSL on the server: prefer falls back, require/verify-full fail closed.
+    let prefer = Proxy::start(
+        &cluster,
+        ProxyOptions::pool(1).config_file(backend_yaml(dir.path(), "prefer", None)),
+    );
+    assert_eq!(try_select(&prefer).await, "ok ssl=false");
+    let require = Proxy::start(
+        &cluster,
+        ProxyOptions::pool(1).config_file(backend_yaml(dir.path(), "require", None)),
+    );
+    let r = try_select(&require).await;
+    assert!(
+        r.starts_with("08"),
+        "require against a plaintext server: {r}"
+    );
+
+    // A server certificate for localhost/127.0.0.1.
+    let (c, k, _) = cert(&["localhost", "127.0.0.1"], false);
+    let root = write(dir.path(), "root.pem", &c);
+    enable_backend_ssl(&cluster, &c, &k, "good");
+    for mode in ["require", "verify-ca", "verify-full"] {
+        let p = Proxy::start(
+            &cluster,
+            ProxyOptions::pool(1).config_file(backend_yaml(dir.path(), mode, Some(&root))),
+        );
+        assert_eq!(try_select(&p).await, "ok ssl=true", "{mode}");
+        oracle(&p).await;
+    }
+    assert_eq!(
+        try_select(&prefer).await,
+        "ok ssl=false",
+        "prefer's pooled connection stays"
+    );
+    let prefer2 = Proxy::start(
+        &cluster,
+        ProxyOptions::pool(1).config_file(backend_yaml(dir.path(), "prefer", None)),
+    );
+    assert_eq!(try_select(&prefer2).await, "ok ssl=true");
+
+    // Wrong name: verify-full refuses, verify-ca accepts.
+    let (c, k, _) = cert(&["wronghost"], false);
+    let wrong_root = write(dir.path(), "wrong.pem", &c);
+    enable_backend_ssl(&cluster, &c, &k, "wrong");
+    let full = Proxy::start(
+        &cluster,
+        ProxyOptions::pool(1).config_file(backend_yaml(
+            dir.path(),
+            "verify-full",
+            Some(&wrong_root),
+        )),
+    );
+    let r = try_select(&full).await;
+    assert!(r.starts_with("08"), "verify-full with a wrong name: {r}");
+    let ca = Proxy::start(
+        &cluster,
+        ProxyOptions::pool(1).config_file(backend_yaml(dir.path(), "verify-ca", Some(&wrong_root))),
+    );
+    assert_eq!(try_select(&ca).await, "ok ssl=true");
+    // An untrusted root fails verify-ca too.
+    let ca_bad = Proxy::start(
+        &cluster,
+        ProxyOptions::pool(1).config_file(backend_yaml(dir.path(), "verify-ca", Some(&root))),
+    );
+    assert!(try_select(&ca_bad).await.starts_with("08"));
+    // Expired certificate under verify-full.
+    let (c, k, _) = cert(&["localhost", "127.0.0.1"], true);
+    let expired_root = write(dir.path(), "expired.pem", &c);
+    enable_backend_ssl(&cluster, &c, &k, "expired");
+    let exp = Proxy::start(
+        &cluster,
+        ProxyOptions::pool(1).config_file(backend_yaml(
+            dir.path(),
+            "verify-full",
+            Some(&expired_root),
+        )),
+    );
+    assert!(try_select(&exp).await.starts_with("08"));
+    assert!(pools_at_rest(&exp).await);
+    oracle(&prefer).await;
+}
+
+/// A fake server that answers the SSLRequest with `reply` and then waits.
+async fn fake_backend(reply: Vec<u8>) -> SocketAddr {
+    let l = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let addr = l.local_addr().expect("addr");
+    tokio::spawn(async move {
+        while let Ok((mut s, _)) = l.accept().await {
+            let reply = reply.clone();
+            tokio::spawn(async move {
+                let mut req = [0u8; 8];
+                if s.read_exact(&mut req).await.is_ok() {
+                    let _ = s.write_all(&reply).await;
+                    tokio::time::sleep(Duration::from_secs(10)).await;
+                }
+            });
+        }
+    });
+    addr
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn b2_backend_prehandshake_injection_and_mitm_n() {
+    let cluster = Cluster::start();
+    let dir = tempfile::tempdir().expect("tempdir");
+    let mut err_frame = b"E".to_vec();
+    let text = format!("SFATAL\0C28000\0Minjected-{}\0\0", "x".repeat(5000));
+    err_frame.extend_from_slice(&(text.len() as i32 + 4).to_be_bytes());
+    err_frame.extend_from_slice(text.as_bytes());
+    let mut s_plus = b"S".to_vec();
+    s_plus.extend(query("SELECT 'injected'"));
+    let cases = [
+        ("S plus bytes", s_plus, "prefer"),
+        ("E plus long error", err_frame, "prefer"),
+        ("MITM N", b"N".to_vec(), "require"),
+    ];
+    for (what, reply, mode) in cases {
+        let fake = fake_backend(reply).await;
+        let cfg = backend_yaml(dir.path(), mode, None);
+        let proxy = Proxy::start(
+            &cluster,
+            ProxyOptions::pool(1).config_file(cfg).backend_via(fake),
+        );
+        let t = Instant::now();
+        let err = proxy
+            .try_client_with(&proxy.app_config())
+            .await
+            .err()
+            .unwrap_or_else(|| panic!("{what}: login must fail"));
+        let text = format!("{err:?}");
+        assert!(sqlstate(&err).starts_with("08"), "{what}: {text}");
+        assert!(
+            !text.contains("injected"),
+            "{what}: injected bytes reached the client: {text}"
+        );
+        assert!(t.elapsed() < Duration::from_secs(5), "{what}: slow failure");
+        assert!(pools_at_rest(&proxy).await);
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn b6_auth_matrix_does_not_enumerate() {
+    let cluster = Cluster::start();
+    let proxy = Proxy::start(&cluster, ProxyOptions::pool(2));
+    let attempt = |user: &'static str, password: &'static str, db: &'static str| {
+        let cfg = proxy.config(user, password, db);
+        let proxy = &proxy;
+        async move {
+            let t = Instant::now();
+            let r = proxy.try_client_with(&cfg).await;
+            (
+                r.err().map(|e| {
+                    (
+                        sqlstate(&e),
+                        e.as_db_error().map(|d| d.message().to_string()),
+                    )
+                }),
+                t.elapsed(),
+            )
+        }
+    };
+    let (unknown, _) = attempt("nosuchuser", "secret", APP_DB).await;
+    let (wrong, _) = attempt(APP_USER, "wrong", APP_DB).await;
+    let (empty, _) = attempt(APP_USER, "", APP_DB).await;
+    let (wrong_db_bad_pw, _) = attempt(APP_USER, "wrong", "nosuchdb").await;
+    let (wrong_db, _) = attempt(APP_USER, APP_PASSWORD, "nosuchdb").await;
+    let unknown = unknown.expect("unknown user refused");
+    let wrong = wrong.expect("wrong password refused");
+    assert_eq!(unknown.0, "28P01");
+    assert_eq!(
+        unknown.1.as_deref().map(|m| m.replace("nosuchuser", "U")),
+        wrong.1.as_deref().map(|m| m.replace(APP_USER, "U"))
+    );
+    assert!(empty.map(|e| e.0).is_some_and(|c| c.starts_with("28")));
+    assert_eq!(
+        wrong_db_bad_pw.expect("refused").0,
+        "28P01",
+        "db existence leaked before auth"
+    );
+    assert_eq!(wrong_db.expect("refused").0, "3D000");
+    // Timing: unknown user and wrong password take about as long (medians, interleaved, so
+    // that a busy machine does not decide).
+    let (mut tu, mut tw) = (Vec::new(), Vec::new());
+    for _ in 0..9 {
+        tu.push(attempt("nosuchuser", "secret", APP_DB).await.1);
+        tw.push(attempt(APP_USER, "wrong", APP_DB).await.1);
+    }
+    tu.sort();
+    tw.sort();
+    let ratio = tu[4].as_secs_f64() / tw[4].as_secs_f64();
+    assert!(
+        (0.25..4.0).contains(&ratio),
+        "unknown {tu:?} vs wrong {tw:?}"
+    );
+    // An expired VALID UNTIL on the server is a refusal too.
+    cluster.psql("ALTER ROLE app VALID UNTIL '2000-01-01'");
+    let fresh = Proxy::start(&cluster, ProxyOptions::pool(1));
+    let e = match fresh.try_client_with(&fresh.app_config()).await {
+        Ok(_) => panic!("an expired password must be refused"),
+        Err(e) => e,
+    };
+    assert!(sqlstate(&e).starts_with("28"), "{e:?}");
+    cluster.psql("ALTER ROLE app VALID UNTIL 'infinity'");
+    eventually(Duration::from_secs(10), "pool recovers", || async {
+        fresh.try_client_with(&fresh.app_config()).await.is_ok()
+    })
+    .await;
+    oracle(&fresh).await;
+    let c = proxy.client().await;
+    assert_eq!(scalar(&c, "SELECT 1").await, "1");
+}
+
+/// A fake server speaking a script: after each read from the proxy it sends the next reply.
+async fn scripted_backend(replies: Vec<Vec<u8>>) -> SocketAddr {
+    let l = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let addr = l.local_addr().expect("addr");
+    tokio::spawn(async move {
+        while let Ok((mut s, _)) = l.accept().await {
+            let replies = replies.clone();
+            tokio::spawn(async move {
+                let mut buf = vec![0u8; 4096];
+                for r in replies {
+                    if !matches!(s.read(&mut buf).await, Ok(n) if n > 0) {
+                        return;
+                    }
+                    let _ = s.write_all(&r).await;
+                }
+                tokio::time::sleep(Duration::from_secs(10)).await;
+            });
+        }
+    });
+    addr
+}
+
+fn auth(code: i32, data: &[u8]) -> Vec<u8> {
+    let mut b = code.to_be_bytes().to_vec();
+    b.extend_from_slice(data);
+    crate::support::raw::frame(b'R', &b)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn b8_malicious_backend_fails_only_its_client() {
+    let cluster = Cluster::start();
+    let dir = tempfile::tempdir().expect("tempdir");
+    let sasl = auth(10, b"SCRAM-SHA-256\0\0");
+    let mut key300 = auth(0, b"");
+    key300.extend(crate::support::raw::frame(b'K', &[7u8; 304]));
+    let mut huge_status = auth(0, b"");
+    huge_status.extend(b"S\x40\x00\x00\x00server_version\0");
+    let cases: Vec<(&str, Vec<Vec<u8>>)> = vec![
+        (
+            "SCRAM i=1000000000",
+            vec![sasl.clone(), auth(11, b"r=abc,s=c2FsdA==,i=1000000000")],
+        ),
+        (
+            "64 KB server nonce",
+            vec![
+                sasl.clone(),
+                auth(
+                    11,
+                    format!("r={},s=c2FsdA==,i=4096", "n".repeat(65_536)).as_bytes(),
+                ),
+            ],
+        ),
+        (
+            "ErrorResponse without a code",
+            vec![crate::support::raw::frame(
+                b'E',
+                b"SFATAL\0Mno code here\0\0",
+            )],
+        ),
+        ("1 GB ParameterStatus", vec![huge_status]),
+        ("300-byte BackendKeyData", vec![key300]),
+    ];
+    let good = Proxy::start(&cluster, ProxyOptions::pool(1));
+    // Some scripts skip authentication (AuthenticationOk first): trust is allowed so that they
+    // reach the checks they are about instead of backend.require_auth's.
+    let cfg = write(
+        dir.path(),
+        "b8.yaml",
+        "backend:\n  tls: disable\n  connect_timeout_ms: 3000\n  require_auth: [scram-sha-256, trust]\n",
+    );
+    for (what, script) in cases {
+        let fake = scripted_backend(script).await;
+        let proxy = Proxy::start(
+            &cluster,
+            ProxyOptions::pool(1).config_file(&cfg).backend_via(fake),
+        );
+        let t = Instant::now();
+        let code = match proxy.try_client_with(&proxy.app_config()).await {
+            Ok(_) => panic!("{what}: login must fail"),
+            Err(e) => {
+                let text = format!("{e:?}");
+                assert!(!text.contains("require_auth"), "{what}: {text}");
+                sqlstate(&e)
+            }
+        };
+        assert!(code.starts_with("08"), "{what}: {code}");
+        assert!(
+            t.elapsed() < Duration::from_secs(5),
+            "{what}: {:?}",
+            t.elapsed()
+        );
+        assert!(pools_at_rest(&proxy).await);
+        // Other pools (another proxy on the real server here) are unaffected.
+        let c = good.client().await;
+        assert_eq!(scalar(&c, "SELECT 1").await, "1");
+    }
+    oracle(&good).await;
+}
