@@ -219,11 +219,15 @@ async fn take(cap: &Cap, pool: &Pool, deadline: Instant) -> Result<(), CapFull> 
         let freed = cap.freed.notified();
         tokio::pin!(freed);
         freed.as_mut().enable();
-        if cap.may_take(pool) && cap.try_take() {
-            return Ok(());
-        }
-        if cap.evict_for(pool) {
-            continue;
+        // Held back for a pool with fewer connections: no unit, and no eviction either (it
+        // would free units for that pool only, closing idle connections nobody asked for).
+        if cap.may_take(pool) {
+            if cap.try_take() {
+                return Ok(());
+            }
+            if cap.evict_for(pool) {
+                continue;
+            }
         }
         if tokio::time::timeout_at(deadline, freed).await.is_err() {
             return Err(CapFull {
