@@ -99,8 +99,8 @@ impl Cap {
     /// Whether `pool` may take a free unit: no other member pool waits with fewer
     /// connections open than it has.
     fn may_take(&self, pool: &Pool) -> bool {
-        // Only this connect waits (it counts itself from before its first look).
-        if self.waiting.load(Ordering::Acquire) <= 1 {
+        // No limit, or only this connect waits (it counts itself from before its first look).
+        if self.limit() == 0 || self.waiting.load(Ordering::Acquire) <= 1 {
             return true;
         }
         let mine = pool.open.load(Ordering::Relaxed);

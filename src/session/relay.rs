@@ -1250,7 +1250,12 @@ impl Relay {
             && self.mode == PoolMode::Transaction
             && class.kind == crate::classify::StmtKind::Read
             && class.effects.is_empty()
-            && !class.oversized;
+            && !class.oversized
+            // One statement only: a text of several (`BEGIN; SELECT ..; COMMIT`) is a
+            // transaction of its own, and its kind is that of its strongest statement, which
+            // says nothing of what the others need (the normalized form keeps no literal,
+            // comment or trailing `;`, so a `;` left separates statements).
+            && !class.normalized.contains(';');
         if !eligible {
             return Ok(());
         }
