@@ -472,7 +472,7 @@ impl Pool {
             let now = Instant::now();
             let fresh = now.saturating_duration_since(conn.idle_since)
                 < Duration::from_millis(self.cfg.health_check_after_ms);
-            if !fresh || conn.expires <= now || self.replaced(conn) || conn.has_pending_input() {
+            if !fresh || self.spent(conn, now) {
                 return None;
             }
             idle.pop()?
@@ -517,7 +517,7 @@ impl Pool {
         loop {
             while let Some(mut conn) = self.pop_idle() {
                 let now = Instant::now();
-                if conn.expires <= now || conn.has_pending_input() || self.replaced(&conn) {
+                if self.spent(&conn, now) {
                     self.close(conn);
                     continue;
                 }
@@ -541,6 +541,12 @@ impl Pool {
                 return Ok(self.guard(conn, permit));
             }
         }
+    }
+
+    /// An idle connection not to lend again: past its lifetime, to be replaced
+    /// ([`Pool::reconnect`]), or with bytes from the server that nobody asked for.
+    fn spent(&self, conn: &BackendConn, now: Instant) -> bool {
+        conn.expires <= now || self.replaced(conn) || conn.has_pending_input()
     }
 
     fn pop_idle(&self) -> Option<Box<BackendConn>> {
