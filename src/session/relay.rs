@@ -37,7 +37,6 @@ use crate::policy::{Admission, StatementAdmission};
 use crate::pool::prepared::{Lookup, server_name};
 use crate::pool::{Pool, Pooled};
 use crate::protocol::PgError;
-use crate::protocol::error::field_of;
 use crate::protocol::framing::{self, Direction};
 use crate::protocol::messages;
 use crate::protocol::messages::Target;
@@ -56,6 +55,7 @@ struct Stmt {
 }
 
 mod admission;
+mod replies;
 mod retry;
 
 use admission::Timeouts;
@@ -68,8 +68,8 @@ pub struct Relay {
     mode: PoolMode,
     /// Unparsed client bytes.
     cbuf: BytesMut,
-    /// Unparsed backend bytes.
-    rbuf: BytesMut,
+    /// Backend → client: framing, streaming and what each reply means (no I/O).
+    replies: replies::Replies,
     /// Pending writes to the client / the backend.
     cout: BytesMut,
     backend: Option<Pooled>,
@@ -83,9 +83,6 @@ pub struct Relay {
     /// `limits.max_message_bytes` and `limits.max_client_statements` at session start.
     max_message: usize,
     max_statements: usize,
-    /// Body bytes of a backend DataRow/CopyData still to stream, and whether they go out.
-    backend_pass: usize,
-    backend_pass_fwd: bool,
     /// After a refusal in an extended batch: drop client messages until Sync, like Postgres.
     skip_to_sync: bool,
     /// The backend sent a FATAL error; it is about to close.
@@ -94,7 +91,6 @@ pub struct Relay {
     pinned: bool,
     /// Re-read the backend's session settings once the current transaction ends.
     capture_needed: bool,
-    captured: Vec<(String, String)>,
     /// A batch kept for one replay after 0A000 "cached plan must not change result type".
     retry: Option<retry::Retry>,
     /// The proxy's own deadline for the running statement (its statement_timeout + grace).
@@ -242,7 +238,7 @@ impl Relay {
             mode,
             cbuf,
             // Buffers grow on first use: an idle client costs little more than its socket.
-            rbuf: BytesMut::new(),
+            replies: replies::Replies::default(),
             cout: BytesMut::new(),
             backend: None,
             out: Outbox::default(),
@@ -251,13 +247,10 @@ impl Relay {
             client_drop: 0,
             max_message,
             max_statements,
-            backend_pass: 0,
-            backend_pass_fwd: true,
             skip_to_sync: false,
             backend_fatal: false,
             pinned: false,
             capture_needed: false,
-            captured: Vec::new(),
             unnamed_class: None,
             unnamed_query: Bytes::new(),
             custom_gucs: Vec::new(),
@@ -494,10 +487,11 @@ impl Relay {
         let Some(b) = &mut self.backend else {
             return Poll::Pending;
         };
-        if self.rbuf.capacity() - self.rbuf.len() < 4096 {
-            self.rbuf.reserve(16 * 1024);
+        let buf = self.replies.buf_mut();
+        if buf.capacity() - buf.len() < 4096 {
+            buf.reserve(16 * 1024);
         }
-        poll_read_buf(Pin::new(&mut b.conn().stream), cx, &mut self.rbuf)
+        poll_read_buf(Pin::new(&mut b.conn().stream), cx, buf)
     }
 
     /// Fires at the earliest of `unanswered`, `backstop`, `idle_grace`, `idle_txn` and `idle_client` (each handler clears
@@ -1316,108 +1310,18 @@ impl Relay {
 
     async fn on_backend_data<S: AsyncWrite + Unpin>(&mut self, client: &mut S) -> Result<(), End> {
         loop {
-            if self.backend_pass > 0 {
-                let take = self.backend_pass.min(self.rbuf.len());
-                if take == 0 {
-                    break;
-                }
-                let chunk = self.rbuf.split_to(take);
-                if self.backend_pass_fwd {
-                    self.cout.extend_from_slice(&chunk);
-                }
-                self.backend_pass -= take;
-                continue;
-            }
-            self.out.t.answer_synthetic(&mut self.cout);
-            let h = match framing::header(&self.rbuf, Direction::Backend) {
-                Ok(Some(h)) => h,
-                Ok(None) => break,
+            let next = self
+                .replies
+                .next(&mut self.out.t, &mut self.retry, &mut self.cout);
+            match next {
+                Ok(replies::Next::Read) => break,
+                Ok(replies::Next::Flush) => self.flush_client(client).await?,
+                Ok(replies::Next::Seen(seen)) => self.on_seen(seen).await?,
                 Err(e) => {
                     tracing::warn!(pool = %self.pool.name, error = %e, "protocol error from the server");
                     return Err(End::Error(PgError::backend_lost()));
                 }
-            };
-            if self.rbuf.len() < h.total {
-                if matches!(h.tag, b'D' | b'd') && !self.out.t.capturing() {
-                    let step = self.out.t.on_backend(h.tag, None);
-                    let have = self.rbuf.len();
-                    let chunk = self.rbuf.split();
-                    if step.forward {
-                        self.cout.extend_from_slice(&chunk);
-                    }
-                    self.backend_pass = h.total - have;
-                    self.backend_pass_fwd = step.forward;
-                }
-                break;
             }
-            let frame = self.rbuf.split_to(h.total);
-            let body = &frame[framing::HEADER_LEN..];
-            if h.tag == b'E' {
-                self.note_stale_plan(body);
-            }
-            let swallow = self.retry.is_some() && self.retry_filter(h.tag, body);
-            let step = self.out.t.on_backend(h.tag, body.first().copied());
-            if swallow {
-                if h.tag == b'Z' {
-                    self.retry_replay();
-                    self.flush_backend().await?;
-                }
-                continue;
-            }
-            if h.tag == b'E' && matches!(field_of(body, b'S'), Some("FATAL" | "PANIC")) {
-                self.backend_fatal = true;
-            }
-            if !step.not_prepared.is_empty() {
-                let conn = self.backend_conn();
-                for hash in step.not_prepared {
-                    conn.prepared.remove(hash);
-                }
-            }
-            if step.capture_row
-                && let Some(kv) = state::capture_row(body)
-            {
-                self.captured.push(kv);
-            }
-            if step.injected_error {
-                self.injected_failed(body);
-            }
-            if step.forward {
-                match h.tag {
-                    b'Z' => self.statements_done(),
-                    b'C' => self.rows += rows_of(body),
-                    b'E' => {
-                        self.errored = true;
-                        let code = crate::protocol::error::sqlstate_of(body);
-                        let asked = code == Some("57014") && self.client_cancelled();
-                        if code.is_some_and(admission::is_backend_fault) && !asked {
-                            self.fault = true;
-                        }
-                        self.failure = crate::observe::stats::Outcome::of_error(code, asked);
-                    }
-                    _ => {}
-                }
-            }
-            if step.capture_done {
-                let mut captured = std::mem::take(&mut self.captured);
-                captured.sort();
-                self.backend_conn().applied = captured.clone();
-                self.login.settings = captured;
-            }
-            if step.forward {
-                if h.tag == b'E' && step.pos_shift > 0 {
-                    let fixed = crate::protocol::error::shift_position(body, step.pos_shift);
-                    messages::raw(&mut self.cout, b'E', &[&fixed]);
-                } else {
-                    self.cout.extend_from_slice(&frame);
-                }
-            }
-            // Flush big batches early so a long result never piles up in memory.
-            if self.cout.len() >= 64 * 1024 {
-                self.flush_client(client).await?;
-            }
-        }
-        if self.backend_pass == 0 {
-            self.out.t.answer_synthetic(&mut self.cout);
         }
         if !self.out.t.in_flight() {
             // The statements the backstop was armed for are answered. Left armed, it would
@@ -1429,25 +1333,55 @@ impl Relay {
         self.maybe_release().await
     }
 
-    /// Postgres refused a cached statement whose result type changed: forget it here, so the
-    /// next use closes and re-prepares it.
-    fn note_stale_plan(&mut self, body: &[u8]) {
-        let stale = crate::protocol::error::sqlstate_of(body) == Some("0A000")
-            && field_of(body, b'M')
-                .is_some_and(|m| m.contains("cached plan must not change result type"));
-        if let (true, Some(hash)) = (stale, self.out.t.head_target()) {
+    /// Acts on what a backend message meant (its bytes for the client are already written).
+    async fn on_seen(&mut self, seen: replies::Seen) -> Result<(), End> {
+        if let Some(hash) = seen.stale {
+            // Forget it here, so the next use closes and re-prepares it.
             let conn = self.backend_conn();
             conn.prepared.remove(hash);
             if !conn.stale.contains(&hash) {
                 conn.stale.push(hash);
             }
         }
+        if seen.replay {
+            self.retry_replay();
+            return self.flush_backend().await;
+        }
+        self.backend_fatal |= seen.fatal;
+        if !seen.not_prepared.is_empty() {
+            let conn = self.backend_conn();
+            for hash in seen.not_prepared.iter().copied() {
+                conn.prepared.remove(hash);
+            }
+        }
+        if let Some(msg) = seen.injected_failed.as_deref() {
+            self.injected_failed(msg);
+        }
+        if seen.ready {
+            self.statements_done();
+        }
+        if let Some(rows) = seen.rows {
+            self.rows += rows;
+        }
+        if seen.errored {
+            self.errored = true;
+            let code = seen.code();
+            let asked = code == Some("57014") && self.client_cancelled();
+            if code.is_some_and(admission::is_backend_fault) && !asked {
+                self.fault = true;
+            }
+            self.failure = crate::observe::stats::Outcome::of_error(code, asked);
+        }
+        if let Some(captured) = seen.captured {
+            self.backend_conn().applied = captured.clone();
+            self.login.settings = captured;
+        }
+        Ok(())
     }
 
     /// A query the proxy injected (settings re-apply or capture) failed: tell the client as
     /// a warning, and never reuse this backend, whose session state is now uncertain.
-    fn injected_failed(&mut self, body: &[u8]) {
-        let msg = field_of(body, b'M').unwrap_or("unknown error");
+    fn injected_failed(&mut self, msg: &str) {
         PgError::error(
             "01000",
             format!(
@@ -1487,11 +1421,8 @@ impl Relay {
     /// In transaction mode, returns the backend once it is idle with nothing owed (after
     /// reading back its session settings if the client changed them).
     async fn maybe_release(&mut self) -> Result<(), End> {
-        let quiet = self.out.t.idle()
-            && self.backend_pass == 0
-            && self.rbuf.is_empty()
-            && self.out.is_empty()
-            && !self.skip_to_sync;
+        let quiet =
+            self.out.t.idle() && self.replies.quiet() && self.out.is_empty() && !self.skip_to_sync;
         if !quiet {
             return Ok(());
         }
@@ -1502,7 +1433,7 @@ impl Relay {
         let pooled = self.mode == PoolMode::Transaction && !self.pinned;
         if pooled && self.capture_needed {
             self.capture_needed = false;
-            self.captured.clear();
+            self.replies.restart_capture();
             let sql = state::capture_sql(&self.pool.login_user(), &self.custom_gucs);
             self.out.query(Mode::Capture, &sql);
             return self.flush_backend().await;
@@ -1626,14 +1557,15 @@ impl Relay {
         {
             b.conn().dirty.all = true;
         }
+        let (skip, buffered) = self.replies.take_rest();
         let cleanup = Cleanup {
             pending_ready: self.out.t.pending_ready() + usize::from(self.out.t.sync_pending),
             in_flight: self.out.t.in_flight(),
             copy_in: self.out.t.copy_in,
             sync_pending: self.out.t.sync_pending,
             txn: self.out.t.txn,
-            skip: self.backend_pass,
-            buffered: std::mem::take(&mut self.rbuf),
+            skip,
+            buffered,
             session_mode: self.mode == PoolMode::Session,
         };
         let cancel = self.cancel.clone();
@@ -1738,16 +1670,6 @@ fn raise_sql(e: &PgError) -> String {
     // The outer tag differs from every inner one: those are `$q…$`, this one `$pgsl…$`.
     let tag = params::dollar_tag(&body, "pgsl");
     format!("DO {tag}{body}{tag}")
-}
-
-/// Rows reported by a CommandComplete tag (`SELECT 5`, `INSERT 0 3`, `UPDATE 2`).
-fn rows_of(body: &[u8]) -> u64 {
-    let tag = body.strip_suffix(b"\0").unwrap_or(body);
-    tag.rsplit(|&b| b == b' ')
-        .next()
-        .and_then(|n| std::str::from_utf8(n).ok())
-        .and_then(|n| n.parse().ok())
-        .unwrap_or(0)
 }
 
 /// Whole microseconds of `d` (saturating).

@@ -35,6 +35,56 @@ pub(super) struct Retry {
     hash: u64,
 }
 
+/// What the recorded batch makes of one backend message.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Filter {
+    /// Not for the client: the batch will be replayed.
+    Swallow,
+    /// Goes to the client as usual; the batch stays replayable.
+    Pass,
+    /// Goes to the client; the batch is over (its ReadyForQuery) and is forgotten.
+    Forget,
+}
+
+impl Retry {
+    /// Looks at a backend message of the recorded batch.
+    pub(super) fn filter(&mut self, tag: u8, body: &[u8]) -> Filter {
+        if self.armed {
+            return Filter::Swallow;
+        }
+        match tag {
+            b'E' if !self.spoiled
+                && !self.recording
+                && self.frames.iter().any(|f| f.first() == Some(&b'D'))
+                && sqlstate_of(body) == Some("0A000")
+                && field_of(body, b'M')
+                    .is_some_and(|m| m.contains("cached plan must not change result type")) =>
+            {
+                self.armed = true;
+                Filter::Swallow
+            }
+            b'1' | b'2' | b'3' | b'N' | b'S' => Filter::Pass,
+            b'Z' => Filter::Forget,
+            _ => {
+                self.spoiled = true;
+                Filter::Pass
+            }
+        }
+    }
+
+    /// A batch recorded whole (Bind through Sync) for statement `hash`, as `retry_start` and
+    /// `retry_record` leave it.
+    #[cfg(test)]
+    pub(super) fn recorded(hash: u64, frames: Vec<Bytes>) -> Self {
+        Retry {
+            bytes: frames.iter().map(Bytes::len).sum(),
+            frames,
+            hash,
+            ..Retry::default()
+        }
+    }
+}
+
 impl Relay {
     /// A Bind of a named statement opening a fresh batch: start recording.
     pub(super) fn retry_start(&mut self, hash: u64, frame: &Bytes) {
@@ -65,37 +115,6 @@ impl Relay {
         r.frames.push(frame.clone());
         if tag == b'S' {
             r.recording = false;
-        }
-    }
-
-    /// Looks at a backend message for the retry: `true` = swallow it.
-    pub(super) fn retry_filter(&mut self, tag: u8, body: &[u8]) -> bool {
-        let Some(r) = self.retry.as_mut() else {
-            return false;
-        };
-        if r.armed {
-            return true;
-        }
-        match tag {
-            b'E' if !r.spoiled
-                && !r.recording
-                && r.frames.iter().any(|f| f.first() == Some(&b'D'))
-                && sqlstate_of(body) == Some("0A000")
-                && field_of(body, b'M')
-                    .is_some_and(|m| m.contains("cached plan must not change result type")) =>
-            {
-                r.armed = true;
-                true
-            }
-            b'1' | b'2' | b'3' | b'N' | b'S' => false,
-            b'Z' => {
-                self.retry = None;
-                false
-            }
-            _ => {
-                r.spoiled = true;
-                false
-            }
         }
     }
 
