@@ -42,6 +42,7 @@ pub mod probe;
 pub mod protocol;
 pub mod runtime;
 pub mod server;
+pub mod services;
 pub mod session;
 pub mod systemd;
 pub mod tls;

@@ -18,6 +18,7 @@ use pgsluice::app::App;
 use pgsluice::cli::AdminCmd;
 use pgsluice::config::{Config, ConfigError, LogFormat, Overrides, PoolMode, Secret};
 use pgsluice::policy::rules::RuleSet;
+use pgsluice::services::Service;
 
 #[derive(Parser, Debug)]
 #[command(name = "pgsluice", version, about = "PostgreSQL traffic-control proxy")]
@@ -377,7 +378,9 @@ async fn run(
     });
     // Set once, right after App::new, so this cannot fail.
     let _ = app.reloader.set(reloader);
-    let router = pgsluice::admin::router(app.clone());
+    let admin_api =
+        pgsluice::admin::Admin::new(app.clone(), pgsluice::admin::auth::EnvTokens::from_env());
+    let router = admin_api.router();
     // The admin API outlives the drain: /readyz answers 503 ("shutting down") and /metrics
     // stays scrapable until the last session has left, then it stops with the proxy.
     let admin_stop = tokio_util::sync::CancellationToken::new();
@@ -390,22 +393,19 @@ async fn run(
             tracing::error!(error = %e, "admin server failed");
         }
     });
-    tokio::spawn(app.clone().maintain());
-    pgsluice::probe::spawn(app.clone())?;
-    let fleet = tokio::spawn({
-        let app = app.clone();
-        async move {
-            if let Some(f) = app.fleet.clone() {
-                let peer_id = app.config().peer_id;
-                pgsluice::fleet::run(f, &app.policy, peer_id, app.life.stop_token()).await;
-            }
-        }
-    });
-    if let Some(peer) = peer {
-        tokio::spawn(pgsluice::server::serve_peer_cancels(app.clone(), peer));
-    }
     let notifier = Arc::new(pgsluice::systemd::Notifier::from_env());
-    tokio::spawn(signals(app.clone(), cli, notifier.clone()));
+    // Everything that runs beside the sessions, in one list.
+    let mut services = pgsluice::services::of_app(&app);
+    services.extend(admin_api.services());
+    if let Some(peer) = peer {
+        let serve = pgsluice::server::serve_peer_cancels(app.clone(), peer);
+        services.push(Service::task("peer cancels", serve));
+    }
+    services.push(Service::task(
+        "signals",
+        signals(app.clone(), cli, notifier.clone()),
+    ));
+    let services = pgsluice::services::start(services)?;
     notifier.ready(&format!("serving on {}", app.config().listen));
     let listeners = pgsluice::server::Listeners {
         tcp: listener,
@@ -414,8 +414,7 @@ async fn run(
     pgsluice::server::serve(app, listeners, login).await;
     admin_stop.cancel();
     let _ = tokio::time::timeout(std::time::Duration::from_secs(2), admin_task).await;
-    // The fleet task leaves the member set on shutdown (one Redis call, bounded).
-    let _ = tokio::time::timeout(std::time::Duration::from_secs(2), fleet).await;
+    services.finish().await;
     Ok(())
 }
 

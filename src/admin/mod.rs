@@ -1,7 +1,8 @@
 //! The admin HTTP API (axum, its own port, default `127.0.0.1:9930`; DESIGN §7).
 //!
-//! [`router`] builds the service apart from serving it, so tests call it with
-//! `tower::ServiceExt::oneshot` and no socket. Endpoints (documented in `docs/openapi.json`,
+//! [`Admin`] holds the API's state: its router is built apart from serving it, so tests call
+//! it with `tower::ServiceExt::oneshot` and no socket, and its two background services (the
+//! expired-rule purge and the anomaly detector) join the process's list in `main`. Endpoints (documented in `docs/openapi.json`,
 //! served at `/v1/openapi.json`):
 //!
 //! ```text
@@ -50,6 +51,7 @@ use serde::Serialize;
 use self::auth::EnvTokens;
 use self::error::{ApiError, MAX_BODY_BYTES, NoQuery};
 use crate::app::App;
+use crate::services::Service;
 
 /// The hand-written OpenAPI 3.0 document, kept in the repository.
 pub const OPENAPI_JSON: &str = include_str!("../../docs/openapi.json");
@@ -65,28 +67,55 @@ pub struct AdminState {
     anomalies: parking_lot::Mutex<anomalies::Board>,
 }
 
-/// The admin API over `app`, with token fallbacks read from the environment now. Inside a
-/// tokio runtime it also starts the expired-rule purge ([`rules::purge_loop`]), which stops
-/// when the drain begins (`app.life`).
-pub fn router(app: Arc<App>) -> Router {
-    router_with_env(app, EnvTokens::from_env())
+/// The admin API: its state, its router, its background services.
+pub struct Admin {
+    st: Arc<AdminState>,
 }
 
-/// As [`router`], with explicit environment tokens (tests use this to stay independent of
-/// the process environment).
-pub fn router_with_env(app: Arc<App>, env: EnvTokens) -> Router {
-    let written = app.policy.rules().to_json_bytes().ok();
-    let board = anomalies::Board::new(&app.config().detector);
-    let st = Arc::new(AdminState {
-        app,
-        env,
-        rules_file: tokio::sync::Mutex::new(written),
-        anomalies: parking_lot::Mutex::new(board),
-    });
-    if let Ok(rt) = tokio::runtime::Handle::try_current() {
-        rt.spawn(rules::purge_loop(Arc::clone(&st)));
-        rt.spawn(anomalies::detect_loop(Arc::clone(&st)));
+impl Admin {
+    /// The admin API over `app`, with token fallbacks from the environment (`env`).
+    pub fn new(app: Arc<App>, env: EnvTokens) -> Admin {
+        let written = app.policy.rules().to_json_bytes().ok();
+        let board = anomalies::Board::new(&app.config().detector);
+        Admin {
+            st: Arc::new(AdminState {
+                app,
+                env,
+                rules_file: tokio::sync::Mutex::new(written),
+                anomalies: parking_lot::Mutex::new(board),
+            }),
+        }
     }
+
+    /// The expired-rule purge ([`rules::purge_loop`]) and the anomaly detector
+    /// ([`anomalies::detect_loop`]); both end when the drain begins (`app.life`).
+    pub fn services(&self) -> Vec<Service> {
+        vec![
+            Service::task("rule purge", rules::purge_loop(Arc::clone(&self.st))),
+            Service::task(
+                "anomaly detector",
+                anomalies::detect_loop(Arc::clone(&self.st)),
+            ),
+        ]
+    }
+
+    pub fn router(&self) -> Router {
+        routes(Arc::clone(&self.st))
+    }
+}
+
+/// [`Admin::new`]'s router with explicit environment tokens, its services started when called
+/// inside a tokio runtime (the tests' entry: one call, no process around it).
+pub fn router_with_env(app: Arc<App>, env: EnvTokens) -> Router {
+    let admin = Admin::new(app, env);
+    if tokio::runtime::Handle::try_current().is_ok() {
+        // Tasks only: this cannot fail.
+        let _ = crate::services::start(admin.services());
+    }
+    admin.router()
+}
+
+fn routes(st: Arc<AdminState>) -> Router {
     Router::new()
         .route("/healthz", get(healthz))
         .route("/readyz", get(readyz))
