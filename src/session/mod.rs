@@ -24,7 +24,7 @@ mod tracker;
 
 /// The relay core's isolation oracle, for the `relay_oracle` fuzz target.
 #[cfg(fuzzing)]
-pub use tracker::oracle as relay_oracle;
+pub use relay::oracle as relay_oracle;
 
 use std::io;
 use std::net::IpAddr;

@@ -1,11 +1,15 @@
-//! The per-client forwarding loop after login.
+//! The per-client forwarding loop after login: the driver around two I/O-free cores.
 //!
-//! Client → backend: frames are parsed from the client buffer; Query/Parse/Bind/Describe/Close
-//! bodies are read to rename named statements to shared proxy names (`_pgsl_<hash>`, prepared
-//! lazily on whichever backend runs them) and everything is forwarded as the client's bytes.
-//! Backend → client: headers are scanned in place; DataRow and CopyData are streamed without
-//! being buffered whole; the [`Tracker`] decides what is forwarded, swallowed or answered by us.
-//! Writes are batched: one write per read on each side.
+//! Client → backend: [`requests`] frames the client's bytes (size limit, COPY streaming,
+//! skip to Sync after a refusal) and hands whole requests here, where Query/Parse/Bind/
+//! Describe/Close bodies are read to rename named statements to shared proxy names
+//! (`_pgsl_<hash>`, prepared lazily on whichever backend runs them), admitted (`admission`)
+//! and written through the [`Outbox`] with the reply each is owed.
+//! Backend → client: [`replies`] frames the backend's bytes, streams DataRow and CopyData
+//! without buffering them whole, and with the tracker decides what is forwarded, swallowed or
+//! answered by us; what a reply means (a request ended, an error, a statement gone stale, a
+//! replay due — `retry`) comes back here ([`Relay::on_seen`]). `oracle` checks the cores
+//! against a simulated Postgres. Writes are batched: one write per read on each side.
 //!
 //! Per-transaction cost is the point of this file (see docs/BENCHMARKS.md): the event loop
 //! polls the two sockets directly, in turns, rather than through a `select!` of futures
@@ -37,7 +41,7 @@ use crate::policy::{Admission, StatementAdmission};
 use crate::pool::prepared::{Lookup, server_name};
 use crate::pool::{Pool, Pooled};
 use crate::protocol::PgError;
-use crate::protocol::framing::{self, Direction};
+use crate::protocol::framing;
 use crate::protocol::messages;
 use crate::protocol::messages::Target;
 use crate::runtime::Runtime;
@@ -55,7 +59,10 @@ struct Stmt {
 }
 
 mod admission;
+#[cfg(any(test, fuzzing))]
+pub mod oracle;
 mod replies;
+mod requests;
 mod retry;
 
 use admission::Timeouts;
@@ -66,8 +73,8 @@ pub struct Relay {
     login: Login,
     cancel: Arc<cancel::Entry>,
     mode: PoolMode,
-    /// Unparsed client bytes.
-    cbuf: BytesMut,
+    /// Client → backend: framing, size limit, COPY streaming, skip-to-Sync (no I/O).
+    requests: requests::Requests,
     /// Backend → client: framing, streaming and what each reply means (no I/O).
     replies: replies::Replies,
     /// Pending writes to the client / the backend.
@@ -76,15 +83,8 @@ pub struct Relay {
     /// Bytes for the backend and the replies they are owed, written together.
     out: Outbox,
     stmts: HashMap<Bytes, Stmt>,
-    /// Body bytes of a client CopyData frame still to stream through.
-    client_pass: usize,
-    /// Bytes of an oversized client message still to read and drop.
-    client_drop: usize,
-    /// `limits.max_message_bytes` and `limits.max_client_statements` at session start.
-    max_message: usize,
+    /// `limits.max_client_statements` at session start.
     max_statements: usize,
-    /// After a refusal in an extended batch: drop client messages until Sync, like Postgres.
-    skip_to_sync: bool,
     /// The backend sent a FATAL error; it is about to close.
     backend_fatal: bool,
     /// Session state we cannot track keeps this client on its backend until it leaves.
@@ -178,7 +178,7 @@ pub struct Relay {
     unit_pool: Option<Arc<Pool>>,
     /// A ROUTE rule's word on the statement being admitted (`Some(true)`: replicas).
     rule_route: Option<bool>,
-    /// Client frames wait in `cbuf` while a replica runs the read before them (see
+    /// Client frames wait in `requests` while a replica runs the read before them (see
     /// [`Relay::replica_held`]).
     deferred: bool,
 }
@@ -236,18 +236,14 @@ impl Relay {
             login,
             cancel,
             mode,
-            cbuf,
+            requests: requests::Requests::new(cbuf, max_message),
             // Buffers grow on first use: an idle client costs little more than its socket.
             replies: replies::Replies::default(),
             cout: BytesMut::new(),
             backend: None,
             out: Outbox::default(),
             stmts: HashMap::new(),
-            client_pass: 0,
-            client_drop: 0,
-            max_message,
             max_statements,
-            skip_to_sync: false,
             backend_fatal: false,
             pinned: false,
             capture_needed: false,
@@ -459,7 +455,8 @@ impl Relay {
         }
         // Not while a replica runs a read: what follows it waits (`on_client_data`).
         if !self.replica_held()
-            && let Poll::Ready(r) = poll_read_buf(Pin::new(&mut *client), cx, &mut self.cbuf)
+            && let Poll::Ready(r) =
+                poll_read_buf(Pin::new(&mut *client), cx, self.requests.buf_mut())
         {
             return Poll::Ready(Event::Client(r));
         }
@@ -546,66 +543,38 @@ impl Relay {
             if self.replica_held() {
                 // What the client sent after a read routed to a replica waits for that read
                 // to finish: it may write, and the replica's backend must not see it.
-                self.deferred = !self.cbuf.is_empty();
+                self.deferred = self.requests.has_buffered();
                 break;
             }
-            if self.client_pass > 0 {
-                let take = self.client_pass.min(self.cbuf.len());
-                if take == 0 {
-                    break;
+            let attached = self.backend.is_some();
+            let next = self
+                .requests
+                .next(attached, self.out.t.txn, &mut self.out, &mut self.cout);
+            match next {
+                Ok(requests::Request::Read) => break,
+                Ok(requests::Request::Frame { tag, frame }) => {
+                    self.on_client_frame(tag, frame, client).await?;
                 }
-                let chunk = self.cbuf.split_to(take);
-                self.out.pass(&chunk);
-                self.client_pass -= take;
-                continue;
-            }
-            if self.client_drop > 0 {
-                let take = self.client_drop.min(self.cbuf.len());
-                if take == 0 {
-                    break;
+                Ok(requests::Request::TooLarge { tag, total }) => {
+                    let e = PgError::error(
+                        "54000",
+                        format!(
+                            "pgsluice: message too large: a {} message of {} bytes exceeds \
+                             limits.max_message_bytes ({} bytes)",
+                            char::from(tag),
+                            total,
+                            self.requests.max_message()
+                        ),
+                    )
+                    .with_hint("send large data with COPY, or raise limits.max_message_bytes");
+                    self.refuse_statement(tag, e)?;
                 }
-                let _ = self.cbuf.split_to(take);
-                self.client_drop -= take;
-                continue;
-            }
-            let h = match framing::header(&self.cbuf, Direction::Frontend) {
-                Ok(Some(h)) => h,
-                Ok(None) => break,
+                Ok(requests::Request::Terminate) => return Err(End::Terminated),
+                Ok(requests::Request::Violation(what)) => {
+                    return Err(End::Error(PgError::protocol_violation(what)));
+                }
                 Err(e) => return Err(End::Error(PgError::protocol_violation(e.to_string()))),
-            };
-            if h.total > self.max_message && matches!(h.tag, b'Q' | b'P' | b'B' | b'F') {
-                // Refused before it is buffered: its bytes are dropped as they arrive.
-                self.client_drop = h.total;
-                if self.skip_to_sync {
-                    continue;
-                }
-                let e = PgError::error(
-                    "54000",
-                    format!(
-                        "pgsluice: message too large: a {} message of {} bytes exceeds \
-                         limits.max_message_bytes ({} bytes)",
-                        char::from(h.tag),
-                        h.total,
-                        self.max_message
-                    ),
-                )
-                .with_hint("send large data with COPY, or raise limits.max_message_bytes");
-                self.refuse_statement(h.tag, e)?;
-                continue;
             }
-            if self.cbuf.len() < h.total {
-                // Stream big CopyData through instead of buffering it whole (see below on
-                // why the backend need not have entered COPY yet).
-                if h.tag == b'd' && self.backend.is_some() && !self.skip_to_sync {
-                    let have = self.cbuf.len();
-                    let chunk = self.cbuf.split();
-                    self.out.pass(&chunk);
-                    self.client_pass = h.total - have;
-                }
-                break;
-            }
-            let frame = self.cbuf.split_to(h.total).freeze();
-            self.on_client_frame(h.tag, frame, client).await?;
         }
         self.flush_backend().await?;
         self.out.t.answer_synthetic(&mut self.cout);
@@ -620,40 +589,6 @@ impl Relay {
         client: &mut S,
     ) -> Result<(), End> {
         let body = frame.slice(framing::HEADER_LEN..);
-        if self.skip_to_sync {
-            if tag == b'S' {
-                self.skip_to_sync = false;
-                messages::ready_for_query(&mut self.cout, self.out.t.txn);
-            } else if tag == b'X' {
-                return Err(End::Terminated);
-            }
-            return Ok(());
-        }
-        match tag {
-            b'X' => return Err(End::Terminated),
-            b'p' => {
-                return Err(End::Error(PgError::protocol_violation(
-                    "unexpected password message after authentication",
-                )));
-            }
-            b'd' | b'c' | b'f' => {
-                // Forwarded whenever a backend is attached, COPY or not: a client may send its
-                // CopyData right behind `COPY … FROM STDIN`, before the server's
-                // CopyInResponse has come back (pgx does), and the server reads them in order.
-                // Outside COPY, Postgres ignores them itself; with no backend we do.
-                if self.backend.is_some() {
-                    self.out.pass(&frame);
-                }
-                return Ok(());
-            }
-            b'H' => {
-                if self.backend.is_some() {
-                    self.out.pass(&frame);
-                }
-                return Ok(());
-            }
-            _ => {}
-        }
         self.retry_record(tag, &frame);
         match tag {
             b'Q' => return self.on_query(frame, &body, client).await,
@@ -1301,7 +1236,7 @@ impl Relay {
         match tag {
             b'Q' | b'F' => messages::ready_for_query(&mut self.cout, self.out.t.txn),
             b'S' => messages::ready_for_query(&mut self.cout, self.out.t.txn),
-            _ => self.skip_to_sync = true,
+            _ => self.requests.skip_until_sync(),
         }
         Ok(())
     }
@@ -1421,8 +1356,10 @@ impl Relay {
     /// In transaction mode, returns the backend once it is idle with nothing owed (after
     /// reading back its session settings if the client changed them).
     async fn maybe_release(&mut self) -> Result<(), End> {
-        let quiet =
-            self.out.t.idle() && self.replies.quiet() && self.out.is_empty() && !self.skip_to_sync;
+        let quiet = self.out.t.idle()
+            && self.replies.quiet()
+            && self.out.is_empty()
+            && !self.requests.skipping();
         if !quiet {
             return Ok(());
         }

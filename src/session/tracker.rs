@@ -15,8 +15,6 @@ use crate::protocol::messages;
 
 mod outbox;
 pub use outbox::Outbox;
-#[cfg(any(test, fuzzing))]
-pub mod oracle;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Kind {

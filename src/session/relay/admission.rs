@@ -282,9 +282,10 @@ impl Relay {
         S: AsyncRead + Unpin,
         F: std::future::Future,
     {
-        let before = self.cbuf.len();
-        let r = unless_client_leaves(fut, client, &mut self.cbuf, &self.cancel, why).await;
-        self.bytes_in += self.cbuf.len().saturating_sub(before) as u64;
+        let buf = self.requests.buf_mut();
+        let before = buf.len();
+        let r = unless_client_leaves(fut, client, buf, &self.cancel, why).await;
+        self.bytes_in += self.requests.buf_mut().len().saturating_sub(before) as u64;
         r
     }
 

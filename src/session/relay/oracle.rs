@@ -1,7 +1,9 @@
-//! An isolation oracle for the outbox and the tracker, without sockets: random pipelines of
+//! An isolation oracle for the relay core, without sockets: random pipelines of
 //! client requests, mixed with what the proxy injects (timeout `SET`s, re-Parses, settings
 //! replays, the capture query) and with requests it answers itself (a Parse of a statement
-//! already prepared, a Close it keeps cached), run against a simulated Postgres. What the
+//! already prepared, a Close it keeps cached), run through the outbox, the tracker and
+//! [`Replies`] (the replies as bytes, cut into reads of random sizes) against a simulated
+//! Postgres. What the
 //! client receives through the proxy must be exactly what it would receive talking to
 //! Postgres directly with its own requests: the same replies in the same order, nothing of
 //! the proxy's own requests, errors skipping to Sync as Postgres does.
@@ -12,7 +14,8 @@
 
 use bytes::BytesMut;
 
-use super::{Expect, Kind, Mode, Outbox};
+use super::replies::{Next, Replies};
+use crate::session::tracker::{Expect, Kind, Mode, Outbox};
 
 /// Who a request belongs to.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -101,14 +104,35 @@ fn postgres(bytes: &[u8]) -> Vec<(u8, Option<u8>)> {
     out
 }
 
-/// What a client sees through the proxy: the outbox and tracker between it and `postgres`.
+/// The backend's replies as bytes: a ReadyForQuery carries its status, an error its fields.
+fn frames(replies: &[(u8, Option<u8>)]) -> Vec<u8> {
+    let mut out = Vec::new();
+    for &(tag, first) in replies {
+        let body: Vec<u8> = match (tag, first) {
+            (b'E', _) => b"SERROR\0VERROR\0CXX000\0Mfailed\0\0".to_vec(),
+            (_, Some(b)) => vec![b],
+            (b'C', None) => b"SELECT 1\0".to_vec(),
+            (b'D' | b'T', None) => vec![0, 0],
+            _ => Vec::new(),
+        };
+        out.push(tag);
+        out.extend_from_slice(&(body.len() as i32 + 4).to_be_bytes());
+        out.extend_from_slice(&body);
+    }
+    out
+}
+
+/// What a client sees through the proxy: the outbox, the tracker and `Replies` between it
+/// and `postgres`, the replies arriving in reads of `cuts[round]` bytes.
 /// `steps` are the requests in the order the relay makes them, in rounds: all of a round is
 /// written before the server answers it (pipelining).
-fn through_proxy(rounds: &[Vec<Op>]) -> Vec<u8> {
+fn through_proxy(rounds: &[Vec<Op>], cuts: &[usize]) -> Vec<u8> {
     let mut o = Outbox::default();
+    let mut replies = Replies::default();
+    let mut retry = None;
     let mut client = BytesMut::new();
     let mut seen = Vec::new();
-    for round in rounds {
+    for (n, round) in rounds.iter().enumerate() {
         for &op in round {
             let mode = match op.origin {
                 Origin::Client => Mode::Forward,
@@ -121,29 +145,27 @@ fn through_proxy(rounds: &[Vec<Op>]) -> Vec<u8> {
             o.send_with(Expect::new(op.kind, mode), |buf| encode(buf, op));
         }
         o.t.answer_synthetic(&mut client);
-        let replies = postgres(o.pending());
+        let bytes = frames(&postgres(o.pending()));
         o.clear();
-        for (tag, first) in replies {
-            if o.t.on_backend(tag, first).forward {
-                client.extend_from_slice(&[tag]);
+        for read in bytes.chunks(cuts.get(n).copied().unwrap_or(usize::MAX).max(1)) {
+            replies.buf_mut().extend_from_slice(read);
+            loop {
+                match replies.next(&mut o.t, &mut retry, &mut client) {
+                    Ok(Next::Read) => break,
+                    Ok(_) => {}
+                    Err(e) => panic!("the simulated server's bytes are well formed: {e}"),
+                }
             }
-            o.t.answer_synthetic(&mut client);
         }
     }
     assert!(o.t.idle(), "the backend owes nothing at the end: {:?}", o.t);
-    // Synthetic replies are whole frames; forwarded ones were recorded by tag only.
-    let mut i = 0;
-    while i < client.len() {
-        match client[i] {
-            b'1' | b'3' if client.get(i + 1..i + 5) == Some(&[0, 0, 0, 4]) => {
-                seen.push(client[i]);
-                i += 5;
-            }
-            t => {
-                seen.push(t);
-                i += 1;
-            }
-        }
+    assert!(replies.quiet(), "every byte of the backend was handled");
+    // The client's bytes, whole frames: their types in order.
+    let mut rest = &client[..];
+    while !rest.is_empty() {
+        seen.push(rest[0]);
+        let len = i32::from_be_bytes(rest[1..5].try_into().unwrap()) as usize;
+        rest = &rest[1 + len..];
     }
     seen
 }
@@ -265,29 +287,36 @@ fn unit(r: &mut Choices<'_>, out: &mut Vec<Op>) {
     out.push(client(Kind::Sync, false));
 }
 
-fn scenario(data: &[u8]) -> Vec<Vec<Op>> {
+/// Rounds of requests, and for each the size of the reads its replies arrive in.
+fn scenario(data: &[u8]) -> (Vec<Vec<Op>>, Vec<usize>) {
     let r = &mut Choices(data);
     let mut rounds = Vec::new();
+    let mut cuts = Vec::new();
     for _ in 0..1 + r.next() % 4 {
         let mut round = Vec::new();
         for _ in 0..1 + r.next() % 5 {
             unit(r, &mut round);
         }
         rounds.push(round);
+        // Whole, or cut anywhere (inside headers too).
+        cuts.push(match r.next() % 4 {
+            0 => usize::MAX,
+            _ => 1 + r.next() as usize % 40,
+        });
     }
-    rounds
+    (rounds, cuts)
 }
 
 /// Runs the scenario `data` describes through the proxy and directly; panics when the client
 /// would see anything else through the proxy.
 pub fn check(data: &[u8]) {
-    let rounds = scenario(data);
+    let (rounds, cuts) = scenario(data);
     let want = direct(&rounds);
-    let got = through_proxy(&rounds);
+    let got = through_proxy(&rounds, &cuts);
     assert_eq!(
         String::from_utf8_lossy(&got),
         String::from_utf8_lossy(&want),
-        "{rounds:#?}"
+        "reads of {cuts:?} bytes: {rounds:#?}"
     );
 }
 
@@ -330,5 +359,5 @@ fn the_oracle_notices_a_reply_that_leaks() {
             fails: false,
         },
     ]];
-    assert_ne!(through_proxy(&leak), direct(&leak));
+    assert_ne!(through_proxy(&leak, &[7]), direct(&leak));
 }
