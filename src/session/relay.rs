@@ -1251,7 +1251,13 @@ impl Relay {
             match next {
                 Ok(replies::Next::Read) => break,
                 Ok(replies::Next::Flush) => self.flush_client(client).await?,
-                Ok(replies::Next::Seen(seen)) => self.on_seen(seen).await?,
+                Ok(replies::Next::Seen(seen)) => {
+                    if self.on_seen(seen) {
+                        // The swallowed batch is over: re-prepare and send it again.
+                        self.retry_replay();
+                        self.flush_backend().await?;
+                    }
+                }
                 Err(e) => {
                     tracing::warn!(pool = %self.pool.name, error = %e, "protocol error from the server");
                     return Err(End::Error(PgError::backend_lost()));
@@ -1269,7 +1275,9 @@ impl Relay {
     }
 
     /// Acts on what a backend message meant (its bytes for the client are already written).
-    async fn on_seen(&mut self, seen: replies::Seen) -> Result<(), End> {
+    /// Not async (it runs for every CommandComplete and ReadyForQuery): `true` when the batch
+    /// kept for a replay is due, which the caller sends.
+    fn on_seen(&mut self, seen: replies::Seen) -> bool {
         if let Some(hash) = seen.stale {
             // Forget it here, so the next use closes and re-prepares it.
             let conn = self.backend_conn();
@@ -1279,18 +1287,19 @@ impl Relay {
             }
         }
         if seen.replay {
-            self.retry_replay();
-            return self.flush_backend().await;
+            return true;
         }
         self.backend_fatal |= seen.fatal;
-        if !seen.not_prepared.is_empty() {
+        if seen.not_prepared {
+            let hashes = self.replies.take_not_prepared();
             let conn = self.backend_conn();
-            for hash in seen.not_prepared.iter().copied() {
+            for hash in hashes {
                 conn.prepared.remove(hash);
             }
         }
-        if let Some(msg) = seen.injected_failed.as_deref() {
-            self.injected_failed(msg);
+        if seen.injected_failed {
+            let msg = self.replies.take_injected_failure();
+            self.injected_failed(&msg);
         }
         if seen.ready {
             self.statements_done();
@@ -1307,11 +1316,12 @@ impl Relay {
             }
             self.failure = crate::observe::stats::Outcome::of_error(code, asked);
         }
-        if let Some(captured) = seen.captured {
+        if seen.captured {
+            let captured = self.replies.take_settings();
             self.backend_conn().applied = captured.clone();
             self.login.settings = captured;
         }
-        Ok(())
+        false
     }
 
     /// A query the proxy injected (settings re-apply or capture) failed: tell the client as

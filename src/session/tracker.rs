@@ -141,8 +141,16 @@ impl Tracker {
         self.q.iter().filter(|e| e.kind.ends_with_ready()).count()
     }
 
-    /// Answers synthetic requests that reached the head of the queue.
+    /// Answers synthetic requests that reached the head of the queue. Called before every
+    /// backend message: the check is inlined, the answering is not.
+    #[inline]
     pub fn answer_synthetic(&mut self, out: &mut BytesMut) {
+        if self.q.front().is_some_and(|e| e.mode == Mode::Synthetic) {
+            self.answer_synthetic_head(out);
+        }
+    }
+
+    fn answer_synthetic_head(&mut self, out: &mut BytesMut) {
         while let Some(e) = self.q.front() {
             if e.mode != Mode::Synthetic {
                 break;

@@ -33,12 +33,24 @@ pub(super) struct Replies {
     /// Body bytes of a DataRow/CopyData still to stream, and whether they go to the client.
     pass: usize,
     pass_fwd: bool,
-    /// Rows of the settings read-back so far.
-    captured: Vec<(String, String)>,
+    /// What a [`Seen`] announces and the driver takes (kept here so `Seen` stays `Copy`).
+    rare: Rare,
 }
 
-/// What one backend message means beyond the bytes written for the client.
-#[derive(Debug, Default, PartialEq, Eq)]
+/// The payloads of rare replies, waiting to be taken.
+#[derive(Debug, Default)]
+struct Rare {
+    /// Rows of the settings read-back so far, then (sorted) the finished read-back.
+    rows: Vec<(String, String)>,
+    settings: Vec<(String, String)>,
+    not_prepared: Vec<u64>,
+    injected_failure: String,
+}
+
+/// What one backend message means beyond the bytes written for the client. `Copy`, a few
+/// words: the driver gets one per CommandComplete and ReadyForQuery; a rare reply's payload
+/// waits in [`Replies`] until taken (`take_*`).
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
 pub(super) struct Seen {
     /// A ReadyForQuery went to the client: the request it ends is over.
     pub ready: bool,
@@ -52,12 +64,13 @@ pub(super) struct Seen {
     pub fatal: bool,
     /// Postgres refused this cached proxy-named statement: its result type changed.
     pub stale: Option<u64>,
-    /// Statements whose Parse failed or was skipped after an error: not prepared here.
-    pub not_prepared: Vec<u64>,
-    /// The settings read-back ended: the server's settings, sorted.
-    pub captured: Option<Vec<(String, String)>>,
-    /// A query the proxy injected failed, with this message.
-    pub injected_failed: Option<String>,
+    /// Statements whose Parse failed or was skipped after an error are not prepared here
+    /// ([`Replies::take_not_prepared`]).
+    pub not_prepared: bool,
+    /// The settings read-back ended ([`Replies::take_settings`]).
+    pub captured: bool,
+    /// A query the proxy injected failed ([`Replies::take_injected_failure`]).
+    pub injected_failed: bool,
     /// The batch kept for a replay is over on the server: re-prepare and send it again.
     pub replay: bool,
 }
@@ -97,7 +110,22 @@ impl Replies {
 
     /// Forgets an unfinished read-back (a new one starts).
     pub fn restart_capture(&mut self) {
-        self.captured.clear();
+        self.rare.rows.clear();
+    }
+
+    /// The statements a [`Seen::not_prepared`] announced.
+    pub fn take_not_prepared(&mut self) -> Vec<u64> {
+        std::mem::take(&mut self.rare.not_prepared)
+    }
+
+    /// The server's settings, sorted, that a [`Seen::captured`] announced.
+    pub fn take_settings(&mut self) -> Vec<(String, String)> {
+        std::mem::take(&mut self.rare.settings)
+    }
+
+    /// The message of the failure a [`Seen::injected_failed`] announced.
+    pub fn take_injected_failure(&mut self) -> String {
+        std::mem::take(&mut self.rare.injected_failure)
     }
 
     /// For a cleanup that drains the connection after the client left: the bytes of a message
@@ -115,16 +143,32 @@ impl Replies {
         retry: &mut Option<Retry>,
         client: &mut BytesMut,
     ) -> Result<Next, FrameError> {
+        // Handled bytes are dropped once, on the way out, not per message.
+        let mut at = 0;
+        let next = self.scan(&mut at, t, retry, client);
+        consume(&mut self.buf, at);
+        next
+    }
+
+    /// [`Replies::next`] over `buf[*at..]`, moving `at` past what it handled.
+    fn scan(
+        &mut self,
+        at: &mut usize,
+        t: &mut Tracker,
+        retry: &mut Option<Retry>,
+        client: &mut BytesMut,
+    ) -> Result<Next, FrameError> {
         loop {
+            let rest = &self.buf[*at..];
             if self.pass > 0 {
-                let take = self.pass.min(self.buf.len());
+                let take = self.pass.min(rest.len());
                 if take == 0 {
                     return Ok(Next::Read);
                 }
                 if self.pass_fwd {
-                    client.extend_from_slice(&self.buf[..take]);
+                    client.extend_from_slice(&rest[..take]);
                 }
-                self.buf.advance(take);
+                *at += take;
                 self.pass -= take;
                 continue;
             }
@@ -132,27 +176,37 @@ impl Replies {
             if client.len() >= FLUSH_AT {
                 return Ok(Next::Flush);
             }
-            let Some(h) = framing::header(&self.buf, Direction::Backend)? else {
+            let Some(h) = framing::header(rest, Direction::Backend)? else {
                 return Ok(Next::Read);
             };
-            if self.buf.len() < h.total {
+            if rest.len() < h.total {
                 if matches!(h.tag, b'D' | b'd') && !t.capturing() {
                     let step = t.on_backend(h.tag, None);
                     if step.forward {
-                        client.extend_from_slice(&self.buf);
+                        client.extend_from_slice(rest);
                     }
-                    self.pass = h.total - self.buf.len();
+                    self.pass = h.total - rest.len();
                     self.pass_fwd = step.forward;
-                    self.buf.clear();
+                    *at += rest.len();
                 }
                 return Ok(Next::Read);
             }
-            let seen = decide(&self.buf[..h.total], t, retry, &mut self.captured, client);
-            self.buf.advance(h.total);
+            let seen = decide(&rest[..h.total], t, retry, &mut self.rare, client);
+            *at += h.total;
             if !seen.is_empty() {
                 return Ok(Next::Seen(seen));
             }
         }
+    }
+}
+
+/// Drops the first `n` handled bytes; all of them by `clear`, which keeps the buffer's start
+/// where it is (an `advance` to the end would move it, and the next read's reserve with it).
+fn consume(buf: &mut BytesMut, n: usize) {
+    if n == buf.len() {
+        buf.clear();
+    } else {
+        buf.advance(n);
     }
 }
 
@@ -161,7 +215,7 @@ fn decide(
     frame: &[u8],
     t: &mut Tracker,
     retry: &mut Option<Retry>,
-    captured: &mut Vec<(String, String)>,
+    rare: &mut Rare,
     client: &mut BytesMut,
 ) -> Seen {
     let tag = frame[0];
@@ -181,19 +235,23 @@ fn decide(
         return seen;
     }
     seen.fatal = tag == b'E' && matches!(field_of(body, b'S'), Some("FATAL" | "PANIC"));
-    seen.not_prepared = step.not_prepared;
+    if !step.not_prepared.is_empty() {
+        seen.not_prepared = true;
+        rare.not_prepared.extend_from_slice(&step.not_prepared);
+    }
     if step.capture_row
         && let Some(kv) = state::capture_row(body)
     {
-        captured.push(kv);
+        rare.rows.push(kv);
     }
     if step.injected_error {
-        seen.injected_failed = Some(field_of(body, b'M').unwrap_or("unknown error").to_owned());
+        seen.injected_failed = true;
+        rare.injected_failure = field_of(body, b'M').unwrap_or("unknown error").to_owned();
     }
     if step.capture_done {
-        let mut rows = std::mem::take(captured);
-        rows.sort();
-        seen.captured = Some(rows);
+        seen.captured = true;
+        rare.settings = std::mem::take(&mut rare.rows);
+        rare.settings.sort();
     }
     if !step.forward {
         return seen;
@@ -222,14 +280,31 @@ fn is_stale_plan(body: &[u8]) -> bool {
             .is_some_and(|m| m.contains("cached plan must not change result type"))
 }
 
-/// Rows reported by a CommandComplete tag (`SELECT 5`, `INSERT 0 3`, `UPDATE 2`).
+/// Rows reported by a CommandComplete tag (`SELECT 5`, `INSERT 0 3`, `UPDATE 2`); 0 for a
+/// tag without a count (`CREATE TABLE`) or one that does not fit.
 fn rows_of(body: &[u8]) -> u64 {
     let tag = body.strip_suffix(b"\0").unwrap_or(body);
-    tag.rsplit(|&b| b == b' ')
-        .next()
-        .and_then(|n| std::str::from_utf8(n).ok())
-        .and_then(|n| n.parse().ok())
-        .unwrap_or(0)
+    let count = tag.rsplit(|&b| b == b' ').next().unwrap_or_default();
+    if count.is_empty() || count.len() > 19 || !count.iter().all(u8::is_ascii_digit) {
+        return 0;
+    }
+    count.iter().fold(0, |n, d| n * 10 + u64::from(d - b'0'))
+}
+
+#[cfg(test)]
+#[test]
+fn command_tags_give_their_row_counts() {
+    for (tag, rows) in [
+        (&b"SELECT 5\0"[..], 5),
+        (b"INSERT 0 3\0", 3),
+        (b"UPDATE 1234567\0", 1_234_567),
+        (b"CREATE TABLE\0", 0),
+        (b"SELECT\0", 0),
+        (b"SELECT 99999999999999999999\0", 0),
+        (b"", 0),
+    ] {
+        assert_eq!(rows_of(tag), rows, "{}", String::from_utf8_lossy(tag));
+    }
 }
 
 #[cfg(test)]

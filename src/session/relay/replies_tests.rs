@@ -301,12 +301,16 @@ fn a_failed_injected_query_is_reported_to_the_driver_not_forwarded() {
         s.seen,
         vec![
             Seen {
-                injected_failed: Some("permission denied to set parameter".into()),
+                injected_failed: true,
                 ..Seen::default()
             },
             rows_seen(0),
             ready_seen()
         ]
+    );
+    assert_eq!(
+        s.replies.take_injected_failure(),
+        "permission denied to set parameter"
     );
 }
 
@@ -398,7 +402,7 @@ fn an_error_mid_pipeline_skips_to_sync_and_later_answers_keep_their_place() {
         s.seen,
         vec![
             Seen {
-                not_prepared: vec![7],
+                not_prepared: true,
                 ..error_seen("42601")
             },
             ready_seen(),
@@ -406,6 +410,7 @@ fn an_error_mid_pipeline_skips_to_sync_and_later_answers_keep_their_place() {
             ready_seen()
         ]
     );
+    assert_eq!(s.replies.take_not_prepared(), vec![7]);
     assert!(s.out.t.idle());
 }
 
@@ -596,12 +601,16 @@ fn the_settings_read_back_is_read_whole_and_never_forwarded() {
     assert_eq!(
         s.seen,
         vec![Seen {
-            captured: Some(vec![
-                ("TimeZone".into(), "UTC".into()),
-                ("search_path".into(), "\"$user\", public".into()),
-            ]),
+            captured: true,
             ..Seen::default()
         }]
+    );
+    assert_eq!(
+        s.replies.take_settings(),
+        vec![
+            ("TimeZone".into(), "UTC".into()),
+            ("search_path".into(), "\"$user\", public".into()),
+        ]
     );
     assert!(s.out.t.idle());
 }
