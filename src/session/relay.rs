@@ -18,7 +18,6 @@
 //! at once skips the client watch. A simple-protocol transaction costs two reads and two
 //! writes, like PgBouncer's.
 
-use std::collections::HashMap;
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
@@ -30,7 +29,6 @@ use bytes::{Bytes, BytesMut};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::time::Instant;
 use tokio_util::io::poll_read_buf;
-use xxhash_rust::xxh3::Xxh3;
 
 use crate::app::App;
 use crate::cancel;
@@ -38,25 +36,15 @@ use crate::classify::Classified;
 use crate::config::PoolMode;
 use crate::lifecycle::Phase;
 use crate::policy::{Admission, StatementAdmission};
-use crate::pool::prepared::{Lookup, server_name};
 use crate::pool::{Pool, Pooled};
 use crate::protocol::PgError;
 use crate::protocol::framing;
 use crate::protocol::messages;
-use crate::protocol::messages::Target;
 use crate::runtime::Runtime;
 
 use super::state;
 use super::tracker::{Expect, Kind, Mode, Outbox};
 use super::{End, Login, params, set_cancel_target};
-
-/// A client's named statement (protocol level).
-struct Stmt {
-    hash: u64,
-    query: Bytes,
-    types: Bytes,
-    class: Arc<Classified>,
-}
 
 mod admission;
 #[cfg(any(test, fuzzing))]
@@ -64,8 +52,10 @@ pub mod oracle;
 mod replies;
 mod requests;
 mod retry;
+mod statements;
 
 use admission::Timeouts;
+use statements::{Server, Statements};
 
 pub struct Relay {
     app: Arc<App>,
@@ -82,9 +72,8 @@ pub struct Relay {
     backend: Option<Pooled>,
     /// Bytes for the backend and the replies they are owed, written together.
     out: Outbox,
-    stmts: HashMap<Bytes, Stmt>,
-    /// `limits.max_client_statements` at session start.
-    max_statements: usize,
+    /// The client's prepared statements and their proxy names (no I/O).
+    statements: Statements,
     /// The backend sent a FATAL error; it is about to close.
     backend_fatal: bool,
     /// Session state we cannot track keeps this client on its backend until it leaves.
@@ -125,9 +114,6 @@ pub struct Relay {
     timer: Option<Pin<Box<tokio::time::Sleep>>>,
     /// Which of client and backend the event loop looks at first (they take turns).
     backend_first: bool,
-    /// Classification and text of the unnamed prepared statement.
-    unnamed_class: Option<Arc<Classified>>,
-    unnamed_query: Bytes,
     /// Custom (dotted) settings this client set: Postgres lists no placeholder setting in
     /// `pg_settings`, so the read-back asks for these by name.
     custom_gucs: Vec<String>,
@@ -230,6 +216,11 @@ impl Relay {
         );
         drop(cfg);
         let bytes_in = cbuf.len() as u64;
+        let statements = Statements::new(
+            mode == PoolMode::Transaction,
+            app.statement_seed,
+            max_statements,
+        );
         Relay {
             app,
             pool,
@@ -242,13 +233,10 @@ impl Relay {
             cout: BytesMut::new(),
             backend: None,
             out: Outbox::default(),
-            stmts: HashMap::new(),
-            max_statements,
+            statements,
             backend_fatal: false,
             pinned: false,
             capture_needed: false,
-            unnamed_class: None,
-            unnamed_query: Bytes::new(),
             custom_gucs: Vec::new(),
             retry: None,
             backstop: None,
@@ -648,7 +636,7 @@ impl Relay {
         // Only SQL EXECUTE (an Unknown effect) and DEALLOCATE can name a statement, so
         // ordinary queries never pay for reading the name.
         if self.mode == PoolMode::Transaction
-            && !self.stmts.is_empty()
+            && !self.statements.is_empty()
             && class.effects.iter().any(|e| {
                 matches!(
                     e,
@@ -657,7 +645,7 @@ impl Relay {
                 )
             })
             && let Some((verb, name)) = state::sql_prepared_target(sql)
-            && self.stmts.contains_key(name.as_slice())
+            && self.statements.knows(name.as_slice())
         {
             // On the server it has another name (or none yet): never run something else.
             let e = state::protocol_name_in_sql(verb, &name);
@@ -728,24 +716,11 @@ impl Relay {
         body: &Bytes,
         client: &mut S,
     ) -> Result<(), End> {
-        let messages::Parse { name, query, types } =
-            messages::Parse::read(body).ok_or_else(|| Self::malformed("Parse"))?;
-        if !name.is_empty()
-            && self.stmts.len() >= self.max_statements
-            && !self.stmts.contains_key(name)
-        {
-            let e = PgError::error(
-                "54000",
-                format!(
-                    "pgsluice: too many prepared statements: this session holds {} \
-                     (limits.max_client_statements)",
-                    self.stmts.len()
-                ),
-            )
-            .with_hint("close prepared statements the client no longer uses");
+        let p = messages::Parse::read(body).ok_or_else(|| Self::malformed("Parse"))?;
+        if let Some(e) = self.statements.over_limit(p.name) {
             return self.refuse_statement(b'P', e);
         }
-        let class = self.classify(query);
+        let class = self.classify(p.query);
         if self.admission.is_none() && self.backend.is_none() {
             // A batch that starts with a Parse is admitted here, with that statement.
             match self.admit(&class, client).await {
@@ -763,113 +738,10 @@ impl Relay {
             // Its budget must be set before the batch starts (see `inject_timeouts`).
             self.inject_timeouts(t, &class, false);
         }
-        if name.is_empty() {
-            // Its text is kept only when the read-back needs names from it: a kept slice
-            // would pin the client buffer it was cut from, and every read would allocate.
-            self.unnamed_query = if class
-                .effects
-                .contains(&crate::classify::SessionEffect::SetConfigSession)
-            {
-                Bytes::copy_from_slice(query)
-            } else {
-                Bytes::new()
-            };
-            self.unnamed_class = Some(class);
-            self.out
-                .send(Expect::new(Kind::Parse, Mode::Forward), &frame);
-            return Ok(());
-        }
-        if self.mode == PoolMode::Session {
-            // The client owns its backend: its names stay its own, as on a direct connection
-            // (`pg_prepared_statements`, SQL EXECUTE/DEALLOCATE, drivers that check them).
-            self.stmts.insert(
-                body.slice_ref(name),
-                Stmt {
-                    hash: 0,
-                    query: body.slice_ref(query),
-                    types: body.slice_ref(types),
-                    class,
-                },
-            );
-            self.out
-                .send(Expect::new(Kind::Parse, Mode::Forward), &frame);
-            return Ok(());
-        }
-        let mut h = Xxh3::with_seed(self.app.statement_seed);
-        h.update(query);
-        h.update(&[0]);
-        h.update(types);
-        let hash = h.digest();
-        let stmt = Stmt {
-            hash,
-            query: body.slice_ref(query),
-            types: body.slice_ref(types),
-            class,
-        };
-        // Redefining a name replaces it (drivers close before reuse; we stay lenient).
-        self.stmts.insert(body.slice_ref(name), stmt);
-        if self.is_prepared(hash, query, types) {
-            self.out.answer_here(Kind::Parse);
-        } else {
-            self.prepare_on_backend(hash, query, types, Mode::Forward);
-        }
+        let srv = server(&mut self.backend, &self.pool);
+        self.statements
+            .parse(&frame, body, p, class, srv, &mut self.out);
         Ok(())
-    }
-
-    /// Whether statement `hash` is prepared on this backend with exactly this text. Another
-    /// text under the same name (a hash collision) is queued for closing first.
-    pub(super) fn is_prepared(&mut self, hash: u64, query: &[u8], types: &[u8]) -> bool {
-        let conn = self.backend_conn();
-        match conn.prepared.touch(hash, query, types) {
-            Lookup::Hit => true,
-            Lookup::Miss => false,
-            Lookup::Collision => {
-                tracing::warn!(pool = %self.pool.name, "two statement texts share one hash; re-preparing");
-                let conn = self.backend_conn();
-                if !conn.stale.contains(&hash) {
-                    conn.stale.push(hash);
-                }
-                false
-            }
-        }
-    }
-
-    /// Sends a Parse of statement `hash` under its proxy name (evicting the LRU one if full).
-    fn prepare_on_backend(&mut self, hash: u64, query: &[u8], types: &[u8], mode: Mode) {
-        let conn = self.backend_conn();
-        if let Some(i) = conn.stale.iter().position(|h| *h == hash) {
-            conn.stale.swap_remove(i);
-            self.out
-                .send_with(Expect::new(Kind::Close, Mode::Swallow), |buf| {
-                    messages::target(buf, b'C', b'S', &server_name(hash))
-                });
-        }
-        if let Some(old) = self.backend_conn().prepared.insert(hash, query, types) {
-            self.out
-                .send_with(Expect::new(Kind::Close, Mode::Swallow), |buf| {
-                    messages::target(buf, b'C', b'S', &server_name(old))
-                });
-        }
-        let mut e = Expect::new(Kind::Parse, mode);
-        e.stmt = Some(hash);
-        self.out.send_with(e, |buf| {
-            messages::parse_named(buf, &server_name(hash), query, types)
-        });
-    }
-
-    /// Makes sure the client's statement `name` exists on this backend; returns its proxy name.
-    fn ensure_prepared(&mut self, name: &[u8]) -> Option<[u8; 22]> {
-        if name.is_empty() || self.mode == PoolMode::Session {
-            return None;
-        }
-        let (hash, query, types) = {
-            let s = self.stmts.get(name)?;
-            (s.hash, s.query.clone(), s.types.clone())
-        };
-        if !self.is_prepared(hash, &query, &types) {
-            self.prepare_on_backend(hash, &query, &types, Mode::Swallow);
-        }
-        Some(server_name(hash))
     }
 
     async fn on_bind<S: AsyncRead + AsyncWrite + Unpin>(
@@ -878,16 +750,9 @@ impl Relay {
         body: &Bytes,
         client: &mut S,
     ) -> Result<(), End> {
-        let messages::Bind {
-            portal,
-            statement: stmt,
-            tail,
-        } = messages::Bind::read(body).ok_or_else(|| Self::malformed("Bind"))?;
-        let known = if stmt.is_empty() {
-            self.unnamed_class.clone()
-        } else {
-            self.stmts.get(stmt).map(|s| s.class.clone())
-        };
+        let bind = messages::Bind::read(body).ok_or_else(|| Self::malformed("Bind"))?;
+        let stmt = bind.statement;
+        let known = self.statements.class_of(stmt);
         // A name the proxy never saw prepared (an SQL `PREPARE`, a guessed name): Postgres
         // may still know it, so it is admitted and judged like anything unreadable.
         let class = known.unwrap_or_else(|| self.app.unknown_statement.clone());
@@ -903,77 +768,33 @@ impl Relay {
             return self.refuse(b'B', e);
         }
         // The text is only read for `set_config` names; other statements skip the lookup.
-        let text = if !class
+        let text = if class
             .effects
             .contains(&crate::classify::SessionEffect::SetConfigSession)
         {
-            None
-        } else if stmt.is_empty() {
-            Some(self.unnamed_query.clone())
+            self.statements.text_of(stmt)
         } else {
-            self.stmts.get(stmt).map(|s| s.query.clone())
+            None
         };
         if let Err(e) = self.apply_effects(&class, text.as_deref()) {
             return self.refuse_statement(b'B', e);
         }
         self.inject_timeouts(timeouts, &class, false);
         self.track_statement(class, self.ready_sent + 1);
-        let renamed = self.mode == PoolMode::Transaction;
-        if let Some(hash) = self.stmts.get(stmt).map(|s| s.hash).filter(|_| renamed) {
+        if let Some(hash) = self.statements.hash_of(stmt) {
             self.retry_start(hash, &frame);
         }
-        // An injected Parse (if any) goes before the Bind, and so does its expectation.
-        let server = self.ensure_prepared(stmt);
-        let mut e = Expect::new(Kind::Bind, Mode::Forward);
-        e.target = self.stmts.get(stmt).map(|s| s.hash).filter(|_| renamed);
-        match server {
-            Some(server) => self
-                .out
-                .send_with(e, |buf| messages::bind_renamed(buf, portal, &server, tail)),
-            // Unnamed, or unknown to us: Postgres gives the client the right error.
-            None => self.out.send(e, &frame),
-        }
+        let srv = server(&mut self.backend, &self.pool);
+        self.statements.bind(&frame, bind, srv, &mut self.out);
         Ok(())
     }
 
     fn on_target(&mut self, tag: u8, frame: Bytes, body: &Bytes) -> Result<(), End> {
         let target =
             messages::Target::read(body).ok_or_else(|| Self::malformed("Describe/Close"))?;
-        match (tag, target) {
-            (b'D', Target::Statement(name)) => {
-                let server = self.ensure_prepared(name);
-                let mut e = Expect::new(Kind::DescribeStmt, Mode::Forward);
-                e.target = self
-                    .stmts
-                    .get(name)
-                    .map(|s| s.hash)
-                    .filter(|_| self.mode == PoolMode::Transaction);
-                match server {
-                    Some(server) => self
-                        .out
-                        .send_with(e, |buf| messages::target(buf, b'D', b'S', &server)),
-                    None => self.out.send(e, &frame),
-                }
-            }
-            (b'D', Target::Portal(_)) => {
-                self.out
-                    .send(Expect::new(Kind::DescribePortal, Mode::Forward), &frame);
-            }
-            (b'C', Target::Statement(name))
-                if !name.is_empty() && self.mode == PoolMode::Transaction =>
-            {
-                // The server statement stays cached for others; only the client's name goes.
-                self.stmts.remove(name);
-                self.out.answer_here(Kind::Close);
-            }
-            (_, target) => {
-                if let Target::Statement(name) = target {
-                    self.stmts.remove(name);
-                }
-                self.out
-                    .send(Expect::new(Kind::Close, Mode::Forward), &frame);
-            }
-        }
+        let srv = server(&mut self.backend, &self.pool);
+        self.statements
+            .describe_or_close(tag, &frame, target, srv, &mut self.out);
         Ok(())
     }
 
@@ -1279,12 +1100,7 @@ impl Relay {
     /// kept for a replay is due, which the caller sends.
     fn on_seen(&mut self, seen: replies::Seen) -> bool {
         if let Some(hash) = seen.stale {
-            // Forget it here, so the next use closes and re-prepares it.
-            let conn = self.backend_conn();
-            conn.prepared.remove(hash);
-            if !conn.stale.contains(&hash) {
-                conn.stale.push(hash);
-            }
+            server(&mut self.backend, &self.pool).forget_stale(hash);
         }
         if seen.replay {
             return true;
@@ -1594,6 +1410,19 @@ impl Cleanup {
             conn.applied.clear();
         }
         Ok(())
+    }
+}
+
+/// The attached backend's statements. Callers run only after `ensure_backend` succeeded.
+fn server<'a>(backend: &'a mut Option<Pooled>, pool: &'a Pool) -> Server<'a> {
+    let conn = backend
+        .as_mut()
+        .expect("backend attached before statement handling")
+        .conn();
+    Server {
+        prepared: &mut conn.prepared,
+        stale: &mut conn.stale,
+        pool: &pool.name,
     }
 }
 

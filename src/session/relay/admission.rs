@@ -392,9 +392,13 @@ impl Relay {
         let name = crate::pool::prepared::server_name(hash);
         const PORTAL: &[u8] = b"_pgsl_timeouts";
         const NO_TYPES: &[u8] = b"\0\0";
-        if !self.is_prepared(hash, sql.as_bytes(), NO_TYPES) {
-            self.prepare_on_backend(hash, sql.as_bytes(), NO_TYPES, Mode::Swallow);
-        }
+        super::server(&mut self.backend, &self.pool).ensure(
+            &mut self.out,
+            hash,
+            sql.as_bytes(),
+            NO_TYPES,
+            Mode::Swallow,
+        );
         // No parameters, text results.
         let o = &mut self.out;
         o.send_with(Expect::new(Kind::Bind, Mode::Swallow), |buf| {

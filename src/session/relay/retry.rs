@@ -122,12 +122,9 @@ impl Relay {
     pub(super) fn retry_replay(&mut self) {
         let Some(r) = self.retry.take() else { return };
         tracing::debug!(statement = %format_args!("{:016x}", r.hash), "re-preparing after a result type change");
-        // `note_stale_plan` already forgot the statement; make sure, then re-prepare below.
-        let conn = self.backend_conn();
-        conn.prepared.remove(r.hash);
-        if !conn.stale.contains(&r.hash) {
-            conn.stale.push(r.hash);
-        }
+        // The stale plan's reply already forgot the statement; make sure, then re-prepare below.
+        let mut srv = super::server(&mut self.backend, &self.pool);
+        srv.forget_stale(r.hash);
         for f in r.frames {
             let tag = f[0];
             let body = f.slice(framing::HEADER_LEN..);
@@ -141,7 +138,7 @@ impl Relay {
                     else {
                         continue;
                     };
-                    let server = self.ensure_prepared(stmt);
+                    let server = self.statements.ensure(stmt, &mut srv, &mut self.out);
                     let e = Expect::new(Kind::Bind, Mode::Forward);
                     match server {
                         Some(s) => self
@@ -155,7 +152,7 @@ impl Relay {
                         continue;
                     };
                     if let messages::Target::Statement(name) = target {
-                        let server = self.ensure_prepared(name);
+                        let server = self.statements.ensure(name, &mut srv, &mut self.out);
                         let e = Expect::new(Kind::DescribeStmt, Mode::Forward);
                         match server {
                             Some(s) => self

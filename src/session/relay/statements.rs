@@ -1,0 +1,306 @@
+//! A client's prepared statements and how they reach whichever backend it borrows, without
+//! I/O.
+//!
+//! In transaction mode a client's statement names cannot go to Postgres as they are: the
+//! next transaction may run on a backend that never saw them, or that holds another client's
+//! statement under the same name. So a named Parse is remembered here (text, parameter types,
+//! classification) and sent under a shared proxy name, `_pgsl_<hash of text and types>`;
+//! a backend that already holds that statement gets nothing and the client its ParseComplete
+//! from the proxy; a Bind or Describe of the name on a backend that lacks it is preceded by
+//! an injected Parse; a Close forgets the client's name and leaves the server statement
+//! cached for others. The backend's side — which statements it holds (an LRU of bounded
+//! size) and which must be closed before being prepared again (stale plans, hash collisions)
+//! — is a [`Server`], borrowed from the pooled connection. In session mode names pass
+//! through unchanged: the client owns its backend. Every write goes through the [`Outbox`]
+//! with the reply it is owed; the unit tests check those writes byte for byte.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use bytes::Bytes;
+use xxhash_rust::xxh3::Xxh3;
+
+use crate::classify::{Classified, SessionEffect};
+use crate::pool::prepared::{Lookup, PreparedCache, server_name};
+use crate::protocol::PgError;
+use crate::protocol::messages::{self, Bind, Parse, Target};
+use crate::session::tracker::{Expect, Kind, Mode, Outbox};
+
+/// A client's named statement (protocol level).
+struct Stmt {
+    hash: u64,
+    query: Bytes,
+    types: Bytes,
+    class: Arc<Classified>,
+}
+
+/// What the attached backend holds, borrowed from its pooled connection.
+pub(super) struct Server<'a> {
+    pub prepared: &'a mut PreparedCache,
+    /// Statements to close before they are prepared again.
+    pub stale: &'a mut Vec<u64>,
+    /// The pool's name, for the log.
+    pub pool: &'a str,
+}
+
+impl Server<'_> {
+    /// Whether statement `hash` is prepared here with exactly this text. Another text under
+    /// the same hash (a collision) is marked stale, to be closed and prepared again.
+    pub fn has(&mut self, hash: u64, query: &[u8], types: &[u8]) -> bool {
+        match self.prepared.touch(hash, query, types) {
+            Lookup::Hit => true,
+            Lookup::Miss => false,
+            Lookup::Collision => {
+                tracing::warn!(pool = %self.pool, "two statement texts share one hash; re-preparing");
+                self.mark_stale(hash);
+                false
+            }
+        }
+    }
+
+    /// Sends a Parse of statement `hash` under its proxy name, after closing it if stale and
+    /// the least recently used statement if the cache is full.
+    pub fn prepare(&mut self, out: &mut Outbox, hash: u64, query: &[u8], types: &[u8], mode: Mode) {
+        if let Some(i) = self.stale.iter().position(|h| *h == hash) {
+            self.stale.swap_remove(i);
+            close(out, hash);
+        }
+        if let Some(old) = self.prepared.insert(hash, query, types) {
+            close(out, old);
+        }
+        let mut e = Expect::new(Kind::Parse, mode);
+        e.stmt = Some(hash);
+        out.send_with(e, |buf| {
+            messages::parse_named(buf, &server_name(hash), query, types)
+        });
+    }
+
+    /// Prepares statement `hash` unless it is here already.
+    pub fn ensure(&mut self, out: &mut Outbox, hash: u64, query: &[u8], types: &[u8], mode: Mode) {
+        if !self.has(hash, query, types) {
+            self.prepare(out, hash, query, types, mode);
+        }
+    }
+
+    /// Postgres refused the cached statement (its result type changed): forget it, so its
+    /// next use closes and prepares it again.
+    pub fn forget_stale(&mut self, hash: u64) {
+        self.prepared.remove(hash);
+        self.mark_stale(hash);
+    }
+
+    fn mark_stale(&mut self, hash: u64) {
+        if !self.stale.contains(&hash) {
+            self.stale.push(hash);
+        }
+    }
+}
+
+/// A Close of a proxy-named statement the proxy decided on (its reply is swallowed).
+fn close(out: &mut Outbox, hash: u64) {
+    out.send_with(Expect::new(Kind::Close, Mode::Swallow), |buf| {
+        messages::target(buf, b'C', b'S', &server_name(hash))
+    });
+}
+
+pub(super) struct Statements {
+    named: HashMap<Bytes, Stmt>,
+    /// Classification and (when the settings read-back needs it) text of the unnamed
+    /// statement.
+    unnamed_class: Option<Arc<Classified>>,
+    unnamed_query: Bytes,
+    /// Transaction mode: names are mapped to proxy names.
+    renamed: bool,
+    /// The process's seed of statement hashes.
+    seed: u64,
+    /// `limits.max_client_statements` at session start.
+    max: usize,
+}
+
+impl Statements {
+    pub fn new(renamed: bool, seed: u64, max: usize) -> Statements {
+        Statements {
+            named: HashMap::new(),
+            unnamed_class: None,
+            unnamed_query: Bytes::new(),
+            renamed,
+            seed,
+            max,
+        }
+    }
+
+    /// The client holds no named statement.
+    pub fn is_empty(&self) -> bool {
+        self.named.is_empty()
+    }
+
+    /// The client prepared a statement of this name through the protocol.
+    pub fn knows(&self, name: &[u8]) -> bool {
+        self.named.contains_key(name)
+    }
+
+    /// The refusal of a Parse that would hold more than `limits.max_client_statements`.
+    pub fn over_limit(&self, name: &[u8]) -> Option<PgError> {
+        if name.is_empty() || self.named.len() < self.max || self.knows(name) {
+            return None;
+        }
+        let e = PgError::error(
+            "54000",
+            format!(
+                "pgsluice: too many prepared statements: this session holds {} \
+                 (limits.max_client_statements)",
+                self.named.len()
+            ),
+        )
+        .with_hint("close prepared statements the client no longer uses");
+        Some(e)
+    }
+
+    /// The classification of the statement `name` (empty: the unnamed one), if known.
+    pub fn class_of(&self, name: &[u8]) -> Option<Arc<Classified>> {
+        if name.is_empty() {
+            self.unnamed_class.clone()
+        } else {
+            self.named.get(name).map(|s| Arc::clone(&s.class))
+        }
+    }
+
+    /// The text of the statement `name` (empty: the unnamed one, kept only when it sets
+    /// configuration).
+    pub fn text_of(&self, name: &[u8]) -> Option<Bytes> {
+        if name.is_empty() {
+            Some(self.unnamed_query.clone())
+        } else {
+            self.named.get(name).map(|s| s.query.clone())
+        }
+    }
+
+    /// The hash behind a renamed statement's proxy name (transaction mode only).
+    pub fn hash_of(&self, name: &[u8]) -> Option<u64> {
+        self.named
+            .get(name)
+            .filter(|_| self.renamed)
+            .map(|s| s.hash)
+    }
+
+    /// A client's Parse (`frame`; `p` read from `body`), classified as `class`: remembered,
+    /// then sent under the proxy name, answered here, or sent as it is.
+    pub fn parse(
+        &mut self,
+        frame: &[u8],
+        body: &Bytes,
+        p: Parse<'_>,
+        class: Arc<Classified>,
+        mut srv: Server<'_>,
+        out: &mut Outbox,
+    ) {
+        if p.name.is_empty() {
+            // Its text is kept only when the read-back needs names from it: a kept slice
+            // would pin the client buffer it was cut from, and every read would allocate.
+            self.unnamed_query = if class.effects.contains(&SessionEffect::SetConfigSession) {
+                Bytes::copy_from_slice(p.query)
+            } else {
+                Bytes::new()
+            };
+            self.unnamed_class = Some(class);
+            out.send(Expect::new(Kind::Parse, Mode::Forward), frame);
+            return;
+        }
+        let hash = if self.renamed {
+            let mut h = Xxh3::with_seed(self.seed);
+            h.update(p.query);
+            h.update(&[0]);
+            h.update(p.types);
+            h.digest()
+        } else {
+            0
+        };
+        let stmt = Stmt {
+            hash,
+            query: body.slice_ref(p.query),
+            types: body.slice_ref(p.types),
+            class,
+        };
+        // Redefining a name replaces it (drivers close before reuse; we stay lenient).
+        self.named.insert(body.slice_ref(p.name), stmt);
+        if !self.renamed {
+            // The client owns its backend: its names stay its own, as on a direct connection
+            // (`pg_prepared_statements`, SQL EXECUTE/DEALLOCATE, drivers that check them).
+            out.send(Expect::new(Kind::Parse, Mode::Forward), frame);
+        } else if srv.has(hash, p.query, p.types) {
+            out.answer_here(Kind::Parse);
+        } else {
+            srv.prepare(out, hash, p.query, p.types, Mode::Forward);
+        }
+    }
+
+    /// Makes sure the client's statement `name` exists on this backend (an injected Parse
+    /// when it does not); returns its proxy name. `None`: the name goes as it is (unnamed,
+    /// session mode, or a name the proxy never saw prepared).
+    pub fn ensure(&self, name: &[u8], srv: &mut Server<'_>, out: &mut Outbox) -> Option<[u8; 22]> {
+        if name.is_empty() || !self.renamed {
+            return None;
+        }
+        let s = self.named.get(name)?;
+        srv.ensure(out, s.hash, &s.query, &s.types, Mode::Swallow);
+        Some(server_name(s.hash))
+    }
+
+    /// A client's Bind (`frame`, `b` read from it): to the statement's proxy name, preceded by
+    /// its Parse if this backend lacks it.
+    pub fn bind(&self, frame: &[u8], b: Bind<'_>, mut srv: Server<'_>, out: &mut Outbox) {
+        // An injected Parse (if any) goes before the Bind, and so does its expectation.
+        let server = self.ensure(b.statement, &mut srv, out);
+        let mut e = Expect::new(Kind::Bind, Mode::Forward);
+        e.target = self.hash_of(b.statement);
+        match server {
+            Some(server) => out.send_with(e, |buf| {
+                messages::bind_renamed(buf, b.portal, &server, b.tail)
+            }),
+            // Unnamed, or unknown to us: Postgres gives the client the right error.
+            None => out.send(e, frame),
+        }
+    }
+
+    /// A client's Describe (`b'D'`) or Close (`b'C'`) of `target`.
+    pub fn describe_or_close(
+        &mut self,
+        tag: u8,
+        frame: &[u8],
+        target: Target<'_>,
+        mut srv: Server<'_>,
+        out: &mut Outbox,
+    ) {
+        match (tag, target) {
+            (b'D', Target::Statement(name)) => {
+                let server = self.ensure(name, &mut srv, out);
+                let mut e = Expect::new(Kind::DescribeStmt, Mode::Forward);
+                e.target = self.hash_of(name);
+                match server {
+                    Some(server) => {
+                        out.send_with(e, |buf| messages::target(buf, b'D', b'S', &server));
+                    }
+                    None => out.send(e, frame),
+                }
+            }
+            (b'D', Target::Portal(_)) => {
+                out.send(Expect::new(Kind::DescribePortal, Mode::Forward), frame);
+            }
+            (b'C', Target::Statement(name)) if !name.is_empty() && self.renamed => {
+                // The server statement stays cached for others; only the client's name goes.
+                self.named.remove(name);
+                out.answer_here(Kind::Close);
+            }
+            (_, target) => {
+                if let Target::Statement(name) = target {
+                    self.named.remove(name);
+                }
+                out.send(Expect::new(Kind::Close, Mode::Forward), frame);
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+#[path = "statements_tests.rs"]
+mod tests;
