@@ -1,125 +1,44 @@
-//! Admin HTTP API: authentication and authorization, rule validation and persistence, read
-//! endpoints, `/metrics` (checked with `promtool`), reload and the OpenAPI document.
+//! The admin HTTP API: authentication and authorization (tokens, read versus write, tokens from
+//! the environment), health and readiness, the read endpoints, `/metrics` (checked with
+//! `promtool`), reload and the OpenAPI document; and the incident controls (issue 17).
 //!
-//! Everything runs through `router_with_env(app, …)` with `tower::ServiceExt::oneshot`, no
-//! socket. `promtool` (Debian package `prometheus`) must be installed: the metrics test
-//! fails, rather than skips, without it.
+//! Most tests run through `router_with_env(app, …)` with `tower::ServiceExt::oneshot`, no socket
+//! (`crate::support::admin_api`). `promtool` (Debian package `prometheus`) must be installed: the
+//! metrics test fails, rather than skips, without it.
+//!
+//! The incident controls run against a real PostgreSQL through the proxy: pause (in-flight
+//! transactions finish, new ones wait, resume releases them, none lost), reconnect (every
+//! backend pid replaced), the client and server lists, terminating a client (57P01, its
+//! statement stops on the server) or cancelling its statement, and disabling new logins to a
+//! database (57P03). With `PGSLUICE_TEST_DIRECT=1` that test is skipped.
+//!
+//! * `stats` — the pool statistics that SHOW STATS users graph reach `/metrics`, wait and
+//!   backend times apart.
+//!
+//! The rules and fingerprints endpoints are in `rules::api`; the `pgsluice` admin commands in
+//! `cli`.
 
-use std::path::Path;
+mod stats;
+
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
-use axum::Router;
-use axum::body::{Body, Bytes};
-use axum::http::{HeaderMap, Request, StatusCode, header};
-use serde_json::{Value, json};
-use tower::ServiceExt;
+use axum::http::{StatusCode, header};
+use serde_json::json;
+use tokio_postgres::Client;
 
 use pgsluice::admin::auth::EnvTokens;
 use pgsluice::admin::router_with_env;
-use pgsluice::app::{App, Reloader};
-use pgsluice::config::Config;
+use pgsluice::app::Reloader;
 use pgsluice::observe::metrics::KNOWN_REASONS;
-use pgsluice::observe::stats::Outcome;
 use pgsluice::policy::RefusalKind;
-use pgsluice::policy::rules::RuleSet;
 
-const W: &str = "write-secret-token";
-const R: &str = "read-secret-token";
-const FP: &str = "00000000deadbeef";
-
-fn config(rules_file: Option<&Path>) -> Config {
-    let mut c = Config::default();
-    c.admin.write_token = Some(W.into());
-    c.admin.read_token = Some(R.into());
-    c.admin.rules_file = rules_file.map(|p| p.display().to_string());
-    c
-}
-
-fn app_with(c: Config) -> Arc<App> {
-    App::new(c, Arc::new(RuleSet::new())).expect("app")
-}
-
-fn api(app: &Arc<App>) -> Router {
-    router_with_env(app.clone(), EnvTokens::default())
-}
-
-struct Resp {
-    status: StatusCode,
-    headers: HeaderMap,
-    body: Bytes,
-}
-
-impl Resp {
-    fn json(&self) -> Value {
-        serde_json::from_slice(&self.body)
-            .unwrap_or_else(|e| panic!("not JSON ({e}): {}", String::from_utf8_lossy(&self.body)))
-    }
-    fn text(&self) -> String {
-        String::from_utf8_lossy(&self.body).into_owned()
-    }
-}
-
-async fn call(
-    r: &Router,
-    method: &str,
-    path: &str,
-    token: Option<&str>,
-    body: Option<(&str, Vec<u8>)>,
-) -> Resp {
-    let mut b = Request::builder().method(method).uri(path);
-    if let Some(t) = token {
-        b = b.header(header::AUTHORIZATION, format!("Bearer {t}"));
-    }
-    let req = match body {
-        Some((ctype, bytes)) => b
-            .header(header::CONTENT_TYPE, ctype)
-            .header(header::CONTENT_LENGTH, bytes.len())
-            .body(Body::from(bytes)),
-        None => b.body(Body::empty()),
-    }
-    .expect("request");
-    let resp = r.clone().oneshot(req).await.expect("infallible");
-    let status = resp.status();
-    let headers = resp.headers().clone();
-    let body = axum::body::to_bytes(resp.into_body(), 64 << 20)
-        .await
-        .expect("body");
-    Resp {
-        status,
-        headers,
-        body,
-    }
-}
-
-async fn get(r: &Router, path: &str, token: Option<&str>) -> Resp {
-    call(r, "GET", path, token, None).await
-}
-
-async fn put_rule(r: &Router, fp: &str, token: Option<&str>, rule: &Value) -> Resp {
-    let body = serde_json::to_vec(rule).expect("json");
-    call(
-        r,
-        "PUT",
-        &format!("/v1/rules/fingerprint/{fp}"),
-        token,
-        Some(("application/json", body)),
-    )
-    .await
-}
-
-fn throttle() -> Value {
-    json!({"action":"THROTTLE","max_qps":2,"action_on_exceed":"REJECT",
-           "error_message":"Query pattern is throttled due to high read amplification",
-           "ttl_seconds":3600})
-}
-
-fn assert_error(resp: &Resp, status: StatusCode, field: &str) {
-    assert_eq!(resp.status, status, "{}", resp.text());
-    let v = resp.json();
-    assert_eq!(v["field"], field, "{v}");
-    assert!(v["message"].as_str().is_some_and(|m| !m.is_empty()), "{v}");
-}
+use crate::support::admin_api::{FP, R, W, api, app_with, call, config, get, put_rule, throttle};
+use crate::support::pg::{APP_DB, APP_USER};
+use crate::support::proxy::{Proxy, client};
+use crate::support::sql::{STEP, eventually, scalar, sqlstate};
+use crate::support::storm::{sleeping, start};
+use crate::support::within;
 
 #[tokio::test]
 async fn missing_and_wrong_tokens_get_the_same_401() {
@@ -285,272 +204,6 @@ async fn readiness_is_503_while_the_database_cannot_be_reached() {
     assert!(reason.contains("cannot be reached"), "{reason}");
 }
 
-#[tokio::test]
-async fn bad_rule_bodies_name_the_field() {
-    let app = app_with(config(None));
-    let r = api(&app);
-    let cases = [
-        (json!({"action":"THROTTLE","max_qps":-1}), "max_qps"),
-        (json!({"action":"THROTTLE","max_qps":0}), "max_qps"),
-        (json!({"action":"THROTTLE","max_qps":1e300}), "max_qps"),
-        (json!({"action":"THROTTLE","max_qps":"2"}), "max_qps"),
-        (json!({"action":"THROTTLE"}), "max_qps"),
-        (json!({"action":"EXPLODE"}), "action"),
-        (json!({"action":"REJECT","max_qps":2}), "max_qps"),
-        (json!({"action":"REJECT","colour":"red"}), "colour"),
-        (
-            json!({"action":"CONCURRENCY","max_inflight":0}),
-            "max_inflight",
-        ),
-        (json!({"action":"REJECT","ttl_seconds":0}), "ttl_seconds"),
-        (json!({"action":"REJECT","mode":"loud"}), "mode"),
-        (json!(["REJECT"]), "body"),
-    ];
-    for (body, field) in cases {
-        let resp = put_rule(&r, FP, Some(W), &body).await;
-        assert_error(&resp, StatusCode::BAD_REQUEST, field);
-        assert_eq!(resp.json()["error"], "invalid rule", "{body}");
-    }
-    let path = format!("/v1/rules/fingerprint/{FP}");
-    let bad_json = call(
-        &r,
-        "PUT",
-        &path,
-        Some(W),
-        Some(("application/json", b"{".to_vec())),
-    )
-    .await;
-    assert_error(&bad_json, StatusCode::BAD_REQUEST, "body");
-
-    let mut huge = br#"{"action":"REJECT","note":""#.to_vec();
-    huge.resize(10 * 1024 * 1024, b'x');
-    huge.extend_from_slice(br#""}"#);
-    let resp = call(&r, "PUT", &path, Some(W), Some(("application/json", huge))).await;
-    assert_error(&resp, StatusCode::PAYLOAD_TOO_LARGE, "body");
-    assert!(resp.text().contains("65536"), "{}", resp.text());
-
-    let body = br#"{"action":"REJECT"}"#.to_vec();
-    let resp = call(
-        &r,
-        "PUT",
-        &path,
-        Some(W),
-        Some(("text/plain", body.clone())),
-    )
-    .await;
-    assert_error(&resp, StatusCode::UNSUPPORTED_MEDIA_TYPE, "content-type");
-    let form = "application/x-www-form-urlencoded";
-    let resp = call(
-        &r,
-        "POST",
-        "/v1/reload",
-        Some(W),
-        Some((form, body.clone())),
-    )
-    .await;
-    assert_eq!(resp.status, StatusCode::UNSUPPORTED_MEDIA_TYPE);
-    let resp = call(&r, "DELETE", &path, Some(W), Some(("text/plain", body))).await;
-    assert_eq!(resp.status, StatusCode::UNSUPPORTED_MEDIA_TYPE);
-
-    for bad in [
-        "deadbeef",
-        "00000000deadbeeg",
-        "00000000deadbeef0",
-        "%2e%2e",
-    ] {
-        let resp = put_rule(&r, bad, Some(W), &throttle()).await;
-        assert_error(&resp, StatusCode::BAD_REQUEST, "hash");
-    }
-    assert!(app.policy.rules().is_empty(), "nothing applied");
-}
-
-#[tokio::test]
-async fn put_get_list_delete() {
-    let app = app_with(config(None));
-    let r = api(&app);
-    let path = format!("/v1/rules/fingerprint/{FP}");
-    let created = put_rule(&r, FP, Some(W), &throttle()).await;
-    assert_eq!(created.status, StatusCode::CREATED, "{}", created.text());
-    let v = created.json();
-    assert_eq!(v["fingerprint"], FP);
-    assert_eq!(v["action"], "THROTTLE");
-    assert_eq!(v["burst"], 2);
-    assert_eq!(v["persisted"], false);
-    assert!(v["expires_in_ms"].as_u64().is_some_and(|ms| ms > 3_500_000));
-
-    // Upper-case hex is the same fingerprint; a second PUT replaces.
-    let replaced = put_rule(&r, &FP.to_uppercase(), Some(W), &json!({"action":"REJECT"})).await;
-    assert_eq!(replaced.status, StatusCode::OK);
-
-    let one = get(&r, &path, Some(R)).await;
-    assert_eq!(one.status, StatusCode::OK);
-    assert_eq!(one.json()["action"], "REJECT");
-    let list = get(&r, "/v1/rules", Some(R)).await.json();
-    let rules = list["rules"].as_array().cloned().unwrap_or_default();
-    assert_eq!(rules.len(), 1);
-    for k in [
-        "hits",
-        "refusals",
-        "warned",
-        "expires_in_ms",
-        "created_unix_ms",
-    ] {
-        assert!(rules[0].get(k).is_some(), "{k} missing: {list}");
-    }
-
-    let del = call(&r, "DELETE", &path, Some(W), None).await;
-    assert_eq!(del.status, StatusCode::OK);
-    assert_eq!(del.json()["deleted"], FP);
-    assert_eq!(get(&r, &path, Some(R)).await.status, StatusCode::NOT_FOUND);
-    let again = call(&r, "DELETE", &path, Some(W), None).await;
-    assert_eq!(again.status, StatusCode::NOT_FOUND);
-}
-
-#[tokio::test]
-async fn get_never_mutates() {
-    let app = app_with(config(None));
-    let r = api(&app);
-    let resp = get(
-        &r,
-        &format!("/v1/rules/fingerprint/{FP}?action=REJECT"),
-        Some(W),
-    )
-    .await;
-    assert_error(&resp, StatusCode::BAD_REQUEST, "query");
-    let resp = get(&r, "/v1/rules?delete=all", Some(W)).await;
-    assert_error(&resp, StatusCode::BAD_REQUEST, "query");
-    assert!(app.policy.rules().is_empty());
-    let wrong = call(&r, "POST", "/v1/rules", Some(W), None).await;
-    assert_eq!(wrong.status, StatusCode::METHOD_NOT_ALLOWED);
-    assert_eq!(wrong.json()["error"], "method not allowed");
-    let missing = get(&r, "/v1/nothing", Some(R)).await;
-    assert_eq!(missing.status, StatusCode::NOT_FOUND);
-}
-
-#[tokio::test]
-async fn rules_persist_and_load_into_a_new_app() {
-    let dir = tempfile::tempdir().expect("tempdir");
-    let file = dir.path().join("rules.json");
-    let app = app_with(config(Some(&file)));
-    let r = api(&app);
-    let resp = put_rule(&r, FP, Some(W), &throttle()).await;
-    assert_eq!(resp.status, StatusCode::CREATED);
-    assert_eq!(resp.json()["persisted"], true);
-    let other = "0123456789abcdef";
-    let rule = json!({"action":"CONCURRENCY","max_inflight":3,"callers":["app"]});
-    assert_eq!(
-        put_rule(&r, other, Some(W), &rule).await.status,
-        StatusCode::CREATED
-    );
-
-    let bytes = std::fs::read(&file).expect("rules file written");
-    let loaded = Arc::new(RuleSet::from_json_bytes(&bytes).expect("loads"));
-    let restarted = App::new(config(Some(&file)), loaded).expect("app");
-    let r2 = api(&restarted);
-    let list = get(&r2, "/v1/rules", Some(R)).await.json();
-    let fps: Vec<&str> = list["rules"]
-        .as_array()
-        .map(|a| a.iter().filter_map(|x| x["fingerprint"].as_str()).collect())
-        .unwrap_or_default();
-    assert_eq!(fps, vec![FP, other]);
-    let t = get(&r2, &format!("/v1/rules/fingerprint/{FP}"), Some(R))
-        .await
-        .json();
-    assert_eq!(t["max_qps"], 2.0);
-    assert!(
-        t["expires_in_ms"].as_u64().is_some_and(|ms| ms > 3_500_000),
-        "{t}"
-    );
-
-    let del = call(
-        &r,
-        "DELETE",
-        &format!("/v1/rules/fingerprint/{FP}"),
-        Some(W),
-        None,
-    )
-    .await;
-    assert_eq!(del.status, StatusCode::OK);
-    let after = RuleSet::from_json_bytes(&std::fs::read(&file).expect("read")).expect("loads");
-    assert_eq!(after.len(), 1);
-    let leftovers: Vec<_> = std::fs::read_dir(dir.path())
-        .expect("dir")
-        .filter_map(Result::ok)
-        .map(|e| e.file_name())
-        .collect();
-    assert_eq!(leftovers, vec![std::ffi::OsString::from("rules.json")]);
-}
-
-#[tokio::test]
-async fn a_failed_write_applies_nothing() {
-    let dir = tempfile::tempdir().expect("tempdir");
-    let good = dir.path().join("rules.json");
-    let app = app_with(config(Some(&good)));
-    let r = api(&app);
-    assert_eq!(
-        put_rule(&r, FP, Some(W), &throttle()).await.status,
-        StatusCode::CREATED
-    );
-
-    let unwritable = dir.path().join("missing-dir").join("rules.json");
-    app.reload(config(Some(&unwritable))).expect("reload");
-    let other = "0123456789abcdef";
-    let resp = put_rule(&r, other, Some(W), &json!({"action":"REJECT"})).await;
-    assert_eq!(
-        resp.status,
-        StatusCode::INTERNAL_SERVER_ERROR,
-        "{}",
-        resp.text()
-    );
-    assert!(!resp.text().contains(W));
-    let path = format!("/v1/rules/fingerprint/{other}");
-    assert_eq!(get(&r, &path, Some(R)).await.status, StatusCode::NOT_FOUND);
-
-    let replace = put_rule(&r, FP, Some(W), &json!({"action":"REJECT"})).await;
-    assert_eq!(replace.status, StatusCode::INTERNAL_SERVER_ERROR);
-    let del = call(
-        &r,
-        "DELETE",
-        &format!("/v1/rules/fingerprint/{FP}"),
-        Some(W),
-        None,
-    )
-    .await;
-    assert_eq!(del.status, StatusCode::INTERNAL_SERVER_ERROR);
-    let kept = get(&r, &format!("/v1/rules/fingerprint/{FP}"), Some(R)).await;
-    assert_eq!(kept.status, StatusCode::OK);
-    assert_eq!(kept.json()["action"], "THROTTLE", "old rule untouched");
-}
-
-#[tokio::test]
-async fn ttl_rules_expire_and_leave_the_file() {
-    let dir = tempfile::tempdir().expect("tempdir");
-    let file = dir.path().join("rules.json");
-    let app = app_with(config(Some(&file)));
-    let r = api(&app);
-    let rule = json!({"action":"REJECT","ttl_seconds":1});
-    assert_eq!(
-        put_rule(&r, FP, Some(W), &rule).await.status,
-        StatusCode::CREATED
-    );
-    let path = format!("/v1/rules/fingerprint/{FP}");
-    assert_eq!(get(&r, &path, Some(R)).await.status, StatusCode::OK);
-    tokio::time::sleep(Duration::from_millis(1200)).await;
-    assert_eq!(get(&r, &path, Some(R)).await.status, StatusCode::NOT_FOUND);
-    let list = get(&r, "/v1/rules", Some(R)).await.json();
-    assert_eq!(list["rules"], json!([]));
-    // The purge (every 2 s) removes it from memory and rewrites the file.
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
-    loop {
-        let text = std::fs::read_to_string(&file).expect("read");
-        if !text.contains(FP) && app.policy.rules().is_empty() {
-            break;
-        }
-        assert!(tokio::time::Instant::now() < deadline, "not purged: {text}");
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
-}
-
 fn sample(text: &str, series: &str) -> Option<f64> {
     text.lines()
         .find(|l| l.starts_with(series) && l[series.len()..].starts_with(' '))
@@ -681,176 +334,6 @@ fn every_policy_refusal_reason_is_pre_resolved() {
     for kind in RefusalKind::ALL {
         assert!(KNOWN_REASONS.contains(&kind.reason()), "{}", kind.reason());
     }
-}
-
-#[tokio::test]
-async fn fingerprints_endpoint_validates_and_sorts() {
-    let app = app_with(config(None));
-    let r = api(&app);
-    let slow: Arc<str> = Arc::from("select * from t where id = $1");
-    let fast: Arc<str> = Arc::from("select 1");
-    for _ in 0..3 {
-        let ok = Outcome::Ok { rows: 1 };
-        app.fp_stats
-            .record(1, &fast, "read", "app", Duration::from_micros(10), ok);
-    }
-    let ok = Outcome::Ok { rows: 5 };
-    app.fp_stats
-        .record(2, &slow, "read", "app", Duration::from_millis(50), ok);
-
-    let v = get(&r, "/v1/fingerprints", Some(R)).await.json();
-    assert_eq!(
-        (v["sort"].clone(), v["limit"].clone()),
-        (json!("total_time"), json!(50))
-    );
-    assert_eq!(v["tracked"], 2);
-    assert_eq!(v["fingerprints"][0]["fingerprint"], "0000000000000002");
-    let v = get(
-        &r,
-        "/v1/fingerprints?sort=calls&limit=1&caller=app",
-        Some(R),
-    )
-    .await
-    .json();
-    let rows = v["fingerprints"].as_array().cloned().unwrap_or_default();
-    assert_eq!(rows.len(), 1);
-    assert_eq!(rows[0]["fingerprint"], "0000000000000001");
-    assert_eq!(rows[0]["normalized"], "select 1");
-    let none = get(&r, "/v1/fingerprints?caller=nobody", Some(R))
-        .await
-        .json();
-    assert_eq!(none["fingerprints"], json!([]));
-
-    for (q, field) in [
-        ("sort=speed", "sort"),
-        ("limit=0", "limit"),
-        ("limit=1001", "limit"),
-        ("limit=ten", "limit"),
-        ("order=desc", "query"),
-    ] {
-        let resp = get(&r, &format!("/v1/fingerprints?{q}"), Some(R)).await;
-        assert_error(&resp, StatusCode::BAD_REQUEST, field);
-    }
-}
-
-async fn post_sql(r: &Router, token: Option<&str>, body: &Value) -> Resp {
-    let body = serde_json::to_vec(body).expect("json");
-    call(
-        r,
-        "POST",
-        "/v1/rules/fingerprint",
-        token,
-        Some(("application/json", body)),
-    )
-    .await
-}
-
-#[tokio::test]
-async fn unseen_fingerprints_get_a_warning_and_rules_come_from_sql() {
-    let app = app_with(config(None));
-    let r = api(&app);
-    // Never seen: 201, kept, with a warning naming the hash.
-    let resp = put_rule(&r, FP, Some(W), &throttle()).await;
-    assert_eq!(resp.status, StatusCode::CREATED, "{}", resp.text());
-    let v = resp.json();
-    assert!(v["warning"].as_str().is_some_and(|w| w.contains(FP)), "{v}");
-    assert!(app.policy.rules().get(0xdead_beef).is_some());
-    // Replaced, still unseen: 200 and the warning again.
-    let resp = put_rule(&r, FP, Some(W), &throttle()).await;
-    assert_eq!(resp.status, StatusCode::OK);
-    assert!(resp.json()["warning"].is_string());
-    // Seen (a statement with it ended): no warning, status as before.
-    let text: Arc<str> = Arc::from("select 1");
-    let ok = Outcome::Ok { rows: 1 };
-    app.fp_stats.record(
-        0xdead_beef,
-        &text,
-        "read",
-        "app",
-        Duration::from_micros(5),
-        ok,
-    );
-    let resp = put_rule(&r, FP, Some(W), &throttle()).await;
-    assert_eq!(resp.status, StatusCode::OK);
-    assert!(resp.json().get("warning").is_none(), "{}", resp.text());
-
-    // From SQL: stored under the proxy's own fingerprint of the text.
-    let sql = "SELECT * FROM users WHERE id = 1204 AND status = 'active'";
-    let fp = app.classifier.classify(sql).fingerprint;
-    let hex = format!("{fp:016x}");
-    let mut body = throttle();
-    body["sql"] = json!(sql);
-    let resp = post_sql(&r, Some(W), &body).await;
-    assert_eq!(resp.status, StatusCode::CREATED, "{}", resp.text());
-    assert_eq!(
-        resp.headers[header::LOCATION],
-        format!("/v1/rules/fingerprint/{hex}")
-    );
-    let v = resp.json();
-    assert_eq!(v["fingerprint"], hex.as_str());
-    assert_eq!(
-        v["normalized"],
-        "SELECT * FROM users WHERE id = ? AND status = ?"
-    );
-    assert_eq!(v["max_qps"], 2.0);
-    assert!(v["warning"].is_string(), "{v}");
-    let rule = app.policy.rules().get(fp).expect("live");
-    assert_eq!(rule.def().action.name(), "THROTTLE");
-    // Other literals name the same rule: 200.
-    body["sql"] = json!("select * from users where id=7 and status='x' /*service:a*/");
-    let resp = post_sql(&r, Some(W), &body).await;
-    assert_eq!(resp.status, StatusCode::OK, "{}", resp.text());
-    assert_eq!(app.policy.rules().len(), 2);
-
-    // Field-level 400s, nothing stored; writes need the write token.
-    let mut bad_rule = throttle();
-    bad_rule["sql"] = json!("SELECT 2");
-    bad_rule["max_qps"] = json!(-1);
-    for (b, field) in [
-        (json!({"action": "REJECT"}), "sql"),
-        (json!({"sql": 5, "action": "REJECT"}), "sql"),
-        (json!({"sql": "", "action": "REJECT"}), "sql"),
-        (
-            json!({"sql": "-- only a comment", "action": "REJECT"}),
-            "sql",
-        ),
-        (json!({"sql": "SELECT 2"}), "action"),
-        (bad_rule, "max_qps"),
-    ] {
-        assert_error(
-            &post_sql(&r, Some(W), &b).await,
-            StatusCode::BAD_REQUEST,
-            field,
-        );
-    }
-    let mut with_sql = throttle();
-    with_sql["sql"] = json!("SELECT 2");
-    assert_error(
-        &put_rule(&r, "00000000000000aa", Some(W), &with_sql).await,
-        StatusCode::BAD_REQUEST,
-        "sql",
-    );
-    assert_eq!(
-        post_sql(&r, Some(R), &body).await.status,
-        StatusCode::FORBIDDEN
-    );
-    assert_eq!(app.policy.rules().len(), 2);
-}
-
-#[tokio::test]
-async fn with_classification_off_every_rule_is_warned_about() {
-    let mut c = config(None);
-    c.classify.enabled = false;
-    let r = api(&app_with(c));
-    let resp = put_rule(&r, FP, Some(W), &throttle()).await;
-    assert_eq!(resp.status, StatusCode::CREATED);
-    let v = resp.json();
-    assert!(
-        v["warning"]
-            .as_str()
-            .is_some_and(|w| w.contains("classify.enabled")),
-        "{v}"
-    );
 }
 
 #[tokio::test]
@@ -988,4 +471,263 @@ async fn openapi_document_covers_every_route() {
         }
         assert!(!node.is_null(), "dangling $ref {target}");
     }
+}
+
+const CONTROL_YAML: &str = "\
+admin:
+  write_token: control-write
+";
+
+/// An admin request with the write token (reads accept it too): (status, JSON body).
+async fn control(
+    proxy: &Proxy,
+    method: &str,
+    path: &str,
+    body: Option<&str>,
+) -> (u16, serde_json::Value) {
+    let (status, text) = proxy
+        .admin_request(method, path, "control-write", body)
+        .await;
+    let v = serde_json::from_str(&text).unwrap_or(serde_json::Value::String(text));
+    (status, v)
+}
+
+/// Backend pids of the app user, from Postgres itself.
+async fn app_backends(db: &Client) -> Vec<i32> {
+    let rows = db
+        .query(
+            "SELECT pid FROM pg_stat_activity WHERE usename = $1 AND datname = $2",
+            &[&APP_USER, &APP_DB],
+        )
+        .await
+        .expect("pg_stat_activity");
+    rows.iter().map(|r| r.get::<_, i32>(0)).collect()
+}
+
+/// The client record whose latest statement runs on `pid`.
+async fn client_on(proxy: &Proxy, pid: i32) -> Option<serde_json::Value> {
+    let (status, v) = control(proxy, "GET", "/v1/clients", None).await;
+    assert_eq!(status, 200, "{v}");
+    v["clients"]
+        .as_array()
+        .and_then(|c| c.iter().find(|c| c["backend_pid"] == pid).cloned())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn incident_controls_pause_resume_reconnect_list_kill_and_disable() {
+    let Some(env) = start(4, CONTROL_YAML) else {
+        return;
+    };
+    let proxy = &env.proxy;
+    let db = env.cluster.superuser_client(APP_DB).await;
+    let pool = format!("/v1/pools/{APP_DB}/{APP_USER}");
+    let (status, v) = control(proxy, "POST", "/v1/pools/nodb/nouser/pause", None).await;
+    assert_eq!(status, 404, "{v}");
+
+    // Pause with 20 clients running transactions: those in flight finish, new ones wait,
+    // the resume releases them, and not one transaction is lost.
+    const CLIENTS: usize = 20;
+    const EACH: usize = 10;
+    let mut workers = Vec::new();
+    for _ in 0..CLIENTS {
+        let c = client(proxy, "web").await;
+        workers.push(tokio::spawn(async move {
+            for _ in 0..EACH {
+                c.batch_execute(
+                    "BEGIN; UPDATE acct SET v = v + 1 WHERE id = 1; SELECT pg_sleep(0.02); COMMIT",
+                )
+                .await?;
+            }
+            Ok::<_, tokio_postgres::Error>(())
+        }));
+    }
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let (status, v) = control(
+        proxy,
+        "POST",
+        &format!("{pool}/pause"),
+        Some(r#"{"hold_ms": 20000, "wait_ms": 10000}"#),
+    )
+    .await;
+    assert_eq!(status, 200, "{v}");
+    assert_eq!(
+        (v["paused"].as_bool(), v["drained"].as_bool()),
+        (Some(true), Some(true)),
+        "{v}"
+    );
+    let busy: i64 = db
+        .query_one(
+            "SELECT count(*) FROM pg_stat_activity WHERE usename = $1 AND state <> 'idle'",
+            &[&APP_USER],
+        )
+        .await
+        .expect("count")
+        .get(0);
+    assert_eq!(busy, 0, "no transaction runs while paused");
+    let at_pause = scalar(&db, "SELECT v FROM acct WHERE id = 1").await;
+    tokio::time::sleep(Duration::from_millis(700)).await;
+    assert_eq!(
+        scalar(&db, "SELECT v FROM acct WHERE id = 1").await,
+        at_pause,
+        "nothing committed while paused"
+    );
+    let (_, clients) = control(proxy, "GET", "/v1/clients", None).await;
+    let waiting = clients["clients"]
+        .as_array()
+        .map_or(0, |c| c.iter().filter(|c| c["state"] == "waiting").count());
+    assert!(waiting > 0, "held clients show as waiting: {clients}");
+    let (_, pools) = control(proxy, "GET", "/v1/pools", None).await;
+    assert_eq!(pools["pools"][0]["paused"], true, "{pools}");
+    let (status, v) = control(proxy, "POST", &format!("{pool}/resume"), None).await;
+    assert_eq!((status, v["paused"].as_bool()), (200, Some(false)), "{v}");
+    for w in workers {
+        within(STEP, "a worker after the resume", w)
+            .await
+            .expect("join")
+            .expect("every transaction of every client succeeds");
+    }
+    assert_eq!(
+        scalar(&db, "SELECT v FROM acct WHERE id = 1").await,
+        (CLIENTS * EACH).to_string(),
+        "none lost"
+    );
+
+    // Reconnect replaces every backend: the idle ones at once, one in a transaction when it
+    // commits.
+    let holder = client(proxy, "web").await;
+    holder
+        .batch_execute("BEGIN; SELECT 1")
+        .await
+        .expect("BEGIN");
+    let before = app_backends(&db).await;
+    assert!(!before.is_empty());
+    let (status, v) = control(proxy, "POST", &format!("{pool}/reconnect"), None).await;
+    assert_eq!((status, v["in_use"].as_u64()), (200, Some(1)), "{v}");
+    holder.batch_execute("COMMIT").await.expect("COMMIT");
+    let worker = client(proxy, "web").await;
+    for _ in 0..8 {
+        scalar(&worker, "SELECT 1").await;
+    }
+    eventually(STEP, "every backend replaced", || async {
+        let after = app_backends(&db).await;
+        !after.is_empty() && after.iter().all(|p| !before.contains(p))
+    })
+    .await;
+
+    // The client list shows a running statement, and DELETE ends it: the client gets 57P01
+    // and the statement stops on the server.
+    let sleeper = client(proxy, "web").await;
+    let running = tokio::spawn({
+        let s = sleeper.clone();
+        async move { s.simple_query("SELECT pg_sleep(30)").await }
+    });
+    eventually(STEP, "pg_sleep running", || async {
+        sleeping(&env.cluster).await != 0
+    })
+    .await;
+    let pids: Vec<i32> = db
+        .query(
+            "SELECT pid FROM pg_stat_activity WHERE query LIKE 'SELECT pg_sleep(30)%'",
+            &[],
+        )
+        .await
+        .expect("pids")
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    let row = client_on(proxy, pids[0])
+        .await
+        .expect("the sleeper is listed with its backend");
+    assert_eq!(row["state"], "active", "{row}");
+    assert_eq!(row["caller"], "default", "{row}");
+    assert_eq!(row["user"], APP_USER, "{row}");
+    assert!(
+        row["fingerprint"].as_str().is_some_and(|f| f.len() == 16),
+        "{row}"
+    );
+    let (_, servers) = control(proxy, "GET", "/v1/servers", None).await;
+    assert!(
+        servers["servers"].as_array().is_some_and(|s| s
+            .iter()
+            .any(|s| s["pid"] == pids[0] && s["client"] == row["id"])),
+        "{servers}"
+    );
+    let id = row["id"].as_u64().expect("id");
+    let t = Instant::now();
+    let (status, v) = control(proxy, "DELETE", &format!("/v1/clients/{id}"), None).await;
+    assert_eq!(status, 200, "{v}");
+    let err = within(STEP, "the killed statement", running)
+        .await
+        .expect("join")
+        .expect_err("the session is ended");
+    assert_eq!(sqlstate(&err), "57P01", "{err:?}");
+    assert!(t.elapsed() < Duration::from_secs(3), "{:?}", t.elapsed());
+    eventually(STEP, "the statement stops on the server", || async {
+        sleeping(&env.cluster).await == 0
+    })
+    .await;
+    let (status, _) = control(proxy, "DELETE", &format!("/v1/clients/{id}"), None).await;
+    assert_eq!(status, 404);
+
+    // Cancel only the statement: the session goes on.
+    let other = client(proxy, "web").await;
+    let running = tokio::spawn({
+        let s = other.clone();
+        async move { s.simple_query("SELECT pg_sleep(30)").await }
+    });
+    eventually(STEP, "pg_sleep running again", || async {
+        sleeping(&env.cluster).await != 0
+    })
+    .await;
+    let pid: i32 = db
+        .query_one(
+            "SELECT pid FROM pg_stat_activity WHERE query LIKE 'SELECT pg_sleep(30)%'",
+            &[],
+        )
+        .await
+        .expect("pid")
+        .get(0);
+    let row = client_on(proxy, pid).await.expect("listed");
+    let (status, v) = control(
+        proxy,
+        "POST",
+        &format!("/v1/clients/{}/cancel", row["id"]),
+        None,
+    )
+    .await;
+    assert_eq!(status, 200, "{v}");
+    let err = within(STEP, "the cancelled statement", running)
+        .await
+        .expect("join")
+        .expect_err("cancelled");
+    assert_eq!(sqlstate(&err), "57014", "{err:?}");
+    assert_eq!(scalar(&other, "SELECT 2").await, "2", "the session goes on");
+
+    // Disable refuses new logins to the database (57P03); open sessions go on; enable.
+    let (status, v) = control(
+        proxy,
+        "POST",
+        &format!("/v1/databases/{APP_DB}/disable"),
+        None,
+    )
+    .await;
+    assert_eq!((status, v["enabled"].as_bool()), (200, Some(false)), "{v}");
+    let refused = proxy
+        .try_client_with(&proxy.app_config())
+        .await
+        .map(|_| ())
+        .expect_err("disabled");
+    assert_eq!(sqlstate(&refused), "57P03", "{refused:?}");
+    assert_eq!(scalar(&other, "SELECT 3").await, "3");
+    let (status, _) = control(
+        proxy,
+        "POST",
+        &format!("/v1/databases/{APP_DB}/enable"),
+        None,
+    )
+    .await;
+    assert_eq!(status, 200);
+    let again = client(proxy, "web").await;
+    assert_eq!(scalar(&again, "SELECT 4").await, "4");
+    proxy.assert_healthy().await;
 }

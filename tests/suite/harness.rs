@@ -1,4 +1,4 @@
-//! Tests of the test harness itself (tests/support): the throwaway cluster, its cleanup, the
+//! Tests of the test harness itself (`crate::support`): the throwaway cluster, its cleanup, the
 //! binary search and its install advice, and the raw wire client — all against PostgreSQL
 //! directly, so a harness bug is told apart from a proxy bug.
 

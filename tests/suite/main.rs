@@ -1,23 +1,44 @@
 //! The end-to-end suite: one test binary, a module per feature, against real PostgreSQL
 //! clusters the harness starts (`support`). Run one feature with
-//! `scripts/test --test suite FEATURE::` (e.g. `hostile::`, `storm_controls::`).
+//! `scripts/test --test suite FEATURE::` (e.g. `session_state::`, `cancel::`).
+//!
+//! * Connecting and querying: `connections`, `auth`, `tls`, `queries`, `extended_protocol`,
+//!   `copy`, `cancel`.
+//! * Pooling: `pooling`, `session_mode`, `session_state`, `routing`.
+//! * Traffic policy: `admission`, `timeouts`, `breaker`, `limits`, `overload`, `classify`,
+//!   `rules`, `seeds`, `fleet`.
+//! * Faults: `protocol_faults`, `backend_faults`, `disconnects`.
+//! * Operating the proxy: `lifecycle`, `admin`, `cli`, `logging`.
+//! * Real drivers: `drivers`; the harness itself: `harness`.
 
 mod support;
 
 mod admin;
-mod classify_settings;
+mod admission;
+mod auth;
+mod backend_faults;
+mod breaker;
+mod cancel;
+mod classify;
 mod cli;
+mod connections;
+mod copy;
+mod disconnects;
 mod drivers;
+mod extended_protocol;
 mod fleet;
-mod foundation;
-mod hardening;
 mod harness;
-mod hostile;
-mod min_idle;
-mod policy;
-mod pool_settings;
-mod pooling_state;
-mod rules_feedback;
+mod lifecycle;
+mod limits;
+mod logging;
+mod overload;
+mod pooling;
+mod protocol_faults;
+mod queries;
+mod routing;
+mod rules;
 mod seeds;
 mod session_mode;
-mod storm_controls;
+mod session_state;
+mod timeouts;
+mod tls;

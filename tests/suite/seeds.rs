@@ -18,19 +18,13 @@ use std::time::{Duration, Instant};
 use tokio_postgres::Client;
 
 use crate::support::pg::{APP_DB, APP_PASSWORD, APP_USER, Cluster};
-use crate::support::proxy::{ADMIN_READ_TOKEN, Proxy, ProxyOptions};
+use crate::support::proxy::{ADMIN_READ_TOKEN, Proxy, ProxyOptions, client};
 use crate::support::sql::{STEP, eventually, sqlstate};
 use crate::support::{direct_mode, note_skipped, run_with_timeout, within};
 
 /// The article's callers block, verbatim.
 fn article_yaml() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/seeds/001-callers.yaml")
-}
-
-async fn client(proxy: &Proxy, application_name: &str) -> Arc<Client> {
-    let mut cfg = proxy.app_config();
-    cfg.application_name(application_name);
-    Arc::new(proxy.client_with(&cfg).await.0)
 }
 
 /// Runs `sql`; the elapsed time and the SQLSTATE and message of its error, if any.

@@ -1,140 +1,62 @@
-//! Session mode must be byte-transparent (issue 22), and COPY data sent ahead of the server's
-//! CopyInResponse must reach it in both pool modes.
+//! Session mode (issue 22): a client keeps one backend for its whole session and the pool stays
+//! bounded, and the mode is byte-transparent — a client sees of its own session exactly what a
+//! direct connection shows, protocol-level names included.
 //!
-//! The COPY case is what pgx's `CopyFrom` does: it writes `COPY … FROM STDIN` and starts
-//! streaming CopyData at once, without waiting for the CopyInResponse. A proxy that forwards
-//! CopyData only once it has seen the server enter COPY drops the first frames, and then
-//! the server waits for data in `ClientRead` while the client waits for the proxy.
+//! Real drivers in session mode are in `drivers`, COPY data sent ahead of the CopyInResponse in
+//! `copy::early_data`, the reset before the next client in `session_state`.
 
+use std::sync::Arc;
 use std::time::Duration;
+
+use futures_util::future;
 
 use crate::support::pg::{APP_DB, APP_PASSWORD, APP_USER, Cluster};
 use crate::support::proxy::{Proxy, ProxyOptions};
-use crate::support::wire::{Backend, WireClient};
+use crate::support::sql::{BackendSampler, assert_pool_bound, scalar};
+use crate::support::wire::{Backend, STEP, WireClient};
 use crate::support::within;
 
-const STEP: Duration = Duration::from_secs(20);
-
-/// CopyData frames of a binary COPY of one int4 column with `rows` rows (header, tuples,
-/// trailer), one frame per row like a streaming driver.
-fn binary_copy(rows: std::ops::Range<i32>) -> Vec<Vec<u8>> {
-    let mut frames = Vec::new();
-    let mut header = b"PGCOPY\n\xff\r\n\0".to_vec();
-    header.extend_from_slice(&0i32.to_be_bytes());
-    header.extend_from_slice(&0i32.to_be_bytes());
-    frames.push(header);
-    for v in rows {
-        let mut t = Vec::new();
-        t.extend_from_slice(&1i16.to_be_bytes());
-        t.extend_from_slice(&4i32.to_be_bytes());
-        t.extend_from_slice(&v.to_be_bytes());
-        frames.push(t);
-    }
-    frames.push((-1i16).to_be_bytes().to_vec());
-    frames
-}
-
-/// One session: a transaction, a pipelined batch of 100 INSERTs, then COPY … FROM STDIN
-/// (simple or extended protocol, text or binary) with its data and CopyDone written at once,
-/// then COMMIT. `split` cuts the COPY write in two at that byte.
-async fn copy_session(proxy: &Proxy, extended: bool, binary: bool, split: Option<usize>) -> usize {
-    let mut c = WireClient::connect(proxy.addr(), APP_USER, APP_PASSWORD, APP_DB)
-        .await
-        .expect("connect");
-    c.simple("BEGIN").await.expect("BEGIN");
-    for i in 0..100 {
-        c.parse("", "INSERT INTO copied VALUES ($1)")
-            .bind("", "", &[Some(&(-i - 1).to_string())])
-            .execute("", 0);
-    }
-    c.sync();
-    c.send().await.expect("send the batch");
-    let sql = if binary {
-        "COPY copied (v) FROM STDIN (FORMAT binary)"
-    } else {
-        "COPY copied (v) FROM STDIN"
-    };
-    if extended {
-        c.parse("", sql).bind("", "", &[]).execute("", 0);
-    } else {
-        c.query(sql);
-    }
-    let frames: Vec<Vec<u8>> = if binary {
-        binary_copy(0..20)
-    } else {
-        (0..20).map(|v| format!("{v}\n").into_bytes()).collect()
-    };
-    for f in &frames {
-        c.message(b'd', f);
-    }
-    c.message(b'c', b"");
-    if extended {
-        c.sync();
-    }
-    let len = c.pending();
-    match split {
-        Some(at) => {
-            c.send_split(at).await.expect("send the COPY in two writes");
-        }
-        None => c.send().await.expect("send the COPY"),
-    }
-    let what = format!("COPY (extended {extended}, binary {binary}, split {split:?})");
-    // The batch's ReadyForQuery, then the COPY's.
-    for step in ["the INSERT batch", "the COPY"] {
-        let replies = within(STEP, &format!("{what}: {step}"), c.until_ready())
-            .await
-            .unwrap_or_else(|e| panic!("{what}: {step}: {e}"));
-        assert!(
-            replies.iter().all(|m| m.error_code().is_none()),
-            "{what}: {step}: {replies:?}"
-        );
-        if step == "the COPY" {
-            assert!(
-                replies.contains(&Backend::CommandComplete("COPY 20".into())),
-                "{what}: {replies:?}"
-            );
-        }
-    }
-    c.simple("COMMIT").await.expect("COMMIT");
-    len
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn copy_data_sent_before_copy_in_response_reaches_the_server() {
+async fn session_mode_holds_a_backend_per_client_and_bounds_the_pool() {
     let cluster = Cluster::start();
-    cluster.psql_on(
-        APP_DB,
-        &format!("CREATE TABLE copied (v int); ALTER TABLE copied OWNER TO {APP_USER};"),
-    );
-    let mut sessions = 0;
-    for session in [false, true] {
-        let options = if session {
-            ProxyOptions::pool(2).session()
-        } else {
-            ProxyOptions::pool(2)
-        };
-        let proxy = Proxy::start(&cluster, options);
-        let mut len = 0;
-        for extended in [false, true] {
-            for binary in [false, true] {
-                len = copy_session(&proxy, extended, binary, None).await;
+    let proxy = Arc::new(Proxy::start(&cluster, ProxyOptions::pool(3).session()));
+    let sampler = BackendSampler::start(&cluster).await;
+    let clients = (0..9).map(|i| {
+        let proxy = Arc::clone(&proxy);
+        tokio::spawn(async move {
+            let client = proxy.client().await;
+            // In session mode a session-level SET sticks for the whole session.
+            client
+                .batch_execute(&format!("SET application_name = 'session{i}'"))
+                .await
+                .expect("SET");
+            let pid = scalar(&client, "SELECT pg_backend_pid()").await;
+            for _ in 0..5 {
+                assert_eq!(
+                    scalar(&client, "SHOW application_name").await,
+                    format!("session{i}")
+                );
+                assert_eq!(
+                    scalar(&client, "SELECT pg_backend_pid()").await,
+                    pid,
+                    "session mode keeps one backend"
+                );
+                tokio::time::sleep(Duration::from_millis(10)).await;
             }
-        }
-        // The extended binary COPY cut in two writes at every byte (the proxy sees every
-        // partial frame there is).
-        for at in 1..len {
-            copy_session(&proxy, true, true, Some(at)).await;
-        }
-        sessions += 4 + len - 1;
-        proxy.assert_healthy().await;
+        })
+    });
+    for r in within(
+        Duration::from_secs(60),
+        "9 session-mode clients over 3 backends",
+        future::join_all(clients),
+    )
+    .await
+    {
+        r.expect("session client");
     }
-    let su = cluster.superuser_client(APP_DB).await;
-    let rows = su
-        .query_one("SELECT count(*) FROM copied WHERE v >= 0", &[])
-        .await
-        .expect("count");
-    let n: i64 = rows.get(0);
-    assert_eq!(n, sessions as i64 * 20, "20 rows from each COPY");
+    let (max, samples) = sampler.finish().await;
+    assert_pool_bound(&proxy, max, samples);
+    proxy.assert_healthy().await;
 }
 
 /// Everything a client can see of its own session, run over one connection at `addr`;
@@ -332,47 +254,5 @@ async fn session_mode_shows_what_a_direct_connection_shows() {
         direct,
         "through the proxy"
     );
-    proxy.assert_healthy().await;
-}
-
-/// Transaction mode renames protocol-level statements for sharing: SQL EXECUTE/DEALLOCATE of
-/// such a name is refused with a clear 0A000, never run against something else; the protocol
-/// path keeps working.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn transaction_mode_refuses_sql_execute_of_protocol_names() {
-    let cluster = Cluster::start();
-    let proxy = Proxy::start(&cluster, ProxyOptions::pool(2));
-    if proxy.is_direct() {
-        return;
-    }
-    let mut c = WireClient::connect(proxy.addr(), APP_USER, APP_PASSWORD, APP_DB)
-        .await
-        .expect("connect");
-    c.parse("s1", "SELECT $1::int + 1").sync();
-    c.send().await.expect("send Parse");
-    c.until_ready().await.expect("Parse");
-    for sql in ["EXECUTE s1(1)", "/* x */ DEALLOCATE PREPARE \"s1\""] {
-        let e = c.simple(sql).await.expect_err(sql);
-        assert!(
-            e.starts_with("0A000") && e.contains("extended protocol"),
-            "{sql}: {e}"
-        );
-    }
-    // Inside a transaction, the refusal aborts it like any error.
-    c.simple("BEGIN").await.expect("BEGIN");
-    assert!(c.simple("EXECUTE s1(1)").await.is_err());
-    let e = c.simple("SELECT 1").await.expect_err("aborted");
-    assert!(e.starts_with("25P02"), "{e}");
-    c.simple("ROLLBACK").await.expect("ROLLBACK");
-    c.bind("", "s1", &[Some("41")]).execute("", 0).sync();
-    c.send().await.expect("send Bind");
-    let replies = c.until_ready().await.expect("Bind");
-    assert_eq!(
-        crate::support::wire::first_column(&replies),
-        [Some("42".into())]
-    );
-    // A name the client never prepared goes to Postgres, which says it does not exist.
-    let e = c.simple("EXECUTE nope").await.expect_err("unknown name");
-    assert!(e.starts_with("26000"), "{e}");
     proxy.assert_healthy().await;
 }

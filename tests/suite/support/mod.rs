@@ -11,18 +11,29 @@
 //! * [`wire`] is a deliberately small raw protocol client, for the cases where a driver hides
 //!   what a test must control (statement names, exact message sequences); [`raw`] a byte-level
 //!   one that can send anything (malformed packets, TLS), with the universal oracle.
+//! * [`env`], [`policy`], [`storm`] and [`isolation`] start a cluster and a proxy with a config
+//!   file the way the tests of a feature family need it (the traffic policy of issue 5, the
+//!   storm controls of issue 17, the isolation tests of issue 15 with their session-state
+//!   probe); [`spawned`] starts the proxy by hand, as an operator does, and runs the CLI;
+//!   [`admin_api`] drives the admin API in process; [`faults`] and [`redis`] stand in for a
+//!   faulty network and for the fleet's Redis.
 //!
 //! Every external process the harness starts is paired with a [`Watchdog`], so that even a test
 //! binary killed with SIGKILL leaves no postmaster, proxy or data directory behind.
 
+pub mod admin_api;
 pub mod env;
 pub mod faults;
+pub mod isolation;
 pub mod pg;
 pub mod pgbench;
+pub mod policy;
 pub mod proxy;
 pub mod raw;
 pub mod redis;
+pub mod spawned;
 pub mod sql;
+pub mod storm;
 pub mod wire;
 
 use std::ffi::OsStr;

@@ -534,3 +534,10 @@ impl Drop for Proxy {
 fn tail_text(tail: &Mutex<Vec<String>>) -> String {
     tail.lock().map(|t| t.join("\n")).unwrap_or_default()
 }
+
+/// A client of `proxy` as `app` with `application_name`, shareable with spawned tasks.
+pub async fn client(proxy: &Proxy, application_name: &str) -> Arc<Client> {
+    let mut cfg = proxy.app_config();
+    cfg.application_name(application_name);
+    Arc::new(proxy.client_with(&cfg).await.0)
+}

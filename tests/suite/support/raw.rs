@@ -1,6 +1,7 @@
-//! Helpers for the hardening tests: a byte-level client that can send anything (including
-//! malformed packets) over plain TCP or TLS, TLS client configurations and certificates, config
-//! files, the admin API, and the universal oracle of TESTS.md.
+//! Helpers for the tests of TESTS.md (`protocol_faults`, `tls`, `backend_faults`, `lifecycle`,
+//! …): a byte-level client that can send anything (including malformed packets) over plain TCP
+//! or TLS, TLS client configurations and certificates, config files, the admin API, and the
+//! universal oracle of TESTS.md.
 
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};

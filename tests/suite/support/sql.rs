@@ -5,6 +5,8 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicI64, Ordering};
 use std::time::{Duration, Instant};
 
+use futures_util::future;
+use tokio::task::JoinHandle;
 use tokio_postgres::{Client, SimpleQueryMessage};
 
 use super::pg::{APP_DB, APP_USER, Cluster, Monitor};
@@ -144,4 +146,24 @@ pub fn assert_pool_bound(proxy: &Proxy, max: i64, samples: usize) {
             proxy.pool_size()
         );
     }
+}
+
+/// Awaits a spawned client task, within [`STEP`]; panics if it panicked.
+pub async fn join<T>(task: JoinHandle<T>) -> T {
+    within(STEP, "a client task", task)
+        .await
+        .expect("client task panicked")
+}
+
+/// Joins spawned tasks, panicking with the first failure.
+pub async fn join_all_ok<T>(
+    what: &str,
+    limit: Duration,
+    tasks: Vec<tokio::task::JoinHandle<T>>,
+) -> Vec<T> {
+    within(limit, what, future::join_all(tasks))
+        .await
+        .into_iter()
+        .map(|r| r.unwrap_or_else(|e| std::panic::resume_unwind(e.into_panic())))
+        .collect()
 }

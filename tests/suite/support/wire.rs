@@ -19,6 +19,10 @@ use tokio::net::TcpStream;
 /// How long a single receive may block before the client reports a hang.
 const RECV_TIMEOUT: Duration = Duration::from_secs(20);
 
+/// One step (an await on the proxy) of the tests that give it the wire client's whole receive
+/// timeout, 20 s, rather than the usual [`super::sql::STEP`].
+pub const STEP: Duration = Duration::from_secs(20);
+
 /// One decoded backend message.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Backend {
@@ -521,4 +525,18 @@ fn decode(tag: u8, mut body: Bytes) -> Result<Backend, String> {
         b'v' => Backend::NegotiateProtocolVersion,
         other => Backend::Other(other),
     })
+}
+
+/// A FunctionCall body: function OID, no argument formats (text), the arguments, text result.
+pub fn function_call(oid: u32, args: &[&str]) -> Vec<u8> {
+    let mut b = Vec::new();
+    b.extend_from_slice(&oid.to_be_bytes());
+    b.extend_from_slice(&0i16.to_be_bytes());
+    b.extend_from_slice(&(args.len() as i16).to_be_bytes());
+    for a in args {
+        b.extend_from_slice(&(a.len() as i32).to_be_bytes());
+        b.extend_from_slice(a.as_bytes());
+    }
+    b.extend_from_slice(&0i16.to_be_bytes());
+    b
 }
