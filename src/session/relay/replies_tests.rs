@@ -434,21 +434,27 @@ fn a_close_answered_here_waits_for_the_replies_before_it() {
     assert!(s.out.t.idle());
 }
 
+/// A batch of `kinds` starting with the Bind of proxy statement 42, sent and recorded for a
+/// replay, as the relay leaves it.
+fn replayable(kinds: &[Kind]) -> Session {
+    let mut s = Session::default();
+    for &k in kinds {
+        let mut e = fwd(k);
+        if k == Kind::Bind {
+            e.target = Some(42);
+        }
+        send(&mut s.out, e);
+    }
+    let frames = kinds.iter().map(|&k| Bytes::from(request(k))).collect();
+    s.retry = Some(Retry::recorded(42, frames));
+    s
+}
+
 #[test]
 fn a_stale_plan_is_hidden_then_replayed_once() {
     // Bind + Describe + Execute + Sync of statement 42, recorded for a replay: the 0A000 and
     // the batch's ReadyForQuery never reach the client, the driver is told to replay.
-    let mut s = Session::default();
-    let mut bind = fwd(Kind::Bind);
-    bind.target = Some(42);
-    send(&mut s.out, bind);
-    for k in [Kind::DescribePortal, Kind::Execute, Kind::Sync] {
-        send(&mut s.out, fwd(k));
-    }
-    let frames = [Kind::Bind, Kind::DescribePortal, Kind::Execute, Kind::Sync]
-        .map(|k| Bytes::from(request(k)))
-        .to_vec();
-    s.retry = Some(Retry::recorded(42, frames));
+    let mut s = replayable(&[Kind::Bind, Kind::DescribePortal, Kind::Execute, Kind::Sync]);
     s.read(&cat(&[
         error(
             "ERROR",
@@ -484,17 +490,7 @@ fn a_stale_plan_of_a_batch_without_describe_reaches_the_client() {
     // A driver that relies on a description from an earlier round trip gets the 0A000 as
     // Postgres sends it (rows of a shape it did not ask for would be worse); the statement is
     // still forgotten, so its next use re-prepares it.
-    let mut s = Session::default();
-    let mut bind = fwd(Kind::Bind);
-    bind.target = Some(42);
-    send(&mut s.out, bind);
-    for k in [Kind::Execute, Kind::Sync] {
-        send(&mut s.out, fwd(k));
-    }
-    let frames = [Kind::Bind, Kind::Execute, Kind::Sync]
-        .map(|k| Bytes::from(request(k)))
-        .to_vec();
-    s.retry = Some(Retry::recorded(42, frames));
+    let mut s = replayable(&[Kind::Bind, Kind::Execute, Kind::Sync]);
     let e = error(
         "ERROR",
         "0A000",
@@ -519,14 +515,7 @@ fn a_stale_plan_of_a_batch_without_describe_reaches_the_client() {
 
 #[test]
 fn a_batch_whose_rows_went_out_is_not_replayed() {
-    let mut s = Session::default();
-    for k in [Kind::Bind, Kind::DescribePortal, Kind::Execute, Kind::Sync] {
-        send(&mut s.out, fwd(k));
-    }
-    let frames = [Kind::Bind, Kind::DescribePortal, Kind::Execute, Kind::Sync]
-        .map(|k| Bytes::from(request(k)))
-        .to_vec();
-    s.retry = Some(Retry::recorded(42, frames));
+    let mut s = replayable(&[Kind::Bind, Kind::DescribePortal, Kind::Execute, Kind::Sync]);
     // Rows reached the client, then an error of the same class: replaying would send the
     // rows twice.
     let e = error(

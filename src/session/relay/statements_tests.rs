@@ -47,6 +47,16 @@ impl Fixture {
         }
     }
 
+    /// Runs `f` on the statements, this backend and the outbox.
+    fn with(&mut self, f: impl FnOnce(&mut Statements, Server<'_>, &mut Outbox)) {
+        let srv = Server {
+            prepared: &mut self.prepared,
+            stale: &mut self.stale,
+            pool: "test",
+        };
+        f(&mut self.st, srv, &mut self.out);
+    }
+
     fn srv(&mut self) -> Server<'_> {
         Server {
             prepared: &mut self.prepared,
@@ -59,55 +69,19 @@ impl Fixture {
         let (frame, body) = parse_frame(name, sql);
         let p = Parse::read(&body).unwrap();
         let class = self.classifier.classify(sql);
-        let Fixture {
-            st,
-            prepared,
-            stale,
-            out,
-            ..
-        } = self;
-        let srv = Server {
-            prepared,
-            stale,
-            pool: "test",
-        };
-        st.parse(&frame, &body, p, class, srv, out);
+        self.with(|st, srv, out| st.parse(&frame, &body, p, class, srv, out));
     }
 
     fn bind(&mut self, name: &str) {
         let frame = bind_frame(name);
         let b = Bind::read(&frame[5..]).unwrap();
-        let Fixture {
-            st,
-            prepared,
-            stale,
-            out,
-            ..
-        } = self;
-        let srv = Server {
-            prepared,
-            stale,
-            pool: "test",
-        };
-        st.bind(&frame, b, srv, out);
+        self.with(|st, srv, out| st.bind(&frame, b, srv, out));
     }
 
     fn target(&mut self, tag: u8, kind: u8, name: &str) {
         let frame = msg(tag, format!("{}{name}\0", char::from(kind)).as_bytes());
         let t = Target::read(&frame[5..]).unwrap();
-        let Fixture {
-            st,
-            prepared,
-            stale,
-            out,
-            ..
-        } = self;
-        let srv = Server {
-            prepared,
-            stale,
-            pool: "test",
-        };
-        st.describe_or_close(tag, &frame, t, srv, out);
+        self.with(|st, srv, out| st.describe_or_close(tag, &frame, t, srv, out));
     }
 
     /// What the backend got since the last call, as (tag, statement name it names) pairs,
