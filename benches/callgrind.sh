@@ -8,12 +8,13 @@
 #   benches/callgrind.sh [CLIENTS...]      (default: 8 64)
 #
 # Environment as benches/ab-lib.sh (a Postgres with `pgbench -i` tables); T1 (50) and T2
-# (250) transactions per client, MODE (simple), TOP (25) functions listed. The proxy runs
+# (250) transactions per client, MODE (simple), TOP (25) functions listed; CONNECT=1 runs
+# pgbench -C (a login per transaction: the cost of a login with its one select). The proxy runs
 # with pool 20, fingerprinting and the default policy on, and backend TLS off (PgBouncer's
 # default; a Postgres with ssl=on would otherwise add TLS to every backend write).
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/ab-lib.sh"
-: "${T1:=50}" "${T2:=250}" "${MODE:=simple}" "${TOP:=25}"
+: "${T1:=50}" "${T2:=250}" "${MODE:=simple}" "${TOP:=25}" "${CONNECT:=0}"
 command -v valgrind >/dev/null || { echo "valgrind missing: apt-get install valgrind" >&2; exit 1; }
 ab_setup
 cat >"$DIR/p.yaml" <<YAML
@@ -50,7 +51,10 @@ run() {
         sleep 0.2
     done
     [ -n "$port" ] || { cat "$DIR/cg.log" >&2; exit 1; }
-    pgbench -h 127.0.0.1 -p "$port" -n -S -M "$MODE" -c "$c" -t "$t" >"$DIR/pgbench.log" 2>&1 ||
+    local connect=()
+    [[ $CONNECT == 1 ]] && connect=(-C)
+    pgbench -h 127.0.0.1 -p "$port" -n -S -M "$MODE" "${connect[@]}" -c "$c" -t "$t" \
+        >"$DIR/pgbench.log" 2>&1 ||
         { cat "$DIR/pgbench.log" >&2; exit 1; }
     kill -TERM "$pid"
     wait "$pid" || true

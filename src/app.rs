@@ -187,6 +187,7 @@ impl App {
             fp_stats: FingerprintStats::new(config.classify.stats_capacity),
             runtime: ArcSwap::from_pointee(Runtime {
                 callers: caller_matcher(&config),
+                endpoint: Arc::new(endpoint(&config)),
                 config: Arc::new(config),
                 creds: Arc::new(creds),
                 limits,
@@ -231,13 +232,21 @@ impl App {
             .map_err(|e| format!("callers[{}].{}: {}", e.index, e.field, e.message))?;
         let caller_metrics = self.metrics.set_callers(&names);
         let creds = Arc::new(Credentials::from_config(&config));
+        let default_endpoint = Arc::new(endpoint(&config));
         for pool in self.pools.all() {
             // Replica pools take their route at their next use (`replica_pool_for`); a
             // database the new map no longer has keeps its last route until it is unused.
             if pool.replica {
                 continue;
             }
-            if let Ok(r) = route(&config, &creds, &self.pass_keys, &pool.database, &pool.user) {
+            let r = route(
+                (&config, &default_endpoint),
+                &creds,
+                &self.pass_keys,
+                &pool.database,
+                &pool.user,
+            );
+            if let Ok(r) = r {
                 pool.set_route(&r);
             }
         }
@@ -254,6 +263,7 @@ impl App {
         // One swap: sessions see the old configuration or the new one, never a mix.
         self.runtime.store(Arc::new(Runtime {
             callers: caller_matcher(&config),
+            endpoint: default_endpoint,
             config: Arc::new(config),
             creds,
             limits,
@@ -291,9 +301,15 @@ impl App {
             )
             .with_detail(format!("POST /v1/databases/{database}/enable reopens it")));
         }
-        let cfg = self.config();
-        let creds = self.creds();
-        let route = route(&cfg, &creds, &self.pass_keys, database, user)?;
+        let rt = self.runtime.load();
+        let cfg = &rt.config;
+        let route = route(
+            (cfg, &rt.endpoint),
+            &rt.creds,
+            &self.pass_keys,
+            database,
+            user,
+        )?;
         let max = cfg.limits.max_pools;
         let mut created = false;
         let pool = self.pools.get_or_create(database, user, max, || {
@@ -325,13 +341,20 @@ impl App {
     /// The pool of `database`'s replicas for `user` (`databases[].replicas`), made with its
     /// lag probe on first use; `None` when the database has no replicas.
     pub fn replica_pool_for(&self, database: &str, user: &str) -> Option<Arc<Pool>> {
-        let cfg = self.config();
+        let rt = self.runtime.load();
+        let cfg = &rt.config;
         let entry = cfg.database_entry(database)?;
         let replicas = entry.replica_target()?;
-        let creds = self.creds();
-        let primary = route(&cfg, &creds, &self.pass_keys, database, user).ok()?;
+        let primary = route(
+            (cfg, &rt.endpoint),
+            &rt.creds,
+            &self.pass_keys,
+            database,
+            user,
+        )
+        .ok()?;
         let route = crate::pool::Route {
-            endpoint: crate::pool::Endpoint {
+            endpoint: Arc::new(crate::pool::Endpoint {
                 also: replicas.hosts.iter().skip(1).cloned().collect(),
                 target: replicas.target,
                 startup: primary.endpoint.startup.clone(),
@@ -341,7 +364,7 @@ impl App {
                 tcp_user_timeout: primary.endpoint.tcp_user_timeout,
                 host: replicas.host,
                 port: replicas.port,
-            },
+            }),
             ..primary
         };
         let key = format!("{database}\0replica");
@@ -437,8 +460,9 @@ impl App {
 /// Where and as whom the pool of a client's (database, user) connects: its `databases:`
 /// entry when the map has one (else FATAL 3D000), else `backend.url`'s server with the
 /// client's own database name, user and password.
+/// The route of (`database`, `user`) under a configuration and its default endpoint.
 fn route(
-    cfg: &Config,
+    (cfg, default): (&Config, &Arc<crate::pool::Endpoint>),
     creds: &Credentials,
     keys: &PassKeys,
     database: &str,
@@ -455,7 +479,7 @@ fn route(
     if cfg.databases.is_empty() {
         let password = backend_password(creds, user);
         return Ok(crate::pool::Route {
-            endpoint: endpoint(cfg),
+            endpoint: Arc::clone(default),
             user: user.to_owned(),
             database: database.to_owned(),
             client_key: key(user, &password),
@@ -487,7 +511,7 @@ fn route(
         (true, name) => name.to_owned(),
     };
     Ok(crate::pool::Route {
-        endpoint: crate::pool::Endpoint {
+        endpoint: Arc::new(crate::pool::Endpoint {
             also: url.hosts.iter().skip(1).cloned().collect(),
             target: url.target,
             startup: url.startup(),
@@ -495,7 +519,7 @@ fn route(
             tcp_user_timeout: cfg.backend.tcp_user_timeout(),
             host: url.host,
             port: url.port,
-        },
+        }),
         client_key: key(&login, &password),
         user: login,
         database: server_db,

@@ -25,4 +25,7 @@ pub struct Runtime {
     pub limits: CallerTable,
     /// The callers' metric series, by the matcher's ids.
     pub caller_metrics: CallerMetrics,
+    /// Where pools connect without a `databases` entry (`backend.url`, else host and port),
+    /// parsed once per configuration rather than at every login.
+    pub endpoint: Arc<crate::pool::Endpoint>,
 }

@@ -115,6 +115,17 @@ impl ConnectParams {
         Endpoint::of(self)
     }
 
+    /// It points at `e` (compared in place: a login checks this).
+    pub fn has_endpoint(&self, e: &Endpoint) -> bool {
+        self.host == e.host
+            && self.port == e.port
+            && self.also == e.also
+            && self.target == e.target
+            && self.startup == e.startup
+            && self.connect_timeout == e.connect_timeout
+            && self.tcp_user_timeout == e.tcp_user_timeout
+    }
+
     /// Points it at `e`.
     pub fn set_endpoint(&mut self, e: Endpoint) {
         self.host = e.host;

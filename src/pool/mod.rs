@@ -35,7 +35,8 @@ pub use backend::{BackendConn, ConnectError, ConnectParams, Dirt, Endpoint};
 /// `backend.url`'s server with the client's own names).
 #[derive(Debug, Clone)]
 pub struct Route {
-    pub endpoint: Endpoint,
+    /// Shared: the default endpoint is parsed once per configuration (`Runtime::endpoint`).
+    pub endpoint: Arc<Endpoint>,
     /// The user the server sees (a `databases:` entry may name one for all clients).
     pub user: String,
     /// The database name on the server.
@@ -47,7 +48,7 @@ pub struct Route {
 
 impl Route {
     pub fn apply(&self, p: &mut ConnectParams) {
-        p.set_endpoint(self.endpoint.clone());
+        p.set_endpoint(Endpoint::clone(&self.endpoint));
         p.user = self.user.clone();
         p.database = self.database.clone();
         p.password = self.password.clone();
@@ -55,6 +56,9 @@ impl Route {
     }
 }
 use slots::{SlotError, SlotPermit, Slots};
+
+/// A server's ParameterStatus values, shared by the logins of a pool.
+pub type ServerParams = Arc<[(String, String)]>;
 
 /// How long after its backoff window a failed connect still says "unreachable".
 pub const UNREACHABLE_FOR: Duration = Duration::from_secs(10);
@@ -124,9 +128,9 @@ pub struct Pool {
     attempts: Semaphore,
     backoff: Mutex<Backoff>,
     /// ParameterStatus of the first successful login; sent to clients at their login.
-    server_params: Mutex<Option<Vec<(String, String)>>>,
+    server_params: Mutex<Option<ServerParams>>,
     /// (parameter, value as the client sent it) → value as the server reports it.
-    canonical: Mutex<HashMap<(String, String), String>>,
+    canonical: Mutex<HashMap<String, HashMap<String, String>>>,
     pub stats: PoolStats,
     /// How fast checkouts are served (the retry hints of its waiters).
     drain: crate::policy::drain::DrainRate,
@@ -390,20 +394,20 @@ impl Pool {
         let endpoint = &route.endpoint;
         {
             let mut connect = self.connect.lock();
-            let was = connect.endpoint();
             let same_key = match (&connect.client_key, &route.client_key) {
                 (Some(a), Some(b)) => Arc::ptr_eq(a, b),
                 (None, None) => true,
                 _ => false,
             };
             if connect.password == route.password
-                && was == *endpoint
+                && connect.has_endpoint(endpoint)
                 && connect.user == route.user
                 && connect.database == route.database
                 && same_key
             {
                 return;
             }
+            let was = connect.endpoint();
             if (&was.host, was.port, &was.also) != (&endpoint.host, endpoint.port, &endpoint.also) {
                 tracing::warn!(pool = %self.name, from = %format_args!("{}:{}", was.host, was.port), to = %format_args!("{}:{}", endpoint.host, endpoint.port), "backend address changed; new connections go there");
             }
@@ -632,7 +636,7 @@ impl Pool {
                 {
                     let mut sp = self.server_params.lock();
                     if sp.is_none() {
-                        *sp = Some(conn.server_params.clone());
+                        *sp = Some(conn.server_params.as_slice().into());
                     }
                 }
                 let mut b = self.backoff.lock();
@@ -694,21 +698,30 @@ impl Pool {
     }
 
     /// ParameterStatus values from the server, once any connection has logged in.
-    pub fn server_params(&self) -> Option<Vec<(String, String)>> {
+    /// The ParameterStatus values of the pool's first connection (shared, not copied).
+    pub fn server_params(&self) -> Option<ServerParams> {
         self.server_params.lock().clone()
     }
 
+    /// How the server reports setting `name` once set to `value` (learned at a login).
     pub fn canonical(&self, name: &str, value: &str) -> Option<String> {
+        self.canonical.lock().get(name)?.get(value).cloned()
+    }
+
+    /// Whether `canonical` knows (`name`, `value`), without copying the answer.
+    pub fn knows_canonical(&self, name: &str, value: &str) -> bool {
         self.canonical
             .lock()
-            .get(&(name.to_string(), value.to_string()))
-            .cloned()
+            .get(name)
+            .is_some_and(|m| m.contains_key(value))
     }
 
     pub fn learn_canonical(&self, name: &str, value: &str, reported: &str) {
         let mut c = self.canonical.lock();
-        if c.len() < 10_000 {
-            c.insert((name.to_string(), value.to_string()), reported.to_string());
+        if c.values().map(HashMap::len).sum::<usize>() < 10_000 {
+            c.entry(name.to_owned())
+                .or_default()
+                .insert(value.to_owned(), reported.to_owned());
         }
     }
 

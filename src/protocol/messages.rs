@@ -9,7 +9,7 @@ use bytes::{BufMut, Bytes, BytesMut};
 use pgwire::messages::Message;
 use pgwire::messages::response::{ReadyForQuery, TransactionStatus};
 use pgwire::messages::startup::{
-    Authentication, BackendKeyData, NegotiateProtocolVersion, ParameterStatus, SecretKey,
+    Authentication, BackendKeyData, NegotiateProtocolVersion, SecretKey,
 };
 
 use super::framing::STARTUP_LIMIT;
@@ -268,9 +268,10 @@ pub fn auth_md5(out: &mut BytesMut, salt: [u8; 4]) {
 }
 
 pub fn parameter_status(out: &mut BytesMut, name: &str, value: &str) {
-    put(
+    raw(
         out,
-        ParameterStatus::new(name.to_string(), value.to_string()),
+        b'S',
+        &[name.as_bytes(), b"\0", value.as_bytes(), b"\0"],
     );
 }
 
@@ -301,6 +302,19 @@ pub fn negotiate_protocol_version(out: &mut BytesMut, minor: u16, unsupported: V
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn parameter_status_is_written_as_pgwire_encodes_it() {
+        use pgwire::messages::startup::ParameterStatus;
+        let mut ours = BytesMut::new();
+        parameter_status(&mut ours, "server_version", "15.19 (Debian)");
+        let mut theirs = BytesMut::new();
+        put(
+            &mut theirs,
+            ParameterStatus::new("server_version".into(), "15.19 (Debian)".into()),
+        );
+        assert_eq!(ours, theirs);
+    }
 
     fn startup_body(code: u32, kv: &[u8]) -> Vec<u8> {
         let mut v = code.to_be_bytes().to_vec();

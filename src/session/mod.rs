@@ -249,9 +249,7 @@ async fn logged_in<S: AsyncRead + AsyncWrite + Unpin>(
         .cancels
         .register_client(if login.minor >= 2 { 32 } else { 4 }, Some(meta));
     let mut out = BytesMut::with_capacity(1024);
-    for (k, v) in &status {
-        messages::parameter_status(&mut out, k, v);
-    }
+    status.write(&mut out);
     messages::backend_key_data(&mut out, reg.pid, &reg.secret);
     messages::ready_for_query(&mut out, b'I');
     if stream.write_all(&out).await.is_err() {
@@ -367,20 +365,44 @@ async fn send_error<S: AsyncWrite + Unpin>(stream: &mut S, e: &PgError) {
     let _ = tokio::time::timeout(Duration::from_secs(1), stream.write_all(&out)).await;
 }
 
-/// The ParameterStatus list for a new client: the server's values, with the client's own
-/// startup settings as the server reports them. Learns the server's spelling once per value
-/// (one round trip on a pooled backend), then answers from the pool's cache.
-async fn login_params(
-    app: &App,
-    pool: &Arc<Pool>,
-    login: &Login,
-) -> Result<Vec<(String, String)>, PgError> {
+/// The ParameterStatus list of a new client: the server's values (shared by the pool's
+/// logins), with the client's own startup settings as the server reports them.
+struct Status {
+    server: Arc<[(String, String)]>,
+    /// The client's settings as reported, by name (no two alike, ignoring case).
+    own: Vec<(String, String)>,
+}
+
+impl Status {
+    /// Writes the list: the server's values in its order, a client setting in place of the
+    /// server's value of the same name, the client's other settings after them.
+    fn write(&self, out: &mut BytesMut) {
+        for (k, v) in self.server.iter() {
+            let v = self
+                .own
+                .iter()
+                .find(|(n, _)| n.eq_ignore_ascii_case(k))
+                .map_or(v, |(_, r)| r);
+            messages::parameter_status(out, k, v);
+        }
+        for (k, v) in &self.own {
+            if !self.server.iter().any(|(n, _)| n.eq_ignore_ascii_case(k)) {
+                messages::parameter_status(out, k, v);
+            }
+        }
+    }
+}
+
+/// The ParameterStatus list for a new client. Learns the server's spelling of the client's
+/// settings once per value (one round trip on a pooled backend), then answers from the
+/// pool's cache.
+async fn login_params(app: &App, pool: &Arc<Pool>, login: &Login) -> Result<Status, PgError> {
     let mut known = pool.server_params();
     let all_known = known.is_some()
         && login
             .settings
             .iter()
-            .all(|(k, v)| pool.canonical(k, v).is_some());
+            .all(|(k, v)| pool.knows_canonical(k, v));
     if !all_known {
         let deadline = Instant::now() + Duration::from_millis(pool.cfg.checkout_timeout_ms);
         let mut b = pool.checkout(2, deadline).await.map_err(|e| {
@@ -394,7 +416,7 @@ async fn login_params(
         b.release().await;
         known = pool.server_params();
     }
-    let mut status = known.unwrap_or_default();
+    let mut own: Vec<(String, String)> = Vec::new();
     for (k, v) in &login.settings {
         let Some(reported) = pool.canonical(k, v) else {
             continue;
@@ -403,12 +425,16 @@ async fn login_params(
         if reported.is_empty() && k != "application_name" {
             continue;
         }
-        match status.iter_mut().find(|(n, _)| n.eq_ignore_ascii_case(k)) {
+        // A name given twice: the last one counts, as it would in Postgres.
+        match own.iter_mut().find(|(n, _)| n.eq_ignore_ascii_case(k)) {
             Some(slot) => slot.1 = reported,
-            None => status.push((k.clone(), reported)),
+            None => own.push((k.clone(), reported)),
         }
     }
-    Ok(status)
+    Ok(Status {
+        server: known.unwrap_or_else(|| Arc::from(Vec::new())),
+        own,
+    })
 }
 
 /// Applies the client's settings on `b`, recording how the server reports each of them.
