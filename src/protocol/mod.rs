@@ -7,6 +7,7 @@
 pub mod error;
 pub mod framing;
 pub mod messages;
+pub mod tag;
 
 pub use error::PgError;
 pub use framing::{Direction, FrameError, FrameHeader};

@@ -12,6 +12,7 @@ use std::collections::VecDeque;
 use bytes::BytesMut;
 
 use crate::protocol::messages;
+use crate::protocol::tag::{backend, status};
 
 mod outbox;
 pub use outbox::Outbox;
@@ -108,7 +109,7 @@ impl Default for Tracker {
     fn default() -> Self {
         Tracker {
             q: VecDeque::new(),
-            txn: b'I',
+            txn: status::IDLE,
             copy_in: false,
             sync_pending: false,
         }
@@ -128,7 +129,7 @@ impl Tracker {
 
     /// Nothing owed, no transaction, no COPY, no half-finished extended batch.
     pub fn idle(&self) -> bool {
-        self.q.is_empty() && !self.sync_pending && self.txn == b'I' && !self.copy_in
+        self.q.is_empty() && !self.sync_pending && self.txn == status::IDLE && !self.copy_in
     }
 
     /// Requests still waiting for replies.
@@ -195,8 +196,8 @@ impl Tracker {
             ..Step::default()
         };
         match tag {
-            b'Z' => {
-                self.txn = first.unwrap_or(b'I');
+            backend::READY_FOR_QUERY => {
+                self.txn = first.unwrap_or(status::IDLE);
                 self.copy_in = false;
                 // Pop through the request this answers (guards against a desync).
                 while let Some(e) = self.q.pop_front() {
@@ -209,7 +210,7 @@ impl Tracker {
                     }
                 }
             }
-            b'E' => {
+            backend::ERROR_RESPONSE => {
                 self.copy_in = false;
                 match head {
                     None => step.forward = true,
@@ -232,7 +233,7 @@ impl Tracker {
                     }
                 }
             }
-            b'1' | b'2' | b'3' => {
+            backend::PARSE_COMPLETE | backend::BIND_COMPLETE | backend::CLOSE_COMPLETE => {
                 if matches!(
                     head.map(|h| h.kind),
                     Some(Kind::Parse | Kind::Bind | Kind::Close)
@@ -240,8 +241,10 @@ impl Tracker {
                     self.q.pop_front();
                 }
             }
-            b'T' | b'D' if self.skipping_injected_result() => step.forward = false,
-            b'T' | b'n' => {
+            backend::ROW_DESCRIPTION | backend::DATA_ROW if self.skipping_injected_result() => {
+                step.forward = false
+            }
+            backend::ROW_DESCRIPTION | backend::NO_DATA => {
                 if matches!(
                     head.map(|h| h.kind),
                     Some(Kind::DescribeStmt | Kind::DescribePortal)
@@ -249,8 +252,8 @@ impl Tracker {
                     self.q.pop_front();
                 }
             }
-            b'C' | b'I' | b's' => {
-                if tag == b'C' {
+            backend::COMMAND_COMPLETE | backend::EMPTY_QUERY | backend::PORTAL_SUSPENDED => {
+                if tag == backend::COMMAND_COMPLETE {
                     self.copy_in = false;
                     if let Some(h) = self.q.front_mut()
                         && h.kind == Kind::Query
@@ -264,7 +267,7 @@ impl Tracker {
                     self.q.pop_front();
                 }
             }
-            b'G' | b'W' => {
+            backend::COPY_IN | backend::COPY_BOTH => {
                 self.copy_in = true;
                 // Postgres ignores Sync and Flush while in COPY FROM STDIN: Syncs the client
                 // pipelined behind the Execute that started the copy get no ReadyForQuery.
@@ -279,9 +282,9 @@ impl Tracker {
                     }
                 }
             }
-            b'D' => step.capture_row = head_mode == Mode::Capture,
+            backend::DATA_ROW => step.capture_row = head_mode == Mode::Capture,
             // Notifications belong to the client whatever it is waiting for.
-            b'A' => step.forward = true,
+            backend::NOTIFICATION => step.forward = true,
             _ => {}
         }
         step

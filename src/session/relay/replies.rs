@@ -17,6 +17,7 @@ use bytes::{Buf, BytesMut};
 use crate::protocol::error::{field_of, shift_position, sqlstate_of};
 use crate::protocol::framing::{self, Direction, FrameError};
 use crate::protocol::messages;
+use crate::protocol::tag::backend;
 use crate::session::state;
 use crate::session::tracker::Tracker;
 
@@ -180,7 +181,7 @@ impl Replies {
                 return Ok(Next::Read);
             };
             if rest.len() < h.total {
-                if matches!(h.tag, b'D' | b'd') && !t.capturing() {
+                if matches!(h.tag, backend::DATA_ROW | backend::COPY_DATA) && !t.capturing() {
                     let step = t.on_backend(h.tag, None);
                     if step.forward {
                         client.extend_from_slice(rest);
@@ -221,7 +222,7 @@ fn decide(
     let tag = frame[0];
     let body = &frame[framing::HEADER_LEN..];
     let mut seen = Seen::default();
-    if tag == b'E' && is_stale_plan(body) {
+    if tag == backend::ERROR_RESPONSE && is_stale_plan(body) {
         // Before the tracker moves on: the statement is the head request's.
         seen.stale = t.head_target();
     }
@@ -231,10 +232,11 @@ fn decide(
     }
     let step = t.on_backend(tag, body.first().copied());
     if filter == Some(Filter::Swallow) {
-        seen.replay = tag == b'Z';
+        seen.replay = tag == backend::READY_FOR_QUERY;
         return seen;
     }
-    seen.fatal = tag == b'E' && matches!(field_of(body, b'S'), Some("FATAL" | "PANIC"));
+    seen.fatal =
+        tag == backend::ERROR_RESPONSE && matches!(field_of(body, b'S'), Some("FATAL" | "PANIC"));
     if !step.not_prepared.is_empty() {
         seen.not_prepared = true;
         rare.not_prepared.extend_from_slice(&step.not_prepared);
@@ -257,16 +259,20 @@ fn decide(
         return seen;
     }
     match tag {
-        b'Z' => seen.ready = true,
-        b'C' => seen.rows = Some(rows_of(body)),
-        b'E' => {
+        backend::READY_FOR_QUERY => seen.ready = true,
+        backend::COMMAND_COMPLETE => seen.rows = Some(rows_of(body)),
+        backend::ERROR_RESPONSE => {
             seen.errored = true;
             seen.code = sqlstate_of(body).and_then(|c| c.as_bytes().try_into().ok());
         }
         _ => {}
     }
-    if tag == b'E' && step.pos_shift > 0 {
-        messages::raw(client, b'E', &[&shift_position(body, step.pos_shift)]);
+    if tag == backend::ERROR_RESPONSE && step.pos_shift > 0 {
+        messages::raw(
+            client,
+            backend::ERROR_RESPONSE,
+            &[&shift_position(body, step.pos_shift)],
+        );
     } else {
         client.extend_from_slice(frame);
     }

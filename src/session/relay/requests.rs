@@ -14,6 +14,7 @@ use bytes::{Buf, Bytes, BytesMut};
 
 use crate::protocol::framing::{self, Direction, FrameError};
 use crate::protocol::messages;
+use crate::protocol::tag::frontend;
 use crate::session::tracker::Outbox;
 
 #[derive(Debug)]
@@ -115,7 +116,12 @@ impl Requests {
             let Some(h) = framing::header(&self.buf, Direction::Frontend)? else {
                 return Ok(Request::Read);
             };
-            if h.total > self.max_message && matches!(h.tag, b'Q' | b'P' | b'B' | b'F') {
+            if h.total > self.max_message
+                && matches!(
+                    h.tag,
+                    frontend::QUERY | frontend::PARSE | frontend::BIND | frontend::FUNCTION_CALL
+                )
+            {
                 // Refused before it is buffered: its bytes are dropped as they arrive.
                 self.drop = h.total;
                 if self.skipping {
@@ -129,7 +135,7 @@ impl Requests {
             if self.buf.len() < h.total {
                 // Stream big CopyData through instead of buffering it whole (see below on
                 // why the backend need not have entered COPY yet).
-                if h.tag == b'd' && attached && !self.skipping {
+                if h.tag == frontend::COPY_DATA && attached && !self.skipping {
                     out.pass(&self.buf);
                     self.pass = h.total - self.buf.len();
                     self.buf.clear();
@@ -138,11 +144,11 @@ impl Requests {
             }
             if self.skipping {
                 match h.tag {
-                    b'S' => {
+                    frontend::SYNC => {
                         self.skipping = false;
                         messages::ready_for_query(client, txn);
                     }
-                    b'X' => {
+                    frontend::TERMINATE => {
                         self.buf.advance(h.total);
                         return Ok(Request::Terminate);
                     }
@@ -152,11 +158,11 @@ impl Requests {
                 continue;
             }
             match h.tag {
-                b'X' => {
+                frontend::TERMINATE => {
                     self.buf.advance(h.total);
                     return Ok(Request::Terminate);
                 }
-                b'p' => {
+                frontend::PASSWORD => {
                     self.buf.advance(h.total);
                     return Ok(Request::Violation(
                         "unexpected password message after authentication",
@@ -167,7 +173,10 @@ impl Requests {
                 // server's CopyInResponse has come back (pgx does), and the server reads them in
                 // order. Outside COPY, Postgres ignores them itself; with no backend we do.
                 // Flush: no reply of its own.
-                b'd' | b'c' | b'f' | b'H' => {
+                frontend::COPY_DATA
+                | frontend::COPY_DONE
+                | frontend::COPY_FAIL
+                | frontend::FLUSH => {
                     if attached {
                         out.pass(&self.buf[..h.total]);
                     }

@@ -12,6 +12,7 @@ use bytes::Bytes;
 use crate::protocol::error::{field_of, sqlstate_of};
 use crate::protocol::framing;
 use crate::protocol::messages;
+use crate::protocol::tag::{backend, frontend, status, target};
 
 use super::super::tracker::{Expect, Kind, Mode};
 use super::Relay;
@@ -53,18 +54,26 @@ impl Retry {
             return Filter::Swallow;
         }
         match tag {
-            b'E' if !self.spoiled
-                && !self.recording
-                && self.frames.iter().any(|f| f.first() == Some(&b'D'))
-                && sqlstate_of(body) == Some("0A000")
-                && field_of(body, b'M')
-                    .is_some_and(|m| m.contains("cached plan must not change result type")) =>
+            backend::ERROR_RESPONSE
+                if !self.spoiled
+                    && !self.recording
+                    && self
+                        .frames
+                        .iter()
+                        .any(|f| f.first() == Some(&frontend::DESCRIBE))
+                    && sqlstate_of(body) == Some("0A000")
+                    && field_of(body, b'M')
+                        .is_some_and(|m| m.contains("cached plan must not change result type")) =>
             {
                 self.armed = true;
                 Filter::Swallow
             }
-            b'1' | b'2' | b'3' | b'N' | b'S' => Filter::Pass,
-            b'Z' => Filter::Forget,
+            backend::PARSE_COMPLETE
+            | backend::BIND_COMPLETE
+            | backend::CLOSE_COMPLETE
+            | backend::NOTICE_RESPONSE
+            | backend::PARAMETER_STATUS => Filter::Pass,
+            backend::READY_FOR_QUERY => Filter::Forget,
             _ => {
                 self.spoiled = true;
                 Filter::Pass
@@ -88,7 +97,7 @@ impl Retry {
 impl Relay {
     /// A Bind of a named statement opening a fresh batch: start recording.
     pub(super) fn retry_start(&mut self, hash: u64, frame: &Bytes) {
-        if self.out.t.txn != b'I' || self.out.t.in_flight() {
+        if self.out.t.txn != status::IDLE || self.out.t.in_flight() {
             self.retry = None;
             return;
         }
@@ -107,13 +116,17 @@ impl Relay {
         if !r.recording {
             return;
         }
-        if !matches!(tag, b'D' | b'E' | b'H' | b'S') || r.bytes + frame.len() > MAX_RETRY_BYTES {
+        let replayable = matches!(
+            tag,
+            frontend::DESCRIBE | frontend::EXECUTE | frontend::FLUSH | frontend::SYNC
+        );
+        if !replayable || r.bytes + frame.len() > MAX_RETRY_BYTES {
             self.retry = None;
             return;
         }
         r.bytes += frame.len();
         r.frames.push(frame.clone());
-        if tag == b'S' {
+        if tag == frontend::SYNC {
             r.recording = false;
         }
     }
@@ -129,7 +142,7 @@ impl Relay {
             let tag = f[0];
             let body = f.slice(framing::HEADER_LEN..);
             match tag {
-                b'B' => {
+                frontend::BIND => {
                     let Some(messages::Bind {
                         portal,
                         statement: stmt,
@@ -147,7 +160,7 @@ impl Relay {
                         None => self.out.send(e, &f),
                     }
                 }
-                b'D' => {
+                frontend::DESCRIBE => {
                     let Some(target) = messages::Target::read(&body) else {
                         continue;
                     };
@@ -155,9 +168,9 @@ impl Relay {
                         let server = self.statements.ensure(name, &mut srv, &mut self.out);
                         let e = Expect::new(Kind::DescribeStmt, Mode::Forward);
                         match server {
-                            Some(s) => self
-                                .out
-                                .send_with(e, |buf| messages::target(buf, b'D', b'S', &s)),
+                            Some(s) => self.out.send_with(e, |buf| {
+                                messages::target(buf, frontend::DESCRIBE, target::STATEMENT, &s)
+                            }),
                             None => self.out.send(e, &f),
                         }
                     } else {
@@ -165,10 +178,10 @@ impl Relay {
                             .send(Expect::new(Kind::DescribePortal, Mode::Forward), &f);
                     }
                 }
-                b'E' => {
+                frontend::EXECUTE => {
                     self.out.send(Expect::new(Kind::Execute, Mode::Forward), &f);
                 }
-                b'S' => {
+                frontend::SYNC => {
                     // The original Sync's ReadyForQuery was swallowed: same count.
                     self.out.send(Expect::new(Kind::Sync, Mode::Forward), &f);
                 }

@@ -24,6 +24,7 @@ use crate::classify::{Classified, SessionEffect};
 use crate::pool::prepared::{Lookup, PreparedCache, server_name};
 use crate::protocol::PgError;
 use crate::protocol::messages::{self, Bind, Parse, Target};
+use crate::protocol::tag::{frontend, target};
 use crate::session::tracker::{Expect, Kind, Mode, Outbox};
 
 /// A client's named statement (protocol level).
@@ -99,7 +100,7 @@ impl Server<'_> {
 /// A Close of a proxy-named statement the proxy decided on (its reply is swallowed).
 fn close(out: &mut Outbox, hash: u64) {
     out.send_with(Expect::new(Kind::Close, Mode::Swallow), |buf| {
-        messages::target(buf, b'C', b'S', &server_name(hash))
+        messages::target(buf, frontend::CLOSE, target::STATEMENT, &server_name(hash))
     });
 }
 
@@ -272,21 +273,23 @@ impl Statements {
         out: &mut Outbox,
     ) {
         match (tag, target) {
-            (b'D', Target::Statement(name)) => {
+            (frontend::DESCRIBE, Target::Statement(name)) => {
                 let server = self.ensure(name, &mut srv, out);
                 let mut e = Expect::new(Kind::DescribeStmt, Mode::Forward);
                 e.target = self.hash_of(name);
                 match server {
                     Some(server) => {
-                        out.send_with(e, |buf| messages::target(buf, b'D', b'S', &server));
+                        out.send_with(e, |buf| {
+                            messages::target(buf, frontend::DESCRIBE, target::STATEMENT, &server)
+                        });
                     }
                     None => out.send(e, frame),
                 }
             }
-            (b'D', Target::Portal(_)) => {
+            (frontend::DESCRIBE, Target::Portal(_)) => {
                 out.send(Expect::new(Kind::DescribePortal, Mode::Forward), frame);
             }
-            (b'C', Target::Statement(name)) if !name.is_empty() && self.renamed => {
+            (frontend::CLOSE, Target::Statement(name)) if !name.is_empty() && self.renamed => {
                 // The server statement stays cached for others; only the client's name goes.
                 self.named.remove(name);
                 out.answer_here(Kind::Close);
