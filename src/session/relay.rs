@@ -8,8 +8,10 @@
 //! Backend → client: [`replies`] frames the backend's bytes, streams DataRow and CopyData
 //! without buffering them whole, and with the tracker decides what is forwarded, swallowed or
 //! answered by us; what a reply means (a request ended, an error, a statement gone stale, a
-//! replay due — `retry`) comes back here ([`Relay::on_seen`]). `oracle` checks the cores
-//! against a simulated Postgres. Writes are batched: one write per read on each side.
+//! replay due — `retry`) comes back here ([`Relay::on_seen`]). [`statements`] renames
+//! prepared statements, [`release`] decides when the backend may go back to the pool, and
+//! `oracle` checks the cores against a simulated Postgres. Writes are batched: one write per
+//! read on each side.
 //!
 //! Per-transaction cost is the point of this file (see docs/BENCHMARKS.md): the event loop
 //! polls the two sockets directly, in turns, rather than through a `select!` of futures
@@ -49,6 +51,7 @@ use super::{End, Login, params, set_cancel_target};
 mod admission;
 #[cfg(any(test, fuzzing))]
 pub mod oracle;
+mod release;
 mod replies;
 mod requests;
 mod retry;
@@ -1182,35 +1185,38 @@ impl Relay {
     /// In transaction mode, returns the backend once it is idle with nothing owed (after
     /// reading back its session settings if the client changed them).
     async fn maybe_release(&mut self) -> Result<(), End> {
-        let quiet = self.out.t.idle()
-            && self.replies.quiet()
-            && self.out.is_empty()
-            && !self.requests.skipping();
-        if !quiet {
-            return Ok(());
+        let quiet = release::Quiet {
+            idle: self.out.t.idle(),
+            replies_done: self.replies.quiet(),
+            nothing_unsent: self.out.is_empty(),
+            skipping: self.requests.skipping(),
+            attached: self.backend.is_some(),
+            pooled: self.mode == PoolMode::Transaction && !self.pinned,
+            capture_needed: self.capture_needed,
+        };
+        match release::decide(quiet) {
+            release::Decision::Busy => Ok(()),
+            release::Decision::EndUnit | release::Decision::Keep => {
+                self.end_unit();
+                self.leave_if_draining()
+            }
+            release::Decision::ReadBack => {
+                self.capture_needed = false;
+                self.replies.restart_capture();
+                let sql = state::capture_sql(&self.pool.login_user(), &self.custom_gucs);
+                self.out.query(Mode::Capture, &sql);
+                self.flush_backend().await
+            }
+            release::Decision::Release => {
+                self.end_unit();
+                set_cancel_target(&self.cancel, None).await;
+                if let Some(b) = self.backend.take() {
+                    b.release().await;
+                }
+                self.unit_pool = None;
+                self.leave_if_draining()
+            }
         }
-        if self.backend.is_none() {
-            self.end_unit();
-            return self.leave_if_draining();
-        }
-        let pooled = self.mode == PoolMode::Transaction && !self.pinned;
-        if pooled && self.capture_needed {
-            self.capture_needed = false;
-            self.replies.restart_capture();
-            let sql = state::capture_sql(&self.pool.login_user(), &self.custom_gucs);
-            self.out.query(Mode::Capture, &sql);
-            return self.flush_backend().await;
-        }
-        self.end_unit();
-        if !pooled {
-            return self.leave_if_draining();
-        }
-        set_cancel_target(&self.cancel, None).await;
-        if let Some(b) = self.backend.take() {
-            b.release().await;
-        }
-        self.unit_pool = None;
-        self.leave_if_draining()
     }
 
     /// During a graceful shutdown a client leaves as soon as it is between transactions.
