@@ -303,13 +303,7 @@ impl App {
         }
         let rt = self.runtime.load();
         let cfg = &rt.config;
-        let route = route(
-            (cfg, &rt.endpoint),
-            &rt.creds,
-            &self.pass_keys,
-            database,
-            user,
-        )?;
+        let route = self.route_in(&rt, database, user)?;
         let max = cfg.limits.max_pools;
         let mut created = false;
         let pool = self.pools.get_or_create(database, user, max, || {
@@ -338,6 +332,22 @@ impl App {
         Ok(pool)
     }
 
+    /// The route of (`database`, `user`) under the runtime snapshot `rt`.
+    fn route_in(
+        &self,
+        rt: &Runtime,
+        database: &str,
+        user: &str,
+    ) -> Result<crate::pool::Route, PgError> {
+        route(
+            (&rt.config, &rt.endpoint),
+            &rt.creds,
+            &self.pass_keys,
+            database,
+            user,
+        )
+    }
+
     /// The pool of `database`'s replicas for `user` (`databases[].replicas`), made with its
     /// lag probe on first use; `None` when the database has no replicas.
     pub fn replica_pool_for(&self, database: &str, user: &str) -> Option<Arc<Pool>> {
@@ -345,14 +355,7 @@ impl App {
         let cfg = &rt.config;
         let entry = cfg.database_entry(database)?;
         let replicas = entry.replica_target()?;
-        let primary = route(
-            (cfg, &rt.endpoint),
-            &rt.creds,
-            &self.pass_keys,
-            database,
-            user,
-        )
-        .ok()?;
+        let primary = self.route_in(&rt, database, user).ok()?;
         let route = crate::pool::Route {
             endpoint: Arc::new(crate::pool::Endpoint {
                 also: replicas.hosts.iter().skip(1).cloned().collect(),
