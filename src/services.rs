@@ -61,10 +61,6 @@ impl Service {
         self.awaited = Some(limit);
         self
     }
-
-    pub fn name(&self) -> &'static str {
-        self.name
-    }
 }
 
 /// The services every proxy process runs, whatever its listeners: pool upkeep (idle

@@ -151,7 +151,10 @@ impl Relay {
                     else {
                         continue;
                     };
-                    let server = self.statements.ensure(stmt, &mut srv, &mut self.out);
+                    let server = self
+                        .statements
+                        .ensure(stmt, &mut srv, &mut self.out)
+                        .map(|(_, name)| name);
                     let e = Expect::new(Kind::Bind, Mode::Forward);
                     match server {
                         Some(s) => self
@@ -165,7 +168,10 @@ impl Relay {
                         continue;
                     };
                     if let messages::Target::Statement(name) = target {
-                        let server = self.statements.ensure(name, &mut srv, &mut self.out);
+                        let server = self
+                            .statements
+                            .ensure(name, &mut srv, &mut self.out)
+                            .map(|(_, name)| name);
                         let e = Expect::new(Kind::DescribeStmt, Mode::Forward);
                         match server {
                             Some(s) => self.out.send_with(e, |buf| {

@@ -236,26 +236,31 @@ impl Statements {
     }
 
     /// Makes sure the client's statement `name` exists on this backend (an injected Parse
-    /// when it does not); returns its proxy name. `None`: the name goes as it is (unnamed,
-    /// session mode, or a name the proxy never saw prepared).
-    pub fn ensure(&self, name: &[u8], srv: &mut Server<'_>, out: &mut Outbox) -> Option<[u8; 22]> {
+    /// when it does not); returns its hash and proxy name. `None`: the name goes as it is
+    /// (unnamed, session mode, or a name the proxy never saw prepared).
+    pub fn ensure(
+        &self,
+        name: &[u8],
+        srv: &mut Server<'_>,
+        out: &mut Outbox,
+    ) -> Option<(u64, [u8; 22])> {
         if name.is_empty() || !self.renamed {
             return None;
         }
         let s = self.named.get(name)?;
         srv.ensure(out, s.hash, &s.query, &s.types, Mode::Swallow);
-        Some(server_name(s.hash))
+        Some((s.hash, server_name(s.hash)))
     }
 
     /// A client's Bind (`frame`, `b` read from it): to the statement's proxy name, preceded by
     /// its Parse if this backend lacks it.
     pub fn bind(&self, frame: &[u8], b: Bind<'_>, mut srv: Server<'_>, out: &mut Outbox) {
         // An injected Parse (if any) goes before the Bind, and so does its expectation.
-        let server = self.ensure(b.statement, &mut srv, out);
+        let ensured = self.ensure(b.statement, &mut srv, out);
         let mut e = Expect::new(Kind::Bind, Mode::Forward);
-        e.target = self.hash_of(b.statement);
-        match server {
-            Some(server) => out.send_with(e, |buf| {
+        e.target = ensured.map(|(hash, _)| hash);
+        match ensured {
+            Some((_, server)) => out.send_with(e, |buf| {
                 messages::bind_renamed(buf, b.portal, &server, b.tail)
             }),
             // Unnamed, or unknown to us: Postgres gives the client the right error.
@@ -274,11 +279,11 @@ impl Statements {
     ) {
         match (tag, target) {
             (frontend::DESCRIBE, Target::Statement(name)) => {
-                let server = self.ensure(name, &mut srv, out);
+                let ensured = self.ensure(name, &mut srv, out);
                 let mut e = Expect::new(Kind::DescribeStmt, Mode::Forward);
-                e.target = self.hash_of(name);
-                match server {
-                    Some(server) => {
+                e.target = ensured.map(|(hash, _)| hash);
+                match ensured {
+                    Some((_, server)) => {
                         out.send_with(e, |buf| {
                             messages::target(buf, frontend::DESCRIBE, target::STATEMENT, &server)
                         });
