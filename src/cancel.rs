@@ -2,8 +2,10 @@
 //! backend that is running its work *right now*.
 //!
 //! The session sets the target when it borrows a backend and clears it before returning the
-//! backend to the pool; both go through an async mutex that a cancel holds while it talks to
-//! Postgres, so a cancel can never land on a backend that already serves another client.
+//! backend to the pool. A cancel marks the target as being delivered to while it talks to
+//! Postgres, and a change of target waits until no delivery is under way, so a cancel can
+//! never land on a backend that already serves another client. With none under way (every
+//! checkout and release but a rare few) the change is one uncontended lock, no await.
 //! A wrong secret, an unknown pid or an idle client make the request a silent no-op.
 //!
 //! With `peers` configured, several instances share one client port (SO_REUSEPORT) and a
@@ -21,7 +23,7 @@
 //! source: the instance that first received them already charged the sender's address.
 //! This module decides and sends; it never reads the configuration itself.
 
-use std::collections::HashMap;
+use foldhash::{HashMap, HashMapExt};
 use std::net::IpAddr;
 use std::sync::Arc;
 use std::sync::atomic::Ordering as AtomicOrdering;
@@ -126,9 +128,36 @@ pub struct Target {
     pub secret: Arc<[u8]>,
 }
 
+/// A session's current backend and the cancels being delivered to it.
+#[derive(Default)]
+struct Lent {
+    target: Option<Target>,
+    delivering: u32,
+}
+
+/// A cancel being delivered to `target`: while any exists, the session's target cannot
+/// change (the backend stays with this client).
+struct Delivery<'a> {
+    entry: &'a Entry,
+    target: Target,
+}
+
+impl Drop for Delivery<'_> {
+    fn drop(&mut self) {
+        let mut g = self.entry.target.lock();
+        g.delivering -= 1;
+        if g.delivering == 0 {
+            drop(g);
+            self.entry.delivered.notify_waiters();
+        }
+    }
+}
+
 pub struct Entry {
     secret: Vec<u8>,
-    target: tokio::sync::Mutex<Option<Target>>,
+    target: Mutex<Lent>,
+    /// Woken when the last delivery to the target ends ([`Delivery`]'s drop).
+    delivered: tokio::sync::Notify,
     /// Bumped (under the target lock) every time the target changes, so a cancel the session
     /// started for one lending of a backend is dropped if that lending is over.
     lent: std::sync::atomic::AtomicU64,
@@ -150,17 +179,51 @@ impl Entry {
         self.wake.wake();
     }
 
+    /// Changes the target (the backend borrowed, or none) once no cancel is being delivered
+    /// to the current one.
     pub async fn set(&self, t: Option<Target>) {
-        use std::sync::atomic::Ordering::Release;
-        // Uncontended (no cancel being sent) on every checkout and release: no waiter queue.
-        if let Ok(mut g) = self.target.try_lock() {
-            *g = t;
-            self.lent.fetch_add(1, Release);
-            return;
+        let mut t = t;
+        loop {
+            t = match self.try_set(t) {
+                Ok(()) => return,
+                Err(t) => t,
+            };
+            let delivered = self.delivered.notified();
+            tokio::pin!(delivered);
+            // Enabled before the state is looked at again, so a delivery that ends in
+            // between still wakes this wait.
+            delivered.as_mut().enable();
+            if self.target.lock().delivering > 0 {
+                delivered.await;
+            }
         }
-        let mut g = self.target.lock().await;
-        *g = t;
-        self.lent.fetch_add(1, Release);
+    }
+
+    /// The change without waiting: `Err` gives `t` back while a cancel is being delivered.
+    pub fn try_set(&self, t: Option<Target>) -> Result<(), Option<Target>> {
+        let mut g = self.target.lock();
+        if g.delivering > 0 {
+            return Err(t);
+        }
+        let old = std::mem::replace(&mut g.target, t);
+        self.lent.fetch_add(1, std::sync::atomic::Ordering::Release);
+        drop(g);
+        drop(old);
+        Ok(())
+    }
+
+    /// Starts a delivery to the current target if there is one and `still` holds for it (the
+    /// lending it was started for, the pid it was meant for): the target stays until the
+    /// returned value is dropped.
+    fn deliver_to(&self, still: impl FnOnce(&Target, u64) -> bool) -> Option<Delivery<'_>> {
+        let mut g = self.target.lock();
+        let lending = self.lent.load(std::sync::atomic::Ordering::Acquire);
+        let t = g.target.as_ref().filter(|t| still(t, lending))?.clone();
+        g.delivering += 1;
+        Some(Delivery {
+            entry: self,
+            target: t,
+        })
     }
 
     /// The session's own cancel (statement backstop, shutdown): cancels what runs on its
@@ -171,12 +234,10 @@ impl Entry {
         let lending = self.lent.load(std::sync::atomic::Ordering::Acquire);
         let entry = Arc::clone(self);
         tokio::spawn(async move {
-            let guard = entry.target.lock().await;
-            let still = entry.lent.load(std::sync::atomic::Ordering::Acquire) == lending;
-            let Some(t) = guard.as_ref().filter(|t| still && t.pid == pid) else {
+            let Some(d) = entry.deliver_to(|t, now| now == lending && t.pid == pid) else {
                 return;
             };
-            match tokio::time::timeout(Duration::from_secs(5), send(t)).await {
+            match tokio::time::timeout(Duration::from_secs(5), send(&d.target)).await {
                 Ok(Ok(())) => {}
                 Ok(Err(e)) => tracing::warn!(error = %e, "cancel request to the server failed"),
                 Err(_) => tracing::warn!("cancel request to the server timed out"),
@@ -276,7 +337,8 @@ impl Registry {
             client: ClientInfo::new(id, meta),
             requested: Default::default(),
             secret: secret.clone(),
-            target: tokio::sync::Mutex::new(None),
+            target: Mutex::new(Lent::default()),
+            delivered: tokio::sync::Notify::new(),
             lent: std::sync::atomic::AtomicU64::new(0),
             wake: AtomicWaker::new(),
         });
@@ -372,11 +434,11 @@ impl Registry {
             return;
         };
         // Hold the target while we talk to Postgres: the session cannot release meanwhile.
-        let guard = entry.target.lock().await;
-        let Some(t) = guard.as_ref() else {
+        let Some(d) = entry.deliver_to(|_, _| true) else {
             self.ignored.fetch_add(1, Relaxed);
             return;
         };
+        let t = &d.target;
         // Counted before Postgres can answer the cancelled statement.
         entry
             .requested
@@ -486,6 +548,50 @@ mod tests {
             1,
             "a cancel reached a statement it was not meant for"
         );
+    }
+
+    /// A release (target cleared) waits while a cancel is being delivered to the backend:
+    /// Postgres has not read it yet, and the backend must not pass to another client first.
+    #[tokio::test]
+    async fn a_release_waits_for_the_cancel_being_delivered() {
+        let l = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("bind");
+        let addr = l.local_addr().expect("addr");
+        let (hold_tx, hold_rx) = tokio::sync::oneshot::channel::<()>();
+        let (got_tx, got_rx) = tokio::sync::oneshot::channel::<()>();
+        tokio::spawn(async move {
+            let (mut s, _) = l.accept().await.expect("accept");
+            let mut buf = [0u8; 16];
+            s.read_exact(&mut buf).await.expect("cancel packet");
+            got_tx.send(()).expect("test alive");
+            // Holds the socket open (not yet "read" by Postgres) until told.
+            let _ = hold_rx.await;
+        });
+        let r = Arc::new(Registry::new(PeerLayout::new(None)));
+        let reg = r.register(4);
+        let target = Target {
+            addr: ServerAddr::Tcp(addr),
+            pid: 42,
+            secret: Arc::from(&[1u8, 2, 3, 4][..]),
+        };
+        reg.entry.set(Some(target)).await;
+        let h = reg.entry.cancel_current(42);
+        got_rx.await.expect("delivered");
+        let entry = Arc::clone(&reg.entry);
+        let mut release = tokio::spawn(async move { entry.set(None).await });
+        assert!(
+            tokio::time::timeout(Duration::from_millis(100), &mut release)
+                .await
+                .is_err(),
+            "the target changed while a cancel was being delivered to it"
+        );
+        hold_tx.send(()).expect("server alive");
+        tokio::time::timeout(Duration::from_secs(5), release)
+            .await
+            .expect("the release went on once the cancel was delivered")
+            .expect("task");
+        h.await.expect("task");
     }
 
     #[test]

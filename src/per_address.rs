@@ -12,7 +12,7 @@
 //! host usually owns a whole /64, so counting single addresses would give it millions of
 //! shares). This module counts; callers read the caps from the configuration.
 
-use std::collections::HashMap;
+use foldhash::HashMap;
 use std::net::{IpAddr, Ipv6Addr};
 use std::sync::Arc;
 

@@ -60,7 +60,7 @@ pub(crate) fn shape_key(sql: &str, out: &mut String) -> bool {
 fn shape_into(sql: &str, out: &mut String) -> Option<usize> {
     let b = sql.as_bytes();
     let len = b.len();
-    if b.contains(&0) {
+    if memchr::memchr(0, b).is_some() {
         return None;
     }
     out.clear();
@@ -149,10 +149,7 @@ fn shape_into(sql: &str, out: &mut String) -> Option<usize> {
 }
 
 fn memchr(b: &[u8], from: usize, needle: u8) -> Option<usize> {
-    b.get(from..)?
-        .iter()
-        .position(|&c| c == needle)
-        .map(|p| p + from)
+    memchr::memchr(needle, b.get(from..)?).map(|p| p + from)
 }
 
 fn find(b: &[u8], from: usize, needle: &[u8; 2]) -> Option<usize> {

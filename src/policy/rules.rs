@@ -16,7 +16,7 @@
 //! * Hot path: one relaxed atomic load when there are no rules; otherwise a read lock for a
 //!   hash lookup. Writers (admin API) take the write lock briefly.
 
-use std::collections::HashMap;
+use foldhash::{HashMap, HashMapExt};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU32, AtomicU64, AtomicUsize, Ordering};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};

@@ -17,7 +17,7 @@ pub mod caps;
 pub mod prepared;
 pub mod slots;
 
-use std::collections::HashMap;
+use foldhash::{HashMap, HashMapExt};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::time::Duration;

@@ -7,7 +7,7 @@
 //! statement and prepares its own), so no client can run another text under a shared name.
 //! Bounded: the least recently used entry is evicted (the session closes it on the server).
 
-use std::collections::HashMap;
+use foldhash::{HashMap, HashMapExt};
 
 /// Server-side name for a statement hash.
 pub fn server_name(hash: u64) -> [u8; 22] {

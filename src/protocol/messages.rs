@@ -113,7 +113,7 @@ pub fn parse_startup(body: &[u8]) -> Result<StartupPacket, StartupError> {
 
 /// Reads a NUL-terminated string at the start of `buf`: (string, rest after the NUL).
 pub fn cstr(buf: &[u8]) -> Option<(&[u8], &[u8])> {
-    let end = buf.iter().position(|&b| b == 0)?;
+    let end = memchr::memchr(0, buf)?;
     Some((&buf[..end], &buf[end + 1..]))
 }
 

@@ -14,7 +14,7 @@
 //! through unchanged: the client owns its backend. Every write goes through the [`Outbox`]
 //! with the reply it is owed; the unit tests check those writes byte for byte.
 
-use std::collections::HashMap;
+use foldhash::{HashMap, HashMapExt};
 use std::sync::Arc;
 
 use bytes::Bytes;
