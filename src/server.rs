@@ -313,6 +313,9 @@ fn spawn<F>(tasks: &TaskTracker, login: Option<&tokio::runtime::Handle>, fut: F)
 where
     F: std::future::Future<Output = ()> + Send + 'static,
 {
+    // Boxed: the task cell then holds a pointer, and its changes of stage copy that instead
+    // of the handshake's whole future (a login's largest copies).
+    let fut = Box::pin(fut);
     match login {
         Some(h) => drop(tasks.spawn_on(fut, h)),
         None => drop(tasks.spawn(fut)),

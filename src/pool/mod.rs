@@ -465,7 +465,8 @@ impl Pool {
     /// for `priority`, and the most recently idle connection is usable without a health
     /// check. `None`: [`Pool::checkout`] does the rest (the session's hot path takes this
     /// first, so the large checkout future is built only when it must wait or connect).
-    pub fn try_checkout_now(self: &Arc<Self>, priority: usize) -> Option<Pooled> {
+    /// `now` is the caller's clock reading (a session reads it once per wake-up).
+    pub fn try_checkout_now(self: &Arc<Self>, priority: usize, now: Instant) -> Option<Pooled> {
         if self.paused.load(Ordering::SeqCst) {
             return None;
         }
@@ -473,7 +474,7 @@ impl Pool {
         let conn = {
             let mut idle = self.idle.lock();
             let conn = idle.last()?;
-            let now = Instant::now();
+
             let fresh = now.saturating_duration_since(conn.idle_since)
                 < Duration::from_millis(self.cfg.health_check_after_ms);
             if !fresh || self.spent(conn, now) {
@@ -675,8 +676,7 @@ impl Pool {
     }
 
     /// Puts a clean connection back (LIFO, so a hot few stay warm and the rest age out).
-    fn put_idle(&self, mut conn: Box<BackendConn>) {
-        let now = Instant::now();
+    fn put_idle(&self, mut conn: Box<BackendConn>, now: Instant) {
         if conn.expires <= now || self.replaced(&conn) {
             self.close(conn);
             return;
@@ -782,7 +782,7 @@ impl Pool {
             else {
                 return;
             };
-            self.put_idle(conn);
+            self.put_idle(conn, Instant::now());
             // After the connection is idle, so a client woken by this slot finds it.
             drop(permit);
         }
@@ -963,7 +963,13 @@ impl Pooled {
 
     /// Returns a connection that is idle (ReadyForQuery 'I', nothing outstanding) to the pool,
     /// resetting whatever session state the client left on it first.
-    pub async fn release(mut self) {
+    pub async fn release(self) {
+        self.release_at(Instant::now()).await;
+    }
+
+    /// [`Pooled::release`] with the caller's clock reading `now`, the idle stamp when no
+    /// reset runs (after a reset the clock is read again).
+    pub async fn release_at(mut self, mut now: Instant) {
         let Some(mut conn) = self.conn.take() else {
             return;
         };
@@ -990,8 +996,9 @@ impl Pooled {
                 conn.applied.clear();
             }
             conn.dirty = Dirt::default();
+            now = Instant::now();
         }
-        self.pool.put_idle(conn);
+        self.pool.put_idle(conn, now);
     }
 
     /// Closes the connection instead of reusing it.

@@ -179,10 +179,13 @@ pub async fn run<S, G>(
             return startup_failed(&app, &mut stream, peer, other.map(|r| r.map(|_| ()))).await;
         }
     };
-    let rest = async move {
+    // Boxed: the session's future is several KiB, and a task moves its future into the task
+    // cell and again on every change of stage (running, finished); a box is moved instead.
+    // It also keeps this login future (on the login thread) small.
+    let rest = Box::pin(async move {
         let _hold = hold;
         logged_in(app, stream, buf, peer, slot, login, deadline).await;
-    };
+    });
     match handover.0 {
         Some((tasks, sessions)) => drop(tasks.spawn_on(rest, &sessions)),
         None => rest.await,

@@ -117,6 +117,9 @@ pub struct Relay {
     timer: Option<Pin<Box<tokio::time::Sleep>>>,
     /// Which of client and backend the event loop looks at first (they take turns).
     backend_first: bool,
+    /// The clock read once per wake-up ([`Relay::now`]); cleared when an event arrives and
+    /// after any wait.
+    tick: Option<Instant>,
     /// Custom (dotted) settings this client set: Postgres lists no placeholder setting in
     /// `pg_settings`, so the read-back asks for these by name.
     custom_gucs: Vec<String>,
@@ -253,6 +256,7 @@ impl Relay {
             idle_client: None,
             timer: None,
             backend_first: false,
+            tick: None,
             peer_ip: peer.ip(),
             classify_on,
             admission: None,
@@ -293,6 +297,7 @@ impl Relay {
         self.arm_idle_timers();
         loop {
             let ev = std::future::poll_fn(|cx| self.poll_event(cx, client)).await;
+            self.tick = None;
             let r = match ev {
                 Event::Client(Ok(0)) | Event::Client(Err(_)) => return End::ClientClosed,
                 Event::Client(Ok(n)) => {
@@ -468,6 +473,13 @@ impl Relay {
             Phase::Forcing => Poll::Ready(Event::Force),
             _ => Poll::Pending,
         }
+    }
+
+    /// The time of this wake-up: the clock is read at most once between two events (a
+    /// statement's arrival, its checkout and its send are one instant; its reply, the
+    /// release and the statistics another), and again after anything that waited.
+    pub(super) fn now(&mut self) -> Instant {
+        *self.tick.get_or_insert_with(Instant::now)
     }
 
     /// Reads from the borrowed backend; pending forever when there is none.
@@ -933,7 +945,7 @@ impl Relay {
             .min(self.rt.limits.queue_timeout(self.unit_caller));
         let priority = self.rt.limits.priority(self.unit_caller) as usize;
         // Taken at once: no clock reads for a wait that did not happen.
-        let (res, waited) = match pool.try_checkout_now(priority) {
+        let (res, waited) = match pool.try_checkout_now(priority, self.now()) {
             Some(b) => (Ok(b), Duration::ZERO),
             None => {
                 let asked = Instant::now();
@@ -1211,7 +1223,7 @@ impl Relay {
                 self.end_unit();
                 set_cancel_target(&self.cancel, None).await;
                 if let Some(b) = self.backend.take() {
-                    b.release().await;
+                    b.release_at(self.now()).await;
                 }
                 self.unit_pool = None;
                 self.leave_if_draining()

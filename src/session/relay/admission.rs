@@ -95,7 +95,7 @@ impl Relay {
         class: &Arc<Classified>,
         client: &mut S,
     ) -> Result<Timeouts, PgError> {
-        let arrived = Instant::now();
+        let arrived = self.now();
         self.arrived = Some(arrived);
         if self.admission.is_none() {
             // A new unit: it runs under the configuration in force now, all of it (caller
@@ -199,7 +199,7 @@ impl Relay {
     /// (attributed to the caller its admission resolved).
     pub(super) fn track_statement(&mut self, class: Arc<Classified>, ready_seq: u64) {
         if self.pending.len() < 4096 {
-            let start = Instant::now();
+            let start = self.now();
             self.pending.push(StmtRecord {
                 caller: self.last_caller,
                 class,
@@ -228,7 +228,7 @@ impl Relay {
             self.fault = false;
             return;
         }
-        let now = Instant::now();
+        let now = self.now();
         let rt = Arc::clone(&self.rt);
         let names = &rt.callers;
         let n = done;
@@ -282,9 +282,16 @@ impl Relay {
         S: AsyncRead + Unpin,
         F: std::future::Future,
     {
+        let mut fut = fut;
+        if let std::task::Poll::Ready(r) = futures_util::poll!(fut.as_mut()) {
+            return Ok(r);
+        }
+        // It waits: whatever reads the clock next reads it afresh.
+        self.tick = None;
         let buf = self.requests.buf_mut();
         let before = buf.len();
         let r = unless_client_leaves(fut, client, buf, &self.cancel, why).await;
+        self.tick = None;
         self.bytes_in += self.requests.buf_mut().len().saturating_sub(before) as u64;
         r
     }
@@ -300,11 +307,13 @@ impl Relay {
         if self.out.t.txn == b'I'
             && let Some(started) = self.txn_start.take()
         {
+            let now = self.now();
             let stats = counted(&self.backend, &self.pool);
             stats.transactions.fetch_add(1, Ordering::Relaxed);
-            stats
-                .transaction_us
-                .fetch_add(super::micros(started.elapsed()), Ordering::Relaxed);
+            stats.transaction_us.fetch_add(
+                super::micros(now.saturating_duration_since(started)),
+                Ordering::Relaxed,
+            );
         }
     }
 
@@ -327,7 +336,7 @@ impl Relay {
     /// has not stopped it a second after the timeout, the relay sends a real cancel.
     pub(super) fn arm_backstop(&mut self, t: Timeouts) {
         if let Some(d) = t.statement {
-            let at = Instant::now() + d + Duration::from_secs(1);
+            let at = self.now() + d + Duration::from_secs(1);
             self.backstop = Some(self.backstop.map_or(at, |b| b.max(at)));
         }
     }
