@@ -7,12 +7,19 @@
 //! A slot is handed to a waiter *as a permit value* through a oneshot channel, so a waiter that
 //! times out or whose client disconnects at the exact moment of the hand-off drops the permit,
 //! and the permit's `Drop` passes it on: no slot is ever lost and none is double-counted.
+//!
+//! Deadlines are kept by one sweeper task per pool while anyone waits, not by a timer per
+//! waiter: at hundreds of clients per backend most checkouts wait, and registering and
+//! removing a timer for each cost more than the rest of the wait. The sweeper sleeps until
+//! the earliest deadline (woken sooner when a waiter with an earlier one arrives), drops the
+//! senders of the waiters whose deadline has come — under the same lock as the hand-off, so
+//! a waiter gets either its slot or its timeout — and ends when the queues are empty.
 
 use std::collections::VecDeque;
 use std::sync::Arc;
 
 use parking_lot::Mutex;
-use tokio::sync::oneshot;
+use tokio::sync::{Notify, oneshot};
 use tokio::time::Instant;
 
 /// Number of priority classes (critical, high, normal, low).
@@ -20,6 +27,14 @@ pub const PRIORITIES: usize = 4;
 
 pub struct Slots {
     inner: Mutex<Inner>,
+    /// Wakes the sweeper to look again (a waiter with an earlier deadline arrived).
+    sweep: Notify,
+}
+
+/// One waiter: where its slot goes, and until when it waits.
+struct Waiter {
+    tx: oneshot::Sender<SlotPermit>,
+    deadline: Instant,
 }
 
 struct Inner {
@@ -30,7 +45,9 @@ struct Inner {
     held: [usize; PRIORITIES],
     /// Most slots each priority may hold (the adaptive limit's shares; all by default).
     caps: [usize; PRIORITIES],
-    waiters: [VecDeque<oneshot::Sender<SlotPermit>>; PRIORITIES],
+    waiters: [VecDeque<Waiter>; PRIORITIES],
+    /// The sweeper's next wake-up while it runs (`None`: no sweeper).
+    sweep_at: Option<Instant>,
 }
 
 impl Inner {
@@ -52,7 +69,7 @@ impl Inner {
             if !self.may_take(p) {
                 continue;
             }
-            while let Some(tx) = self.waiters[p].pop_front() {
+            while let Some(Waiter { tx, .. }) = self.waiters[p].pop_front() {
                 if !tx.is_closed() {
                     self.available -= 1;
                     self.held[p] += 1;
@@ -99,7 +116,9 @@ impl Slots {
                 held: [0; PRIORITIES],
                 caps: [capacity; PRIORITIES],
                 waiters: Default::default(),
+                sweep_at: None,
             }),
+            sweep: Notify::new(),
         })
     }
 
@@ -123,20 +142,32 @@ impl Slots {
                 // Waiters that left are dropped from the queues lazily: count only live ones
                 // before refusing (rare: only at the cap).
                 for q in &mut g.waiters {
-                    q.retain(|tx| !tx.is_closed());
+                    q.retain(|w| !w.tx.is_closed());
                 }
                 if g.queued() >= max_waiting {
                     return Err(SlotError::Full);
                 }
             }
+            if deadline <= Instant::now() {
+                return Err(SlotError::Timeout);
+            }
             let (tx, rx) = oneshot::channel();
-            g.waiters[priority].push_back(tx);
+            g.waiters[priority].push_back(Waiter { tx, deadline });
+            match g.sweep_at {
+                None => {
+                    g.sweep_at = Some(deadline);
+                    tokio::spawn(sweep(Arc::clone(self)));
+                }
+                Some(at) if deadline < at => {
+                    g.sweep_at = Some(deadline);
+                    self.sweep.notify_one();
+                }
+                Some(_) => {}
+            }
             rx
         };
-        match tokio::time::timeout_at(deadline, rx).await {
-            Ok(Ok(permit)) => Ok(permit),
-            _ => Err(SlotError::Timeout),
-        }
+        // The sender is dropped unanswered when the deadline comes (or the pool goes).
+        rx.await.map_err(|_| SlotError::Timeout)
     }
 
     /// A slot comes back: straight to the most urgent waiter allowed it (one lock).
@@ -196,7 +227,7 @@ impl Slots {
         // Someone of equal or higher priority already waiting goes first.
         let ahead = g.waiters[..=priority]
             .iter()
-            .any(|q| q.iter().any(|tx| !tx.is_closed()));
+            .any(|q| q.iter().any(|w| !w.tx.is_closed()));
         if ahead || !g.may_take(priority) {
             return None;
         }
@@ -225,7 +256,7 @@ impl Slots {
         let g = self.inner.lock();
         g.waiters
             .iter()
-            .map(|q| q.iter().filter(|tx| !tx.is_closed()).count())
+            .map(|q| q.iter().filter(|w| !w.tx.is_closed()).count())
             .sum()
     }
 
@@ -241,6 +272,38 @@ impl Slots {
     /// Most slots each priority may hold now.
     pub fn caps(&self) -> [usize; PRIORITIES] {
         self.inner.lock().caps
+    }
+}
+
+/// The pool's sweeper: times out the waiters whose deadline has come (dropping a sender
+/// wakes its waiter with the timeout) and waits for the earliest deadline left, until no one
+/// waits. (It holds the pool only while someone waits, at most until the last deadline.)
+async fn sweep(s: Arc<Slots>) {
+    loop {
+        let at = {
+            let mut g = s.inner.lock();
+            let now = Instant::now();
+            let mut earliest: Option<Instant> = None;
+            for q in &mut g.waiters {
+                q.retain(|w| {
+                    let live = !w.tx.is_closed() && w.deadline > now;
+                    if live {
+                        earliest = Some(earliest.map_or(w.deadline, |e| e.min(w.deadline)));
+                    }
+                    live
+                });
+            }
+            g.sweep_at = earliest;
+            match earliest {
+                Some(at) => at,
+                None => return,
+            }
+        };
+        tokio::select! {
+            biased;
+            () = s.sweep.notified() => {}
+            () = tokio::time::sleep_until(at) => {}
+        }
     }
 }
 
@@ -411,6 +474,51 @@ mod tests {
         let _ = w.await;
         assert_eq!(s.waiting(), 0);
         drop(held);
+        assert_eq!(s.available(), 1);
+    }
+
+    /// Each waiter times out at its own deadline, also one that arrives after a waiter with
+    /// a later deadline (the sweeper is woken to look sooner); the sweeper ends with the last
+    /// waiter and a later wait starts a new one.
+    #[tokio::test(start_paused = true)]
+    async fn each_waiter_times_out_at_its_own_deadline() {
+        let s = Slots::new(1, 0);
+        let start = Instant::now();
+        let held = s
+            .acquire(2, start + Duration::from_secs(60), usize::MAX)
+            .await
+            .expect("the slot");
+        let wait = |ms: u64| {
+            let s = s.clone();
+            tokio::spawn(async move {
+                let r = s
+                    .acquire(2, start + Duration::from_millis(ms), usize::MAX)
+                    .await;
+                (r.err(), start.elapsed())
+            })
+        };
+        let late = wait(5_000);
+        tokio::task::yield_now().await;
+        let early = wait(300);
+        let (e, at) = early.await.expect("task");
+        assert_eq!(e, Some(SlotError::Timeout));
+        assert_eq!(
+            at,
+            Duration::from_millis(300),
+            "the earlier deadline was kept"
+        );
+        let (e, at) = late.await.expect("task");
+        assert_eq!(e, Some(SlotError::Timeout));
+        assert_eq!(at, Duration::from_secs(5));
+        tokio::task::yield_now().await;
+        assert!(s.inner.lock().sweep_at.is_none(), "the sweeper ended");
+        // A new wait after that is kept again, and a released slot still reaches a waiter.
+        let again = wait(7_000);
+        tokio::time::sleep(Duration::from_millis(10)).await;
+        assert_eq!(s.waiting(), 1);
+        drop(held);
+        let (e, _) = again.await.expect("task");
+        assert_eq!(e, None, "the waiter got the released slot");
         assert_eq!(s.available(), 1);
     }
 }

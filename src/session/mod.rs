@@ -558,6 +558,9 @@ where
     tokio::pin!(ordered);
     let r = loop {
         tokio::select! {
+            // The awaited future first (a slot handed over is taken even if the client's
+            // next bytes arrived in the same instant), and no random draw per poll.
+            biased;
             r = fut.as_mut() => break Ok(r),
             alive = client_alive(client, buf) => {
                 if !alive {
