@@ -767,7 +767,7 @@ impl Relay {
     ) -> Result<(), End> {
         let bind = messages::Bind::read(body).ok_or_else(|| Self::malformed("Bind"))?;
         let stmt = bind.statement;
-        let known = self.statements.class_of(stmt);
+        let (known, hash) = self.statements.class_and_hash(stmt);
         // A name the proxy never saw prepared (an SQL `PREPARE`, a guessed name): Postgres
         // may still know it, so it is admitted and judged like anything unreadable.
         let class = known.unwrap_or_else(|| self.app.unknown_statement.clone());
@@ -796,7 +796,7 @@ impl Relay {
         }
         self.inject_timeouts(timeouts, &class, false);
         self.track_statement(class, self.ready_sent + 1);
-        if let Some(hash) = self.statements.hash_of(stmt) {
+        if let Some(hash) = hash {
             self.retry_start(hash, &frame);
         }
         let srv = server(&mut self.backend, &self.pool);

@@ -158,12 +158,9 @@ impl Statements {
     }
 
     /// The classification of the statement `name` (empty: the unnamed one), if known.
+    #[cfg(test)]
     pub fn class_of(&self, name: &[u8]) -> Option<Arc<Classified>> {
-        if name.is_empty() {
-            self.unnamed_class.clone()
-        } else {
-            self.named.get(name).map(|s| Arc::clone(&s.class))
-        }
+        self.class_and_hash(name).0
     }
 
     /// The text of the statement `name` (empty: the unnamed one, kept only when it sets
@@ -176,12 +173,21 @@ impl Statements {
         }
     }
 
+    /// [`Statements::class_of`] and [`Statements::hash_of`] in one lookup (a Bind's).
+    pub fn class_and_hash(&self, name: &[u8]) -> (Option<Arc<Classified>>, Option<u64>) {
+        if name.is_empty() {
+            return (self.unnamed_class.clone(), None);
+        }
+        match self.named.get(name) {
+            Some(s) => (Some(Arc::clone(&s.class)), self.renamed.then_some(s.hash)),
+            None => (None, None),
+        }
+    }
+
     /// The hash behind a renamed statement's proxy name (transaction mode only).
+    #[cfg(test)]
     pub fn hash_of(&self, name: &[u8]) -> Option<u64> {
-        self.named
-            .get(name)
-            .filter(|_| self.renamed)
-            .map(|s| s.hash)
+        self.class_and_hash(name).1
     }
 
     /// A client's Parse (`frame`; `p` read from `body`), classified as `class`: remembered,
