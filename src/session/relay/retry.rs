@@ -101,8 +101,11 @@ impl Relay {
             self.retry = None;
             return;
         }
+        // Bind, Describe, Execute, Sync: one allocation for the usual batch.
+        let mut frames = Vec::with_capacity(4);
+        frames.push(frame.clone());
         self.retry = Some(Retry {
-            frames: vec![frame.clone()],
+            frames,
             bytes: frame.len(),
             recording: true,
             hash,
