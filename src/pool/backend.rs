@@ -33,6 +33,7 @@ use crate::tls::BackendTlsHandle;
 
 use crate::protocol::error::{field_of, sqlstate_of};
 use crate::protocol::framing::{self, Direction};
+use crate::protocol::tag::{backend, status};
 
 use super::prepared::PreparedCache;
 
@@ -434,7 +435,7 @@ impl BackendConn {
         loop {
             let (tag, body) = read_message(&mut stream, &mut buf).await?;
             match tag {
-                b'R' => {
+                backend::AUTHENTICATION => {
                     if body.len() < 4 {
                         return Err(ConnectError::Protocol(
                             "short authentication message".into(),
@@ -547,8 +548,8 @@ impl BackendConn {
                         out.clear();
                     }
                 }
-                b'E' => return Err(server_error(body)),
-                b'v' | b'N' => {}
+                backend::ERROR_RESPONSE => return Err(server_error(body)),
+                backend::NEGOTIATE_PROTOCOL_VERSION | backend::NOTICE_RESPONSE => {}
                 t => {
                     return Err(ConnectError::Protocol(format!(
                         "unexpected message '{}' during authentication",
@@ -564,7 +565,7 @@ impl BackendConn {
         loop {
             let (tag, body) = read_message(&mut stream, &mut buf).await?;
             match tag {
-                b'S' => {
+                backend::PARAMETER_STATUS => {
                     let mut parts = body.split(|&b| b == 0);
                     if let (Some(n), Some(v)) = (parts.next(), parts.next()) {
                         server_params.push((
@@ -573,7 +574,7 @@ impl BackendConn {
                         ));
                     }
                 }
-                b'K' => {
+                backend::BACKEND_KEY_DATA => {
                     // Protocol 3.2 allows keys of 4 to 256 bytes; anything else is hostile.
                     if body.len() < 8 || body.len() > 4 + MAX_CANCEL_KEY {
                         return Err(ConnectError::Protocol(format!(
@@ -584,9 +585,9 @@ impl BackendConn {
                     pid = i32::from_be_bytes([body[0], body[1], body[2], body[3]]);
                     secret = Arc::from(&body[4..]);
                 }
-                b'Z' => break,
-                b'E' => return Err(server_error(body)),
-                b'N' => {}
+                backend::READY_FOR_QUERY => break,
+                backend::ERROR_RESPONSE => return Err(server_error(body)),
+                backend::NOTICE_RESPONSE => {}
                 t => {
                     return Err(ConnectError::Protocol(format!(
                         "unexpected message '{}' during startup",
@@ -655,7 +656,7 @@ impl BackendConn {
     ) -> Result<Option<Vec<Option<String>>>, ConnectError> {
         let mut row = None;
         self.simple_query(sql, |tag, body| {
-            if tag == b'D' && row.is_none() {
+            if tag == backend::DATA_ROW && row.is_none() {
                 row = Some(columns(body));
             }
         })
@@ -684,11 +685,11 @@ impl BackendConn {
         let mut err = None;
         loop {
             let (tag, body) = read_message(&mut self.stream, &mut buf).await?;
-            if tag == b'Z' {
-                return err.map_or(Ok(body.first().copied().unwrap_or(b'I')), Err);
+            if tag == backend::READY_FOR_QUERY {
+                return err.map_or(Ok(body.first().copied().unwrap_or(status::IDLE)), Err);
             }
             each(tag, &body);
-            if tag == b'E' && err.is_none() {
+            if tag == backend::ERROR_RESPONSE && err.is_none() {
                 err = Some(server_error(body));
             }
         }
@@ -733,7 +734,7 @@ async fn negotiate_tls(
         ))),
         // An old server's ErrorResponse: not read (it comes before any authentication and may
         // be anything, CVE-2024-10977).
-        b'E' => Err(ConnectError::Protocol(
+        backend::ERROR_RESPONSE => Err(ConnectError::Protocol(
             "server answered the SSL request with an error".into(),
         )),
         other => Err(ConnectError::Protocol(format!(
@@ -786,7 +787,7 @@ fn server_error(body: Bytes) -> ConnectError {
     let code = sqlstate_of(&body).unwrap_or("XX000").to_string();
     let message = field_of(&body, b'M').unwrap_or("").to_string();
     let mut frame = BytesMut::with_capacity(body.len() + 5);
-    crate::protocol::messages::raw(&mut frame, b'E', &[&body]);
+    crate::protocol::messages::raw(&mut frame, backend::ERROR_RESPONSE, &[&body]);
     ConnectError::Server {
         code,
         message,

@@ -47,6 +47,10 @@ pub mod backend {
     pub const COPY_DONE: u8 = b'c';
     pub const NOTIFICATION: u8 = b'A';
     pub const FUNCTION_CALL_RESPONSE: u8 = b'V';
+    /// Any authentication request or outcome (its first body word says which).
+    pub const AUTHENTICATION: u8 = b'R';
+    pub const BACKEND_KEY_DATA: u8 = b'K';
+    pub const NEGOTIATE_PROTOCOL_VERSION: u8 = b'v';
 }
 
 /// The transaction status a ReadyForQuery carries.

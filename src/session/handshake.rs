@@ -24,6 +24,7 @@ use crate::config::{AuthMethod, ClientTlsMode};
 use crate::protocol::PgError;
 use crate::protocol::framing::{self, Direction, SMALL_LIMIT};
 use crate::protocol::messages::{self, NEWEST_MINOR, StartupPacket};
+use crate::protocol::tag::frontend;
 use crate::tls::{ALPN_POSTGRESQL, ClientStream};
 
 use super::params;
@@ -124,12 +125,12 @@ async fn read_auth_message<S: AsyncRead + Unpin>(
 ) -> Result<BytesMut, PgError> {
     loop {
         match framing::complete(buf, Direction::Frontend) {
-            Ok(Some(h)) if h.tag == b'p' && h.total <= SMALL_LIMIT => {
+            Ok(Some(h)) if h.tag == frontend::PASSWORD && h.total <= SMALL_LIMIT => {
                 let mut f = buf.split_to(h.total);
                 f.advance(framing::HEADER_LEN);
                 return Ok(f);
             }
-            Ok(Some(h)) if h.tag == b'p' => {
+            Ok(Some(h)) if h.tag == frontend::PASSWORD => {
                 return Err(PgError::protocol_violation(
                     "authentication message too long",
                 ));
@@ -142,7 +143,7 @@ async fn read_auth_message<S: AsyncRead + Unpin>(
             }
             Ok(None) => {
                 if let Ok(Some(h)) = framing::header(buf, Direction::Frontend)
-                    && (h.tag != b'p' || h.total > SMALL_LIMIT)
+                    && (h.tag != frontend::PASSWORD || h.total > SMALL_LIMIT)
                 {
                     return Err(PgError::protocol_violation(
                         "invalid message during authentication",

@@ -46,6 +46,7 @@ use crate::per_address::AddressGuard;
 use crate::pool::{Pool, Pooled};
 use crate::protocol::PgError;
 use crate::protocol::messages;
+use crate::protocol::tag::backend;
 use crate::tls::ClientStream;
 
 pub use handshake::Login;
@@ -254,7 +255,7 @@ async fn logged_in<S: AsyncRead + AsyncWrite + Unpin>(
     let mut out = BytesMut::with_capacity(1024);
     status.write(&mut out);
     messages::backend_key_data(&mut out, reg.pid, &reg.secret);
-    messages::ready_for_query(&mut out, b'I');
+    messages::ready_for_query(&mut out, crate::protocol::tag::status::IDLE);
     if stream.write_all(&out).await.is_err() {
         return;
     }
@@ -463,7 +464,7 @@ async fn learn_settings(
     let mut reported: Vec<(String, String)> = Vec::new();
     let mut error = None;
     let run = conn.simple_query(&sql, |tag, body| match tag {
-        b'S' => {
+        backend::PARAMETER_STATUS => {
             let mut parts = body.split(|&c| c == 0);
             if let (Some(n), Some(v)) = (parts.next(), parts.next()) {
                 reported.push((
@@ -472,7 +473,7 @@ async fn learn_settings(
                 ));
             }
         }
-        b'E' if error.is_none() => {
+        backend::ERROR_RESPONSE if error.is_none() => {
             let code = crate::protocol::error::sqlstate_of(body).unwrap_or("22023");
             let msg =
                 crate::protocol::error::field_of(body, b'M').unwrap_or("invalid startup parameter");
