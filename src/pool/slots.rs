@@ -48,6 +48,8 @@ struct Inner {
     waiters: [VecDeque<Waiter>; PRIORITIES],
     /// The sweeper's next wake-up while it runs (`None`: no sweeper).
     sweep_at: Option<Instant>,
+    /// The sweeper task, to start another if its runtime went away under it.
+    sweeper: Option<tokio::task::JoinHandle<()>>,
 }
 
 impl Inner {
@@ -117,6 +119,7 @@ impl Slots {
                 caps: [capacity; PRIORITIES],
                 waiters: Default::default(),
                 sweep_at: None,
+                sweeper: None,
             }),
             sweep: Notify::new(),
         })
@@ -153,16 +156,20 @@ impl Slots {
             }
             let (tx, rx) = oneshot::channel();
             g.waiters[priority].push_back(Waiter { tx, deadline });
+            // A sweeper that ended without clearing `sweep_at` was cancelled with its runtime
+            // (a pool used from another runtime, as in tests): start a new one here.
+            let running = g.sweeper.as_ref().is_some_and(|h| !h.is_finished());
             match g.sweep_at {
-                None => {
-                    g.sweep_at = Some(deadline);
-                    tokio::spawn(sweep(Arc::clone(self)));
+                Some(at) if running => {
+                    if deadline < at {
+                        g.sweep_at = Some(deadline);
+                        self.sweep.notify_one();
+                    }
                 }
-                Some(at) if deadline < at => {
+                _ => {
                     g.sweep_at = Some(deadline);
-                    self.sweep.notify_one();
+                    g.sweeper = Some(tokio::spawn(sweep(Arc::clone(self))));
                 }
-                Some(_) => {}
             }
             rx
         };
@@ -519,6 +526,40 @@ mod tests {
         drop(held);
         let (e, _) = again.await.expect("task");
         assert_eq!(e, None, "the waiter got the released slot");
+        assert_eq!(s.available(), 1);
+    }
+
+    /// A sweeper cancelled with its runtime is replaced: a waiter from another runtime still
+    /// times out at its deadline.
+    #[test]
+    fn a_sweeper_lost_with_its_runtime_is_replaced() {
+        let rt = || {
+            tokio::runtime::Builder::new_current_thread()
+                .enable_time()
+                .start_paused(true)
+                .build()
+                .expect("runtime")
+        };
+        let s = Slots::new(1, 0);
+        let held = rt().block_on(async {
+            let far = Instant::now() + Duration::from_secs(60);
+            let held = s.acquire(2, far, usize::MAX).await.expect("the slot");
+            let s2 = s.clone();
+            tokio::spawn(async move { s2.acquire(2, far, usize::MAX).await.map(|_| ()) });
+            tokio::time::sleep(Duration::from_millis(1)).await;
+            assert!(s.inner.lock().sweep_at.is_some());
+            held
+        });
+        // That runtime is gone, with its waiter and its sweeper.
+        let r = rt().block_on(async {
+            let start = Instant::now();
+            let r = s
+                .acquire(2, start + Duration::from_millis(250), usize::MAX)
+                .await;
+            (r.err(), start.elapsed())
+        });
+        assert_eq!(r, (Some(SlotError::Timeout), Duration::from_millis(250)));
+        drop(held);
         assert_eq!(s.available(), 1);
     }
 }
