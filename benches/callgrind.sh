@@ -12,6 +12,7 @@
 # pgbench -C (a login per transaction: the cost of a login with its one select). The proxy runs
 # with pool 20, fingerprinting and the default policy on, and backend TLS off (PgBouncer's
 # default; a Postgres with ssl=on would otherwise add TLS to every backend write).
+# AUTH=md5 makes clients log in with md5 (as PgBouncer's baseline does) instead of SCRAM.
 # BASELINE=1 counts PgBouncer (transaction mode, pool 20, md5) the same way in the same run and
 # prints the ratio (as user postgres when run as root; PgBouncer refuses root; not with
 # MODE=prepared, which PgBouncer 1.18 cannot relay in transaction mode).
@@ -38,6 +39,17 @@ global_defaults:
   queue_depth: 2000
   queue_timeout_ms: 30000
 YAML
+# AUTH=md5: clients log in with md5 against an `auth.users` entry (PgBouncer's method in the
+# baseline); by default they log in with SCRAM for the backend URL's user.
+if [[ ${AUTH:-} == md5 ]]; then
+    cat >>"$DIR/p.yaml" <<YAML
+auth:
+  method: md5
+  users:
+    - name: $PGUSER
+      password: $PGPASSWORD
+YAML
+fi
 
 # Ir of the whole proxy run with `$1` clients and `$2` transactions each; profile in $DIR/$3.
 run() {
