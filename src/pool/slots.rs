@@ -46,6 +46,10 @@ struct Inner {
     /// Most slots each priority may hold (the adaptive limit's shares; all by default).
     caps: [usize; PRIORITIES],
     waiters: [VecDeque<Waiter>; PRIORITIES],
+    /// Each queue's deadlines never decrease from front to back (its waiters share one
+    /// timeout, the usual case): the sweeper then only looks at its front. A waiter with an
+    /// earlier deadline than the one before it clears this until the queue is empty.
+    ordered: [bool; PRIORITIES],
     /// The sweeper's next wake-up while it runs (`None`: no sweeper).
     sweep_at: Option<Instant>,
     /// The sweeper task, to start another if its runtime went away under it.
@@ -118,6 +122,7 @@ impl Slots {
                 held: [0; PRIORITIES],
                 caps: [capacity; PRIORITIES],
                 waiters: Default::default(),
+                ordered: [true; PRIORITIES],
                 sweep_at: None,
                 sweeper: None,
             }),
@@ -155,6 +160,11 @@ impl Slots {
                 return Err(SlotError::Timeout);
             }
             let (tx, rx) = oneshot::channel();
+            match g.waiters[priority].back() {
+                None => g.ordered[priority] = true,
+                Some(last) if deadline < last.deadline => g.ordered[priority] = false,
+                Some(_) => {}
+            }
             g.waiters[priority].push_back(Waiter { tx, deadline });
             // A sweeper that ended without clearing `sweep_at` was cancelled with its runtime
             // (a pool used from another runtime, as in tests): start a new one here.
@@ -288,17 +298,37 @@ impl Slots {
 async fn sweep(s: Arc<Slots>) {
     loop {
         let at = {
-            let mut g = s.inner.lock();
+            let mut guard = s.inner.lock();
+            let g = &mut *guard;
             let now = Instant::now();
             let mut earliest: Option<Instant> = None;
-            for q in &mut g.waiters {
-                q.retain(|w| {
-                    let live = !w.tx.is_closed() && w.deadline > now;
-                    if live {
-                        earliest = Some(earliest.map_or(w.deadline, |e| e.min(w.deadline)));
+            let mut keep = |d: Instant| earliest = Some(earliest.map_or(d, |e| e.min(d)));
+            for (q, ordered) in g.waiters.iter_mut().zip(g.ordered.iter_mut()) {
+                if *ordered {
+                    // Deadlines in order: the expired are at the front, and the front's is
+                    // the queue's earliest (waiters that left further back go when they
+                    // reach it). One look per expiry, not a pass over the queue.
+                    while q
+                        .front()
+                        .is_some_and(|w| w.tx.is_closed() || w.deadline <= now)
+                    {
+                        q.pop_front();
                     }
-                    live
-                });
+                    if let Some(w) = q.front() {
+                        keep(w.deadline);
+                    }
+                } else {
+                    q.retain(|w| {
+                        let live = !w.tx.is_closed() && w.deadline > now;
+                        if live {
+                            keep(w.deadline);
+                        }
+                        live
+                    });
+                }
+                if q.is_empty() {
+                    *ordered = true;
+                }
             }
             g.sweep_at = earliest;
             match earliest {
@@ -560,6 +590,48 @@ mod tests {
         });
         assert_eq!(r, (Some(SlotError::Timeout), Duration::from_millis(250)));
         drop(held);
+        assert_eq!(s.available(), 1);
+    }
+
+    /// Waiters with one timeout queue in deadline order: each still times out at its own
+    /// deadline (the sweeper looks only at the front), one that left is skipped, and one
+    /// served before its deadline is not timed out.
+    #[tokio::test(start_paused = true)]
+    async fn waiters_in_deadline_order_time_out_in_turn() {
+        let s = Slots::new(1, 0);
+        let start = Instant::now();
+        let held = s
+            .acquire(2, start + Duration::from_secs(60), usize::MAX)
+            .await
+            .expect("the slot");
+        let wait = |ms: u64| {
+            let s = s.clone();
+            tokio::spawn(async move {
+                let r = s
+                    .acquire(2, start + Duration::from_millis(ms), usize::MAX)
+                    .await;
+                (r.err(), start.elapsed())
+            })
+        };
+        let mut tasks = Vec::new();
+        for ms in [100, 200, 300, 400] {
+            tasks.push(wait(ms));
+            tokio::task::yield_now().await;
+        }
+        let last = wait(10_000);
+        tokio::task::yield_now().await;
+        assert!(s.inner.lock().ordered[2], "one timeout: in deadline order");
+        // The 300 ms waiter leaves early; the others time out at their own deadlines.
+        tasks.remove(2).abort();
+        for (t, ms) in tasks.into_iter().zip([100u64, 200, 400]) {
+            let (e, at) = t.await.expect("task");
+            assert_eq!(e, Some(SlotError::Timeout));
+            assert_eq!(at, Duration::from_millis(ms));
+        }
+        // The last one is served, not timed out, when the slot comes back.
+        drop(held);
+        let (e, _) = last.await.expect("task");
+        assert_eq!(e, None);
         assert_eq!(s.available(), 1);
     }
 }

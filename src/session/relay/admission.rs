@@ -336,7 +336,9 @@ impl Relay {
     /// has not stopped it a second after the timeout, the relay sends a real cancel.
     pub(super) fn arm_backstop(&mut self, t: Timeouts) {
         if let Some(d) = t.statement {
-            let at = self.now() + d + Duration::from_secs(1);
+            // A fresh reading, not the wake-up's: a backend write that blocked since then
+            // must not bring the backstop forward (only statements with a timeout get here).
+            let at = Instant::now() + d + Duration::from_secs(1);
             self.backstop = Some(self.backstop.map_or(at, |b| b.max(at)));
         }
     }
