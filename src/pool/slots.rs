@@ -514,26 +514,39 @@ mod tests {
         assert_eq!(s.available(), 1);
     }
 
-    /// Each waiter times out at its own deadline, also one that arrives after a waiter with
-    /// a later deadline (the sweeper is woken to look sooner); the sweeper ends with the last
-    /// waiter and a later wait starts a new one.
-    #[tokio::test(start_paused = true)]
-    async fn each_waiter_times_out_at_its_own_deadline() {
+    /// A pool of one slot, held (for a minute), and the time it was taken.
+    async fn one_slot_held() -> (Arc<Slots>, Instant, SlotPermit) {
         let s = Slots::new(1, 0);
         let start = Instant::now();
         let held = s
             .acquire(2, start + Duration::from_secs(60), usize::MAX)
             .await
             .expect("the slot");
-        let wait = |ms: u64| {
-            let s = s.clone();
-            tokio::spawn(async move {
-                let r = s
-                    .acquire(2, start + Duration::from_millis(ms), usize::MAX)
-                    .await;
-                (r.err(), start.elapsed())
-            })
-        };
+        (s, start, held)
+    }
+
+    /// A waiter for `s` with a deadline `ms` after `start`: its error, if any, and when.
+    fn waiter(
+        s: &Arc<Slots>,
+        start: Instant,
+        ms: u64,
+    ) -> tokio::task::JoinHandle<(Option<SlotError>, Duration)> {
+        let s = s.clone();
+        tokio::spawn(async move {
+            let r = s
+                .acquire(2, start + Duration::from_millis(ms), usize::MAX)
+                .await;
+            (r.err(), start.elapsed())
+        })
+    }
+
+    /// Each waiter times out at its own deadline, also one that arrives after a waiter with
+    /// a later deadline (the sweeper is woken to look sooner); the sweeper ends with the last
+    /// waiter and a later wait starts a new one.
+    #[tokio::test(start_paused = true)]
+    async fn each_waiter_times_out_at_its_own_deadline() {
+        let (s, start, held) = one_slot_held().await;
+        let wait = |ms: u64| waiter(&s, start, ms);
         let late = wait(5_000);
         tokio::task::yield_now().await;
         let early = wait(300);
@@ -598,21 +611,8 @@ mod tests {
     /// served before its deadline is not timed out.
     #[tokio::test(start_paused = true)]
     async fn waiters_in_deadline_order_time_out_in_turn() {
-        let s = Slots::new(1, 0);
-        let start = Instant::now();
-        let held = s
-            .acquire(2, start + Duration::from_secs(60), usize::MAX)
-            .await
-            .expect("the slot");
-        let wait = |ms: u64| {
-            let s = s.clone();
-            tokio::spawn(async move {
-                let r = s
-                    .acquire(2, start + Duration::from_millis(ms), usize::MAX)
-                    .await;
-                (r.err(), start.elapsed())
-            })
-        };
+        let (s, start, held) = one_slot_held().await;
+        let wait = |ms: u64| waiter(&s, start, ms);
         let mut tasks = Vec::new();
         for ms in [100, 200, 300, 400] {
             tasks.push(wait(ms));
