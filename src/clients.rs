@@ -11,7 +11,7 @@ use std::sync::atomic::{AtomicI32, AtomicU8, AtomicU16, AtomicU64, Ordering::Rel
 
 use serde::Serialize;
 
-use crate::observe::stats::unix_ms;
+use crate::observe::stats::{unix_ms, unix_ms_coarse};
 
 /// Where a client is, as `GET /v1/clients` names it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
@@ -114,7 +114,7 @@ impl ClientInfo {
     pub fn set_state(&self, s: ClientState) {
         if self.state.load(Relaxed) != s as u8 {
             self.state.store(s as u8, Relaxed);
-            self.state_since_ms.store(unix_ms(), Relaxed);
+            self.state_since_ms.store(unix_ms_coarse(), Relaxed);
         }
     }
 

@@ -621,12 +621,19 @@ pub struct FingerprintStats {
 }
 
 /// Wall-clock milliseconds since the epoch, the clock the statistics' timestamps are on (the
-/// anomaly detector is fed with it too, so row creation stamps and ticks compare).
-///
-/// The coarse clock: the kernel's time at its last tick (at most a few ms behind), read from
-/// the vDSO without reading the hardware counter. This runs two or three times per statement
-/// (a session's state stamps, the statement's row), where the fine clock cost ~3× as much.
+/// anomaly detector is fed with it too, so row creation stamps and ticks compare). The fine
+/// clock: the detector's rates split calls into 100 ms windows, and a stamp a tick late puts
+/// a step's first calls into the window before it.
 pub fn unix_ms() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
+}
+
+/// [`unix_ms`] from the coarse clock: the kernel's time at its last tick (a few ms behind,
+/// never ahead), read from the vDSO without reading the hardware counter — for stamps only
+/// shown to people, such as how long a client has been in its state (two per statement).
+pub fn unix_ms_coarse() -> u64 {
     let mut ts = libc::timespec {
         tv_sec: 0,
         tv_nsec: 0,
