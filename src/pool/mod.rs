@@ -474,7 +474,6 @@ impl Pool {
         let conn = {
             let mut idle = self.idle.lock();
             let conn = idle.last()?;
-
             let fresh = now.saturating_duration_since(conn.idle_since)
                 < Duration::from_millis(self.cfg.health_check_after_ms);
             if !fresh || self.spent(conn, now) {

@@ -528,9 +528,9 @@ async fn set_cancel_target(entry: &cancel::Entry, b: Option<&mut Pooled>) {
 
 /// Awaits `fut` (a pool checkout, a caller queue) while watching the client, read into
 /// `buf`: a client that hangs up meanwhile ends the wait with FATAL 08006 `why`, an
-/// operator's order to terminate it ([`cancel::Entry::terminate`]) with FATAL 57P01. Most
-/// such futures complete at once, and then neither is looked at; a wait that does not is
-/// shown as `waiting` in `GET /v1/clients`.
+/// operator's order to terminate it ([`cancel::Entry::terminate`]) with FATAL 57P01. The
+/// caller has polled `fut` once and found it pending (most such futures complete at once,
+/// and then none of this runs); the wait is shown as `waiting` in `GET /v1/clients`.
 async fn unless_client_leaves<S, F>(
     mut fut: Pin<&mut F>,
     client: &mut S,
@@ -545,9 +545,6 @@ where
     use crate::clients::{ClientState, Order};
     // Pinned by the caller: a future passed by value is copied into each async frame it
     // passes through, and a checkout's or an admission's is large.
-    if let Poll::Ready(r) = futures_util::poll!(fut.as_mut()) {
-        return Ok(r);
-    }
     entry.client.set_state(ClientState::Waiting);
     let ordered = std::future::poll_fn(|cx| {
         entry.wake.register(cx.waker());

@@ -283,6 +283,7 @@ impl Relay {
         F: std::future::Future,
     {
         let mut fut = fut;
+        // Most complete at once: no client watch, no state change, the wake-up's clock.
         if let std::task::Poll::Ready(r) = futures_util::poll!(fut.as_mut()) {
             return Ok(r);
         }

@@ -157,23 +157,8 @@ impl Statements {
         Some(e)
     }
 
-    /// The classification of the statement `name` (empty: the unnamed one), if known.
-    #[cfg(test)]
-    pub fn class_of(&self, name: &[u8]) -> Option<Arc<Classified>> {
-        self.class_and_hash(name).0
-    }
-
-    /// The text of the statement `name` (empty: the unnamed one, kept only when it sets
-    /// configuration).
-    pub fn text_of(&self, name: &[u8]) -> Option<Bytes> {
-        if name.is_empty() {
-            Some(self.unnamed_query.clone())
-        } else {
-            self.named.get(name).map(|s| s.query.clone())
-        }
-    }
-
-    /// [`Statements::class_of`] and [`Statements::hash_of`] in one lookup (a Bind's).
+    /// The classification of the statement `name` (empty: the unnamed one), if known, and
+    /// the hash behind its proxy name when it is renamed (transaction mode): one lookup.
     pub fn class_and_hash(&self, name: &[u8]) -> (Option<Arc<Classified>>, Option<u64>) {
         if name.is_empty() {
             return (self.unnamed_class.clone(), None);
@@ -184,10 +169,14 @@ impl Statements {
         }
     }
 
-    /// The hash behind a renamed statement's proxy name (transaction mode only).
-    #[cfg(test)]
-    pub fn hash_of(&self, name: &[u8]) -> Option<u64> {
-        self.class_and_hash(name).1
+    /// The text of the statement `name` (empty: the unnamed one, kept only when it sets
+    /// configuration).
+    pub fn text_of(&self, name: &[u8]) -> Option<Bytes> {
+        if name.is_empty() {
+            Some(self.unnamed_query.clone())
+        } else {
+            self.named.get(name).map(|s| s.query.clone())
+        }
     }
 
     /// A client's Parse (`frame`; `p` read from `body`), classified as `class`: remembered,

@@ -107,7 +107,7 @@ impl Fixture {
 
     /// The proxy name of the client's statement `name`.
     fn proxy_name(&self, name: &str) -> String {
-        let hash = self.st.hash_of(name.as_bytes()).expect("renamed");
+        let hash = self.st.class_and_hash(name.as_bytes()).1.expect("renamed");
         String::from_utf8(server_name(hash).to_vec()).unwrap()
     }
 
@@ -179,7 +179,7 @@ fn a_stale_statement_is_closed_then_prepared_again() {
     let mut f = Fixture::new(true);
     f.parse("s", "SELECT * FROM t");
     f.sent();
-    let hash = f.st.hash_of(b"s").unwrap();
+    let hash = f.st.class_and_hash(b"s").1.unwrap();
     // Postgres said the cached plan's result type changed.
     f.srv().forget_stale(hash);
     f.bind("s");
@@ -249,7 +249,7 @@ fn the_unnamed_statement_passes_through_and_keeps_its_classification() {
     f.parse("", "SELECT set_config('a.b', $1, false)");
     f.bind("");
     assert_eq!(f.sent(), vec![('P', String::new()), ('B', String::new())]);
-    assert!(f.st.class_of(b"").is_some());
+    assert!(f.st.class_and_hash(b"").0.is_some());
     assert!(
         f.st.text_of(b"")
             .is_some_and(|t| t.starts_with(b"SELECT set_config")),
@@ -277,7 +277,7 @@ fn two_texts_sharing_a_hash_are_never_confused() {
     let mut f = Fixture::new(true);
     f.parse("x", "SELECT 7");
     f.sent();
-    let hash = f.st.hash_of(b"x").unwrap();
+    let hash = f.st.class_and_hash(b"x").1.unwrap();
     // Another text under the same hash (as if it collided): not a hit, marked stale.
     assert!(!f.srv().has(hash, b"SELECT 8", b"\0\0"));
     assert_eq!(f.stale, vec![hash]);
