@@ -171,12 +171,21 @@ pub fn md5_inner(user: &str, password: &str) -> String {
 }
 
 /// Checks an md5 PasswordMessage (`md5` + hex(md5(inner || salt))) in constant time.
+/// Computed on the stack: this runs once per md5 login.
 pub fn md5_response_matches(inner_hex: &str, salt: [u8; 4], response: &[u8]) -> bool {
-    let mut buf = inner_hex.as_bytes().to_vec();
-    buf.extend_from_slice(&salt);
-    // `password::md5(data, "")` is "md5" + hex(md5(data)): exactly the outer step.
-    let outer = postgres_protocol::password::md5(&buf, "");
-    ct_eq(outer.as_bytes(), response)
+    use md5::Digest;
+    let mut h = md5::Md5::new();
+    h.update(inner_hex.as_bytes());
+    h.update(salt);
+    let digest = h.finalize();
+    let mut expected = [0u8; 35];
+    expected[..3].copy_from_slice(b"md5");
+    const HEX: &[u8; 16] = b"0123456789abcdef";
+    for (i, b) in digest.iter().enumerate() {
+        expected[3 + 2 * i] = HEX[usize::from(b >> 4)];
+        expected[4 + 2 * i] = HEX[usize::from(b & 0xf)];
+    }
+    ct_eq(&expected, response)
 }
 
 /// Constant-time equality for secrets.
@@ -209,6 +218,28 @@ mod tests {
         let inner = md5_inner("app", "secret");
         assert!(md5_response_matches(&inner, salt, sent.as_bytes()));
         assert!(!md5_response_matches(&inner, [4, 3, 2, 1], sent.as_bytes()));
+        // Every salt byte and password length against libpq's own computation; a response
+        // off by one character, upper-case or cut short is refused.
+        for (i, password) in ["", "p", "a much longer password with spaces"]
+            .iter()
+            .enumerate()
+        {
+            for salt in [[0, 0, 0, 0], [255, 254, 1, 0], [i as u8, 0x10, 0xab, 0x7f]] {
+                let sent =
+                    postgres_protocol::authentication::md5_hash(b"u", password.as_bytes(), salt);
+                let inner = md5_inner("u", password);
+                assert!(md5_response_matches(&inner, salt, sent.as_bytes()));
+                let mut off = sent.clone().into_bytes();
+                off[10] = if off[10] == b'0' { b'1' } else { b'0' };
+                assert!(!md5_response_matches(&inner, salt, &off));
+                assert!(!md5_response_matches(
+                    &inner,
+                    salt,
+                    sent.to_uppercase().as_bytes()
+                ));
+                assert!(!md5_response_matches(&inner, salt, &sent.as_bytes()[..34]));
+            }
+        }
     }
 
     #[test]

@@ -57,6 +57,10 @@ pub(crate) fn shape_key(sql: &str, out: &mut String) -> bool {
 }
 
 /// The pass itself: `Some(number of literals blanked)`, or `None` to key by the exact text.
+///
+/// Only bytes of the `SPECIAL` class are looked at; everything else (words, spaces,
+/// punctuation) is skipped by one table lookup per byte. A digit right after a word byte is
+/// inside a word (`t1`, `c2x`) and is skipped with the rest of that word.
 fn shape_into(sql: &str, out: &mut String) -> Option<usize> {
     let b = sql.as_bytes();
     let len = b.len();
@@ -71,8 +75,17 @@ fn shape_into(sql: &str, out: &mut String) -> Option<usize> {
     let mut blanked = 0;
     let mut i = 0;
     while i < len {
+        // Eight bytes at a time while none of them may be special.
+        if let Some(chunk) = b.get(i..i + 8).and_then(|c| <[u8; 8]>::try_from(c).ok()) {
+            let m = maybe_special(u64::from_le_bytes(chunk));
+            if m == 0 {
+                i += 8;
+                continue;
+            }
+            i += (m.trailing_zeros() / 8) as usize;
+        }
         let c = b[i];
-        if CLASS[usize::from(c)] == 0 {
+        if CLASS[usize::from(c)] & SPECIAL == 0 {
             i += 1;
             continue;
         }
@@ -112,6 +125,16 @@ fn shape_into(sql: &str, out: &mut String) -> Option<usize> {
                 copied = end;
                 i = end + 1;
             }
+            b'0'..=b'9' if i > 0 && is_word_byte(b[i - 1]) => {
+                // Inside a word: verbatim to its end; a `$` in its tail (a parameter or a
+                // dollar quote) gives up, as everywhere.
+                while i < len && is_word_byte(b[i]) {
+                    if b[i] == b'$' {
+                        return None;
+                    }
+                    i += 1;
+                }
+            }
             b'0'..=b'9' => {
                 if i > 0 && b[i - 1] == b'.' {
                     return None;
@@ -128,24 +151,26 @@ fn shape_into(sql: &str, out: &mut String) -> Option<usize> {
                 blanked += 1;
                 copied = i;
             }
-            c if is_word_byte(c) => {
-                // A word, digits included (`t1`): verbatim.
-                while let Some(&w) = b.get(i) {
-                    match CLASS[usize::from(w)] {
-                        WORD => i += 1,
-                        k if k & WORD == 0 => break,
-                        // Digits are word bytes too; `$` (a parameter or a dollar quote in
-                        // a word's tail) gives up, as everywhere.
-                        _ if w == b'$' => return None,
-                        _ => i += 1,
-                    }
-                }
-            }
             _ => i += 1,
         }
     }
     out.push_str(&sql[copied..]);
     Some(blanked)
+}
+
+/// A high bit in each byte of `x` (little-endian) that may be `SPECIAL`: `"` to `9`
+/// (0x22..=0x39: quotes, `$`, `-`, `/`, digits, and some punctuation the pass then skips) or
+/// a backslash. Exact for the lowest flagged byte, which is all the caller uses.
+fn maybe_special(x: u64) -> u64 {
+    const ONES: u64 = 0x0101_0101_0101_0101;
+    const HIGH: u64 = ONES * 0x80;
+    let low7 = x & !HIGH;
+    // Per byte at most 0x7f + 0x5e: no carry into the next byte.
+    let from = low7 + ONES * (0x80 - 0x22);
+    let past = low7 + ONES * (0x80 - 0x3a);
+    let range = from & !past & !x & HIGH;
+    let bs = x ^ (ONES * u64::from(b'\\'));
+    range | (bs.wrapping_sub(ONES) & !bs & HIGH)
 }
 
 fn memchr(b: &[u8], from: usize, needle: u8) -> Option<usize> {
@@ -162,6 +187,99 @@ fn find(b: &[u8], from: usize, needle: &[u8; 2]) -> Option<usize> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The pass as it was before it skipped non-special bytes: every word consumed whole. Kept
+    /// as the oracle for `same_keys_as_the_word_by_word_pass`.
+    fn reference_shape_into(sql: &str, out: &mut String) -> Option<usize> {
+        let b = sql.as_bytes();
+        let len = b.len();
+        if memchr::memchr(0, b).is_some() {
+            return None;
+        }
+        out.clear();
+        out.reserve(len + 1);
+        out.push('\0');
+        // `b[copied..i]` is verbatim text not yet appended to `out`.
+        let mut copied = 0;
+        let mut blanked = 0;
+        let mut i = 0;
+        while i < len {
+            let c = b[i];
+            if CLASS[usize::from(c)] == 0 {
+                i += 1;
+                continue;
+            }
+            match c {
+                b'\\' | b'$' => return None,
+                b'-' if b.get(i + 1) == Some(&b'-') => {
+                    i += 2;
+                    while i < len && b[i] != b'\n' && b[i] != b'\r' {
+                        i += 1;
+                    }
+                }
+                b'/' if b.get(i + 1) == Some(&b'*') => {
+                    let body = i + 2;
+                    let end = find(b, body, b"*/")?;
+                    if find(&b[..end], body, b"/*").is_some() {
+                        return None;
+                    }
+                    i = end + 2;
+                }
+                b'"' => {
+                    // `""` inside an identifier closes and reopens: verbatim either way.
+                    let end = memchr(b, i + 1, b'"')?;
+                    i = end + 1;
+                }
+                b'\'' => {
+                    if i > 0 && (is_word_byte(b[i - 1]) || b[i - 1] == b'&') {
+                        return None;
+                    }
+                    let start = i + 1;
+                    let end = memchr(b, start, b'\'')?;
+                    if b[start..end].contains(&b'\\') {
+                        return None;
+                    }
+                    out.push_str(&sql[copied..start]);
+                    out.push('\0');
+                    blanked += 1;
+                    copied = end;
+                    i = end + 1;
+                }
+                b'0'..=b'9' => {
+                    if i > 0 && b[i - 1] == b'.' {
+                        return None;
+                    }
+                    let start = i;
+                    while i < len && b[i].is_ascii_digit() {
+                        i += 1;
+                    }
+                    if i < len && (is_word_byte(b[i]) || b[i] == b'.') {
+                        return None;
+                    }
+                    out.push_str(&sql[copied..start]);
+                    out.push('\0');
+                    blanked += 1;
+                    copied = i;
+                }
+                c if is_word_byte(c) => {
+                    // A word, digits included (`t1`): verbatim.
+                    while let Some(&w) = b.get(i) {
+                        match CLASS[usize::from(w)] {
+                            WORD => i += 1,
+                            k if k & WORD == 0 => break,
+                            // Digits are word bytes too; `$` (a parameter or a dollar quote in
+                            // a word's tail) gives up, as everywhere.
+                            _ if w == b'$' => return None,
+                            _ => i += 1,
+                        }
+                    }
+                }
+                _ => i += 1,
+            }
+        }
+        out.push_str(&sql[copied..]);
+        Some(blanked)
+    }
 
     fn key(sql: &str) -> Option<String> {
         let mut out = String::new();
@@ -227,6 +345,56 @@ mod tests {
             "SELECT '\0'",
         ] {
             assert_eq!(key(sql), None, "{sql:?}");
+        }
+    }
+
+    #[test]
+    fn same_keys_as_the_word_by_word_pass() {
+        // Texts built from the bytes the pass cares about, seeded (xorshift) and repeatable.
+        const PARTS: &[&str] = &[
+            "a", "t", "E", "x", "_", "1", "42", "0", " ", ".", ",", "(", ")", "=", "'", "''", "\"",
+            "$", "\\", "-", "--", "/", "/*", "*/", "*", "&", "\n", "\r", "é", "select ", "e'",
+            "U&'", "1.5", "1e5", "c2", "$1", ";", "9", "x9", "#", "%",
+        ];
+        let mut seed: u64 = 0x9e37_79b9_7f4a_7c15;
+        let mut next = move || {
+            seed ^= seed << 13;
+            seed ^= seed >> 7;
+            seed ^= seed << 17;
+            seed
+        };
+        let (mut a, mut b) = (String::new(), String::new());
+        for _ in 0..200_000 {
+            let n = (next() % 12) as usize;
+            let sql: String = (0..n)
+                .map(|_| PARTS[(next() % PARTS.len() as u64) as usize])
+                .collect();
+            let new = shape_into(&sql, &mut a);
+            let old = reference_shape_into(&sql, &mut b);
+            assert_eq!(new, old, "{sql:?}");
+            if new.is_some() {
+                assert_eq!(a, b, "{sql:?}");
+            }
+        }
+    }
+
+    #[test]
+    fn the_eight_byte_filter_flags_every_special_byte_first() {
+        for pos in 0..8 {
+            for v in 0..=255u8 {
+                // Filler that is never flagged, with `v` at `pos`.
+                let mut chunk = [b'a'; 8];
+                chunk[pos] = v;
+                let m = maybe_special(u64::from_le_bytes(chunk));
+                let flagged = (0x22..=0x39).contains(&v) || v == b'\\';
+                assert_eq!(m != 0, flagged, "byte {v:#x} at {pos}");
+                if flagged {
+                    assert_eq!(m.trailing_zeros() / 8, pos as u32, "byte {v:#x} at {pos}");
+                }
+                if CLASS[usize::from(v)] & SPECIAL != 0 {
+                    assert!(flagged, "special byte {v:#x} not flagged");
+                }
+            }
         }
     }
 }
