@@ -135,6 +135,9 @@ pub struct Relay {
     /// Rule admissions of later statements in the unit (CONCURRENCY slots).
     stmt_admissions: Vec<StatementAdmission>,
     unit_caller: u16,
+    /// The caller of a statement without comment tags, resolved under `rt` and the current
+    /// settings (`application_name`); cleared when either changes.
+    session_caller: Option<u16>,
     /// Caller of the statement admitted last (statistics attribution).
     last_caller: u16,
     /// The current request hit a backend fault (connection error, timeout): the breaker
@@ -263,6 +266,7 @@ impl Relay {
             rt,
             stmt_admissions: Vec::new(),
             unit_caller: 0,
+            session_caller: None,
             last_caller: 0,
             fault: false,
             opened_by_parse: None,
@@ -1151,6 +1155,7 @@ impl Relay {
             let captured = self.replies.take_settings();
             self.backend_conn().applied = captured.clone();
             self.login.settings = captured;
+            self.session_caller = None;
         }
         false
     }

@@ -78,14 +78,24 @@ pub(super) fn is_backend_fault(code: &str) -> bool {
 
 impl Relay {
     /// Resolves the caller of a statement: its comment tags first, then the session's
-    /// application_name, user and address.
-    fn resolve_caller(&self, class: &Classified) -> u16 {
-        self.rt.callers.resolve(
+    /// application_name, user and address. A statement without tags has the session's
+    /// caller, remembered until the runtime snapshot or the session's settings change.
+    fn resolve_caller(&mut self, class: &Classified) -> u16 {
+        if class.tags.is_empty()
+            && let Some(caller) = self.session_caller
+        {
+            return caller;
+        }
+        let caller = self.rt.callers.resolve(
             &class.tags,
             self.login.application_name(),
             &self.login.user,
             self.peer_ip,
-        )
+        );
+        if class.tags.is_empty() {
+            self.session_caller = Some(caller);
+        }
+        caller
     }
 
     /// Admits one statement (at Query, or at Bind/Parse for the extended protocol).
@@ -101,7 +111,11 @@ impl Relay {
             // A new unit: it runs under the configuration in force now, all of it (caller
             // matching, limits, series, timeouts) from one snapshot, whatever a reload does
             // meanwhile.
-            self.rt = self.app.runtime.load_full();
+            let current = self.app.runtime.load();
+            if !Arc::ptr_eq(&current, &self.rt) {
+                self.rt = arc_swap::Guard::into_inner(current);
+                self.session_caller = None;
+            }
         }
         let rt = Arc::clone(&self.rt);
         let caller = self.resolve_caller(class);
