@@ -224,6 +224,57 @@ callers:
     assert_eq!(rows[0].get::<_, i32>(0), 1);
 }
 
+/// A client's caller follows its `application_name` when it changes it with `SET`: the
+/// statements after the change count against the new caller's limit (here refused while that
+/// caller's only slot is held), as they would on a connection that logged in with that name.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_set_application_name_moves_the_client_to_that_caller() {
+    let Some(env) = start(
+        6,
+        r#"
+callers:
+  - name: single
+    match: { application_name: single }
+    max_concurrency: 1
+    queue_depth: 0
+    queue_timeout_ms: 0
+"#,
+    ) else {
+        return;
+    };
+    let holder = Arc::new(connect(&env.proxy, Some("single")).await);
+    let mover = connect(&env.proxy, Some("other")).await;
+    let hold = spawn_timed(&holder, "SELECT pg_sleep(1)");
+    wait_for_running(&env.cluster, "pg_sleep(1)", 1).await;
+    // As "other" (the default caller), it runs beside the held slot.
+    assert_eq!(scalar(&mover, "SELECT 1").await, "1");
+    within(
+        STEP,
+        "SET application_name",
+        mover.batch_execute("SET application_name = 'single'"),
+    )
+    .await
+    .expect("SET application_name");
+    // The settings are read back after the SET's transaction; one statement in between
+    // (on the default caller's budget or the new one's) lets that finish.
+    let _ = within(STEP, "a statement", mover.simple_query("SELECT 2")).await;
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    match within(
+        STEP,
+        "a statement as single",
+        mover.simple_query("SELECT 3"),
+    )
+    .await
+    {
+        Ok(_) => panic!("after SET application_name = 'single' the client is still its old caller"),
+        Err(e) => {
+            assert_refusal(&e, "53300", "ERR_CALLER_LIMIT_EXCEEDED");
+        }
+    }
+    assert!(join(hold).await.is_ok());
+    assert_eq!(scalar(&mover, "SELECT 4").await, "4");
+}
+
 /// Over an exhausted pool, waiters are served critical before low even when the low ones
 /// queued first; a waiter whose client disconnects leaves the queue at once and never runs.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
