@@ -184,25 +184,21 @@ pub fn query_body(body: &[u8]) -> Option<&[u8]> {
     tail.is_empty().then_some(q)
 }
 
-fn begin(out: &mut BytesMut, tag: u8) -> usize {
-    out.put_u8(tag);
-    let at = out.len();
-    out.put_i32(0);
-    at
-}
-
-fn finish(out: &mut BytesMut, at: usize) {
-    let len = (out.len() - at) as i32;
-    out[at..at + 4].copy_from_slice(&len.to_be_bytes());
-}
-
-/// Writes a message built from raw parts: tag + parts concatenated.
+/// Writes a message built from raw parts: tag + parts concatenated. The length is known up
+/// front, so the buffer grows at most once and the header is written once.
 pub fn raw(out: &mut BytesMut, tag: u8, parts: &[&[u8]]) {
-    let at = begin(out, tag);
+    let body: usize = parts.iter().map(|p| p.len()).sum();
+    out.reserve(5 + body);
+    out.put_u8(tag);
+    out.put_i32(len_field(4 + body));
     for p in parts {
-        out.put_slice(p);
+        out.extend_from_slice(p);
     }
-    finish(out, at);
+}
+
+/// A message length as the protocol's Int32; the proxy never builds one of 2 GiB or more.
+fn len_field(len: usize) -> i32 {
+    i32::try_from(len).unwrap_or(i32::MAX)
 }
 
 /// Simple Query with proxy-generated SQL.
@@ -314,6 +310,14 @@ mod tests {
             ParameterStatus::new("server_version".into(), "15.19 (Debian)".into()),
         );
         assert_eq!(ours, theirs);
+    }
+
+    #[test]
+    fn raw_messages_carry_their_length_after_what_is_already_buffered() {
+        let mut out = BytesMut::from(&b"xy"[..]);
+        raw(&mut out, b'Q', &[b"SELECT 1", b"", b"\0"]);
+        raw(&mut out, b'H', &[]);
+        assert_eq!(&out[..], b"xyQ\0\0\0\x0dSELECT 1\0H\0\0\0\x04");
     }
 
     fn startup_body(code: u32, kv: &[u8]) -> Vec<u8> {
