@@ -559,6 +559,11 @@ impl Relay {
                 .next(attached, self.out.t.txn, &mut self.out, &mut self.cout);
             match next {
                 Ok(requests::Request::Read) => break,
+                Ok(requests::Request::Frame { tag, frame })
+                    if self.backend.is_some() && !matches!(tag, b'Q' | b'P' | b'B' | b'F') =>
+                {
+                    self.on_attached_frame(tag, frame)?;
+                }
                 Ok(requests::Request::Frame { tag, frame }) => {
                     self.on_client_frame(tag, frame, client).await?;
                 }
@@ -595,18 +600,29 @@ impl Relay {
         frame: Bytes,
         client: &mut S,
     ) -> Result<(), End> {
+        if !matches!(tag, b'Q' | b'P' | b'B' | b'F') {
+            if self.backend.is_none()
+                && let Err(e) = self.ensure_backend(client).await
+            {
+                self.retry_record(tag, &frame);
+                return self.refuse(tag, e);
+            }
+            return self.on_attached_frame(tag, frame);
+        }
         let body = frame.slice(framing::HEADER_LEN..);
         self.retry_record(tag, &frame);
         match tag {
-            b'Q' => return self.on_query(frame, &body, client).await,
-            b'P' => return self.on_parse(frame, &body, client).await,
-            b'B' => return self.on_bind(frame, &body, client).await,
-            b'F' => return self.on_function_call(frame, client).await,
-            _ => {}
+            b'Q' => self.on_query(frame, &body, client).await,
+            b'P' => self.on_parse(frame, &body, client).await,
+            b'B' => self.on_bind(frame, &body, client).await,
+            _ => self.on_function_call(frame, client).await,
         }
-        if let Err(e) = self.ensure_backend(client).await {
-            return self.refuse(tag, e);
-        }
+    }
+
+    /// Sync, Execute, Describe or Close with a backend attached: no admission, nothing to
+    /// wait for, so no async frame (the event loop calls it directly when it can).
+    fn on_attached_frame(&mut self, tag: u8, frame: Bytes) -> Result<(), End> {
+        self.retry_record(tag, &frame);
         match tag {
             b'S' => {
                 self.send_ready(Expect::new(Kind::Sync, Mode::Forward), &frame);
@@ -616,7 +632,10 @@ impl Relay {
                 self.out
                     .send(Expect::new(Kind::Execute, Mode::Forward), &frame);
             }
-            b'D' | b'C' => self.on_target(tag, frame, &body)?,
+            b'D' | b'C' => {
+                let body = frame.slice(framing::HEADER_LEN..);
+                self.on_target(tag, frame, &body)?;
+            }
             _ => {
                 return Err(End::Error(PgError::protocol_violation(format!(
                     "invalid frontend message type {}",
@@ -679,7 +698,9 @@ impl Relay {
         {
             return self.refuse_statement(b'Q', e);
         }
-        if let Err(e) = self.ensure_backend(client).await {
+        if self.backend.is_none()
+            && let Err(e) = self.ensure_backend(client).await
+        {
             return self.refuse(b'Q', e);
         }
         if let Err(e) = self.apply_effects(&class, Some(sql)) {
@@ -716,7 +737,9 @@ impl Relay {
             Ok(t) => t,
             Err(e) => return self.refuse_statement(b'F', e),
         };
-        if let Err(e) = self.ensure_backend(client).await {
+        if self.backend.is_none()
+            && let Err(e) = self.ensure_backend(client).await
+        {
             return self.refuse(b'F', e);
         }
         if let Err(e) = self.apply_effects(&class, None) {
@@ -747,7 +770,9 @@ impl Relay {
                 Err(e) => return self.refuse_statement(b'P', e),
             }
         }
-        if let Err(e) = self.ensure_backend(client).await {
+        if self.backend.is_none()
+            && let Err(e) = self.ensure_backend(client).await
+        {
             return self.refuse(b'P', e);
         }
         if class.own_transaction
@@ -783,7 +808,9 @@ impl Relay {
                 Err(e) => return self.refuse_statement(b'B', e),
             },
         };
-        if let Err(e) = self.ensure_backend(client).await {
+        if self.backend.is_none()
+            && let Err(e) = self.ensure_backend(client).await
+        {
             return self.refuse(b'B', e);
         }
         // The text is only read for `set_config` names; other statements skip the lookup.
@@ -939,6 +966,7 @@ impl Relay {
         &mut self,
         client: &mut S,
     ) -> Result<(), PgError> {
+        // Callers skip the call (an async frame built and polled) when one is attached.
         if self.backend.is_some() {
             return Ok(());
         }
