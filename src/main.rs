@@ -20,12 +20,6 @@ use pgsluice::config::{Config, ConfigError, LogFormat, Overrides, PoolMode, Secr
 use pgsluice::policy::rules::RuleSet;
 use pgsluice::services::Service;
 
-/// mimalloc instead of glibc's allocator: a login allocates some sixty small blocks (startup
-/// parameters, settings, buffers, task frames) and frees them at its end, and glibc spends
-/// more instructions per block than mimalloc's per-thread free lists (docs/BENCHMARKS.md).
-#[global_allocator]
-static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
-
 #[derive(Parser, Debug)]
 #[command(name = "pgsluice", version, about = "PostgreSQL traffic-control proxy")]
 #[command(args_conflicts_with_subcommands = true)]
