@@ -158,22 +158,23 @@ async fn analytics_flood_is_refused_at_once_while_payment_runs() {
     env.proxy.assert_healthy().await;
 }
 
-/// tokio-postgres' `client.query(&str)` and `prepare` + `query(&stmt)` send the Parse in one
-/// batch and the Bind/Execute in a later one: the execution must be admitted like any other
-/// statement (here: refused while the caller's only slot is taken).
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn prepared_statement_executions_are_admitted_like_any_other() {
-    let Some(env) = start(
-        6,
-        r#"
+/// One caller, `single` (application_name `single`), allowed one statement at a time and no
+/// queue: a second statement while one runs is refused at once.
+const SINGLE_CALLER: &str = r#"
 callers:
   - name: single
     match: { application_name: single }
     max_concurrency: 1
     queue_depth: 0
     queue_timeout_ms: 0
-"#,
-    ) else {
+"#;
+
+/// tokio-postgres' `client.query(&str)` and `prepare` + `query(&stmt)` send the Parse in one
+/// batch and the Bind/Execute in a later one: the execution must be admitted like any other
+/// statement (here: refused while the caller's only slot is taken).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn prepared_statement_executions_are_admitted_like_any_other() {
+    let Some(env) = start(6, SINGLE_CALLER) else {
         return;
     };
     let holder = Arc::new(connect(&env.proxy, Some("single")).await);
@@ -229,17 +230,7 @@ callers:
 /// caller's only slot is held), as they would on a connection that logged in with that name.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_set_application_name_moves_the_client_to_that_caller() {
-    let Some(env) = start(
-        6,
-        r#"
-callers:
-  - name: single
-    match: { application_name: single }
-    max_concurrency: 1
-    queue_depth: 0
-    queue_timeout_ms: 0
-"#,
-    ) else {
+    let Some(env) = start(6, SINGLE_CALLER) else {
         return;
     };
     let holder = Arc::new(connect(&env.proxy, Some("single")).await);
