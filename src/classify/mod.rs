@@ -9,11 +9,11 @@
 //! `Classifier` caches one `Arc<Classified>` per distinct statement text:
 //! - Two kinds of key share the cache: the exact text, and the text's shape (`shape.rs`: the
 //!   text with the contents of plain literals blanked, starting with NUL so the two never
-//!   meet). A lookup tries the exact text first (a text seen verbatim before costs one hash),
-//!   then, only when the text has literals, its shape: `... WHERE id = 1` and `... WHERE id = 2`
-//!   share one classification, and the simple protocol's literal-laden texts are tokenized
-//!   once per shape, not once per call. A miss inserts the exact text and the shape; a hit on
-//!   the shape inserts nothing (a stream of new literals must not churn the cache).
+//!   meet). A text is looked up once: by its shape when it has literals to blank, else by
+//!   itself (a text with a `$`, every extended-protocol Parse, skips the shape pass):
+//!   `... WHERE id = 1` and `... WHERE id = 2` share one classification, and the simple
+//!   protocol's literal-laden texts are tokenized once per shape, not once per call. A miss
+//!   inserts that one key; a stream of new literals hits the shape and churns nothing.
 //! - Keys are looked up as `&str` (the shape is built in a per-thread buffer). quick_cache
 //!   hashes it once with its per-process randomly seeded hasher and compares the text on a
 //!   hit, which is the "verify the text on hit" variant: no collision can ever return another
