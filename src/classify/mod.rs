@@ -135,11 +135,8 @@ impl Classifier {
         };
         // One lookup: by the shape key when the text has literals to blank (the pass is a
         // few instructions per byte, cheaper than a second lookup), else by the exact text.
-        // A text with a `$` (parameters: every extended-protocol Parse) is never shaped, and a
-        // SIMD search for it is cheaper than the pass that would give up there.
         KEY.with_borrow_mut(|key| {
-            let k = if memchr::memchr(b'$', sql.as_bytes()).is_none() && shape::shape_key(sql, key)
-            {
+            let k = if shape::shape_key(sql, key) {
                 key.as_str()
             } else {
                 sql

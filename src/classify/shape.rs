@@ -79,7 +79,7 @@ fn shape_into(sql: &str, out: &mut String) -> Option<usize> {
         if CLASS[usize::from(c)] & SPECIAL == 0 {
             i += 1;
         } else if c.is_ascii_digit() && i > 0 && is_word_byte(b[i - 1]) {
-            i = skip_word(b, i)?;
+            i = skip_word(b, i);
         } else {
             i = p.special(i)?;
         }
@@ -87,16 +87,12 @@ fn shape_into(sql: &str, out: &mut String) -> Option<usize> {
     Some(p.finish())
 }
 
-/// A word from `i` on, verbatim: where it ends, or `None` at a `$` in it (a parameter or a
-/// dollar quote in its tail gives up, as everywhere).
-fn skip_word(b: &[u8], mut i: usize) -> Option<usize> {
+/// A word from `i` on, verbatim: where it ends (the text holds no `$`: [`Pass::new`]).
+fn skip_word(b: &[u8], mut i: usize) -> usize {
     while i < b.len() && is_word_byte(b[i]) {
-        if b[i] == b'$' {
-            return None;
-        }
         i += 1;
     }
-    Some(i)
+    i
 }
 
 /// The key being written: `sql[copied..]` is verbatim text not yet appended to `out`.
@@ -108,9 +104,10 @@ struct Pass<'a> {
 }
 
 impl<'a> Pass<'a> {
-    /// `None` for a text holding a NUL (the key's marker).
+    /// `None` for a text holding a NUL (the key's marker) or a `$` (parameters and dollar
+    /// quotes: every extended-protocol Parse), found in one SIMD search before any pass.
     fn new(sql: &'a str, out: &'a mut String) -> Option<Self> {
-        if memchr::memchr(0, sql.as_bytes()).is_some() {
+        if memchr::memchr2(0, b'$', sql.as_bytes()).is_some() {
             return None;
         }
         out.clear();
@@ -138,7 +135,7 @@ impl<'a> Pass<'a> {
         let b = self.sql.as_bytes();
         let len = b.len();
         Some(match b[i] {
-            b'\\' | b'$' => return None,
+            b'\\' => return None,
             b'-' if b.get(i + 1) == Some(&b'-') => {
                 let mut i = i + 2;
                 while i < len && b[i] != b'\n' && b[i] != b'\r' {
@@ -231,8 +228,8 @@ mod tests {
         let mut i = 0;
         while i < b.len() {
             let c = b[i];
-            if is_word_byte(c) && !c.is_ascii_digit() && c != b'$' {
-                i = skip_word(b, i)?;
+            if is_word_byte(c) && !c.is_ascii_digit() {
+                i = skip_word(b, i);
             } else if CLASS[usize::from(c)] & SPECIAL == 0 {
                 i += 1;
             } else {

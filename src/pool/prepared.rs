@@ -12,10 +12,8 @@ use foldhash::{HashMap, HashMapExt};
 /// Server-side name for a statement hash.
 pub fn server_name(hash: u64) -> [u8; 22] {
     let mut out = *b"_pgsl_0000000000000000";
-    let hex = b"0123456789abcdef";
-    for i in 0..16 {
-        out[6 + i] = hex[((hash >> (60 - 4 * i)) & 0xf) as usize];
-    }
+    // 8 bytes into 16 characters: the lengths always match.
+    let _ = hex::encode_to_slice(hash.to_be_bytes(), &mut out[6..]);
     out
 }
 

@@ -199,6 +199,12 @@ enum Event {
     Terminate,
 }
 
+/// Query, Parse, Bind and FunctionCall go through admission (and may wait for it); the other
+/// requests the driver sees only need a backend.
+fn admitted(tag: u8) -> bool {
+    matches!(tag, b'Q' | b'P' | b'B' | b'F')
+}
+
 /// How long a session found between transactions at shutdown waits for its client's next
 /// request before leaving with 57P01.
 const DRAIN_IDLE_GRACE: Duration = Duration::from_millis(500);
@@ -560,7 +566,7 @@ impl Relay {
             match next {
                 Ok(requests::Request::Read) => break,
                 Ok(requests::Request::Frame { tag, frame })
-                    if self.backend.is_some() && !matches!(tag, b'Q' | b'P' | b'B' | b'F') =>
+                    if self.backend.is_some() && !admitted(tag) =>
                 {
                     self.on_attached_frame(tag, frame)?;
                 }
@@ -600,7 +606,7 @@ impl Relay {
         frame: Bytes,
         client: &mut S,
     ) -> Result<(), End> {
-        if !matches!(tag, b'Q' | b'P' | b'B' | b'F') {
+        if !admitted(tag) {
             if self.backend.is_none()
                 && let Err(e) = self.ensure_backend(client).await
             {

@@ -81,21 +81,19 @@ impl Relay {
     /// application_name, user and address. A statement without tags has the session's
     /// caller, remembered until the runtime snapshot or the session's settings change.
     fn resolve_caller(&mut self, class: &Classified) -> u16 {
-        if class.tags.is_empty()
-            && let Some(caller) = self.session_caller
-        {
-            return caller;
-        }
-        let caller = self.rt.callers.resolve(
-            &class.tags,
-            self.login.application_name(),
-            &self.login.user,
-            self.peer_ip,
-        );
+        let resolve = |tags| {
+            self.rt.callers.resolve(
+                tags,
+                self.login.application_name(),
+                &self.login.user,
+                self.peer_ip,
+            )
+        };
         if class.tags.is_empty() {
-            self.session_caller = Some(caller);
+            *self.session_caller.get_or_insert_with(|| resolve(&[]))
+        } else {
+            resolve(&class.tags)
         }
-        caller
     }
 
     /// Admits one statement (at Query, or at Bind/Parse for the extended protocol).
