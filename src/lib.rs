@@ -40,6 +40,7 @@ pub mod policy;
 pub mod pool;
 pub mod probe;
 pub mod protocol;
+pub mod rehome;
 pub mod runtime;
 pub mod server;
 pub mod services;

@@ -6,8 +6,8 @@
 //! `shutdown_timeout_ms`, then `force` cancels what still runs and the stragglers get a short
 //! moment to tell their clients (57P01). Also binds the client listeners: TCP, with
 //! SO_REUSEPORT when several instances share the port, and the Unix-domain socket in
-//! `unix_socket_dir` (clients of both are served alike). With a login runtime, accepted connections are
-//! refused or logged in there (the accept itself stays here, with the sessions).
+//! `unix_socket_dir` (clients of both are served alike). With a login runtime, the accept loop
+//! and the logins run there, and only logged-in sessions come back to the session runtime.
 
 use std::net::SocketAddr;
 use std::os::unix::fs::{FileTypeExt, MetadataExt, PermissionsExt};
@@ -167,6 +167,16 @@ enum Accepted {
 }
 
 impl Listeners {
+    /// Moves the listeners to the current runtime's event loop.
+    fn rehome(&mut self) -> std::io::Result<()> {
+        use crate::rehome::Rehome;
+        self.tcp.rehome()?;
+        match &mut self.unix {
+            Some(u) => u.listener.rehome(),
+            None => Ok(()),
+        }
+    }
+
     async fn accept(&self) -> std::io::Result<(Accepted, ClientAddr)> {
         let unix = async {
             match &self.unix {
@@ -185,15 +195,41 @@ impl Listeners {
 }
 
 /// Accepts clients until shutdown, then waits for sessions up to `shutdown_timeout_ms`.
-/// With `login`, new connections are refused or logged in on that runtime and their
-/// sessions handed back to this one (see [`session::Handover`]).
+/// With `login`, the listeners move to that runtime's event loop and new connections are
+/// accepted, refused or logged in there, their sessions handed back to this one (see
+/// [`session::Handover`]): a storm of new connections does not wake the session thread until
+/// a client has logged in.
 pub async fn serve(app: Arc<App>, listeners: Listeners, login: Option<tokio::runtime::Handle>) {
     let tasks = app.life.clients().clone();
-    let handover = match &login {
-        Some(_) => session::Handover::to(tasks.clone(), tokio::runtime::Handle::current()),
-        None => session::Handover::default(),
-    };
+    match login {
+        Some(login) => {
+            let handover = session::Handover::to(tasks.clone(), tokio::runtime::Handle::current());
+            let app = app.clone();
+            let accepting = login.spawn(async move {
+                let mut listeners = listeners;
+                if let Err(e) = listeners.rehome() {
+                    // They keep working where they are; only the session thread is woken.
+                    tracing::warn!(error = %e, "cannot move the listeners to the login thread");
+                }
+                accept_loop(&app, &tasks, listeners, &handover).await;
+            });
+            let _ = accepting.await;
+        }
+        None => accept_loop(&app, &tasks, listeners, &session::Handover::default()).await,
+    }
+    let grace = Duration::from_millis(app.config().limits.shutdown_timeout_ms);
+    app.life
+        .drain(grace, FORCE_GRACE, || app.force_stop())
+        .await;
+}
 
+/// Accepts clients, each with a task of its own on this runtime, until shutdown.
+async fn accept_loop(
+    app: &Arc<App>,
+    tasks: &TaskTracker,
+    listeners: Listeners,
+    handover: &session::Handover,
+) {
     let mut backoff = Duration::from_millis(5);
     let mut warnings = AcceptWarnings::default();
     loop {
@@ -215,16 +251,12 @@ pub async fn serve(app: Arc<App>, listeners: Listeners, login: Option<tokio::run
             }
         };
         match sock {
-            Accepted::Tcp(s) => admit(&app, &tasks, login.as_ref(), &handover, s, peer),
-            Accepted::Unix(s) => admit(&app, &tasks, login.as_ref(), &handover, s, peer),
+            Accepted::Tcp(s) => admit(app, tasks, handover, s, peer),
+            Accepted::Unix(s) => admit(app, tasks, handover, s, peer),
         }
     }
     // The socket file goes with the listener: a client that finds none tries elsewhere.
     drop(listeners);
-    let grace = Duration::from_millis(app.config().limits.shutdown_timeout_ms);
-    app.life
-        .drain(grace, FORCE_GRACE, || app.force_stop())
-        .await;
 }
 
 /// Takes a client slot for a new connection (or refuses it above `max_client_conn`) and
@@ -233,12 +265,11 @@ pub async fn serve(app: Arc<App>, listeners: Listeners, login: Option<tokio::run
 fn admit<S>(
     app: &Arc<App>,
     tasks: &TaskTracker,
-    login: Option<&tokio::runtime::Handle>,
     handover: &session::Handover,
     sock: S,
     peer: ClientAddr,
 ) where
-    S: AsyncRead + AsyncWrite + Unpin + Send + 'static,
+    S: AsyncRead + AsyncWrite + crate::rehome::Rehome + Unpin + Send + 'static,
 {
     let max = app.config().limits.max_client_conn;
     let n = app.stats.clients.fetch_add(1, Ordering::Relaxed);
@@ -246,14 +277,14 @@ fn admit<S>(
     app.stats.clients_total.fetch_add(1, Ordering::Relaxed);
     if n >= max {
         let e = PgError::too_many_clients(max, app.policy.connection_hint_ms(None));
-        spawn(tasks, login, refuse(slot, sock, e));
+        spawn(tasks, refuse(slot, sock, e));
         return;
     }
     let app2 = app.clone();
     let handover = handover.clone();
     let timeout = Duration::from_millis(app.config().limits.handshake_timeout_ms);
     let deadline = tokio::time::Instant::now() + timeout;
-    spawn(tasks, login, async move {
+    spawn(tasks, async move {
         match HandshakeSlot::acquire(&app2, peer.source_ip(), deadline).await {
             Ok(h) => session::run(app2, sock, peer, h, handover, slot).await,
             Err(e) => refuse(slot, sock, e).await,
@@ -308,18 +339,14 @@ async fn read_cancel(sock: &mut tokio::net::TcpStream) -> Option<(i32, Vec<u8>)>
     }
 }
 
-/// Runs a new connection's task on the login runtime when there is one, else here.
-fn spawn<F>(tasks: &TaskTracker, login: Option<&tokio::runtime::Handle>, fut: F)
+/// Runs a new connection's task on this runtime (the login runtime when there is one).
+fn spawn<F>(tasks: &TaskTracker, fut: F)
 where
     F: std::future::Future<Output = ()> + Send + 'static,
 {
     // Boxed: the task cell then holds a pointer, and its changes of stage copy that instead
     // of the handshake's whole future (a login's largest copies).
-    let fut = Box::pin(fut);
-    match login {
-        Some(h) => drop(tasks.spawn_on(fut, h)),
-        None => drop(tasks.spawn(fut)),
-    }
+    drop(tasks.spawn(Box::pin(fut)));
 }
 
 /// After `force`: how long sessions get to cancel their queries and send 57P01.

@@ -368,6 +368,12 @@ impl<S> Prefixed<S> {
     }
 }
 
+impl<S: crate::rehome::Rehome> crate::rehome::Rehome for Prefixed<S> {
+    fn rehome(&mut self) -> io::Result<()> {
+        self.inner.rehome()
+    }
+}
+
 impl<S: AsyncRead + Unpin> AsyncRead for Prefixed<S> {
     fn poll_read(
         mut self: Pin<&mut Self>,
@@ -422,6 +428,18 @@ impl<T> Flushed<T> {
 
     pub fn get_ref(&self) -> &T {
         &self.inner
+    }
+}
+
+impl<T: crate::rehome::Rehome> crate::rehome::Rehome for Flushed<T> {
+    fn rehome(&mut self) -> io::Result<()> {
+        self.inner.rehome()
+    }
+}
+
+impl<S: crate::rehome::Rehome> crate::rehome::Rehome for tokio_rustls::server::TlsStream<S> {
+    fn rehome(&mut self) -> io::Result<()> {
+        self.get_mut().0.rehome()
     }
 }
 
@@ -499,6 +517,16 @@ impl<S: AsyncRead + AsyncWrite + Unpin> ClientStream<S> {
 
 fn closed() -> io::Error {
     io::Error::new(io::ErrorKind::NotConnected, "connection closed")
+}
+
+impl<S: crate::rehome::Rehome> crate::rehome::Rehome for ClientStream<S> {
+    fn rehome(&mut self) -> io::Result<()> {
+        match self {
+            ClientStream::Plain(s) => s.rehome(),
+            ClientStream::Tls(s) => s.rehome(),
+            ClientStream::Closed => Ok(()),
+        }
+    }
 }
 
 impl<S: AsyncRead + AsyncWrite + Unpin> AsyncRead for ClientStream<S> {

@@ -12,8 +12,8 @@
 //! client that stops reading ends its session instead of pinning a backend and our buffers,
 //! and the final error and TLS close. With one session thread (`worker_threads: 1`), startup
 //! and authentication run on the login thread and the session is then handed to the session
-//! thread ([`Handover`]); the client socket is registered with the session thread's event
-//! loop from the accept on, so only the login steps cross threads.
+//! thread ([`Handover`]); the client socket moves with it from the login thread's event loop
+//! to the session thread's ([`crate::rehome`]), so each thread is woken by its own sockets.
 
 pub mod auth_query;
 mod handshake;
@@ -47,6 +47,7 @@ use crate::pool::{Pool, Pooled};
 use crate::protocol::PgError;
 use crate::protocol::messages;
 use crate::protocol::tag::backend;
+use crate::rehome::Rehome;
 use crate::tls::ClientStream;
 
 pub use handshake::Login;
@@ -160,7 +161,7 @@ pub async fn run<S, G>(
     handover: Handover,
     hold: G,
 ) where
-    S: AsyncRead + AsyncWrite + Unpin + Send + 'static,
+    S: AsyncRead + AsyncWrite + Rehome + Unpin + Send + 'static,
     G: Send + 'static,
 {
     let limits = app.config().limits.clone();
@@ -183,8 +184,16 @@ pub async fn run<S, G>(
     // Boxed: the session's future is several KiB, and a task moves its future into the task
     // cell and again on every change of stage (running, finished); a box is moved instead.
     // It also keeps this login future (on the login thread) small.
+    let moving = handover.0.is_some();
     let rest = Box::pin(async move {
         let _hold = hold;
+        // The socket joins the session thread's event loop (it logged in on the login
+        // thread's). Without a descriptor for that, the client is told and let go.
+        if moving && let Err(e) = stream.rehome() {
+            tracing::warn!(%peer, error = %e, "cannot move the connection to the session thread");
+            let e = PgError::fatal("53000", format!("pgsluice: out of resources: {e}"));
+            return startup_failed(&app, &mut stream, peer, Ok(Err(Fail::Report(e)))).await;
+        }
         logged_in(app, stream, buf, peer, slot, login, deadline).await;
     });
     match handover.0 {
@@ -320,6 +329,15 @@ impl<S> WriteTimeout<S> {
             ))),
             Poll::Pending => Poll::Pending,
         }
+    }
+}
+
+impl<S: Rehome> Rehome for WriteTimeout<S> {
+    /// The no-progress timer belongs to the old runtime's timer wheel: a new one is started
+    /// on this runtime by the next blocked write.
+    fn rehome(&mut self) -> io::Result<()> {
+        self.timer = None;
+        self.inner.rehome()
     }
 }
 
