@@ -254,9 +254,15 @@ impl Entry {
 /// Unregisters the key when the client session ends.
 pub struct Registration {
     pub pid: i32,
-    pub secret: Vec<u8>,
     pub entry: Arc<Entry>,
     registry: Arc<Registry>,
+}
+
+impl Registration {
+    /// The secret half of the key (BackendKeyData), as the registry checks it.
+    pub fn secret(&self) -> &[u8] {
+        &self.entry.secret
+    }
 }
 
 impl Drop for Registration {
@@ -331,12 +337,13 @@ impl Registry {
         secret_len: usize,
         meta: Option<ClientMeta>,
     ) -> Registration {
-        let secret: Vec<u8> = (0..secret_len).map(|_| rand::random::<u8>()).collect();
+        let mut secret = vec![0u8; secret_len];
+        rand::fill(&mut secret[..]);
         let id = self.next_client.fetch_add(1, AtomicOrdering::Relaxed) + 1;
         let entry = Arc::new(Entry {
             client: ClientInfo::new(id, meta),
             requested: Default::default(),
-            secret: secret.clone(),
+            secret,
             target: Mutex::new(Lent::default()),
             delivered: tokio::sync::Notify::new(),
             lent: std::sync::atomic::AtomicU64::new(0),
@@ -352,7 +359,6 @@ impl Registry {
         map.insert(self.layout.key(pid), entry.clone());
         Registration {
             pid,
-            secret,
             entry,
             registry: self.clone(),
         }
@@ -725,7 +731,7 @@ mod tests {
         assert_eq!(reg.pid as u32 >> PEER_SHIFT, 7);
         let spent = ((reg.pid as u32) & !TTL_MASK) as i32;
         // Idle client: found (not "unknown"), nothing to cancel, so ignored; a wrong secret too.
-        r.cancel(spent, &reg.secret, &[], None).await;
+        r.cancel(spent, reg.secret(), &[], None).await;
         r.cancel(spent, &[0, 0, 0, 0], &[], None).await;
         assert_eq!(r.ignored.load(std::sync::atomic::Ordering::Relaxed), 2);
         let key = r.layout.key(reg.pid);

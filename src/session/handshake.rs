@@ -52,8 +52,17 @@ impl Login {
     }
 }
 
+/// A client that passed authentication, and what it has not been told yet.
+pub struct Authenticated {
+    pub login: Login,
+    /// What the client is owed before its session parameters (AuthenticationOk and anything
+    /// the authentication ended with): sent with the parameters in one write, so the client
+    /// wakes once for its whole login answer.
+    pub owed: BytesMut,
+}
+
 pub enum Start {
-    Login(Login),
+    Login(Authenticated),
     /// A CancelRequest was handled; close the connection.
     Cancelled,
 }
@@ -287,14 +296,16 @@ pub async fn startup<S: AsyncRead + AsyncWrite + Unpin>(
     };
 
     authenticate(app, s, buf, &mut out, &user).await?;
-    Ok(Start::Login(Login {
+    let login = Login {
         user,
         database,
         settings,
         minor: negotiated,
-    }))
+    };
+    Ok(Start::Login(Authenticated { login, owed: out }))
 }
 
+/// Authenticates `user`; on success `out` ends with AuthenticationOk, not yet written.
 async fn authenticate<S: AsyncRead + AsyncWrite + Unpin>(
     app: &App,
     s: &mut S,
@@ -374,7 +385,7 @@ async fn authenticate<S: AsyncRead + AsyncWrite + Unpin>(
         }
     }
     messages::auth_ok(out);
-    write(s, out).await
+    Ok(())
 }
 
 /// A user known by its SCRAM verifier alone: keeps the key its client just proved, for the

@@ -51,7 +51,7 @@ use crate::rehome::Rehome;
 use crate::tls::ClientStream;
 
 pub use handshake::Login;
-use handshake::{Fail, Start};
+use handshake::{Authenticated, Fail, Start};
 use relay::Relay;
 
 /// Why a session ended (for logs).
@@ -174,11 +174,12 @@ pub async fn run<S, G>(
         handshake::startup(&app, &mut stream, &mut buf, peer.source_ip()),
     )
     .await;
-    let login = match started {
-        Ok(Ok(Start::Login(login))) => login,
+    let auth = match started {
+        Ok(Ok(Start::Login(auth))) => auth,
         Ok(Ok(Start::Cancelled)) => return,
         other => {
-            return startup_failed(&app, &mut stream, peer, other.map(|r| r.map(|_| ()))).await;
+            let r = other.map(|r| r.map(|_| ()));
+            return startup_failed(&app, &mut stream, peer, BytesMut::new(), r).await;
         }
     };
     // Boxed: the session's future is several KiB, and a task moves its future into the task
@@ -192,9 +193,10 @@ pub async fn run<S, G>(
         if moving && let Err(e) = stream.rehome() {
             tracing::warn!(%peer, error = %e, "cannot move the connection to the session thread");
             let e = PgError::fatal("53000", format!("pgsluice: out of resources: {e}"));
-            return startup_failed(&app, &mut stream, peer, Ok(Err(Fail::Report(e)))).await;
+            let r = Ok(Err(Fail::Report(e)));
+            return startup_failed(&app, &mut stream, peer, auth.owed, r).await;
         }
-        logged_in(app, stream, buf, peer, slot, login, deadline).await;
+        logged_in(app, stream, buf, peer, slot, auth, deadline).await;
     });
     match handover.0 {
         Some((tasks, sessions)) => drop(tasks.spawn_on(rest, &sessions)),
@@ -202,11 +204,13 @@ pub async fn run<S, G>(
     }
 }
 
-/// Tells the client why startup failed (when it is owed a reply) and closes.
+/// Tells the client why startup failed (when it is owed a reply; after `owed`, what its
+/// authentication already earned it) and closes.
 async fn startup_failed<S: AsyncRead + AsyncWrite + Unpin>(
     app: &App,
     stream: &mut Client<S>,
     peer: ClientAddr,
+    mut owed: BytesMut,
     r: Result<Result<(), Fail>, tokio::time::error::Elapsed>,
 ) {
     let e = match r {
@@ -225,7 +229,8 @@ async fn startup_failed<S: AsyncRead + AsyncWrite + Unpin>(
         }
         Err(_) => PgError::fatal("08P01", "pgsluice: startup or authentication timed out"),
     };
-    send_error(stream, &e).await;
+    e.encode(&mut owed);
+    let _ = tokio::time::timeout(Duration::from_secs(1), stream.write_all(&owed)).await;
     close(stream).await;
 }
 
@@ -236,9 +241,13 @@ async fn logged_in<S: AsyncRead + AsyncWrite + Unpin>(
     buf: BytesMut,
     peer: ClientAddr,
     slot: HandshakeSlot,
-    login: Login,
+    auth: Authenticated,
     deadline: Instant,
 ) {
+    let Authenticated {
+        login,
+        owed: mut out,
+    } = auth;
     let prepared = tokio::time::timeout_at(deadline, async {
         let pool = app.pool_for(&login.database, &login.user)?;
         let status = login_params(&app, &pool, &login).await?;
@@ -249,7 +258,8 @@ async fn logged_in<S: AsyncRead + AsyncWrite + Unpin>(
     let (pool, status) = match prepared {
         Ok(Ok(x)) => x,
         other => {
-            return startup_failed(&app, &mut stream, peer, other.map(|r| r.map(|_| ()))).await;
+            let r = other.map(|r| r.map(|_| ()));
+            return startup_failed(&app, &mut stream, peer, out, r).await;
         }
     };
     let meta = crate::clients::ClientMeta {
@@ -261,15 +271,18 @@ async fn logged_in<S: AsyncRead + AsyncWrite + Unpin>(
     let reg = app
         .cancels
         .register_client(if login.minor >= 2 { 32 } else { 4 }, Some(meta));
-    let mut out = BytesMut::with_capacity(1024);
+    out.reserve(1024);
     status.write(&mut out);
-    messages::backend_key_data(&mut out, reg.pid, &reg.secret);
+    messages::backend_key_data(&mut out, reg.pid, reg.secret());
     messages::ready_for_query(&mut out, crate::protocol::tag::status::IDLE);
     if stream.write_all(&out).await.is_err() {
         return;
     }
-    let (user, database) = (login.user.clone(), login.database.clone());
     let tls = stream.is_tls();
+    // Named from the client's record (the relay takes `login`): no copies of the names.
+    let meta = reg.entry.client.meta.as_ref();
+    let user = meta.map_or("", |m| m.user.as_str());
+    let database = meta.map_or("", |m| m.database.as_str());
     if let Some(suppressed) = connection_line(&app) {
         tracing::info!(target: "pgsluice::connections", %peer, %user, db = %database, tls, suppressed, "login");
     } else {
