@@ -409,3 +409,81 @@ fn remember_client_key(
         keys.insert(user.to_owned(), std::sync::Arc::new(key));
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+    fn app() -> std::sync::Arc<App> {
+        let yaml = "auth:\n  method: md5\n  users:\n    - { name: app, password: secret }\n";
+        let cfg = crate::config::Config::from_yaml(yaml).unwrap();
+        App::new(
+            cfg,
+            std::sync::Arc::new(crate::policy::rules::RuleSet::new()),
+        )
+        .unwrap()
+    }
+
+    fn startup_packet() -> Vec<u8> {
+        let mut body = 196608u32.to_be_bytes().to_vec();
+        for s in ["user", "app", "database", "db", ""] {
+            body.extend_from_slice(s.as_bytes());
+            body.push(0);
+        }
+        let mut p = ((body.len() + 4) as u32).to_be_bytes().to_vec();
+        p.extend_from_slice(&body);
+        p
+    }
+
+    /// An md5 login: the client gets the challenge, and nothing after its right answer until
+    /// the session sends AuthenticationOk with its parameters; a wrong answer is refused
+    /// (28P01) with nothing owed.
+    #[tokio::test]
+    async fn authentication_ok_is_owed_not_sent() {
+        for (password, accepted) in [("secret", true), ("wrong", false)] {
+            let app = app();
+            let (mut client, server) = tokio::io::duplex(4096);
+            let mut s = ClientStream::Plain(server);
+            let mut buf = BytesMut::new();
+            let ip = std::net::IpAddr::from([127, 0, 0, 1]);
+            let login = startup(&app, &mut s, &mut buf, ip);
+            let talk = async {
+                client.write_all(&startup_packet()).await.unwrap();
+                let mut challenge = [0u8; 13];
+                client.read_exact(&mut challenge).await.unwrap();
+                assert_eq!(&challenge[..9], b"R\0\0\0\x0c\0\0\0\x05", "md5 challenge");
+                let salt = [challenge[9], challenge[10], challenge[11], challenge[12]];
+                let hash =
+                    postgres_protocol::authentication::md5_hash(b"app", password.as_bytes(), salt);
+                let mut msg = vec![b'p'];
+                msg.extend_from_slice(&((hash.len() + 5) as u32).to_be_bytes());
+                msg.extend_from_slice(hash.as_bytes());
+                msg.push(0);
+                client.write_all(&msg).await.unwrap();
+            };
+            let (r, ()) = tokio::join!(login, talk);
+            match (r, accepted) {
+                (Ok(Start::Login(a)), true) => {
+                    assert_eq!(
+                        (a.login.user.as_str(), a.login.database.as_str()),
+                        ("app", "db")
+                    );
+                    assert_eq!(
+                        &a.owed[..],
+                        b"R\0\0\0\x08\0\0\0\0",
+                        "AuthenticationOk, owed"
+                    );
+                }
+                (Err(Fail::Report(e)), false) => assert_eq!(e.code, "28P01"),
+                (Ok(_), _) => panic!("{password}: unexpected login"),
+                (Err(e), _) => panic!("{password}: unexpected failure {e:?}"),
+            }
+            // Nothing else reached the client: the server side wrote only the challenge.
+            drop(s);
+            let mut rest = Vec::new();
+            client.read_to_end(&mut rest).await.unwrap();
+            assert!(rest.is_empty(), "{password}: sent early: {rest:?}");
+        }
+    }
+}
