@@ -473,16 +473,13 @@ row() { printf '| %s | %s | %s | %s | %s | %s |\n' "$@"; }
       row "-S $mode -c $c TPS" "$d" "$b" "$s" "$(ratio "$s" "$d")" "$(ratio "$s" "$b")"
     done
   done
-  for mode in $MODES; do
-    for c in $CLIENTS; do
-      b=$(med "$mode" "$c" pgbouncer 7); s=$(med "$mode" "$c" pgsluice 7)
-      row "-S $mode -c $c proxy CPU µs/txn" "-" "$b" "$s" "-" "$(ratio "$s" "$b")"
-    done
-  done
-  for mode in $MODES; do
-    for c in $CLIENTS; do
-      b=$(med "$mode" "$c" pgbouncer 10); s=$(med "$mode" "$c" pgsluice 10)
-      row "-S $mode -c $c proxy context switches/txn" "-" "$b" "$s" "-" "$(ratio "$s" "$b")"
+  for measure in "7 proxy CPU µs/txn" "10 proxy context switches/txn"; do
+    read -r col label <<<"$measure"
+    for mode in $MODES; do
+      for c in $CLIENTS; do
+        b=$(med "$mode" "$c" pgbouncer "$col"); s=$(med "$mode" "$c" pgsluice "$col")
+        row "-S $mode -c $c $label" "-" "$b" "$s" "-" "$(ratio "$s" "$b")"
+      done
     done
   done
   # The whole machine's CPU per transaction: pgbench + Postgres (+ proxy). On a box where the
