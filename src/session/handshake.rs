@@ -413,7 +413,7 @@ fn remember_client_key(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    use postgres_protocol::message::frontend;
 
     fn app() -> std::sync::Arc<App> {
         let yaml = "auth:\n  method: md5\n  users:\n    - { name: app, password: secret }\n";
@@ -425,14 +425,10 @@ mod tests {
         .unwrap()
     }
 
-    fn startup_packet() -> Vec<u8> {
-        let mut body = 196608u32.to_be_bytes().to_vec();
-        for s in ["user", "app", "database", "db", ""] {
-            body.extend_from_slice(s.as_bytes());
-            body.push(0);
-        }
-        let mut p = ((body.len() + 4) as u32).to_be_bytes().to_vec();
-        p.extend_from_slice(&body);
+    fn startup_packet() -> BytesMut {
+        let mut p = BytesMut::new();
+        let params = [("user", "app"), ("database", "db")];
+        frontend::startup_message(params, &mut p).unwrap();
         p
     }
 
@@ -456,10 +452,8 @@ mod tests {
                 let salt = [challenge[9], challenge[10], challenge[11], challenge[12]];
                 let hash =
                     postgres_protocol::authentication::md5_hash(b"app", password.as_bytes(), salt);
-                let mut msg = vec![b'p'];
-                msg.extend_from_slice(&((hash.len() + 5) as u32).to_be_bytes());
-                msg.extend_from_slice(hash.as_bytes());
-                msg.push(0);
+                let mut msg = BytesMut::new();
+                frontend::password_message(hash.as_bytes(), &mut msg).unwrap();
                 client.write_all(&msg).await.unwrap();
             };
             let (r, ()) = tokio::join!(login, talk);

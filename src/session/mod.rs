@@ -210,7 +210,7 @@ async fn startup_failed<S: AsyncRead + AsyncWrite + Unpin>(
     app: &App,
     stream: &mut Client<S>,
     peer: ClientAddr,
-    mut owed: BytesMut,
+    owed: BytesMut,
     r: Result<Result<(), Fail>, tokio::time::error::Elapsed>,
 ) {
     let e = match r {
@@ -229,8 +229,7 @@ async fn startup_failed<S: AsyncRead + AsyncWrite + Unpin>(
         }
         Err(_) => PgError::fatal("08P01", "pgsluice: startup or authentication timed out"),
     };
-    e.encode(&mut owed);
-    let _ = tokio::time::timeout(Duration::from_secs(1), stream.write_all(&owed)).await;
+    send_error(stream, owed, &e).await;
     close(stream).await;
 }
 
@@ -292,7 +291,7 @@ async fn logged_in<S: AsyncRead + AsyncWrite + Unpin>(
     let relay = Relay::new(app.clone(), pool, login, reg.entry.clone(), buf, peer);
     let end = relay.run(&mut stream).await;
     if let End::Error(e) = &end {
-        send_error(&mut stream, e).await;
+        send_error(&mut stream, BytesMut::new(), e).await;
     }
     if let Some(suppressed) = connection_line(&app) {
         let secs = since.elapsed().as_secs_f64();
@@ -394,8 +393,8 @@ impl<S: AsyncWrite + Unpin> AsyncWrite for WriteTimeout<S> {
     }
 }
 
-async fn send_error<S: AsyncWrite + Unpin>(stream: &mut S, e: &PgError) {
-    let mut out = BytesMut::new();
+/// Writes `e` after `out` (what the client is owed before it), giving up after a second.
+async fn send_error<S: AsyncWrite + Unpin>(stream: &mut S, mut out: BytesMut, e: &PgError) {
     e.encode(&mut out);
     let _ = tokio::time::timeout(Duration::from_secs(1), stream.write_all(&out)).await;
 }
