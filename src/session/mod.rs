@@ -43,7 +43,7 @@ use crate::addr::ClientAddr;
 use crate::app::App;
 use crate::cancel;
 use crate::per_address::AddressGuard;
-use crate::pool::{Pool, Pooled};
+use crate::pool::{Pool, Pooled, ServerParams};
 use crate::protocol::PgError;
 use crate::protocol::messages;
 use crate::protocol::tag::backend;
@@ -174,7 +174,7 @@ pub async fn run<S, G>(
         handshake::startup(&app, &mut stream, &mut buf, peer.source_ip()),
     )
     .await;
-    let auth = match started {
+    let mut auth = match started {
         Ok(Ok(Start::Login(auth))) => auth,
         Ok(Ok(Start::Cancelled)) => return,
         other => {
@@ -182,10 +182,23 @@ pub async fn run<S, G>(
             return startup_failed(&app, &mut stream, peer, BytesMut::new(), r).await;
         }
     };
+    let moving = handover.0.is_some();
+    let mut slot = Some(slot);
+    let mut greeted = None;
+    if moving && let Some((pool, status)) = known_answer(&app, &auth.login) {
+        // The usual login: all the client is told is known here, so it is told from this
+        // thread, and its first query is on its way while the session moves (the session
+        // thread then starts with a read, not a write and then a read).
+        slot = None;
+        let owed = std::mem::take(&mut auth.owed);
+        match greet(&app, &mut stream, owed, &status, &auth.login, peer).await {
+            Some(reg) => greeted = Some((pool, reg)),
+            None => return,
+        }
+    }
     // Boxed: the session's future is several KiB, and a task moves its future into the task
     // cell and again on every change of stage (running, finished); a box is moved instead.
     // It also keeps this login future (on the login thread) small.
-    let moving = handover.0.is_some();
     let rest = Box::pin(async move {
         let _hold = hold;
         // The socket joins the session thread's event loop (it logged in on the login
@@ -196,7 +209,16 @@ pub async fn run<S, G>(
             let r = Ok(Err(Fail::Report(e)));
             return startup_failed(&app, &mut stream, peer, auth.owed, r).await;
         }
-        logged_in(app, stream, buf, peer, slot, auth, deadline).await;
+        let (pool, reg) = match greeted {
+            Some(g) => g,
+            None => match prepare(&app, &mut stream, peer, slot, auth, deadline).await {
+                Some((pool, reg, login)) => {
+                    return serve(app, stream, buf, peer, pool, login, reg).await;
+                }
+                None => return,
+            },
+        };
+        serve(app, stream, buf, peer, pool, auth.login, reg).await;
     });
     match handover.0 {
         Some((tasks, sessions)) => drop(tasks.spawn_on(rest, &sessions)),
@@ -233,23 +255,30 @@ async fn startup_failed<S: AsyncRead + AsyncWrite + Unpin>(
     close(stream).await;
 }
 
-/// An authenticated client: its settings (within the handshake deadline), then the session.
-async fn logged_in<S: AsyncRead + AsyncWrite + Unpin>(
-    app: Arc<App>,
-    mut stream: Client<S>,
-    buf: BytesMut,
+/// The pool and ParameterStatus list of an authenticated client when both are known without
+/// I/O (the pool exists and has met the client's settings before); `None` sends the login
+/// the long way ([`prepare`]), which also reports what is wrong.
+fn known_answer(app: &App, login: &Login) -> Option<(Arc<Pool>, Status)> {
+    let pool = app.pool_for(&login.database, &login.user).ok()?;
+    let status = known_status(&pool, login)?;
+    Some((pool, status))
+}
+
+/// An authenticated client's pool and settings (within the handshake deadline, possibly
+/// borrowing a backend to learn how the server reports them), then its greeting. `None`
+/// when the client was told why not, or is gone.
+async fn prepare<S: AsyncRead + AsyncWrite + Unpin>(
+    app: &App,
+    stream: &mut Client<S>,
     peer: ClientAddr,
-    slot: HandshakeSlot,
+    slot: Option<HandshakeSlot>,
     auth: Authenticated,
     deadline: Instant,
-) {
-    let Authenticated {
-        login,
-        owed: mut out,
-    } = auth;
+) -> Option<(Arc<Pool>, cancel::Registration, Login)> {
+    let Authenticated { login, owed } = auth;
     let prepared = tokio::time::timeout_at(deadline, async {
         let pool = app.pool_for(&login.database, &login.user)?;
-        let status = login_params(&app, &pool, &login).await?;
+        let status = login_params(app, &pool, &login).await?;
         Ok::<_, Fail>((pool, status))
     })
     .await;
@@ -258,9 +287,25 @@ async fn logged_in<S: AsyncRead + AsyncWrite + Unpin>(
         Ok(Ok(x)) => x,
         other => {
             let r = other.map(|r| r.map(|_| ()));
-            return startup_failed(&app, &mut stream, peer, out, r).await;
+            startup_failed(app, stream, peer, owed, r).await;
+            return None;
         }
     };
+    let reg = greet(app, stream, owed, &status, &login, peer).await?;
+    Some((pool, reg, login))
+}
+
+/// Registers the client's cancel key and writes what its login earned (`owed`), its
+/// ParameterStatus list, the key and ReadyForQuery, in one write. `None` when the client is
+/// gone.
+async fn greet<S: AsyncRead + AsyncWrite + Unpin>(
+    app: &App,
+    stream: &mut Client<S>,
+    mut out: BytesMut,
+    status: &Status,
+    login: &Login,
+    peer: ClientAddr,
+) -> Option<cancel::Registration> {
     let meta = crate::clients::ClientMeta {
         user: login.user.clone(),
         database: login.database.clone(),
@@ -274,9 +319,20 @@ async fn logged_in<S: AsyncRead + AsyncWrite + Unpin>(
     status.write(&mut out);
     messages::backend_key_data(&mut out, reg.pid, reg.secret());
     messages::ready_for_query(&mut out, crate::protocol::tag::status::IDLE);
-    if stream.write_all(&out).await.is_err() {
-        return;
-    }
+    stream.write_all(&out).await.ok()?;
+    Some(reg)
+}
+
+/// A greeted client's session, to its end.
+async fn serve<S: AsyncRead + AsyncWrite + Unpin>(
+    app: Arc<App>,
+    mut stream: Client<S>,
+    buf: BytesMut,
+    peer: ClientAddr,
+    pool: Arc<Pool>,
+    login: Login,
+    reg: cancel::Registration,
+) {
     let tls = stream.is_tls();
     // Named from the client's record (the relay takes `login`): no copies of the names.
     let meta = reg.entry.client.meta.as_ref();
@@ -303,9 +359,13 @@ async fn logged_in<S: AsyncRead + AsyncWrite + Unpin>(
     drop(reg);
 }
 
-/// Ends the connection politely (TLS close_notify), without waiting on a client that is gone.
-async fn close<S: AsyncWrite + Unpin>(stream: &mut S) {
-    let _ = tokio::time::timeout(Duration::from_millis(200), stream.shutdown()).await;
+/// Ends the connection politely: TLS sends its close_notify (without waiting on a client
+/// that is gone). A plain socket needs nothing before it is dropped: closing it sends the
+/// same FIN a `shutdown` would, one system call fewer per connection.
+async fn close<S: AsyncRead + AsyncWrite + Unpin>(stream: &mut Client<S>) {
+    if stream.is_tls() {
+        let _ = tokio::time::timeout(Duration::from_millis(200), stream.shutdown()).await;
+    }
 }
 
 /// A client stream whose writes fail with `TimedOut` once they have made no progress for
@@ -431,25 +491,39 @@ impl Status {
 /// settings once per value (one round trip on a pooled backend), then answers from the
 /// pool's cache.
 async fn login_params(app: &App, pool: &Arc<Pool>, login: &Login) -> Result<Status, PgError> {
-    let mut known = pool.server_params();
-    let all_known = known.is_some()
-        && login
-            .settings
-            .iter()
-            .all(|(k, v)| pool.knows_canonical(k, v));
-    if !all_known {
-        let deadline = Instant::now() + Duration::from_millis(pool.cfg.checkout_timeout_ms);
-        let mut b = pool.checkout(2, deadline).await.map_err(|e| {
-            e.to_pg(
-                &pool.name,
-                app.policy.connection_hint_ms(pool.expected_wait()),
-            )
-            .into_fatal()
-        })?;
-        learn_settings(app, &mut b, pool, login).await?;
-        b.release().await;
-        known = pool.server_params();
+    if let Some(status) = known_status(pool, login) {
+        return Ok(status);
     }
+    let deadline = Instant::now() + Duration::from_millis(pool.cfg.checkout_timeout_ms);
+    let mut b = pool.checkout(2, deadline).await.map_err(|e| {
+        e.to_pg(
+            &pool.name,
+            app.policy.connection_hint_ms(pool.expected_wait()),
+        )
+        .into_fatal()
+    })?;
+    learn_settings(app, &mut b, pool, login).await?;
+    b.release().await;
+    let server = pool
+        .server_params()
+        .unwrap_or_else(|| Arc::from(Vec::new()));
+    Ok(status_of(server, pool, login))
+}
+
+/// [`login_params`] without I/O: `None` unless the pool knows the server's values and how
+/// the server reports each of the client's settings.
+fn known_status(pool: &Pool, login: &Login) -> Option<Status> {
+    let server = pool.server_params()?;
+    let all_known = login
+        .settings
+        .iter()
+        .all(|(k, v)| pool.knows_canonical(k, v));
+    all_known.then(|| status_of(server, pool, login))
+}
+
+/// The list from the server's values and the pool's record of how the server reports the
+/// client's settings.
+fn status_of(server: ServerParams, pool: &Pool, login: &Login) -> Status {
     let mut own: Vec<(String, String)> = Vec::new();
     for (k, v) in &login.settings {
         let Some(reported) = pool.canonical(k, v) else {
@@ -465,10 +539,7 @@ async fn login_params(app: &App, pool: &Arc<Pool>, login: &Login) -> Result<Stat
             None => own.push((k.clone(), reported)),
         }
     }
-    Ok(Status {
-        server: known.unwrap_or_else(|| Arc::from(Vec::new())),
-        own,
-    })
+    Status { server, own }
 }
 
 /// Applies the client's settings on `b`, recording how the server reports each of them.

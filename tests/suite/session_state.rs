@@ -115,23 +115,41 @@ async fn startup_parameters_apply_on_every_backend_and_parameter_status_matches_
     )
     .await
     .expect("proxied connect");
-    let differences: Vec<String> = direct
-        .params
-        .iter()
-        .filter(|(k, v)| through.params.get(*k) != Some(v))
-        .map(|(k, v)| format!("{k}: direct {v:?}, proxy {:?}", through.params.get(k)))
-        .chain(
-            through
-                .params
-                .keys()
-                .filter(|k| !direct.params.contains_key(*k))
-                .map(|k| format!("{k}: only through the proxy")),
-        )
-        .collect();
+    let differences = |through: &WireClient| -> Vec<String> {
+        direct
+            .params
+            .iter()
+            .filter(|(k, v)| through.params.get(*k) != Some(v))
+            .map(|(k, v)| format!("{k}: direct {v:?}, proxy {:?}", through.params.get(k)))
+            .chain(
+                through
+                    .params
+                    .keys()
+                    .filter(|k| !direct.params.contains_key(*k))
+                    .map(|k| format!("{k}: only through the proxy")),
+            )
+            .collect()
+    };
+    let first = differences(&through);
     assert!(
-        differences.is_empty(),
-        "ParameterStatus through the proxy differs from direct: {differences:#?}"
+        first.is_empty(),
+        "ParameterStatus through the proxy differs from direct: {first:#?}"
     );
+    // The second login with these settings is answered from what the first one learned
+    // (without a backend, on the login thread): the same list.
+    let again = within(
+        STEP,
+        "second proxied wire connect",
+        WireClient::connect_with(proxy.addr(), APP_USER, APP_PASSWORD, APP_DB, startup),
+    )
+    .await
+    .expect("second proxied connect");
+    let second = differences(&again);
+    assert!(
+        second.is_empty(),
+        "ParameterStatus of a second login differs from direct: {second:#?}"
+    );
+    drop(again);
 
     // Noise clients with default settings share the two backends meanwhile.
     let stop = Arc::new(AtomicBool::new(false));
