@@ -5,18 +5,122 @@
 //! With a login thread, a new connection lives on the login thread's event loop while it logs
 //! in and then moves to the session thread's: each thread is woken only by its own sockets.
 //! [`Rehome::rehome`] makes the move in place, where it is called (inside the runtime that is
-//! to own the socket): the descriptor is duplicated, the duplicate registered here, and the old
-//! one deregistered and closed. The connection itself is untouched (a duplicate shares it), and
-//! readiness is not lost: a new registration reports what is already pending.
+//! to own the socket). A client connection is held in a [`Movable`], whose socket is
+//! deregistered from the old event loop and its descriptor registered here: two system calls,
+//! and no descriptor needed for the move. A listener (moved once, at start) is duplicated
+//! instead: the duplicate is registered here and the old descriptor deregistered and closed.
+//! The connection itself is untouched, and readiness is not lost: a new registration reports
+//! what is already pending.
 
 use std::io;
 use std::os::fd::AsFd;
+use std::pin::Pin;
+use std::task::{Context, Poll};
+
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 
 /// A socket, or a stream wrapping one, that can move to the current runtime's event loop.
 pub trait Rehome {
     /// Registers the socket with the current runtime (drops its old registration). On an
-    /// error (no descriptor left for the duplicate) the socket keeps its old registration.
+    /// error the connection may be closed: the caller ends it.
     fn rehome(&mut self) -> io::Result<()>;
+}
+
+/// A client connection that moves with its own descriptor (see the module's header). Reads
+/// and writes go straight to the socket; after a failed move they fail with `NotConnected`.
+pub struct Movable<T>(Option<T>);
+
+impl<T> Movable<T> {
+    pub fn new(socket: T) -> Self {
+        Movable(Some(socket))
+    }
+
+    fn socket(self: Pin<&mut Self>) -> io::Result<Pin<&mut T>>
+    where
+        T: Unpin,
+    {
+        match self.get_mut().0.as_mut() {
+            Some(s) => Ok(Pin::new(s)),
+            None => Err(lost()),
+        }
+    }
+}
+
+fn lost() -> io::Error {
+    io::Error::new(
+        io::ErrorKind::NotConnected,
+        "the connection was lost moving between event loops",
+    )
+}
+
+macro_rules! rehome_in_place {
+    ($tokio:ty) => {
+        impl Rehome for Movable<$tokio> {
+            fn rehome(&mut self) -> io::Result<()> {
+                let socket = self.0.take().ok_or_else(lost)?;
+                self.0 = Some(<$tokio>::from_std(socket.into_std()?)?);
+                Ok(())
+            }
+        }
+    };
+}
+
+rehome_in_place!(tokio::net::TcpStream);
+rehome_in_place!(tokio::net::UnixStream);
+
+impl<T: AsyncRead + Unpin> AsyncRead for Movable<T> {
+    fn poll_read(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<io::Result<()>> {
+        match self.socket() {
+            Ok(s) => s.poll_read(cx, buf),
+            Err(e) => Poll::Ready(Err(e)),
+        }
+    }
+}
+
+impl<T: AsyncWrite + Unpin> AsyncWrite for Movable<T> {
+    fn poll_write(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<io::Result<usize>> {
+        match self.socket() {
+            Ok(s) => s.poll_write(cx, buf),
+            Err(e) => Poll::Ready(Err(e)),
+        }
+    }
+
+    fn poll_write_vectored(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[io::IoSlice<'_>],
+    ) -> Poll<io::Result<usize>> {
+        match self.socket() {
+            Ok(s) => s.poll_write_vectored(cx, bufs),
+            Err(e) => Poll::Ready(Err(e)),
+        }
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        self.0.as_ref().is_some_and(|s| s.is_write_vectored())
+    }
+
+    fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        match self.socket() {
+            Ok(s) => s.poll_flush(cx),
+            Err(e) => Poll::Ready(Err(e)),
+        }
+    }
+
+    fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        match self.socket() {
+            Ok(s) => s.poll_shutdown(cx),
+            Err(e) => Poll::Ready(Err(e)),
+        }
+    }
 }
 
 macro_rules! rehome_by_dup {
@@ -32,8 +136,6 @@ macro_rules! rehome_by_dup {
     };
 }
 
-rehome_by_dup!(tokio::net::TcpStream, std::net::TcpStream);
-rehome_by_dup!(tokio::net::UnixStream, std::os::unix::net::UnixStream);
 rehome_by_dup!(tokio::net::TcpListener, std::net::TcpListener);
 rehome_by_dup!(tokio::net::UnixListener, std::os::unix::net::UnixListener);
 
@@ -61,7 +163,7 @@ mod tests {
         let addr = listener.local_addr().unwrap();
         let mut client = std::net::TcpStream::connect(addr).unwrap();
         client.write_all(b"before").unwrap();
-        let mut conn = first.block_on(async { listener.accept().await.unwrap().0 });
+        let mut conn = first.block_on(async { Movable::new(listener.accept().await.unwrap().0) });
         second.block_on(async {
             conn.rehome().unwrap();
             listener.rehome().unwrap();

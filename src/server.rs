@@ -26,6 +26,7 @@ use tokio_util::task::TaskTracker;
 use crate::addr::ClientAddr;
 use crate::app::App;
 use crate::protocol::PgError;
+use crate::rehome::Movable;
 use crate::session::{self, HandshakeSlot};
 
 /// Counts a connected client for as long as it lives.
@@ -205,6 +206,7 @@ pub async fn serve(app: Arc<App>, listeners: Listeners, login: Option<tokio::run
         Some(login) => {
             let handover = session::Handover::to(tasks.clone(), tokio::runtime::Handle::current());
             let app = app.clone();
+            login.spawn(pacemaker());
             let accepting = login.spawn(async move {
                 let mut listeners = listeners;
                 if let Err(e) = listeners.rehome() {
@@ -222,6 +224,20 @@ pub async fn serve(app: Arc<App>, listeners: Listeners, login: Option<tokio::run
         .drain(grace, FORCE_GRACE, || app.force_stop())
         .await;
 }
+
+/// Keeps a timer due within [`PACE`] on the login thread's timer wheel, for as long as the
+/// runtime runs. Tokio wakes a parked runtime (a write to its eventfd, and one more turn of
+/// its event loop) when a timer is set that is due before the runtime's next planned wake-up;
+/// on a thread with no timer, that is the handshake deadline of every new connection. With
+/// this one standing, a deadline further off than `PACE` is set without a wake-up: the login
+/// thread wakes once per `PACE` instead of once more per login.
+async fn pacemaker() {
+    loop {
+        tokio::time::sleep(PACE).await;
+    }
+}
+
+const PACE: Duration = Duration::from_secs(1);
 
 /// Accepts clients, each with a task of its own on this runtime, until shutdown.
 async fn accept_loop(
@@ -251,8 +267,8 @@ async fn accept_loop(
             }
         };
         match sock {
-            Accepted::Tcp(s) => admit(app, tasks, handover, s, peer),
-            Accepted::Unix(s) => admit(app, tasks, handover, s, peer),
+            Accepted::Tcp(s) => admit(app, tasks, handover, Movable::new(s), peer),
+            Accepted::Unix(s) => admit(app, tasks, handover, Movable::new(s), peer),
         }
     }
     // The socket file goes with the listener: a client that finds none tries elsewhere.

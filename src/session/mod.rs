@@ -202,7 +202,8 @@ pub async fn run<S, G>(
     let rest = Box::pin(async move {
         let _hold = hold;
         // The socket joins the session thread's event loop (it logged in on the login
-        // thread's). Without a descriptor for that, the client is told and let go.
+        // thread's). If the kernel refuses the registration (out of memory), the client is
+        // told when the socket is still there to tell it, and let go.
         if moving && let Err(e) = stream.rehome() {
             tracing::warn!(%peer, error = %e, "cannot move the connection to the session thread");
             let e = PgError::fatal("53000", format!("pgsluice: out of resources: {e}"));
