@@ -35,13 +35,17 @@ impl<T> Movable<T> {
         Movable(Some(socket))
     }
 
-    fn socket(self: Pin<&mut Self>) -> io::Result<Pin<&mut T>>
+    /// Runs an I/O call on the socket; fails with `NotConnected` after a failed move.
+    fn with<R>(
+        self: Pin<&mut Self>,
+        call: impl FnOnce(Pin<&mut T>) -> Poll<io::Result<R>>,
+    ) -> Poll<io::Result<R>>
     where
         T: Unpin,
     {
         match self.get_mut().0.as_mut() {
-            Some(s) => Ok(Pin::new(s)),
-            None => Err(lost()),
+            Some(s) => call(Pin::new(s)),
+            None => Poll::Ready(Err(lost())),
         }
     }
 }
@@ -74,10 +78,7 @@ impl<T: AsyncRead + Unpin> AsyncRead for Movable<T> {
         cx: &mut Context<'_>,
         buf: &mut ReadBuf<'_>,
     ) -> Poll<io::Result<()>> {
-        match self.socket() {
-            Ok(s) => s.poll_read(cx, buf),
-            Err(e) => Poll::Ready(Err(e)),
-        }
+        self.with(|s| s.poll_read(cx, buf))
     }
 }
 
@@ -87,10 +88,7 @@ impl<T: AsyncWrite + Unpin> AsyncWrite for Movable<T> {
         cx: &mut Context<'_>,
         buf: &[u8],
     ) -> Poll<io::Result<usize>> {
-        match self.socket() {
-            Ok(s) => s.poll_write(cx, buf),
-            Err(e) => Poll::Ready(Err(e)),
-        }
+        self.with(|s| s.poll_write(cx, buf))
     }
 
     fn poll_write_vectored(
@@ -98,10 +96,7 @@ impl<T: AsyncWrite + Unpin> AsyncWrite for Movable<T> {
         cx: &mut Context<'_>,
         bufs: &[io::IoSlice<'_>],
     ) -> Poll<io::Result<usize>> {
-        match self.socket() {
-            Ok(s) => s.poll_write_vectored(cx, bufs),
-            Err(e) => Poll::Ready(Err(e)),
-        }
+        self.with(|s| s.poll_write_vectored(cx, bufs))
     }
 
     fn is_write_vectored(&self) -> bool {
@@ -109,17 +104,11 @@ impl<T: AsyncWrite + Unpin> AsyncWrite for Movable<T> {
     }
 
     fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        match self.socket() {
-            Ok(s) => s.poll_flush(cx),
-            Err(e) => Poll::Ready(Err(e)),
-        }
+        self.with(|s| s.poll_flush(cx))
     }
 
     fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        match self.socket() {
-            Ok(s) => s.poll_shutdown(cx),
-            Err(e) => Poll::Ready(Err(e)),
-        }
+        self.with(|s| s.poll_shutdown(cx))
     }
 }
 
