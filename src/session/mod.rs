@@ -174,7 +174,7 @@ pub async fn run<S, G>(
         handshake::startup(&app, &mut stream, &mut buf, peer.source_ip()),
     )
     .await;
-    let mut auth = match started {
+    let Authenticated { login, mut owed } = match started {
         Ok(Ok(Start::Login(auth))) => auth,
         Ok(Ok(Start::Cancelled)) => return,
         other => {
@@ -185,13 +185,13 @@ pub async fn run<S, G>(
     let moving = handover.0.is_some();
     let mut slot = Some(slot);
     let mut greeted = None;
-    if moving && let Some((pool, status)) = known_answer(&app, &auth.login) {
+    if moving && let Some((pool, status)) = known_answer(&app, &login) {
         // The usual login: all the client is told is known here, so it is told from this
         // thread, and its first query is on its way while the session moves (the session
         // thread then starts with a read, not a write and then a read).
         slot = None;
-        let owed = std::mem::take(&mut auth.owed);
-        match greet(&app, &mut stream, owed, &status, &auth.login, peer).await {
+        let earned = std::mem::take(&mut owed);
+        match greet(&app, &mut stream, earned, &status, &login, peer).await {
             Some(reg) => greeted = Some((pool, reg)),
             None => return,
         }
@@ -208,18 +208,15 @@ pub async fn run<S, G>(
             tracing::warn!(%peer, error = %e, "cannot move the connection to the session thread");
             let e = PgError::fatal("53000", format!("pgsluice: out of resources: {e}"));
             let r = Ok(Err(Fail::Report(e)));
-            return startup_failed(&app, &mut stream, peer, auth.owed, r).await;
+            return startup_failed(&app, &mut stream, peer, owed, r).await;
         }
-        let (pool, reg) = match greeted {
-            Some(g) => g,
-            None => match prepare(&app, &mut stream, peer, slot, auth, deadline).await {
-                Some((pool, reg, login)) => {
-                    return serve(app, stream, buf, peer, pool, login, reg).await;
-                }
-                None => return,
-            },
+        let greeted = match greeted {
+            Some(g) => Some(g),
+            None => prepare(&app, &mut stream, peer, slot, &login, owed, deadline).await,
         };
-        serve(app, stream, buf, peer, pool, auth.login, reg).await;
+        if let Some((pool, reg)) = greeted {
+            serve(app, stream, buf, peer, pool, login, reg).await;
+        }
     });
     match handover.0 {
         Some((tasks, sessions)) => drop(tasks.spawn_on(rest, &sessions)),
@@ -273,13 +270,13 @@ async fn prepare<S: AsyncRead + AsyncWrite + Unpin>(
     stream: &mut Client<S>,
     peer: ClientAddr,
     slot: Option<HandshakeSlot>,
-    auth: Authenticated,
+    login: &Login,
+    owed: BytesMut,
     deadline: Instant,
-) -> Option<(Arc<Pool>, cancel::Registration, Login)> {
-    let Authenticated { login, owed } = auth;
+) -> Option<(Arc<Pool>, cancel::Registration)> {
     let prepared = tokio::time::timeout_at(deadline, async {
         let pool = app.pool_for(&login.database, &login.user)?;
-        let status = login_params(app, &pool, &login).await?;
+        let status = login_params(app, &pool, login).await?;
         Ok::<_, Fail>((pool, status))
     })
     .await;
@@ -292,8 +289,8 @@ async fn prepare<S: AsyncRead + AsyncWrite + Unpin>(
             return None;
         }
     };
-    let reg = greet(app, stream, owed, &status, &login, peer).await?;
-    Some((pool, reg, login))
+    let reg = greet(app, stream, owed, &status, login, peer).await?;
+    Some((pool, reg))
 }
 
 /// Registers the client's cancel key and writes what its login earned (`owed`), its
