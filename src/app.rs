@@ -92,6 +92,11 @@ pub struct AppStats {
     /// retry hint of a refused handshake is the time the ones in progress need.
     pub handshakes_done: AtomicU64,
     pub handshake_drain: crate::policy::drain::DrainRate,
+    /// Connections logging in on the session thread (see `server::admit`), waiting for a
+    /// handshake slot included.
+    pub inline_logins: AtomicUsize,
+    /// Connections handed to the login thread to log in (or be refused), since start.
+    pub offloaded_logins: AtomicU64,
     pub client_errors: AtomicU64,
 }
 

@@ -6,8 +6,9 @@
 //! `shutdown_timeout_ms`, then `force` cancels what still runs and the stragglers get a short
 //! moment to tell their clients (57P01). Also binds the client listeners: TCP, with
 //! SO_REUSEPORT when several instances share the port, and the Unix-domain socket in
-//! `unix_socket_dir` (clients of both are served alike). With a login runtime, the accept loop
-//! and the logins run there, and only logged-in sessions come back to the session runtime.
+//! `unix_socket_dir` (clients of both are served alike). With a login runtime, connections
+//! beyond the first few logging in at once log in there, and their sessions come back to the
+//! session runtime.
 
 use std::net::SocketAddr;
 use std::os::unix::fs::{FileTypeExt, MetadataExt, PermissionsExt};
@@ -168,16 +169,6 @@ enum Accepted {
 }
 
 impl Listeners {
-    /// Moves the listeners to the current runtime's event loop.
-    fn rehome(&mut self) -> std::io::Result<()> {
-        use crate::rehome::Rehome;
-        self.tcp.rehome()?;
-        match &mut self.unix {
-            Some(u) => u.listener.rehome(),
-            None => Ok(()),
-        }
-    }
-
     async fn accept(&self) -> std::io::Result<(Accepted, ClientAddr)> {
         let unix = async {
             match &self.unix {
@@ -196,33 +187,36 @@ impl Listeners {
 }
 
 /// Accepts clients until shutdown, then waits for sessions up to `shutdown_timeout_ms`.
-/// With `login`, the listeners move to that runtime's event loop and new connections are
-/// accepted, refused or logged in there, their sessions handed back to this one (see
-/// [`session::Handover`]): a storm of new connections does not wake the session thread until
-/// a client has logged in.
+/// With `login` (a login runtime), a new connection logs in here while fewer than
+/// [`INLINE_LOGINS`] do; beyond, it moves to the login runtime to log in there and its session
+/// is handed back here (see [`session::Handover`]). A storm of new connections then costs the
+/// session thread its accepts, and at most `INLINE_LOGINS` logins at a time.
 pub async fn serve(app: Arc<App>, listeners: Listeners, login: Option<tokio::runtime::Handle>) {
     let tasks = app.life.clients().clone();
-    match login {
-        Some(login) => {
-            let handover = session::Handover::to(tasks.clone(), tokio::runtime::Handle::current());
-            let app = app.clone();
-            login.spawn(pacemaker());
-            let accepting = login.spawn(async move {
-                let mut listeners = listeners;
-                if let Err(e) = listeners.rehome() {
-                    // They keep working where they are; only the session thread is woken.
-                    tracing::warn!(error = %e, "cannot move the listeners to the login thread");
-                }
-                accept_loop(&app, &tasks, listeners, &handover).await;
-            });
-            let _ = accepting.await;
+    let offload = login.map(|login| {
+        login.spawn(pacemaker());
+        Offload {
+            handover: session::Handover::to(tasks.clone(), tokio::runtime::Handle::current()),
+            login,
         }
-        None => accept_loop(&app, &tasks, listeners, &session::Handover::default()).await,
-    }
+    });
+    accept_loop(&app, &tasks, listeners, offload.as_ref()).await;
     let grace = Duration::from_millis(app.config().limits.shutdown_timeout_ms);
     app.life
         .drain(grace, FORCE_GRACE, || app.force_stop())
         .await;
+}
+
+/// Logins in progress on the session thread beyond which a new connection logs in on the
+/// login thread. A login there costs no thread switch (the socket stays where it was
+/// accepted), and a session waits behind at most this many logins' steps; a storm's
+/// connections beyond it log in at the login thread's lower priority.
+pub const INLINE_LOGINS: usize = 4;
+
+/// The login runtime, and the way back from it.
+struct Offload {
+    login: tokio::runtime::Handle,
+    handover: session::Handover,
 }
 
 /// Keeps a timer due within [`PACE`] on the login thread's timer wheel, for as long as the
@@ -244,7 +238,7 @@ async fn accept_loop(
     app: &Arc<App>,
     tasks: &TaskTracker,
     listeners: Listeners,
-    handover: &session::Handover,
+    offload: Option<&Offload>,
 ) {
     let mut backoff = Duration::from_millis(5);
     let mut warnings = AcceptWarnings::default();
@@ -267,8 +261,8 @@ async fn accept_loop(
             }
         };
         match sock {
-            Accepted::Tcp(s) => admit(app, tasks, handover, Movable::new(s), peer),
-            Accepted::Unix(s) => admit(app, tasks, handover, Movable::new(s), peer),
+            Accepted::Tcp(s) => admit(app, tasks, offload, Movable::new(s), peer),
+            Accepted::Unix(s) => admit(app, tasks, offload, Movable::new(s), peer),
         }
     }
     // The socket file goes with the listener: a client that finds none tries elsewhere.
@@ -277,34 +271,58 @@ async fn accept_loop(
 
 /// Takes a client slot for a new connection (or refuses it above `max_client_conn`) and
 /// starts its task, which waits for a handshake slot (bounded by the handshake timeout) and
-/// runs the session: accepting never waits.
+/// runs the session: accepting never waits. The task runs here, or on the login runtime when
+/// there is one and [`INLINE_LOGINS`] logins already run here.
 fn admit<S>(
     app: &Arc<App>,
     tasks: &TaskTracker,
-    handover: &session::Handover,
+    offload: Option<&Offload>,
     sock: S,
     peer: ClientAddr,
 ) where
     S: AsyncRead + AsyncWrite + crate::rehome::Rehome + Unpin + Send + 'static,
 {
+    let (inline, away) = match offload {
+        None => (None, None),
+        Some(o) => match session::InlineLogin::try_enter(app, INLINE_LOGINS) {
+            Some(inline) => (Some(inline), None),
+            None => {
+                app.stats.offloaded_logins.fetch_add(1, Ordering::Relaxed);
+                (None, Some(o))
+            }
+        },
+    };
+    let handover = away.map(|o| o.handover.clone()).unwrap_or_default();
     let max = app.config().limits.max_client_conn;
     let n = app.stats.clients.fetch_add(1, Ordering::Relaxed);
     let slot = ClientSlot(app.clone());
     app.stats.clients_total.fetch_add(1, Ordering::Relaxed);
-    if n >= max {
-        let e = PgError::too_many_clients(max, app.policy.connection_hint_ms(None));
-        spawn(tasks, refuse(slot, sock, e));
-        return;
-    }
     let app2 = app.clone();
-    let handover = handover.clone();
     let timeout = Duration::from_millis(app.config().limits.handshake_timeout_ms);
     let deadline = tokio::time::Instant::now() + timeout;
-    spawn(tasks, async move {
+    let moving = away.is_some();
+    let task = async move {
+        let mut sock = sock;
+        // The socket joins the login thread's event loop before anything is read from it.
+        if moving && let Err(e) = sock.rehome() {
+            tracing::warn!(%peer, error = %e, "cannot move a new connection to the login thread");
+            return;
+        }
+        if n >= max {
+            let e = PgError::too_many_clients(max, app2.policy.connection_hint_ms(None));
+            return refuse(slot, sock, e).await;
+        }
         match HandshakeSlot::acquire(&app2, peer.source_ip(), deadline).await {
-            Ok(h) => session::run(app2, sock, peer, h, handover, slot).await,
+            Ok(h) => session::run(app2, sock, peer, h.carrying(inline), handover, slot).await,
             Err(e) => refuse(slot, sock, e).await,
         }
+    };
+    // Boxed: the task cell then holds a pointer, and its changes of stage copy that instead
+    // of the handshake's whole future (a login's largest copies).
+    let task = Box::pin(task);
+    drop(match away {
+        Some(o) => tasks.spawn_on(task, &o.login),
+        None => tasks.spawn(task),
     });
 }
 
@@ -353,16 +371,6 @@ async fn read_cancel(sock: &mut tokio::net::TcpStream) -> Option<(i32, Vec<u8>)>
         Ok(crate::protocol::messages::StartupPacket::Cancel { pid, secret }) => Some((pid, secret)),
         _ => None,
     }
-}
-
-/// Runs a new connection's task on this runtime (the login runtime when there is one).
-fn spawn<F>(tasks: &TaskTracker, fut: F)
-where
-    F: std::future::Future<Output = ()> + Send + 'static,
-{
-    // Boxed: the task cell then holds a pointer, and its changes of stage copy that instead
-    // of the handshake's whole future (a login's largest copies).
-    drop(tasks.spawn(Box::pin(fut)));
 }
 
 /// After `force`: how long sessions get to cancel their queries and send 57P01.

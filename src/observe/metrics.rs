@@ -111,6 +111,8 @@ pub struct Scrape {
     pub client_connections: u64,
     pub client_connections_accepted: u64,
     pub handshakes_in_progress: u64,
+    /// Connections handed to the login thread (the session thread had enough logins).
+    pub logins_offloaded: u64,
     pub client_errors: u64,
     /// [`BREAKER_CLOSED`], [`BREAKER_HALF_OPEN`] or [`BREAKER_OPEN`].
     pub breaker_state: i64,
@@ -323,6 +325,7 @@ struct ScrapeSeries {
     clients: IntGauge,
     clients_accepted: IntCounter,
     handshakes: IntGauge,
+    logins_offloaded: IntCounter,
     client_errors: IntCounter,
     breaker_state: IntGauge,
     breaker_trips: IntCounterVec,
@@ -655,6 +658,11 @@ impl ScrapeSeries {
                 "pgsluice_client_handshakes",
                 "Client handshakes (startup and authentication) in progress.",
             ),
+            logins_offloaded: counter(
+                "pgsluice_client_logins_offloaded_total",
+                "Client connections handed to the login thread to log in (or be refused) since \
+                 start: with one session thread, those that arrived while 4 were logging in on it.",
+            ),
             client_errors: counter(
                 "pgsluice_client_errors_total",
                 "Client connections that ended with a protocol or I/O error.",
@@ -727,6 +735,7 @@ impl ScrapeSeries {
         self.clients.set(gauge_value(s.client_connections));
         set_counter(&self.clients_accepted, s.client_connections_accepted);
         self.handshakes.set(gauge_value(s.handshakes_in_progress));
+        set_counter(&self.logins_offloaded, s.logins_offloaded);
         set_counter(&self.client_errors, s.client_errors);
         self.breaker_state.set(s.breaker_state);
         for (reason, n) in &s.breaker_trips {

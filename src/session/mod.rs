@@ -10,10 +10,11 @@
 //! This file owns the session's lifetime around that loop: the handshake under its timeout
 //! and handshake slot, the client stream (TLS or not) wrapped in [`WriteTimeout`] so that a
 //! client that stops reading ends its session instead of pinning a backend and our buffers,
-//! and the final error and TLS close. With one session thread (`worker_threads: 1`), startup
-//! and authentication run on the login thread and the session is then handed to the session
-//! thread ([`Handover`]); the client socket moves with it from the login thread's event loop
-//! to the session thread's ([`crate::rehome`]), so each thread is woken by its own sockets.
+//! and the final error and TLS close. With one session thread (`worker_threads: 1`), a client
+//! that arrives while a few others log in ([`InlineLogin`]) logs in on the login thread and its
+//! session is then handed to the session thread ([`Handover`]); the client socket moves with
+//! it from the login thread's event loop to the session thread's ([`crate::rehome`]), so each
+//! thread is woken by its own sockets.
 
 pub mod auth_query;
 mod handshake;
@@ -69,6 +70,30 @@ pub enum End {
 pub struct HandshakeSlot {
     app: Arc<App>,
     _address: AddressGuard,
+    _inline: Option<InlineLogin>,
+}
+
+/// A connection logging in on the session thread, counted in `stats.inline_logins` until its
+/// handshake ends (it rides in its [`HandshakeSlot`]).
+pub struct InlineLogin(Arc<App>);
+
+impl InlineLogin {
+    /// Counts one more login on the session thread, unless `max` are in progress there.
+    pub fn try_enter(app: &Arc<App>, max: usize) -> Option<InlineLogin> {
+        app.stats
+            .inline_logins
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| {
+                (n < max).then_some(n + 1)
+            })
+            .ok()
+            .map(|_| InlineLogin(app.clone()))
+    }
+}
+
+impl Drop for InlineLogin {
+    fn drop(&mut self) {
+        self.0.stats.inline_logins.fetch_sub(1, Ordering::AcqRel);
+    }
 }
 
 /// Connections of one address that may wait for its share, per unit of the share: beyond,
@@ -118,7 +143,14 @@ impl HandshakeSlot {
         Ok(HandshakeSlot {
             app: app.clone(),
             _address: address,
+            _inline: None,
         })
+    }
+
+    /// Keeps `inline` counted for as long as this handshake lasts.
+    pub fn carrying(mut self, inline: Option<InlineLogin>) -> HandshakeSlot {
+        self._inline = inline;
+        self
     }
 }
 
@@ -133,9 +165,10 @@ impl Drop for HandshakeSlot {
     }
 }
 
-/// Where a logged-in client's session goes: with a login thread (one session thread, see
-/// `worker_threads`), the session is handed from the login runtime to the sessions' runtime
-/// right after authentication; otherwise it stays on the task that logged it in.
+/// Where a logged-in client's session goes: for a client that logged in on the login thread
+/// (one session thread, see `worker_threads`), it is handed from the login runtime to the
+/// sessions' runtime right after authentication; otherwise it stays on the task that logged
+/// it in.
 #[derive(Clone, Default)]
 pub struct Handover(Option<(TaskTracker, tokio::runtime::Handle)>);
 
@@ -150,8 +183,7 @@ type Client<S> = ClientStream<WriteTimeout<S>>;
 
 /// Runs a client connection to completion: startup and authentication here, the rest (the
 /// session settings, which may borrow a backend, and the session itself) where `handover`
-/// says. A flood of new connections then costs the login thread, not the thread that serves
-/// the clients already logged in. `hold` (the client's slot) is dropped when the connection
+/// says (a login on the login thread is handed back to the session thread). `hold` (the client's slot) is dropped when the connection
 /// ends, wherever that is.
 pub async fn run<S, G>(
     app: Arc<App>,

@@ -1,7 +1,7 @@
 //! How clients reach the proxy and the proxy reaches Postgres, and which threads serve them:
 //! Unix-domain sockets on both sides (PgBouncer's `unix_socket_dir`, and a backend URL with
-//! `host=DIR`), and logins on one login thread of lower priority (nice 10) while the sessions
-//! run on the session thread.
+//! `host=DIR`), and, with one session thread, logins on that thread while few arrive at once
+//! and on a login thread of lower priority (nice 10) beyond.
 //!
 //! TLS is in `tls`; the limit on connected clients, `limits.max_client_conn`, in `limits`.
 
@@ -14,7 +14,8 @@ use tokio_postgres::error::SqlState;
 use tokio_postgres::types::Type;
 
 use crate::support::pg::{APP_DB, APP_PASSWORD, APP_USER, Cluster};
-use crate::support::proxy::{Proxy, ProxyOptions};
+use crate::support::proxy::{ADMIN_READ_TOKEN, Proxy, ProxyOptions};
+use crate::support::spawned::metric;
 use crate::support::sql::{STEP, scalar, send_cancel, sleep_running, sqlstate};
 use crate::support::{note_skipped, within};
 
@@ -111,8 +112,13 @@ async fn unix_sockets_on_both_sides() {
     assert!(!file.exists(), "the socket file outlived the proxy");
 }
 
+/// With one session thread: a login thread at nice 10 beside it; a client that logs in while
+/// fewer than 4 others do logs in on the session thread, one that arrives while 4 are
+/// logging in there (here: 4 connections that never send their startup packet) logs in on the
+/// login thread (`pgsluice_client_logins_offloaded_total`), and a burst of 40 clients logged
+/// in on either is served with each its own answer.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn one_session_thread_logs_clients_in_on_a_lower_priority_thread() {
+async fn one_session_thread_logs_a_burst_of_clients_in_on_a_lower_priority_thread() {
     let cluster = Cluster::start();
     let options = ProxyOptions::pool(4).arg("--worker-threads").arg("1");
     let proxy = Arc::new(Proxy::start(&cluster, options));
@@ -147,7 +153,53 @@ async fn one_session_thread_logs_clients_in_on_a_lower_priority_thread() {
         threads.len() - 1,
         "every other thread keeps the process priority: {threads:?}"
     );
-    // Logged in there, served here: 40 clients connect at once and each sees its own answer.
+    let scrape = |series: &'static str| {
+        let proxy = Arc::clone(&proxy);
+        async move {
+            let (status, text) = proxy
+                .admin_request("GET", "/metrics", ADMIN_READ_TOKEN, None)
+                .await;
+            assert_eq!(status, 200, "{text}");
+            metric(&text, series).unwrap_or_else(|| panic!("no {series} in /metrics:\n{text}"))
+        }
+    };
+    const OFFLOADED: &str = "pgsluice_client_logins_offloaded_total";
+    // One login at a time: each on the session thread.
+    for i in 0..3 {
+        let client = proxy.client().await;
+        assert_eq!(scalar(&client, &format!("SELECT {i}")).await, i.to_string());
+    }
+    assert_eq!(
+        scrape(OFFLOADED).await,
+        0.0,
+        "lone logins went to the login thread"
+    );
+    // Four connections that never send a startup packet hold the session thread's places.
+    let mut silent = Vec::new();
+    for _ in 0..4 {
+        silent.push(
+            tokio::net::TcpStream::connect(proxy.addr())
+                .await
+                .expect("connect"),
+        );
+    }
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while scrape("pgsluice_client_handshakes").await < 4.0 {
+        assert!(
+            Instant::now() < deadline,
+            "4 silent connections never showed as handshakes"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let client = proxy.client().await;
+    assert_eq!(scalar(&client, "SELECT 'offloaded'").await, "offloaded");
+    assert_eq!(
+        scrape(OFFLOADED).await,
+        1.0,
+        "a login beside 4 in progress on the session thread belongs to the login thread"
+    );
+    drop((client, silent));
+    // Logged in on either, served here: 40 clients connect at once and each sees its own answer.
     let clients = (0..40i32).map(|i| {
         let proxy = Arc::clone(&proxy);
         tokio::spawn(async move {
