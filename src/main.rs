@@ -224,10 +224,10 @@ fn main() -> ExitCode {
             return ExitCode::from(1);
         }
     };
-    // With one session thread, a burst of new connections authenticates on a second thread of
-    // its own, at a lower CPU priority (the few logging in at once stay on the session thread):
-    // a connection storm then neither queues ahead of the clients already served nor takes
-    // the CPU from them.
+    // With one session thread, a burst of new connections (and every one while client TLS is
+    // on) authenticates on a second thread of its own, at a lower CPU priority (the few
+    // logging in at once stay on the session thread): a connection storm then neither queues
+    // ahead of the clients already served nor takes the CPU from them.
     let login = match threads {
         1 => match tokio::runtime::Builder::new_multi_thread()
             .worker_threads(1)

@@ -188,9 +188,10 @@ impl Listeners {
 
 /// Accepts clients until shutdown, then waits for sessions up to `shutdown_timeout_ms`.
 /// With `login` (a login runtime), a new connection logs in here while fewer than
-/// [`INLINE_LOGINS`] do; beyond, it moves to the login runtime to log in there and its session
-/// is handed back here (see [`session::Handover`]). A storm of new connections then costs the
-/// session thread its accepts, and at most `INLINE_LOGINS` logins at a time.
+/// [`INLINE_LOGINS`] do and client TLS is off; otherwise it moves to the login runtime to log
+/// in there and its session is handed back here (see [`session::Handover`]). A storm of new
+/// connections then costs the session thread its accepts, and at most `INLINE_LOGINS` logins
+/// at a time.
 pub async fn serve(app: Arc<App>, listeners: Listeners, login: Option<tokio::runtime::Handle>) {
     let tasks = app.life.clients().clone();
     let offload = login.map(|login| {
@@ -212,6 +213,16 @@ pub async fn serve(app: Arc<App>, listeners: Listeners, login: Option<tokio::run
 /// accepted), and a session waits behind at most this many logins' steps; a storm's
 /// connections beyond it log in at the login thread's lower priority.
 pub const INLINE_LOGINS: usize = 4;
+
+/// A place to log in on the session thread: only while client TLS is off (a TLS handshake's
+/// key exchange and signature cost from a tenth of a millisecond to a few of CPU: always the
+/// login thread's), and while fewer than [`INLINE_LOGINS`] log in there.
+fn inline_login(app: &Arc<App>) -> Option<session::InlineLogin> {
+    if app.tls.client().acceptor.is_some() {
+        return None;
+    }
+    session::InlineLogin::try_enter(app, INLINE_LOGINS)
+}
 
 /// The login runtime, and the way back from it.
 struct Offload {
@@ -272,7 +283,7 @@ async fn accept_loop(
 /// Takes a client slot for a new connection (or refuses it above `max_client_conn`) and
 /// starts its task, which waits for a handshake slot (bounded by the handshake timeout) and
 /// runs the session: accepting never waits. The task runs here, or on the login runtime when
-/// there is one and [`INLINE_LOGINS`] logins already run here.
+/// there is one and it gets no [`inline_login`] place.
 fn admit<S>(
     app: &Arc<App>,
     tasks: &TaskTracker,
@@ -284,7 +295,7 @@ fn admit<S>(
 {
     let (inline, away) = match offload {
         None => (None, None),
-        Some(o) => match session::InlineLogin::try_enter(app, INLINE_LOGINS) {
+        Some(o) => match inline_login(app) {
             Some(inline) => (Some(inline), None),
             None => {
                 app.stats.offloaded_logins.fetch_add(1, Ordering::Relaxed);

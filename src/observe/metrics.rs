@@ -661,7 +661,8 @@ impl ScrapeSeries {
             logins_offloaded: counter(
                 "pgsluice_client_logins_offloaded_total",
                 "Client connections handed to the login thread to log in (or be refused) since \
-                 start: with one session thread, those that arrived while 4 were logging in on it.",
+                 start: with one session thread, those that arrived while 4 were logging in on it, \
+                 and all while client TLS is on.",
             ),
             client_errors: counter(
                 "pgsluice_client_errors_total",

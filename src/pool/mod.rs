@@ -60,6 +60,9 @@ use slots::{SlotError, SlotPermit, Slots};
 /// A server's ParameterStatus values, shared by the logins of a pool.
 pub type ServerParams = Arc<[(String, String)]>;
 
+/// Distinct startup-settings lists a pool remembers the greeting of.
+pub const GREETINGS: usize = 1_000;
+
 /// How long after its backoff window a failed connect still says "unreachable".
 pub const UNREACHABLE_FOR: Duration = Duration::from_secs(10);
 
@@ -131,6 +134,9 @@ pub struct Pool {
     server_params: Mutex<Option<ServerParams>>,
     /// (parameter, value as the client sent it) → value as the server reports it.
     canonical: Mutex<HashMap<String, HashMap<String, String>>>,
+    /// A client's startup settings → the ParameterStatus messages it is greeted with, encoded
+    /// (built from `server_params` and `canonical`; at most [`GREETINGS`] lists).
+    greetings: Mutex<HashMap<Vec<(String, String)>, bytes::Bytes>>,
     pub stats: PoolStats,
     /// How fast checkouts are served (the retry hints of its waiters).
     drain: crate::policy::drain::DrainRate,
@@ -236,6 +242,7 @@ impl Pool {
             }),
             server_params: Mutex::new(None),
             canonical: Mutex::new(HashMap::new()),
+            greetings: Mutex::new(HashMap::new()),
             stats: PoolStats::default(),
             drain: crate::policy::drain::DrainRate::new(),
             adaptive,
@@ -718,9 +725,28 @@ impl Pool {
     pub fn learn_canonical(&self, name: &str, value: &str, reported: &str) {
         let mut c = self.canonical.lock();
         if c.values().map(HashMap::len).sum::<usize>() < 10_000 {
-            c.entry(name.to_owned())
+            let old = c
+                .entry(name.to_owned())
                 .or_default()
                 .insert(value.to_owned(), reported.to_owned());
+            if old.is_some_and(|o| o != reported) {
+                // The server reports it otherwise now: no greeting built from the old answer.
+                self.greetings.lock().clear();
+            }
+        }
+    }
+
+    /// The ParameterStatus messages remembered for a client with these startup settings.
+    pub fn greeting(&self, settings: &[(String, String)]) -> Option<bytes::Bytes> {
+        self.greetings.lock().get(settings).cloned()
+    }
+
+    /// Remembers the ParameterStatus messages of a client with these startup settings (not
+    /// beyond [`GREETINGS`] lists: then each such login builds its own).
+    pub fn remember_greeting(&self, settings: &[(String, String)], greeting: bytes::Bytes) {
+        let mut g = self.greetings.lock();
+        if g.len() < GREETINGS {
+            g.insert(settings.to_vec(), greeting);
         }
     }
 
@@ -1121,5 +1147,46 @@ impl Pools {
 
     pub fn all(&self) -> Vec<Arc<Pool>> {
         self.map.lock().values().cloned().collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use bytes::Bytes;
+
+    fn settings(name: &str, value: &str) -> Vec<(String, String)> {
+        vec![(name.to_owned(), value.to_owned())]
+    }
+
+    /// A greeting is remembered per startup-settings list, kept while the server reports the
+    /// settings as before, forgotten when it reports one otherwise, and not remembered beyond
+    /// `GREETINGS` lists.
+    #[test]
+    fn greetings_are_remembered_per_settings_and_forgotten_when_a_report_changes() {
+        let p = Pool::new(
+            "d",
+            "u",
+            PoolConfig::default(),
+            ConnectParams::blank(crate::tls::BackendTlsHandle::disabled()),
+            Vec::new(),
+        );
+        let iso = settings("DateStyle", "iso");
+        assert!(p.greeting(&iso).is_none());
+        p.learn_canonical("DateStyle", "iso", "ISO, MDY");
+        p.remember_greeting(&iso, Bytes::from_static(b"S..."));
+        assert_eq!(p.greeting(&iso).as_deref(), Some(&b"S..."[..]));
+        assert!(p.greeting(&[]).is_none(), "another list has no greeting");
+        p.learn_canonical("DateStyle", "iso", "ISO, MDY");
+        assert!(p.greeting(&iso).is_some(), "the same answer keeps it");
+        p.learn_canonical("DateStyle", "iso", "ISO, DMY");
+        assert!(
+            p.greeting(&iso).is_none(),
+            "a greeting built from an answer the server no longer gives"
+        );
+        for i in 0..GREETINGS + 5 {
+            p.remember_greeting(&settings("application_name", &i.to_string()), Bytes::new());
+        }
+        assert_eq!(p.greetings.lock().len(), GREETINGS);
     }
 }

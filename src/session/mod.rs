@@ -11,7 +11,8 @@
 //! and handshake slot, the client stream (TLS or not) wrapped in [`WriteTimeout`] so that a
 //! client that stops reading ends its session instead of pinning a backend and our buffers,
 //! and the final error and TLS close. With one session thread (`worker_threads: 1`), a client
-//! that arrives while a few others log in ([`InlineLogin`]) logs in on the login thread and its
+//! that arrives while a few others log in ([`InlineLogin`]), or while client TLS is on, logs
+//! in on the login thread and its
 //! session is then handed to the session thread ([`Handover`]); the client socket moves with
 //! it from the login thread's event loop to the session thread's ([`crate::rehome`]), so each
 //! thread is woken by its own sockets.
@@ -35,7 +36,7 @@ use std::sync::atomic::Ordering;
 use std::task::{Context, Poll};
 use std::time::Duration;
 
-use bytes::BytesMut;
+use bytes::{Bytes, BytesMut};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, ReadBuf};
 use tokio::time::{Instant, Sleep};
 use tokio_util::task::TaskTracker;
@@ -288,7 +289,7 @@ async fn startup_failed<S: AsyncRead + AsyncWrite + Unpin>(
 /// The pool and ParameterStatus list of an authenticated client when both are known without
 /// I/O (the pool exists and has met the client's settings before); `None` sends the login
 /// the long way ([`prepare`]), which also reports what is wrong.
-fn known_answer(app: &App, login: &Login) -> Option<(Arc<Pool>, Status)> {
+fn known_answer(app: &App, login: &Login) -> Option<(Arc<Pool>, Bytes)> {
     let pool = app.pool_for(&login.database, &login.user).ok()?;
     let status = known_status(&pool, login)?;
     Some((pool, status))
@@ -332,7 +333,7 @@ async fn greet<S: AsyncRead + AsyncWrite + Unpin>(
     app: &App,
     stream: &mut Client<S>,
     mut out: BytesMut,
-    status: &Status,
+    status: &[u8],
     login: &Login,
     peer: ClientAddr,
 ) -> Option<cancel::Registration> {
@@ -345,8 +346,8 @@ async fn greet<S: AsyncRead + AsyncWrite + Unpin>(
     let reg = app
         .cancels
         .register_client(if login.minor >= 2 { 32 } else { 4 }, Some(meta));
-    out.reserve(1024);
-    status.write(&mut out);
+    out.reserve(status.len() + 64);
+    out.extend_from_slice(status);
     messages::backend_key_data(&mut out, reg.pid, reg.secret());
     messages::ready_for_query(&mut out, crate::protocol::tag::status::IDLE);
     stream.write_all(&out).await.ok()?;
@@ -520,7 +521,7 @@ impl Status {
 /// The ParameterStatus list for a new client. Learns the server's spelling of the client's
 /// settings once per value (one round trip on a pooled backend), then answers from the
 /// pool's cache.
-async fn login_params(app: &App, pool: &Arc<Pool>, login: &Login) -> Result<Status, PgError> {
+async fn login_params(app: &App, pool: &Arc<Pool>, login: &Login) -> Result<Bytes, PgError> {
     if let Some(status) = known_status(pool, login) {
         return Ok(status);
     }
@@ -540,9 +541,13 @@ async fn login_params(app: &App, pool: &Arc<Pool>, login: &Login) -> Result<Stat
     Ok(status_of(server, pool, login))
 }
 
-/// [`login_params`] without I/O: `None` unless the pool knows the server's values and how
-/// the server reports each of the client's settings.
-fn known_status(pool: &Pool, login: &Login) -> Option<Status> {
+/// [`login_params`] without I/O: the list the pool remembers for these settings, or else
+/// `None` unless the pool knows the server's values and how the server reports each of the
+/// client's settings.
+fn known_status(pool: &Pool, login: &Login) -> Option<Bytes> {
+    if let Some(greeting) = pool.greeting(&login.settings) {
+        return Some(greeting);
+    }
     let server = pool.server_params()?;
     let all_known = login
         .settings
@@ -552,11 +557,14 @@ fn known_status(pool: &Pool, login: &Login) -> Option<Status> {
 }
 
 /// The list from the server's values and the pool's record of how the server reports the
-/// client's settings.
-fn status_of(server: ServerParams, pool: &Pool, login: &Login) -> Status {
+/// client's settings, encoded; remembered by the pool for the next login with the same
+/// settings when the record had every one of them.
+fn status_of(server: ServerParams, pool: &Pool, login: &Login) -> Bytes {
     let mut own: Vec<(String, String)> = Vec::new();
+    let mut complete = true;
     for (k, v) in &login.settings {
         let Some(reported) = pool.canonical(k, v) else {
+            complete = false;
             continue;
         };
         // An empty string marks a setting the server does not report.
@@ -569,7 +577,13 @@ fn status_of(server: ServerParams, pool: &Pool, login: &Login) -> Status {
             None => own.push((k.clone(), reported)),
         }
     }
-    Status { server, own }
+    let mut out = BytesMut::new();
+    Status { server, own }.write(&mut out);
+    let greeting = out.freeze();
+    if complete {
+        pool.remember_greeting(&login.settings, greeting.clone());
+    }
+    greeting
 }
 
 /// Applies the client's settings on `b`, recording how the server reports each of them.

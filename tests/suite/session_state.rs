@@ -150,6 +150,23 @@ async fn startup_parameters_apply_on_every_backend_and_parameter_status_matches_
         "ParameterStatus of a second login differs from direct: {second:#?}"
     );
     drop(again);
+    // A login with other settings gets a list of its own, not the one remembered for these.
+    let other: &[(&str, &str)] = &[("application_name", "other-app"), ("DateStyle", "German")];
+    let mut lists = Vec::new();
+    for (addr, what) in [(cluster.addr(), "direct"), (proxy.addr(), "proxied")] {
+        let c = within(
+            STEP,
+            "a login with other settings",
+            WireClient::connect_with(addr, APP_USER, APP_PASSWORD, APP_DB, other),
+        )
+        .await
+        .unwrap_or_else(|e| panic!("{what} connect with other settings: {e:?}"));
+        lists.push(c.params.clone());
+    }
+    assert_eq!(
+        lists[1], lists[0],
+        "ParameterStatus of a login with other settings (proxied, then direct)"
+    );
 
     // Noise clients with default settings share the two backends meanwhile.
     let stop = Arc::new(AtomicBool::new(false));

@@ -1,6 +1,7 @@
 //! TESTS.md B: TLS toward clients (SSLRequest, direct TLS with ALPN, `require`: B1, B3–B5) and
 //! toward Postgres (prefer, require, verify-ca and verify-full never fall back to plaintext;
-//! bytes injected before the handshake and a man in the middle answering 'N': B2).
+//! bytes injected before the handshake and a man in the middle answering 'N': B2). With
+//! client TLS on, every login runs on the login thread.
 //!
 //! The authentication matrix (B6) is in `auth`, a malicious backend (B8) in `backend_faults`, a
 //! connect storm half over TLS in `overload`, a reload of the TLS files in `lifecycle`.
@@ -14,12 +15,13 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpListener;
 
 use crate::support::pg::{APP_DB, APP_PASSWORD, APP_USER, Cluster, server_identity};
-use crate::support::proxy::{Proxy, ProxyOptions};
+use crate::support::proxy::{ADMIN_READ_TOKEN, Proxy, ProxyOptions};
 use crate::support::raw::{
     Raw, cert, client_tls, first_value, gss_request, oracle, pools_at_rest, query, ssl_request,
     startup, tls_direct, tls_via_request, write,
 };
 use crate::support::run_with_timeout_async;
+use crate::support::spawned::metric;
 use crate::support::sql::sqlstate;
 
 /// A proxy with client TLS in `mode`, its certificate for localhost/127.0.0.1, and the DER
@@ -228,6 +230,53 @@ fn backend_yaml(dir: &Path, mode: &str, root: Option<&Path>) -> PathBuf {
         &format!("{mode}.yaml"),
         &format!("backend:\n  tls: {mode}\n  connect_timeout_ms: 3000\n{root}"),
     )
+}
+
+/// With client TLS on, every login runs on the login thread (one session thread), plain ones
+/// too: a TLS handshake's key exchange and signature never take the CPU of the thread that
+/// serves the sessions (`pgsluice_client_logins_offloaded_total`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn with_client_tls_on_every_login_runs_on_the_login_thread() {
+    let cluster = Cluster::start();
+    let dir = tempfile::tempdir().expect("tempdir");
+    let (c, k, root) = cert(&["localhost", "127.0.0.1"], false);
+    write(dir.path(), "cert.pem", &c);
+    write(dir.path(), "key.pem", &k);
+    let cfg = tls_yaml(dir.path(), "allow", "");
+    let options = ProxyOptions::pool(2)
+        .config_file(cfg)
+        .arg("--worker-threads")
+        .arg("1");
+    let proxy = Proxy::start(&cluster, options);
+    if proxy.is_direct() {
+        return;
+    }
+    let addr = proxy.addr();
+    let mut tls = tls_via_request(addr, client_tls(&root, false))
+        .await
+        .expect("TLS");
+    tls.app_login().await;
+    let msgs = tls.query("SELECT 1").await.expect("query over TLS");
+    assert_eq!(first_value(&msgs).as_deref(), Some("1"));
+    let mut plain = Raw::tcp(addr).await;
+    plain.app_login().await;
+    let msgs = plain.query("SELECT 2").await.expect("plain query");
+    assert_eq!(first_value(&msgs).as_deref(), Some("2"));
+    let (status, text) = proxy
+        .admin_request("GET", "/metrics", ADMIN_READ_TOKEN, None)
+        .await;
+    assert_eq!(status, 200, "{text}");
+    let value = |series: &str| metric(&text, series).unwrap_or(-1.0);
+    assert_eq!(
+        value("pgsluice_client_connections_accepted_total"),
+        2.0,
+        "{text}"
+    );
+    assert_eq!(
+        value("pgsluice_client_logins_offloaded_total"),
+        2.0,
+        "with client TLS on, a login ran on the session thread"
+    );
 }
 
 /// Connects through `proxy` and returns the SQLSTATE of the failure, or "ok" with the backend's
