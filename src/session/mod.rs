@@ -11,11 +11,10 @@
 //! and handshake slot, the client stream (TLS or not) wrapped in [`WriteTimeout`] so that a
 //! client that stops reading ends its session instead of pinning a backend and our buffers,
 //! and the final error and TLS close. With one session thread (`worker_threads: 1`), a client
-//! that arrives while a few others log in ([`InlineLogin`]), or while client TLS is on, logs
-//! in on the login thread and its
-//! session is then handed to the session thread ([`Handover`]); the client socket moves with
-//! it from the login thread's event loop to the session thread's ([`crate::rehome`]), so each
-//! thread is woken by its own sockets.
+//! logs in on that thread while only a few others do ([`InlineLogin`]) and client TLS is off.
+//! Otherwise it logs in on the login thread and its session is then handed to the session
+//! thread ([`Handover`]); the client socket moves with it from the login thread's event loop
+//! to the session thread's ([`crate::rehome`]), so each thread is woken by its own sockets.
 
 pub mod auth_query;
 mod handshake;
@@ -184,8 +183,8 @@ type Client<S> = ClientStream<WriteTimeout<S>>;
 
 /// Runs a client connection to completion: startup and authentication here, the rest (the
 /// session settings, which may borrow a backend, and the session itself) where `handover`
-/// says (a login on the login thread is handed back to the session thread). `hold` (the client's slot) is dropped when the connection
-/// ends, wherever that is.
+/// says (a login on the login thread is handed back to the session thread). `hold` (the
+/// client's slot) is dropped when the connection ends, wherever that is.
 pub async fn run<S, G>(
     app: Arc<App>,
     stream: S,
