@@ -489,30 +489,20 @@ async fn send_error<S: AsyncWrite + Unpin>(stream: &mut S, mut out: BytesMut, e:
     let _ = tokio::time::timeout(Duration::from_secs(1), stream.write_all(&out)).await;
 }
 
-/// The ParameterStatus list of a new client: the server's values (shared by the pool's
-/// logins), with the client's own startup settings as the server reports them.
-struct Status {
-    server: Arc<[(String, String)]>,
-    /// The client's settings as reported, by name (no two alike, ignoring case).
-    own: Vec<(String, String)>,
-}
-
-impl Status {
-    /// Writes the list: the server's values in its order, a client setting in place of the
-    /// server's value of the same name, the client's other settings after them.
-    fn write(&self, out: &mut BytesMut) {
-        for (k, v) in self.server.iter() {
-            let v = self
-                .own
-                .iter()
-                .find(|(n, _)| n.eq_ignore_ascii_case(k))
-                .map_or(v, |(_, r)| r);
+/// Writes a new client's ParameterStatus list: the server's values in its order, a client
+/// setting (as the server reports it) in place of the server's value of the same name, the
+/// client's other settings after them.
+fn write_status(server: &[(String, String)], own: &[(String, String)], out: &mut BytesMut) {
+    for (k, v) in server {
+        let v = own
+            .iter()
+            .find(|(n, _)| n.eq_ignore_ascii_case(k))
+            .map_or(v, |(_, r)| r);
+        messages::parameter_status(out, k, v);
+    }
+    for (k, v) in own {
+        if !server.iter().any(|(n, _)| n.eq_ignore_ascii_case(k)) {
             messages::parameter_status(out, k, v);
-        }
-        for (k, v) in &self.own {
-            if !self.server.iter().any(|(n, _)| n.eq_ignore_ascii_case(k)) {
-                messages::parameter_status(out, k, v);
-            }
         }
     }
 }
@@ -577,7 +567,7 @@ fn status_of(server: ServerParams, pool: &Pool, login: &Login) -> Bytes {
         }
     }
     let mut out = BytesMut::new();
-    Status { server, own }.write(&mut out);
+    write_status(&server, &own, &mut out);
     let greeting = out.freeze();
     if complete {
         pool.remember_greeting(&login.settings, greeting.clone());
