@@ -632,7 +632,8 @@ pub fn unix_ms() -> u64 {
 
 /// [`unix_ms`] from the coarse clock: the kernel's time at its last tick (a few ms behind,
 /// never ahead), read from the vDSO without reading the hardware counter — for stamps only
-/// shown to people, such as how long a client has been in its state (two per statement).
+/// shown to people, such as how long a client has been in its state (two per statement), and
+/// the per-fingerprint statistics' stamps and per-second rates (one per statement).
 pub fn unix_ms_coarse() -> u64 {
     let mut ts = libc::timespec {
         tv_sec: 0,
@@ -680,7 +681,8 @@ impl FingerprintStats {
     ) {
         let ns = u64::try_from(elapsed.as_nanos()).unwrap_or(u64::MAX);
         let weight = (ns / 1000).max(1);
-        let now_ms = unix_ms();
+        // The coarse clock: stamps and per-second rates, a few ms late at most, never early.
+        let now_ms = unix_ms_coarse();
         let mut s = self.shard(fingerprint).lock();
         if let Some(e) = s.map.get_mut(&fingerprint) {
             e.agg.record(caller, ns, outcome, now_ms);
