@@ -98,6 +98,37 @@ impl Weighter<Box<str>, Arc<Classified>> for EntryWeight {
     }
 }
 
+/// The longest cache key a [`Memo`] keeps: a session holds at most this much text for it.
+const MEMO_MAX_KEY: usize = 1024;
+
+/// One session's last classification and the cache key it was found under. A
+/// classification is a function of its key alone (the cache shares one `Classified` between
+/// all texts of a key), so a later text with an equal key gets the same answer.
+#[derive(Default)]
+pub struct Memo {
+    key: String,
+    class: Option<Arc<Classified>>,
+}
+
+impl Memo {
+    fn hit(&self, key: &str) -> Option<Arc<Classified>> {
+        self.class.as_ref().filter(|_| self.key == key).cloned()
+    }
+
+    fn remember(&mut self, key: &str, class: &Arc<Classified>) {
+        if key.len() > MEMO_MAX_KEY {
+            self.class = None;
+            if self.key.capacity() > MEMO_MAX_KEY {
+                self.key = String::new();
+            }
+            return;
+        }
+        self.key.clear();
+        self.key.push_str(key);
+        self.class = Some(Arc::clone(class));
+    }
+}
+
 /// Cached classification of statement texts. Cheap to share behind an `Arc`.
 pub struct Classifier {
     cache: Option<Cache<Box<str>, Arc<Classified>, EntryWeight>>,
@@ -126,6 +157,17 @@ impl Classifier {
     }
 
     pub fn classify(&self, sql: &str) -> Arc<Classified> {
+        self.lookup(sql, None)
+    }
+
+    /// [`Classifier::classify`] for one session: a text with the same cache key as the one
+    /// before it (a client running one statement in a loop, with new literals each time) is
+    /// answered from `memo`, without the shared cache's hash, lock and probe.
+    pub fn classify_memo(&self, sql: &str, memo: &mut Memo) -> Arc<Classified> {
+        self.lookup(sql, Some(memo))
+    }
+
+    fn lookup(&self, sql: &str, memo: Option<&mut Memo>) -> Arc<Classified> {
         let Some(cache) = self
             .cache
             .as_ref()
@@ -141,11 +183,22 @@ impl Classifier {
             } else {
                 sql
             };
-            if let Some(hit) = cache.get(k) {
-                return hit;
+            if let Some(m) = &memo
+                && let Some(c) = m.hit(k)
+            {
+                return c;
             }
-            let classified = Arc::new(analyze(sql, self.max_text_bytes));
-            cache.insert(Box::from(k), Arc::clone(&classified));
+            let classified = match cache.get(k) {
+                Some(hit) => hit,
+                None => {
+                    let classified = Arc::new(analyze(sql, self.max_text_bytes));
+                    cache.insert(Box::from(k), Arc::clone(&classified));
+                    classified
+                }
+            };
+            if let Some(m) = memo {
+                m.remember(k, &classified);
+            }
             classified
         })
     }
@@ -185,6 +238,38 @@ mod tests {
         let set = c.classify("set role admin");
         assert!(set.has_session_effects());
         assert!(!a.has_session_effects());
+    }
+
+    #[test]
+    fn memo_answers_a_repeated_shape_and_follows_a_new_one() {
+        let c = Classifier::new(100, DEFAULT_MAX_TEXT_BYTES);
+        let mut m = Memo::default();
+        let a = c.classify_memo("select * from t where id = 1", &mut m);
+        assert!(Arc::ptr_eq(&a, &c.classify("select * from t where id = 1")));
+        // Same shape, other literal: the memo's answer, which is the cache's.
+        let b = c.classify_memo("select * from t where id = 2", &mut m);
+        assert!(Arc::ptr_eq(&a, &b));
+        // Another text: its own class, and the memo moves to it.
+        let w = c.classify_memo("update t set x = 1 where id = 2", &mut m);
+        assert_eq!(w.kind, StmtKind::Write);
+        assert!(!Arc::ptr_eq(&a, &w));
+        let again = c.classify_memo("select * from t where id = 3", &mut m);
+        assert_eq!(again.kind, StmtKind::Read);
+        assert!(Arc::ptr_eq(&a, &again));
+        // A key longer than the memo keeps is classified all the same, and not remembered.
+        let long = format!("select {} from t", "x, ".repeat(MEMO_MAX_KEY) + "y");
+        let l = c.classify_memo(&long, &mut m);
+        assert!(Arc::ptr_eq(&l, &c.classify(&long)));
+        assert!(m.class.is_none());
+        assert!(m.key.capacity() <= MEMO_MAX_KEY);
+        // Without a cache nothing is remembered either.
+        let off = Classifier::new(0, 1024);
+        let mut m = Memo::default();
+        assert_eq!(
+            off.classify_memo("delete from t", &mut m).kind,
+            StmtKind::Write
+        );
+        assert!(m.class.is_none());
     }
 
     #[test]

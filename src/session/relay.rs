@@ -27,7 +27,7 @@ use std::sync::atomic::Ordering;
 use std::task::{Context, Poll};
 use std::time::Duration;
 
-use bytes::{Bytes, BytesMut};
+use bytes::BytesMut;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::time::Instant;
 use tokio_util::io::poll_read_buf;
@@ -125,6 +125,8 @@ pub struct Relay {
     custom_gucs: Vec<String>,
     /// `classify.enabled` when the session started.
     classify_on: bool,
+    /// The last statement's classification, for the next text of the same shape.
+    memo: crate::classify::Memo,
     /// Client address, for caller matching by CIDR (none over the Unix socket).
     peer_ip: Option<std::net::IpAddr>,
     /// Admission of the current unit (caller permit held while the backend is).
@@ -268,6 +270,7 @@ impl Relay {
             tick: None,
             peer_ip: peer.ip(),
             classify_on,
+            memo: Default::default(),
             admission: None,
             rt,
             stmt_admissions: Vec::new(),
@@ -565,13 +568,18 @@ impl Relay {
                 .next(attached, self.out.t.txn, &mut self.out, &mut self.cout);
             match next {
                 Ok(requests::Request::Read) => break,
-                Ok(requests::Request::Frame { tag, frame })
-                    if self.backend.is_some() && !admitted(tag) =>
-                {
-                    self.on_attached_frame(tag, frame)?;
-                }
-                Ok(requests::Request::Frame { tag, frame }) => {
-                    self.on_client_frame(tag, frame, client).await?;
+                Ok(requests::Request::Frame { tag, len }) => {
+                    // Handled where it arrived: the buffer is held here meanwhile, and given
+                    // back without the frame on every path (an error ends the session anyway).
+                    let held = self.requests.hold();
+                    let frame = &held[..len];
+                    let r = if self.backend.is_some() && !admitted(tag) {
+                        self.on_attached_frame(tag, frame)
+                    } else {
+                        self.on_client_frame(tag, frame, client).await
+                    };
+                    self.requests.give_back(held, len);
+                    r?;
                 }
                 Ok(requests::Request::TooLarge { tag, total }) => {
                     let e = PgError::error(
@@ -603,44 +611,43 @@ impl Relay {
     async fn on_client_frame<S: AsyncRead + AsyncWrite + Unpin>(
         &mut self,
         tag: u8,
-        frame: Bytes,
+        frame: &[u8],
         client: &mut S,
     ) -> Result<(), End> {
         if !admitted(tag) {
             if self.backend.is_none()
                 && let Err(e) = self.ensure_backend(client).await
             {
-                self.retry_record(tag, &frame);
+                self.retry_record(tag, frame);
                 return self.refuse(tag, e);
             }
             return self.on_attached_frame(tag, frame);
         }
-        let body = frame.slice(framing::HEADER_LEN..);
-        self.retry_record(tag, &frame);
+        let body = &frame[framing::HEADER_LEN..];
+        self.retry_record(tag, frame);
         match tag {
-            b'Q' => self.on_query(frame, &body, client).await,
-            b'P' => self.on_parse(frame, &body, client).await,
-            b'B' => self.on_bind(frame, &body, client).await,
+            b'Q' => self.on_query(frame, body, client).await,
+            b'P' => self.on_parse(frame, body, client).await,
+            b'B' => self.on_bind(frame, body, client).await,
             _ => self.on_function_call(frame, client).await,
         }
     }
 
     /// Sync, Execute, Describe or Close with a backend attached: no admission, nothing to
     /// wait for, so no async frame (the event loop calls it directly when it can).
-    fn on_attached_frame(&mut self, tag: u8, frame: Bytes) -> Result<(), End> {
-        self.retry_record(tag, &frame);
+    fn on_attached_frame(&mut self, tag: u8, frame: &[u8]) -> Result<(), End> {
+        self.retry_record(tag, frame);
         match tag {
             b'S' => {
-                self.send_ready(Expect::new(Kind::Sync, Mode::Forward), &frame);
+                self.send_ready(Expect::new(Kind::Sync, Mode::Forward), frame);
                 self.restore_timeouts();
             }
             b'E' => {
                 self.out
-                    .send(Expect::new(Kind::Execute, Mode::Forward), &frame);
+                    .send(Expect::new(Kind::Execute, Mode::Forward), frame);
             }
             b'D' | b'C' => {
-                let body = frame.slice(framing::HEADER_LEN..);
-                self.on_target(tag, frame, &body)?;
+                self.on_target(tag, frame, &frame[framing::HEADER_LEN..])?;
             }
             _ => {
                 return Err(End::Error(PgError::protocol_violation(format!(
@@ -671,8 +678,8 @@ impl Relay {
 
     async fn on_query<S: AsyncRead + AsyncWrite + Unpin>(
         &mut self,
-        frame: Bytes,
-        body: &Bytes,
+        frame: &[u8],
+        body: &[u8],
         client: &mut S,
     ) -> Result<(), End> {
         let sql = messages::query_body(body).ok_or_else(|| Self::malformed("Query"))?;
@@ -723,7 +730,7 @@ impl Relay {
                     messages::raw(buf, b'Q', &[p.as_bytes(), sql, b"\0"])
                 });
             }
-            None => self.send_ready(e, &frame),
+            None => self.send_ready(e, frame),
         }
         self.restore_timeouts();
         self.track_statement(class, self.ready_sent);
@@ -735,7 +742,7 @@ impl Relay {
     /// budget and leaves the backend to be reset (`DISCARD ALL`) before the next client.
     async fn on_function_call<S: AsyncRead + AsyncWrite + Unpin>(
         &mut self,
-        frame: Bytes,
+        frame: &[u8],
         client: &mut S,
     ) -> Result<(), End> {
         let class = self.app.function_call.clone();
@@ -752,7 +759,7 @@ impl Relay {
             return self.refuse_statement(b'F', e);
         }
         self.inject_timeouts(timeouts, &class, true);
-        self.send_ready(Expect::new(Kind::FunctionCall, Mode::Forward), &frame);
+        self.send_ready(Expect::new(Kind::FunctionCall, Mode::Forward), frame);
         self.restore_timeouts();
         self.track_statement(class, self.ready_sent);
         Ok(())
@@ -760,8 +767,8 @@ impl Relay {
 
     async fn on_parse<S: AsyncRead + AsyncWrite + Unpin>(
         &mut self,
-        frame: Bytes,
-        body: &Bytes,
+        frame: &[u8],
+        body: &[u8],
         client: &mut S,
     ) -> Result<(), End> {
         let p = messages::Parse::read(body).ok_or_else(|| Self::malformed("Parse"))?;
@@ -790,14 +797,14 @@ impl Relay {
         }
         let srv = server(&mut self.backend, &self.pool);
         self.statements
-            .parse(&frame, body, p, class, srv, &mut self.out);
+            .parse(frame, body, p, class, srv, &mut self.out);
         Ok(())
     }
 
     async fn on_bind<S: AsyncRead + AsyncWrite + Unpin>(
         &mut self,
-        frame: Bytes,
-        body: &Bytes,
+        frame: &[u8],
+        body: &[u8],
         client: &mut S,
     ) -> Result<(), End> {
         let bind = messages::Bind::read(body).ok_or_else(|| Self::malformed("Bind"))?;
@@ -834,29 +841,29 @@ impl Relay {
         self.inject_timeouts(timeouts, &class, false);
         self.track_statement(class, self.ready_sent + 1);
         if let Some(hash) = hash {
-            self.retry_start(hash, &frame);
+            self.retry_start(hash, frame);
         }
         let srv = server(&mut self.backend, &self.pool);
-        self.statements.bind(&frame, bind, srv, &mut self.out);
+        self.statements.bind(frame, bind, srv, &mut self.out);
         Ok(())
     }
 
-    fn on_target(&mut self, tag: u8, frame: Bytes, body: &Bytes) -> Result<(), End> {
+    fn on_target(&mut self, tag: u8, frame: &[u8], body: &[u8]) -> Result<(), End> {
         let target =
             messages::Target::read(body).ok_or_else(|| Self::malformed("Describe/Close"))?;
         let srv = server(&mut self.backend, &self.pool);
         self.statements
-            .describe_or_close(tag, &frame, target, srv, &mut self.out);
+            .describe_or_close(tag, frame, target, srv, &mut self.out);
         Ok(())
     }
 
     /// Fingerprint, kind and session effects of a statement text (cached by text).
-    fn classify(&self, sql: &[u8]) -> Arc<Classified> {
+    fn classify(&mut self, sql: &[u8]) -> Arc<Classified> {
         if !self.classify_on {
             return self.app.unclassified.clone();
         }
         match std::str::from_utf8(sql) {
-            Ok(s) => self.app.classifier.classify(s),
+            Ok(s) => self.app.classifier.classify_memo(s, &mut self.memo),
             // Non-UTF-8 client encodings: classify a lossy copy; the bytes sent stay the client's.
             Err(_) => self.app.classifier.classify(&String::from_utf8_lossy(sql)),
         }

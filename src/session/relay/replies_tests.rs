@@ -2,7 +2,7 @@
 //! writes them, the backend's replies are fed as bytes (whole, or cut at every size), and the
 //! tests check what the client receives, byte for byte, and what the driver is told.
 
-use bytes::{Bytes, BytesMut};
+use bytes::BytesMut;
 
 use super::*;
 use crate::session::tracker::{Expect, Kind, Mode, Outbox};
@@ -359,6 +359,40 @@ fn a_malformed_frame_is_an_error() {
     ));
 }
 
+#[test]
+fn messages_forwarded_whole_keep_their_order_around_swallowed_and_bad_ones() {
+    // One read: an injected SET's replies (swallowed) between two forwarded queries' replies;
+    // the client gets exactly the forwarded ones, in order, in one buffer.
+    let mut s = Session::default();
+    send(&mut s.out, fwd(Kind::Query));
+    s.out.query(Mode::Swallow, "SET x = 1");
+    send(&mut s.out, fwd(Kind::Query));
+    let first = cat(&[
+        row_description(),
+        data_row(&[b"1"]),
+        complete("SELECT 1"),
+        ready(b'I'),
+    ]);
+    let second = cat(&[complete("UPDATE 2"), ready(b'I')]);
+    s.read(&cat(&[
+        first.clone(),
+        complete("SET"),
+        ready(b'I'),
+        second.clone(),
+    ]))
+    .unwrap();
+    assert_eq!(s.client, cat(&[first, second]));
+    // Messages before a malformed one still go to the client before the error ends it.
+    let mut s = Session::default();
+    send(&mut s.out, fwd(Kind::Query));
+    let good = cat(&[row_description(), data_row(&[b"7"])]);
+    assert!(matches!(
+        s.read(&cat(&[good.clone(), vec![b'Z', 0, 0, 0, 3, b'I']])),
+        Err(FrameError::BadLength { tag: b'Z', .. })
+    ));
+    assert_eq!(&s.pending[..], &good[..]);
+}
+
 // ------------------------------------------------------------------ extended protocol
 
 #[test]
@@ -445,7 +479,7 @@ fn replayable(kinds: &[Kind]) -> Session {
         }
         send(&mut s.out, e);
     }
-    let frames = kinds.iter().map(|&k| Bytes::from(request(k))).collect();
+    let frames = kinds.iter().map(|&k| request(k)).collect();
     s.retry = Some(Retry::recorded(42, frames));
     s
 }

@@ -10,7 +10,7 @@
 //! (Query, Parse, Bind, Describe, Close, Execute, Sync, FunctionCall) comes back as a
 //! [`Request::Frame`] for the driver (`Relay::on_client_frame`).
 
-use bytes::{Buf, Bytes, BytesMut};
+use bytes::{Buf, BytesMut};
 
 use crate::protocol::framing::{self, Direction, FrameError};
 use crate::protocol::messages;
@@ -36,8 +36,9 @@ pub(super) struct Requests {
 pub(super) enum Request {
     /// Everything buffered is handled: read more from the client.
     Read,
-    /// A request to admit, rename or route.
-    Frame { tag: u8, frame: Bytes },
+    /// A request to admit, rename or route: the first `len` bytes of the buffer, left there
+    /// for the driver to handle in place ([`Requests::hold`], [`Requests::give_back`]).
+    Frame { tag: u8, len: usize },
     /// A Query/Parse/Bind/FunctionCall over the size limit (being dropped): refuse it.
     TooLarge { tag: u8, total: usize },
     /// The client said goodbye (Terminate).
@@ -61,6 +62,23 @@ impl Requests {
     /// Where the driver reads client bytes into.
     pub fn buf_mut(&mut self) -> &mut BytesMut {
         &mut self.buf
+    }
+
+    /// The buffer with a [`Request::Frame`] at its head, taken out so the frame can be read in
+    /// place while the driver handles it (no copy, no cut). Bytes the client sends meanwhile
+    /// (read while a checkout or an admission waits) land in a fresh buffer here.
+    pub fn hold(&mut self) -> BytesMut {
+        std::mem::take(&mut self.buf)
+    }
+
+    /// Puts back what [`Requests::hold`] took, without its first `used` bytes (the frame,
+    /// handled), followed by whatever arrived while it was held.
+    pub fn give_back(&mut self, mut held: BytesMut, used: usize) {
+        held.advance(used);
+        if !self.buf.is_empty() {
+            held.extend_from_slice(&self.buf);
+        }
+        self.buf = held;
     }
 
     /// `limits.max_message_bytes` at session start.
@@ -182,10 +200,7 @@ impl Requests {
                     }
                     self.buf.advance(h.total);
                 }
-                tag => {
-                    let frame = self.buf.split_to(h.total).freeze();
-                    return Ok(Request::Frame { tag, frame });
-                }
+                tag => return Ok(Request::Frame { tag, len: h.total }),
             }
         }
     }

@@ -26,8 +26,8 @@ struct Session {
     out: Outbox,
     client: BytesMut,
     attached: bool,
-    /// Requests handed to the driver, as (tag, frame).
-    got: Vec<Request>,
+    /// Requests handed to the driver, frames as their bytes.
+    got: Vec<Got>,
 }
 
 impl Session {
@@ -49,7 +49,14 @@ impl Session {
                 .next(self.attached, b'I', &mut self.out, &mut self.client)?
             {
                 Request::Read => return Ok(()),
-                r => self.got.push(r),
+                Request::Frame { tag, len } => {
+                    // As the driver does: handled in place, then given back.
+                    let held = self.requests.hold();
+                    assert_eq!(held[0], tag);
+                    self.got.push(Got::Frame(held[..len].to_vec()));
+                    self.requests.give_back(held, len);
+                }
+                r => self.got.push(Got::Other(r)),
             }
         }
     }
@@ -61,11 +68,15 @@ impl Session {
     }
 }
 
-fn frame(bytes: Vec<u8>) -> Request {
-    Request::Frame {
-        tag: bytes[0],
-        frame: Bytes::from(bytes),
-    }
+/// What reached the driver: a frame's bytes, or anything else.
+#[derive(Debug, PartialEq, Eq)]
+enum Got {
+    Frame(Vec<u8>),
+    Other(Request),
+}
+
+fn frame(bytes: Vec<u8>) -> Got {
+    Got::Frame(bytes)
 }
 
 #[test]
@@ -133,10 +144,10 @@ fn an_oversized_request_is_refused_and_dropped_without_being_buffered() {
     s.read(&big[..50]).unwrap();
     assert_eq!(
         s.got,
-        vec![Request::TooLarge {
+        vec![Got::Other(Request::TooLarge {
             tag: b'Q',
             total: big.len()
-        }],
+        })],
         "refused at its header"
     );
     assert!(!s.requests.has_buffered());
@@ -181,14 +192,18 @@ fn after_a_refusal_the_batch_is_dropped_up_to_its_sync_which_is_answered_here() 
 fn terminate_and_a_late_password_message_end_the_session() {
     let mut s = Session::new(1 << 20);
     s.read(&msg(b'X', b"")).unwrap();
-    assert_eq!(s.got, vec![Request::Terminate]);
+    assert_eq!(s.got, vec![Got::Other(Request::Terminate)]);
     let mut s = Session::new(1 << 20);
     s.requests.skip_until_sync();
     s.read(&msg(b'X', b"")).unwrap();
-    assert_eq!(s.got, vec![Request::Terminate], "also while skipping");
+    assert_eq!(
+        s.got,
+        vec![Got::Other(Request::Terminate)],
+        "also while skipping"
+    );
     let mut s = Session::new(1 << 20);
     s.read(&msg(b'p', b"secret\0")).unwrap();
-    assert!(matches!(s.got[..], [Request::Violation(_)]));
+    assert!(matches!(s.got[..], [Got::Other(Request::Violation(_))]));
 }
 
 #[test]
@@ -212,7 +227,7 @@ fn bytes_passed_through_keep_their_place_among_requests() {
     let mut s = Session::new(1 << 20);
     let copy = query("COPY t FROM STDIN");
     s.read(&copy).unwrap();
-    let Request::Frame { frame, .. } = s.got.pop().unwrap() else {
+    let Got::Frame(frame) = s.got.pop().unwrap() else {
         panic!("a frame")
     };
     s.out.send(Expect::new(Kind::Query, Mode::Forward), &frame);
@@ -222,4 +237,34 @@ fn bytes_passed_through_keep_their_place_among_requests() {
         s.out.pending(),
         &[copy, msg(b'd', b"1\n"), msg(b'c', b"")].concat()[..]
     );
+}
+
+#[test]
+fn a_held_frame_is_read_in_place_and_what_arrives_meanwhile_goes_behind_the_rest() {
+    // Two queries in one read; while the first is handled (a checkout waits, and the client's
+    // next bytes are read meanwhile), the second must still come next, then the new bytes.
+    let mut s = Session::new(1 << 20);
+    let (one, two, three) = (query("SELECT 1"), query("SELECT 2"), query("SELECT 3"));
+    s.requests
+        .buf_mut()
+        .extend_from_slice(&[one.clone(), two.clone()].concat());
+    let r = s
+        .requests
+        .next(true, b'I', &mut s.out, &mut s.client)
+        .unwrap();
+    assert_eq!(
+        r,
+        Request::Frame {
+            tag: b'Q',
+            len: one.len()
+        }
+    );
+    let held = s.requests.hold();
+    assert!(!s.requests.has_buffered(), "the frame is not framed twice");
+    s.requests.buf_mut().extend_from_slice(&three[..3]);
+    assert_eq!(&held[..one.len()], &one[..], "read where it arrived");
+    s.requests.give_back(held, one.len());
+    s.read(&three[3..]).unwrap();
+    assert_eq!(s.got, vec![frame(two), frame(three)]);
+    assert!(!s.requests.has_buffered());
 }

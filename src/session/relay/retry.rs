@@ -7,8 +7,6 @@
 //! earlier round trip (tokio-postgres, pgx) gets the 0A000 as Postgres sends it, because rows
 //! of a shape it did not ask for would be worse than the error.
 
-use bytes::Bytes;
-
 use crate::protocol::error::{field_of, sqlstate_of};
 use crate::protocol::framing;
 use crate::protocol::messages;
@@ -23,9 +21,8 @@ const MAX_RETRY_BYTES: usize = 64 * 1024;
 /// A batch recorded for one possible replay.
 #[derive(Default)]
 pub(super) struct Retry {
-    /// Client frames from the Bind through the Sync.
-    frames: Vec<Bytes>,
-    bytes: usize,
+    /// Client frames from the Bind through the Sync, one after another as they were sent.
+    frames: Vec<u8>,
     /// Recording until the Sync.
     recording: bool,
     /// The error arrived: swallow replies until the batch's ReadyForQuery, then replay.
@@ -58,8 +55,7 @@ impl Retry {
                 if !self.spoiled
                     && !self.recording
                     && self
-                        .frames
-                        .iter()
+                        .frames()
                         .any(|f| f.first() == Some(&frontend::DESCRIBE))
                     && sqlstate_of(body) == Some("0A000")
                     && field_of(body, b'M')
@@ -81,13 +77,26 @@ impl Retry {
         }
     }
 
+    /// The recorded frames, each whole (tag, length, body).
+    fn frames(&self) -> impl Iterator<Item = &[u8]> {
+        let mut rest = &self.frames[..];
+        std::iter::from_fn(move || {
+            let len = framing::header(rest, framing::Direction::Frontend)
+                .ok()
+                .flatten()?
+                .total;
+            let (f, tail) = rest.split_at_checked(len)?;
+            rest = tail;
+            Some(f)
+        })
+    }
+
     /// A batch recorded whole (Bind through Sync) for statement `hash`, as `retry_start` and
     /// `retry_record` leave it.
     #[cfg(test)]
-    pub(super) fn recorded(hash: u64, frames: Vec<Bytes>) -> Self {
+    pub(super) fn recorded(hash: u64, frames: Vec<Vec<u8>>) -> Self {
         Retry {
-            bytes: frames.iter().map(Bytes::len).sum(),
-            frames,
+            frames: frames.concat(),
             hash,
             ..Retry::default()
         }
@@ -96,17 +105,16 @@ impl Retry {
 
 impl Relay {
     /// A Bind of a named statement opening a fresh batch: start recording.
-    pub(super) fn retry_start(&mut self, hash: u64, frame: &Bytes) {
+    pub(super) fn retry_start(&mut self, hash: u64, frame: &[u8]) {
         if self.out.t.txn != status::IDLE || self.out.t.in_flight() {
             self.retry = None;
             return;
         }
         // Bind, Describe, Execute, Sync: one allocation for the usual batch.
-        let mut frames = Vec::with_capacity(4);
-        frames.push(frame.clone());
+        let mut frames = Vec::with_capacity(frame.len() + 64);
+        frames.extend_from_slice(frame);
         self.retry = Some(Retry {
             frames,
-            bytes: frame.len(),
             recording: true,
             hash,
             ..Retry::default()
@@ -114,7 +122,7 @@ impl Relay {
     }
 
     /// Records a client frame of the batch (only Describe/Execute/Flush/Sync qualify).
-    pub(super) fn retry_record(&mut self, tag: u8, frame: &Bytes) {
+    pub(super) fn retry_record(&mut self, tag: u8, frame: &[u8]) {
         let Some(r) = self.retry.as_mut() else { return };
         if !r.recording {
             return;
@@ -123,12 +131,11 @@ impl Relay {
             tag,
             frontend::DESCRIBE | frontend::EXECUTE | frontend::FLUSH | frontend::SYNC
         );
-        if !replayable || r.bytes + frame.len() > MAX_RETRY_BYTES {
+        if !replayable || r.frames.len() + frame.len() > MAX_RETRY_BYTES {
             self.retry = None;
             return;
         }
-        r.bytes += frame.len();
-        r.frames.push(frame.clone());
+        r.frames.extend_from_slice(frame);
         if tag == frontend::SYNC {
             r.recording = false;
         }
@@ -141,16 +148,16 @@ impl Relay {
         // The stale plan's reply already forgot the statement; make sure, then re-prepare below.
         let mut srv = super::server(&mut self.backend, &self.pool);
         srv.forget_stale(r.hash);
-        for f in r.frames {
+        for f in r.frames() {
             let tag = f[0];
-            let body = f.slice(framing::HEADER_LEN..);
+            let body = &f[framing::HEADER_LEN..];
             match tag {
                 frontend::BIND => {
                     let Some(messages::Bind {
                         portal,
                         statement: stmt,
                         tail,
-                    }) = messages::Bind::read(&body)
+                    }) = messages::Bind::read(body)
                     else {
                         continue;
                     };
@@ -163,11 +170,11 @@ impl Relay {
                         Some(s) => self
                             .out
                             .send_with(e, |buf| messages::bind_renamed(buf, portal, &s, tail)),
-                        None => self.out.send(e, &f),
+                        None => self.out.send(e, f),
                     }
                 }
                 frontend::DESCRIBE => {
-                    let Some(target) = messages::Target::read(&body) else {
+                    let Some(target) = messages::Target::read(body) else {
                         continue;
                     };
                     if let messages::Target::Statement(name) = target {
@@ -180,22 +187,22 @@ impl Relay {
                             Some(s) => self.out.send_with(e, |buf| {
                                 messages::target(buf, frontend::DESCRIBE, target::STATEMENT, &s)
                             }),
-                            None => self.out.send(e, &f),
+                            None => self.out.send(e, f),
                         }
                     } else {
                         self.out
-                            .send(Expect::new(Kind::DescribePortal, Mode::Forward), &f);
+                            .send(Expect::new(Kind::DescribePortal, Mode::Forward), f);
                     }
                 }
                 frontend::EXECUTE => {
-                    self.out.send(Expect::new(Kind::Execute, Mode::Forward), &f);
+                    self.out.send(Expect::new(Kind::Execute, Mode::Forward), f);
                 }
                 frontend::SYNC => {
                     // The original Sync's ReadyForQuery was swallowed: same count.
-                    self.out.send(Expect::new(Kind::Sync, Mode::Forward), &f);
+                    self.out.send(Expect::new(Kind::Sync, Mode::Forward), f);
                 }
                 // Flush: no reply of its own.
-                _ => self.out.pass(&f),
+                _ => self.out.pass(f),
             }
         }
     }

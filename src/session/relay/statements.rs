@@ -184,7 +184,7 @@ impl Statements {
     pub fn parse(
         &mut self,
         frame: &[u8],
-        body: &Bytes,
+        body: &[u8],
         p: Parse<'_>,
         class: Arc<Classified>,
         mut srv: Server<'_>,
@@ -211,14 +211,24 @@ impl Statements {
         } else {
             0
         };
+        // Name, text and types kept in one copy of the body (the client's buffer is reused).
+        let kept = Bytes::copy_from_slice(body);
+        let at = |part: &[u8]| {
+            let start = (part.as_ptr() as usize).wrapping_sub(body.as_ptr() as usize);
+            match start.checked_add(part.len()) {
+                Some(end) if end <= body.len() => kept.slice(start..end),
+                // Not cut from `body` (cannot happen with `Parse::read`): a copy of its own.
+                _ => Bytes::copy_from_slice(part),
+            }
+        };
         let stmt = Stmt {
             hash,
-            query: body.slice_ref(p.query),
-            types: body.slice_ref(p.types),
+            query: at(p.query),
+            types: at(p.types),
             class,
         };
         // Redefining a name replaces it (drivers close before reuse; we stay lenient).
-        self.named.insert(body.slice_ref(p.name), stmt);
+        self.named.insert(at(p.name), stmt);
         if !self.renamed {
             // The client owns its backend: its names stay its own, as on a direct connection
             // (`pg_prepared_statements`, SQL EXECUTE/DEALLOCATE, drivers that check them).
