@@ -32,6 +32,16 @@ fn data_row(cols: &[&[u8]]) -> Vec<u8> {
     msg(b'D', &b)
 }
 
+/// A one-column, one-row SELECT's whole reply, through ReadyForQuery (idle).
+fn one_row_select(value: &[u8]) -> Vec<u8> {
+    cat(&[
+        row_description(),
+        data_row(&[value]),
+        complete("SELECT 1"),
+        ready(b'I'),
+    ])
+}
+
 fn complete(tag: &str) -> Vec<u8> {
     msg(b'C', format!("{tag}\0").as_bytes())
 }
@@ -151,12 +161,7 @@ fn error_seen(code: &str) -> Seen {
 fn a_simple_select_reaches_the_client_byte_for_byte() {
     let mut s = Session::default();
     send(&mut s.out, fwd(Kind::Query));
-    let reply = cat(&[
-        row_description(),
-        data_row(&[b"0"]),
-        complete("SELECT 1"),
-        ready(b'I'),
-    ]);
+    let reply = one_row_select(b"0");
     s.read(&reply).unwrap();
     assert_eq!(s.client, reply);
     assert_eq!(s.seen, vec![rows_seen(1), ready_seen()]);
@@ -367,12 +372,7 @@ fn messages_forwarded_whole_keep_their_order_around_swallowed_and_bad_ones() {
     send(&mut s.out, fwd(Kind::Query));
     s.out.query(Mode::Swallow, "SET x = 1");
     send(&mut s.out, fwd(Kind::Query));
-    let first = cat(&[
-        row_description(),
-        data_row(&[b"1"]),
-        complete("SELECT 1"),
-        ready(b'I'),
-    ]);
+    let first = one_row_select(b"1");
     let second = cat(&[complete("UPDATE 2"), ready(b'I')]);
     s.read(&cat(&[
         first.clone(),
