@@ -17,10 +17,16 @@ use crate::protocol::messages;
 use crate::protocol::tag::frontend;
 use crate::session::tracker::Outbox;
 
+/// The largest stand-in buffer kept between holds.
+const SPARE_MAX: usize = 64 * 1024;
+
 #[derive(Debug)]
 pub(super) struct Requests {
     /// Client bytes not yet framed.
     buf: BytesMut,
+    /// What stands in for `buf` while it is held ([`Requests::hold`]), kept between holds so a
+    /// checkout wait's read of the client does not allocate a buffer each time.
+    spare: BytesMut,
     /// Body bytes of a client CopyData still to stream through.
     pass: usize,
     /// Bytes of an oversized client message still to read and drop.
@@ -52,6 +58,7 @@ impl Requests {
     pub fn new(buf: BytesMut, max_message: usize) -> Requests {
         Requests {
             buf,
+            spare: BytesMut::new(),
             pass: 0,
             drop: 0,
             skipping: false,
@@ -66,19 +73,25 @@ impl Requests {
 
     /// The buffer with a [`Request::Frame`] at its head, taken out so the frame can be read in
     /// place while the driver handles it (no copy, no cut). Bytes the client sends meanwhile
-    /// (read while a checkout or an admission waits) land in a fresh buffer here.
+    /// (read while a checkout or an admission waits) land in a stand-in buffer here.
     pub fn hold(&mut self) -> BytesMut {
-        std::mem::take(&mut self.buf)
+        let stand_in = std::mem::take(&mut self.spare);
+        std::mem::replace(&mut self.buf, stand_in)
     }
 
     /// Puts back what [`Requests::hold`] took, without its first `used` bytes (the frame,
-    /// handled), followed by whatever arrived while it was held.
+    /// handled), followed by whatever arrived while it was held. The stand-in is kept for the
+    /// next hold unless a burst made it large.
     pub fn give_back(&mut self, mut held: BytesMut, used: usize) {
         held.advance(used);
-        if !self.buf.is_empty() {
-            held.extend_from_slice(&self.buf);
+        let mut stand_in = std::mem::replace(&mut self.buf, held);
+        if !stand_in.is_empty() {
+            self.buf.extend_from_slice(&stand_in);
+            stand_in.clear();
         }
-        self.buf = held;
+        if stand_in.capacity() <= SPARE_MAX {
+            self.spare = stand_in;
+        }
     }
 
     /// `limits.max_message_bytes` at session start.

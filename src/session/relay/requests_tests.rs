@@ -267,4 +267,23 @@ fn a_held_frame_is_read_in_place_and_what_arrives_meanwhile_goes_behind_the_rest
     s.read(&three[3..]).unwrap();
     assert_eq!(s.got, vec![frame(two), frame(three)]);
     assert!(!s.requests.has_buffered());
+    // The stand-in is kept for the next hold (a wait's read allocates once per session)…
+    let held = s.requests.hold();
+    assert!(
+        s.requests.buf_mut().capacity() >= 3,
+        "the stand-in is reused"
+    );
+    s.requests
+        .buf_mut()
+        .extend_from_slice(&vec![b'x'; SPARE_MAX + 1]);
+    s.requests.give_back(held, 0);
+    assert_eq!(s.requests.buf_mut().len(), SPARE_MAX + 1);
+    // …unless a burst made it large.
+    let held = s.requests.hold();
+    assert_eq!(
+        s.requests.buf_mut().capacity(),
+        0,
+        "a large stand-in is let go"
+    );
+    s.requests.give_back(held, 0);
 }
