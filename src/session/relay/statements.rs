@@ -211,24 +211,19 @@ impl Statements {
         } else {
             0
         };
-        // Name, text and types kept in one copy of the body (the client's buffer is reused).
+        // Name, text and types kept in one copy of the body (the client's buffer is reused),
+        // cut where `Parse::read` found them: `name \0 query \0 types`.
         let kept = Bytes::copy_from_slice(body);
-        let at = |part: &[u8]| {
-            let start = (part.as_ptr() as usize).wrapping_sub(body.as_ptr() as usize);
-            match start.checked_add(part.len()) {
-                Some(end) if end <= body.len() => kept.slice(start..end),
-                // Not cut from `body` (cannot happen with `Parse::read`): a copy of its own.
-                _ => Bytes::copy_from_slice(part),
-            }
-        };
+        let query = p.name.len() + 1;
+        let types = query + p.query.len() + 1;
         let stmt = Stmt {
             hash,
-            query: at(p.query),
-            types: at(p.types),
+            query: kept.slice(query..types - 1),
+            types: kept.slice(types..),
             class,
         };
         // Redefining a name replaces it (drivers close before reuse; we stay lenient).
-        self.named.insert(at(p.name), stmt);
+        self.named.insert(kept.slice(..p.name.len()), stmt);
         if !self.renamed {
             // The client owns its backend: its names stay its own, as on a direct connection
             // (`pg_prepared_statements`, SQL EXECUTE/DEALLOCATE, drivers that check them).

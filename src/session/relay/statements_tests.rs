@@ -156,6 +156,9 @@ fn a_bind_on_a_backend_that_lacks_the_statement_is_preceded_by_its_parse() {
     f.out = Outbox::default();
     f.bind("q");
     let name = f.proxy_name("q");
+    // The kept text and types, cut from the client's Parse, go out whole under the new name.
+    let parse = msg(b'P', format!("{name}\0SELECT 2\0\0\0").as_bytes());
+    assert_eq!(&f.out.pending()[..parse.len()], &parse[..]);
     assert_eq!(f.sent(), vec![('P', name.clone()), ('B', name)]);
     // The injected Parse's reply is the proxy's own: swallowed, not the client's.
     assert!(!f.out.t.on_backend(b'1', None).forward);
