@@ -154,6 +154,7 @@ fn scrape(st: &AdminState) -> Scrape {
                 size: u(p.size),
                 active: u(p.active),
                 idle: u(p.idle),
+                parked: u(p.parked),
                 waiting: u(p.waiting),
                 pinned: u(p.pinned),
                 connect_attempts: p.connects,

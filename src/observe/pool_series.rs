@@ -36,6 +36,8 @@ pub struct PoolSample {
     pub size: u64,
     pub active: u64,
     pub idle: u64,
+    /// Kept by an idle client until someone needs it (idle on the server).
+    pub parked: u64,
     pub waiting: u64,
     pub pinned: u64,
     pub connect_attempts: u64,
@@ -101,7 +103,7 @@ impl PoolSeries {
                 IntGaugeVec::new(
                     Opts::new(
                         "pgsluice_pool_connections",
-                        "Backend connections by pool and state (active, idle).",
+                        "Backend connections by pool and state (active, idle, parked).",
                     ),
                     &labels(&["state"]),
                 ),
@@ -207,6 +209,9 @@ impl PoolSeries {
             self.connections
                 .with_label_values(&with("idle"))
                 .set(gauge(p.idle));
+            self.connections
+                .with_label_values(&with("parked"))
+                .set(gauge(p.parked));
             self.max_connections
                 .with_label_values(&l)
                 .set(gauge(p.size));
@@ -271,6 +276,7 @@ pub(super) fn capped_pools(pools: &[PoolSample]) -> Vec<PoolSample> {
         other.size += p.size;
         other.active += p.active;
         other.idle += p.idle;
+        other.parked += p.parked;
         other.waiting += p.waiting;
         other.pinned += p.pinned;
         other.connect_attempts += p.connect_attempts;

@@ -147,9 +147,21 @@ impl Cap {
         }
     }
 
-    /// Closes one idle connection of another member pool; whether it found one.
+    /// Closes one idle connection of another member pool; whether it found one. When none
+    /// is idle, asks for one parked with an idle client (`park`): its return to the idle list
+    /// wakes this cap's waiters to look again.
     fn evict_for(&self, asking: &Pool) -> bool {
-        self.others(asking).iter().any(|p| p.evict_one_idle())
+        let others = self.others(asking);
+        if others.iter().any(|p| p.evict_one_idle()) {
+            return true;
+        }
+        others.iter().any(|p| p.slots.parking.revoke_one());
+        false
+    }
+
+    /// A connect waits here for a unit: no member pool's backend should stay parked.
+    pub fn contended(&self) -> bool {
+        self.waiting.load(Ordering::Acquire) > 0
     }
 }
 

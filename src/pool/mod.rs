@@ -14,6 +14,7 @@
 pub mod adaptive;
 pub mod backend;
 pub mod caps;
+pub mod park;
 pub mod prepared;
 pub mod slots;
 
@@ -277,6 +278,7 @@ impl Pool {
     pub fn pause(&self, hold: Duration) {
         self.pause.send_replace(Some(hold));
         self.paused.store(true, Ordering::SeqCst);
+        self.slots.parking.revoke_all();
         tracing::warn!(pool = %self.name, hold_ms = hold.as_millis(), "pool paused by an operator");
     }
 
@@ -343,6 +345,7 @@ impl Pool {
     pub fn reconnect(&self) -> (usize, usize) {
         let ns = u64::try_from(self.epoch.elapsed().as_nanos()).unwrap_or(u64::MAX);
         self.replace_before_ns.store(ns.max(1), Ordering::SeqCst);
+        self.slots.parking.revoke_all();
         let idle: Vec<Box<BackendConn>> = std::mem::take(&mut *self.idle.lock());
         let closed = idle.len();
         for c in idle {
@@ -492,6 +495,47 @@ impl Pool {
         Some(self.guard(conn, permit))
     }
 
+    /// Whether `conn`, idle and clean after its client's transaction, may stay parked with
+    /// that client ([`park`]): the pool is not paused, no connect waits at a cap it shares,
+    /// the connection carries no session state to reset and is not due to be replaced, a
+    /// slot is free for anyone else with nobody waiting, and an idle connection is there for
+    /// the next client that takes it (it need not open one while this one sits parked).
+    pub fn may_park(&self, conn: &BackendConn, now: Instant) -> bool {
+        !self.paused.load(Ordering::Relaxed)
+            && !self.caps.iter().any(|c| c.contended())
+            && !conn.dirty.any()
+            && conn.expires > now
+            && !self.replaced(conn)
+            && self.slots.quiet()
+            && !self.idle.lock().is_empty()
+    }
+
+    /// Parks `conn` with its client under `ticket` (see [`Pool::may_park`]).
+    pub fn park(&self, ticket: &Arc<park::Ticket>, conn: &mut BackendConn, now: Instant) {
+        conn.idle_since = now;
+        self.slots.parking.park(ticket);
+    }
+
+    /// The parked client wants its backend again: `true` when it may use it — the pool did
+    /// not revoke it, is not paused, and would lend it now as [`Pool::try_checkout_now`]
+    /// lends an idle one. `false`: the client gives it back and checks out.
+    pub fn unpark(&self, ticket: &Arc<park::Ticket>, conn: &BackendConn, now: Instant) -> bool {
+        let kept = self.slots.parking.unpark(ticket)
+            && !self.paused.load(Ordering::SeqCst)
+            && now.saturating_duration_since(conn.idle_since)
+                < Duration::from_millis(self.cfg.health_check_after_ms)
+            && !self.spent(conn, now);
+        if kept {
+            self.stats.checkouts.fetch_add(1, Ordering::Relaxed);
+        }
+        kept
+    }
+
+    /// Takes `ticket` off the parking list, if it is still there (its client left).
+    pub fn leave_parking(&self, ticket: &Arc<park::Ticket>) {
+        self.slots.parking.unpark(ticket);
+    }
+
     /// Borrows a connection: waits by `priority` (0 = critical … 3 = low) until `deadline`.
     pub async fn checkout(
         self: &Arc<Self>,
@@ -545,6 +589,9 @@ impl Pool {
                 }
                 return Ok(self.guard(conn, permit));
             }
+            // Rather than open one, have a parked one back (for this checkout if the connect
+            // waits, else for the next).
+            self.slots.parking.revoke_one();
             // `None`: a connection came back idle while this one waited to open one. Boxed:
             // the connect's future is large, and inline it made every checkout future (moved
             // into the session's wait on each checkout) as large.
@@ -682,7 +729,8 @@ impl Pool {
     }
 
     /// Puts a clean connection back (LIFO, so a hot few stay warm and the rest age out).
-    fn put_idle(&self, mut conn: Box<BackendConn>, now: Instant) {
+    /// `since`: when it went idle (now, or when its client parked it).
+    fn put_idle(&self, mut conn: Box<BackendConn>, now: Instant, since: Instant) {
         if conn.expires <= now || self.replaced(&conn) {
             self.close(conn);
             return;
@@ -693,7 +741,7 @@ impl Pool {
             self.close(conn);
             return;
         }
-        conn.idle_since = now;
+        conn.idle_since = since;
         self.idle.lock().push(conn);
         if self.connect_waiting.load(Ordering::Acquire) > 0 {
             self.returned.notify_waiters();
@@ -754,6 +802,9 @@ impl Pool {
     /// `idle_timeout_ms` while more than `min_idle` are idle; then opens connections until
     /// `min_idle` are idle. Called every second by the app.
     pub async fn maintain(self: &Arc<Self>) {
+        // Parked backends come back once a tick: idle ones then age out and are checked as
+        // every idle connection is.
+        self.slots.parking.revoke_all();
         let idle_timeout = Duration::from_millis(self.cfg.idle_timeout_ms);
         let now = Instant::now();
         let stale: Vec<Box<BackendConn>> = {
@@ -807,7 +858,8 @@ impl Pool {
             else {
                 return;
             };
-            self.put_idle(conn, Instant::now());
+            let now = Instant::now();
+            self.put_idle(conn, now, now);
             // After the connection is idle, so a client woken by this slot finds it.
             drop(permit);
         }
@@ -815,6 +867,7 @@ impl Pool {
 
     pub fn snapshot(&self) -> PoolSnapshot {
         let idle = self.idle.lock().len();
+        let parked = self.slots.parking.len();
         let open = self.open.load(Ordering::Relaxed);
         PoolSnapshot {
             name: self.name.clone(),
@@ -825,7 +878,8 @@ impl Pool {
             size: self.cfg.size,
             open,
             idle,
-            active: open.saturating_sub(idle),
+            active: open.saturating_sub(idle + parked),
+            parked,
             waiting: self.slots.waiting(),
             pinned: self.stats.pinned_clients.load(Ordering::Relaxed),
             connects: self.stats.connects.load(Ordering::Relaxed),
@@ -865,6 +919,9 @@ pub struct PoolSnapshot {
     pub open: usize,
     pub idle: usize,
     pub active: usize,
+    /// Backends kept by an idle client while nobody waits (idle on the server; given back
+    /// when a checkout has to wait).
+    pub parked: usize,
     pub waiting: usize,
     pub pinned: usize,
     pub connects: u64,
@@ -1023,7 +1080,16 @@ impl Pooled {
             conn.dirty = Dirt::default();
             now = Instant::now();
         }
-        self.pool.put_idle(conn, now);
+        self.pool.put_idle(conn, now, now);
+    }
+
+    /// Returns a parked connection ([`Pool::park`]; clean, as parking requires): idle since
+    /// its client parked it, so its idle timeout and health check count from then.
+    pub fn release_parked(mut self, now: Instant) {
+        if let Some(conn) = self.conn.take() {
+            let since = conn.idle_since;
+            self.pool.put_idle(conn, now, since);
+        }
     }
 
     /// Closes the connection instead of reusing it.

@@ -20,6 +20,8 @@ use std::sync::Arc;
 
 use parking_lot::Mutex;
 use tokio::sync::{Notify, oneshot};
+
+use super::park::Parking;
 use tokio::time::Instant;
 
 /// Number of priority classes (critical, high, normal, low).
@@ -27,6 +29,8 @@ pub const PRIORITIES: usize = 4;
 
 pub struct Slots {
     inner: Mutex<Inner>,
+    /// Slots held by idle clients that give them back when asked (a waiter asks).
+    pub parking: Parking,
     /// Wakes the sweeper to look again (a waiter with an earlier deadline arrived).
     sweep: Notify,
 }
@@ -127,6 +131,7 @@ impl Slots {
                 sweeper: None,
             }),
             sweep: Notify::new(),
+            parking: Parking::default(),
         })
     }
 
@@ -183,6 +188,8 @@ impl Slots {
             }
             rx
         };
+        // A backend parked with an idle client comes back to serve this wait.
+        self.parking.revoke_one();
         // The sender is dropped unanswered when the deadline comes (or the pool goes).
         rx.await.map_err(|_| SlotError::Timeout)
     }
@@ -266,6 +273,13 @@ impl Slots {
             g.caps = caps;
         }
         self.grant();
+    }
+
+    /// Nobody waits and a slot is free beyond the critical reserve: a backend may stay
+    /// parked with its idle client ([`Parking`]) without keeping anyone from one.
+    pub fn quiet(&self) -> bool {
+        let g = self.inner.lock();
+        g.available > g.reserve && g.queued() == 0
     }
 
     /// Clients currently waiting for a slot.
@@ -512,6 +526,38 @@ mod tests {
         assert_eq!(s.waiting(), 0);
         drop(held);
         assert_eq!(s.available(), 1);
+    }
+
+    /// A slot held by a parked client is asked back when a checkout has to wait, and
+    /// nobody may park while someone waits or only the critical reserve is free.
+    #[tokio::test(start_paused = true)]
+    async fn a_waiter_revokes_a_parked_slot_and_parking_needs_a_free_one() {
+        use super::super::park::Ticket;
+        use std::task::{Context, Waker};
+        let (s, start, held) = one_slot_held().await;
+        assert!(!s.quiet(), "no slot free beyond the reserve");
+        let ticket = Arc::new(Ticket::default());
+        s.parking.park(&ticket);
+        let mut cx = Context::from_waker(Waker::noop());
+        assert!(!ticket.revoked(&mut cx));
+        let w = waiter(&s, start, 60_000);
+        tokio::task::yield_now().await;
+        assert_eq!(s.waiting(), 1);
+        assert!(
+            ticket.revoked(&mut cx),
+            "the waiter asked for the parked slot"
+        );
+        assert!(s.parking.is_empty());
+        // The parked client gives it back, as a session does when revoked.
+        drop(held);
+        let (err, _) = w.await.unwrap();
+        assert_eq!(err, None, "the waiter got the slot");
+
+        let two = Slots::new(2, 1);
+        let far = start + Duration::from_secs(60);
+        assert!(two.quiet());
+        let _p = two.acquire(2, far, usize::MAX).await.unwrap();
+        assert!(!two.quiet(), "the one slot left is the critical reserve");
     }
 
     /// A pool of one slot, held (for a minute), and the time it was taken.

@@ -73,6 +73,13 @@ pub struct Relay {
     /// Pending writes to the client / the backend.
     cout: BytesMut,
     backend: Option<Pooled>,
+    /// Transaction mode: the backend kept while the client is idle between transactions
+    /// and nobody waits for one ([`crate::pool::park`]). `backend` is `None` meanwhile, so
+    /// the rest of the relay sees a client without one; the next statement's checkout takes
+    /// this one back first, when the pool has not revoked it.
+    parked: Option<Pooled>,
+    /// This session's place on its pool's parking list (made when it first parks).
+    ticket: Option<Arc<crate::pool::park::Ticket>>,
     /// Bytes for the backend and the replies they are owed, written together.
     out: Outbox,
     /// The client's prepared statements and their proxy names (no I/O).
@@ -199,6 +206,8 @@ enum Event {
     Force,
     /// An operator ended this session (`DELETE /v1/clients/{id}`).
     Terminate,
+    /// The pool wants the parked backend back (someone waits, a pause, a tick).
+    Revoked,
 }
 
 /// Query, Parse, Bind and FunctionCall go through admission (and may wait for it); the other
@@ -249,6 +258,8 @@ impl Relay {
             replies: replies::Replies::default(),
             cout: BytesMut::new(),
             backend: None,
+            parked: None,
+            ticket: None,
             out: Outbox::default(),
             statements,
             backend_fatal: false,
@@ -340,6 +351,10 @@ impl Relay {
                 }
                 Event::Backstop => {
                     self.on_backstop();
+                    Ok(())
+                }
+                Event::Revoked => {
+                    self.give_back_parked().await;
                     Ok(())
                 }
                 Event::Unanswered => return self.backend_unresponsive(),
@@ -476,6 +491,12 @@ impl Relay {
         }
         if let Poll::Ready(ev) = self.poll_timer(cx) {
             return Poll::Ready(ev);
+        }
+        if self.parked.is_some()
+            && let Some(t) = &self.ticket
+            && t.revoked(cx)
+        {
+            return Poll::Ready(Event::Revoked);
         }
         self.cancel.wake.register(cx.waker());
         if self.cancel.client.order() == crate::clients::Order::Terminate {
@@ -983,6 +1004,25 @@ impl Relay {
         if self.backend.is_some() {
             return Ok(());
         }
+        if let Some(mut b) = self.parked.take() {
+            let now = self.now();
+            let pool = Arc::clone(b.pool());
+            let ticket = self
+                .ticket
+                .as_ref()
+                .expect("a parked backend has its ticket");
+            // A read routed to a replica does not use it, but the pool may still want it.
+            if self.unit_pool.is_none() && pool.unpark(ticket, b.conn(), now) {
+                // A checkout that waited for nothing, counted as one.
+                self.rt
+                    .caller_metrics
+                    .checkout_wait(self.unit_caller, Duration::ZERO);
+                self.backend = Some(b);
+                return Ok(());
+            }
+            self.parked = Some(b);
+            self.give_back_parked().await;
+        }
         let pool = self.unit_pool.clone().unwrap_or_else(|| self.pool.clone());
         // Each waiter has its own deadline: the pool's checkout timeout, or the caller's queue
         // timeout when that is shorter.
@@ -1267,6 +1307,9 @@ impl Relay {
             }
             release::Decision::Release => {
                 self.end_unit();
+                if self.park_backend() {
+                    return self.leave_if_draining();
+                }
                 set_cancel_target(&self.cancel, None).await;
                 if let Some(b) = self.backend.take() {
                     b.release_at(self.now()).await;
@@ -1275,6 +1318,41 @@ impl Relay {
                 self.leave_if_draining()
             }
         }
+    }
+
+    /// Keeps the released backend with this client, parked, when its pool allows it
+    /// ([`crate::pool::Pool::may_park`]) and it came from the client's own pool (not a
+    /// replica's; a client that may read from replicas never parks, so its next read is free to
+    /// go there). Its cancel target stays: a cancel meanwhile reaches an idle backend.
+    fn park_backend(&mut self) -> bool {
+        if self.unit_pool.is_some() || self.replica_possible || self.draining {
+            return false;
+        }
+        let now = self.now();
+        let Some(b) = self.backend.as_mut() else {
+            return false;
+        };
+        let pool = Arc::clone(b.pool());
+        if !pool.may_park(b.conn(), now) {
+            return false;
+        }
+        let ticket = self.ticket.get_or_insert_with(Default::default);
+        pool.park(ticket, b.conn(), now);
+        self.parked = self.backend.take();
+        true
+    }
+
+    /// Returns the parked backend to its pool (revoked, no longer usable, or the client
+    /// leaves).
+    async fn give_back_parked(&mut self) {
+        let Some(b) = self.parked.take() else {
+            return;
+        };
+        if let Some(t) = &self.ticket {
+            b.pool().leave_parking(t);
+        }
+        set_cancel_target(&self.cancel, None).await;
+        b.release_parked(self.now());
     }
 
     /// During a graceful shutdown a client leaves as soon as it is between transactions.
@@ -1366,6 +1444,9 @@ impl Relay {
                 .stats
                 .pinned_clients
                 .fetch_sub(1, Ordering::Relaxed);
+        }
+        if self.parked.is_some() {
+            self.give_back_parked().await;
         }
         let Some(mut b) = self.backend.take() else {
             return;

@@ -6,11 +6,14 @@
 //! * `settings` — the `pool` settings of docs/OPERATIONS.md take effect (issue 16, item 9).
 //! * `min_idle` — `pool.min_idle` and `pools[].min_idle` keep warm backend connections
 //!   (issue 16, item 8).
+//! * `parking` — a backend parked with an idle client comes back when another client needs
+//!   it, when it died meanwhile, and when the pool is paused.
 //!
 //! Priority-ordered checkout is in `admission`, the critical reserve in `overload`, session
 //! mode in `session_mode`, and the session state pooling must not leak in `session_state`.
 
 mod min_idle;
+mod parking;
 mod settings;
 
 use std::collections::HashMap;
