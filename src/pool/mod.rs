@@ -742,7 +742,16 @@ impl Pool {
             return;
         }
         conn.idle_since = since;
-        self.idle.lock().push(conn);
+        {
+            // In idle order, most recent last (LIFO lends it first): a parked connection
+            // comes back with the time its client parked it, perhaps before others'.
+            let mut idle = self.idle.lock();
+            let at = idle
+                .iter()
+                .rposition(|c| c.idle_since <= since)
+                .map_or(0, |i| i + 1);
+            idle.insert(at, conn);
+        }
         if self.connect_waiting.load(Ordering::Acquire) > 0 {
             self.returned.notify_waiters();
         }
