@@ -1042,14 +1042,21 @@ pub struct Pooled {
 
 impl Pooled {
     pub fn conn(&mut self) -> &mut BackendConn {
-        // Only `release`/`discard` take the connection, and they consume `self`.
-        self.conn
-            .as_mut()
-            .expect("pooled connection present until release")
+        self.parts().1
     }
 
     pub fn pool(&self) -> &Arc<Pool> {
         &self.pool
+    }
+
+    /// The pool and the connection at once (no reference count taken to hold the pool).
+    pub fn parts(&mut self) -> (&Pool, &mut BackendConn) {
+        // Only `release`/`discard` take the connection, and they consume `self`.
+        let conn = self
+            .conn
+            .as_mut()
+            .expect("pooled connection present until release");
+        (&self.pool, conn)
     }
 
     /// Returns a connection that is idle (ReadyForQuery 'I', nothing outstanding) to the pool,

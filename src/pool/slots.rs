@@ -20,9 +20,9 @@ use std::sync::Arc;
 
 use parking_lot::Mutex;
 use tokio::sync::{Notify, oneshot};
+use tokio::time::Instant;
 
 use super::park::Parking;
-use tokio::time::Instant;
 
 /// Number of priority classes (critical, high, normal, low).
 pub const PRIORITIES: usize = 4;

@@ -1006,13 +1006,13 @@ impl Relay {
         }
         if let Some(mut b) = self.parked.take() {
             let now = self.now();
-            let pool = Arc::clone(b.pool());
             let ticket = self
                 .ticket
                 .as_ref()
                 .expect("a parked backend has its ticket");
+            let (pool, conn) = b.parts();
             // A read routed to a replica does not use it, but the pool may still want it.
-            if self.unit_pool.is_none() && pool.unpark(ticket, b.conn(), now) {
+            if self.unit_pool.is_none() && pool.unpark(ticket, conn, now) {
                 // A checkout that waited for nothing, counted as one.
                 self.rt
                     .caller_metrics
@@ -1332,12 +1332,12 @@ impl Relay {
         let Some(b) = self.backend.as_mut() else {
             return false;
         };
-        let pool = Arc::clone(b.pool());
-        if !pool.may_park(b.conn(), now) {
+        let (pool, conn) = b.parts();
+        if !pool.may_park(conn, now) {
             return false;
         }
         let ticket = self.ticket.get_or_insert_with(Default::default);
-        pool.park(ticket, b.conn(), now);
+        pool.park(ticket, conn, now);
         self.parked = self.backend.take();
         true
     }
@@ -1445,9 +1445,7 @@ impl Relay {
                 .pinned_clients
                 .fetch_sub(1, Ordering::Relaxed);
         }
-        if self.parked.is_some() {
-            self.give_back_parked().await;
-        }
+        self.give_back_parked().await;
         let Some(mut b) = self.backend.take() else {
             return;
         };
