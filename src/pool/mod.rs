@@ -542,7 +542,17 @@ impl Pool {
         priority: usize,
         deadline: Instant,
     ) -> Result<Pooled, CheckoutError> {
-        let mut started = Instant::now();
+        self.checkout_at(priority, Instant::now(), deadline).await
+    }
+
+    /// [`Pool::checkout`] asked at `now` (the caller's clock reading of this instant).
+    pub async fn checkout_at(
+        self: &Arc<Self>,
+        priority: usize,
+        now: Instant,
+        deadline: Instant,
+    ) -> Result<Pooled, CheckoutError> {
+        let mut started = now;
         let mut deadline = deadline;
         if self.paused.load(Ordering::SeqCst) {
             let window = deadline.saturating_duration_since(started);
@@ -553,7 +563,7 @@ impl Pool {
         let max_waiting = self.cfg.max_waiting;
         let permit = self
             .slots
-            .acquire(priority, deadline, max_waiting)
+            .acquire_at(priority, started, deadline, max_waiting)
             .await
             .map_err(|e| match e {
                 SlotError::Full => {

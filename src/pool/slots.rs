@@ -145,6 +145,18 @@ impl Slots {
         deadline: Instant,
         max_waiting: usize,
     ) -> Result<SlotPermit, SlotError> {
+        self.acquire_at(priority, Instant::now(), deadline, max_waiting)
+            .await
+    }
+
+    /// [`Slots::acquire`] asked at `now` (the caller's clock reading of this instant).
+    pub async fn acquire_at(
+        self: &Arc<Self>,
+        priority: usize,
+        now: Instant,
+        deadline: Instant,
+        max_waiting: usize,
+    ) -> Result<SlotPermit, SlotError> {
         let priority = priority.min(PRIORITIES - 1);
         let rx = {
             let mut g = self.inner.lock();
@@ -161,7 +173,7 @@ impl Slots {
                     return Err(SlotError::Full);
                 }
             }
-            if deadline <= Instant::now() {
+            if deadline <= now {
                 return Err(SlotError::Timeout);
             }
             let (tx, rx) = oneshot::channel();

@@ -36,7 +36,7 @@ use std::task::{Context, Poll};
 use std::time::Duration;
 
 use bytes::{Bytes, BytesMut};
-use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, ReadBuf};
+use tokio::io::{AsyncRead, AsyncWrite, AsyncWriteExt, ReadBuf};
 use tokio::time::{Instant, Sleep};
 use tokio_util::task::TaskTracker;
 
@@ -663,8 +663,12 @@ async fn set_cancel_target(entry: &cancel::Entry, b: Option<&mut Pooled>) {
 /// Awaits `fut` (a pool checkout, a caller queue) while watching the client, read into
 /// `buf`: a client that hangs up meanwhile ends the wait with FATAL 08006 `why`, an
 /// operator's order to terminate it ([`cancel::Entry::terminate`]) with FATAL 57P01. The
-/// caller has polled `fut` once and found it pending (most such futures complete at once,
-/// and then none of this runs); the wait is shown as `waiting` in `GET /v1/clients`.
+/// caller has polled `fut` once, with this task's waker, and found it pending (most such
+/// futures complete at once, and then none of this runs): the first poll here does not poll
+/// it again. The wait is shown as `waiting` in `GET /v1/clients`.
+///
+/// One hand-written poll, not a `select!` over three futures: at 64 clients on 20 backends
+/// nearly every checkout waits, and this runs twice per transaction.
 async fn unless_client_leaves<S, F>(
     mut fut: Pin<&mut F>,
     client: &mut S,
@@ -677,43 +681,40 @@ where
     F: std::future::Future,
 {
     use crate::clients::{ClientState, Order};
+    /// Client bytes buffered during a wait past which the client is no longer read (it is
+    /// still watched for a hang-up once the wait ends).
+    const MAX_BUFFERED: usize = 1 << 20;
     // Pinned by the caller: a future passed by value is copied into each async frame it
     // passes through, and a checkout's or an admission's is large.
     entry.client.set_state(ClientState::Waiting);
-    let ordered = std::future::poll_fn(|cx| {
+    let mut polled = true;
+    let r = std::future::poll_fn(|cx| {
+        // The awaited future first (a slot handed over is taken even if the client's next
+        // bytes arrived in the same instant).
+        if !std::mem::take(&mut polled)
+            && let Poll::Ready(r) = fut.as_mut().poll(cx)
+        {
+            return Poll::Ready(Ok(r));
+        }
+        // What the client sends meanwhile is kept; a hang-up ends the wait.
+        while buf.len() < MAX_BUFFERED {
+            match tokio_util::io::poll_read_buf(Pin::new(&mut *client), cx, buf) {
+                Poll::Ready(Ok(0) | Err(_)) => {
+                    return Poll::Ready(Err(PgError::fatal("08006", why)));
+                }
+                Poll::Ready(Ok(_)) => {}
+                Poll::Pending => break,
+            }
+        }
         entry.wake.register(cx.waker());
         match entry.client.order() {
-            Order::Terminate => Poll::Ready(()),
+            Order::Terminate => Poll::Ready(Err(PgError::terminated_by_admin())),
             Order::None => Poll::Pending,
         }
-    });
-    tokio::pin!(ordered);
-    let r = loop {
-        tokio::select! {
-            // The awaited future first (a slot handed over is taken even if the client's
-            // next bytes arrived in the same instant), and no random draw per poll.
-            biased;
-            r = fut.as_mut() => break Ok(r),
-            alive = client_alive(client, buf) => {
-                if !alive {
-                    break Err(PgError::fatal("08006", why));
-                }
-            }
-            () = &mut ordered => break Err(PgError::terminated_by_admin()),
-        }
-    };
+    })
+    .await;
     entry.client.set_state(ClientState::Active);
     r
-}
-
-/// Reads from the client while it waits for something else, so a client that hangs up is
-/// noticed at once. Returns false when the client is gone.
-async fn client_alive<S: AsyncRead + Unpin>(client: &mut S, buf: &mut BytesMut) -> bool {
-    const MAX_BUFFERED: usize = 1 << 20;
-    if buf.len() >= MAX_BUFFERED {
-        std::future::pending::<()>().await;
-    }
-    !matches!(client.read_buf(buf).await, Ok(0) | Err(_))
 }
 
 /// Whether a `log.connections` line may be written now: `Some(lines left out before it)`.

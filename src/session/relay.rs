@@ -1030,17 +1030,18 @@ impl Relay {
             .min(self.rt.limits.queue_timeout(self.unit_caller));
         let priority = self.rt.limits.priority(self.unit_caller) as usize;
         // Taken at once: no clock reads for a wait that did not happen.
-        let (res, waited) = match pool.try_checkout_now(priority, self.now()) {
+        let asked = self.now();
+        let (res, waited) = match pool.try_checkout_now(priority, asked) {
             Some(b) => (Ok(b), Duration::ZERO),
             None => {
-                let asked = Instant::now();
-                let checkout = std::pin::pin!(pool.checkout(priority, asked + wait));
+                let checkout = std::pin::pin!(pool.checkout_at(priority, asked, asked + wait));
                 let why = "client disconnected while waiting";
                 let res = self
                     .unless_client_leaves(checkout, client, why)
                     .await
                     .inspect_err(|_| self.unit_pool = None)?;
-                (res, asked.elapsed())
+                // A wait reads the clock afresh (`unless_client_leaves` cleared the tick).
+                (res, self.now().saturating_duration_since(asked))
             }
         };
         if res.is_err() {

@@ -245,11 +245,23 @@ impl Relay {
         let names = &rt.callers;
         let n = done;
         let mut backend_us = 0u64;
-        self.transaction_done(self.pending.first().map(|r| r.start));
+        // One subtraction per distinct instant: a statement sent as it arrived, alone in its
+        // transaction (the common case), has one duration for all three figures.
+        let first = self.pending[0].start;
+        let first_elapsed = now.saturating_duration_since(first);
+        self.transaction_done(Some((first, first_elapsed)));
         for (i, r) in self.pending.drain(..done).enumerate() {
-            let elapsed = now.saturating_duration_since(r.start);
+            let elapsed = if r.start == first {
+                first_elapsed
+            } else {
+                now.saturating_duration_since(r.start)
+            };
             backend_us = backend_us.saturating_add(super::micros(elapsed));
-            let total = now.saturating_duration_since(r.arrived);
+            let total = if r.arrived == r.start {
+                elapsed
+            } else {
+                now.saturating_duration_since(r.arrived)
+            };
             rt.caller_metrics
                 .query(r.caller, total, elapsed, !self.errored);
             // Every statement that reached the backend tells the breaker how it went.
@@ -313,20 +325,24 @@ impl Relay {
     /// it completes none): counts the transaction it ends, if it says idle. A transaction
     /// starts with the first statement a ReadyForQuery completes, not the first one sent:
     /// a pipelining client's later statements, sent before this reply, belong to the next.
-    fn transaction_done(&mut self, first_sent: Option<Instant>) {
+    /// `first_sent` comes with the time since it, to spare the subtraction when the
+    /// transaction started there.
+    fn transaction_done(&mut self, first_sent: Option<(Instant, Duration)>) {
         if self.txn_start.is_none() {
-            self.txn_start = first_sent;
+            self.txn_start = first_sent.map(|(at, _)| at);
         }
         if self.out.t.txn == b'I'
             && let Some(started) = self.txn_start.take()
         {
-            let now = self.now();
+            let took = match first_sent {
+                Some((at, since)) if at == started => since,
+                _ => self.now().saturating_duration_since(started),
+            };
             let stats = counted(&self.backend, &self.pool);
             stats.transactions.fetch_add(1, Ordering::Relaxed);
-            stats.transaction_us.fetch_add(
-                super::micros(now.saturating_duration_since(started)),
-                Ordering::Relaxed,
-            );
+            stats
+                .transaction_us
+                .fetch_add(super::micros(took), Ordering::Relaxed);
         }
     }
 

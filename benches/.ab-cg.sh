@@ -1,0 +1,73 @@
+# Shared by the A/B scripts (fleet-ab.sh, threads-ab.sh); sourced, not run.
+#
+#   ab_setup                 build the release binary, make $DIR, stop everything on exit
+#   ab_start NAME CONFIG [ARG...]
+#                            start pgsluice with CONFIG (and ARGs) on OS-picked ports in front
+#                            of $PGHOST:$PGPORT/$PGDATABASE; sets PID[NAME], PORT[NAME] and
+#                            ADMIN[NAME]
+#   ab_rounds ROUNDS A B     pgbench -S through A and B in turn (order alternating per round),
+#                            printing "round target tps cpu_us_per_txn" and then the median of
+#                            the per-round B/A ratios of TPS and of proxy CPU per transaction
+#                            (utime+stime from /proc)
+#
+# Environment: PGHOST PGPORT PGUSER PGPASSWORD PGDATABASE of a Postgres with `pgbench -i`
+# tables; T seconds per run (8), C clients (16), MODE (simple).
+
+: "${PGHOST:=127.0.0.1}" "${PGPORT:=5432}" "${PGUSER:=postgres}" "${PGPASSWORD:=postgres}"
+: "${PGDATABASE:=bench}"
+export PGHOST PGPORT PGUSER PGPASSWORD PGDATABASE
+declare -A PID PORT ADMIN
+
+ab_setup() {
+    cd "$(dirname "${BASH_SOURCE[0]}")/.."
+    cargo build --release --bin pgsluice >&2
+    BIN=$PWD/target/release/pgsluice
+    DIR=$(mktemp -d)
+    trap 'kill $(jobs -p) 2>/dev/null || true; rm -rf /tmp/cg/last; cp -r "$DIR" /tmp/cg/last; rm -rf "$DIR"' EXIT
+}
+
+ab_start() {
+    local name=$1 config=$2
+    shift 2
+    "$BIN" --config "$config" --listen 127.0.0.1:0 --admin-listen 127.0.0.1:0 \
+        --backend "postgres://$PGUSER:$PGPASSWORD@$PGHOST:$PGPORT/$PGDATABASE" "$@" \
+        >"$DIR/$name.out" 2>"$DIR/$name.log" &
+    PID[$name]=$!
+    for _ in $(seq 100); do
+        grep -q '^pgsluice listening on' "$DIR/$name.out" 2>/dev/null && break
+        sleep 0.1
+    done
+    PORT[$name]=$(sed -n 's/^pgsluice listening on .*:\([0-9]*\)$/\1/p' "$DIR/$name.out")
+    ADMIN[$name]=$(sed -n 's/^pgsluice admin listening on //p' "$DIR/$name.out")
+    [ -n "${PORT[$name]}" ] || { echo "$name did not start: $(tail -3 "$DIR/$name.log")" >&2; exit 1; }
+}
+
+ab_cpu() { awk '{print $14 + $15}' "/proc/$1/stat"; }
+
+ab_rounds() {
+    local rounds=$1 a=$2 b=$3 r name order c0 c1 out tps n hz
+    hz=$(getconf CLK_TCK)
+    echo "round target tps cpu_us_per_txn"
+    for r in $(seq 1 "$rounds"); do
+        order="$a $b"
+        [[ $((r % 2)) -eq 0 ]] && order="$b $a"
+        for name in $order; do
+            c0=$(ab_cpu "${PID[$name]}")
+            out=$(pgbench -h 127.0.0.1 -p "${PORT[$name]}" -S -M "${MODE:-simple}" -c "${C:-16}" \
+                -j 2 -T "${T:-8}" "$PGDATABASE" 2>/dev/null)
+            c1=$(ab_cpu "${PID[$name]}")
+            tps=$(awk '/^tps/ {print $3}' <<<"$out")
+            n=$(awk '/processed:/ {print $NF}' <<<"$out" | cut -d/ -f1)
+            echo "$r $name $tps $(awk -v c=$((c1 - c0)) -v n="$n" -v hz="$hz" 'BEGIN {printf "%.2f", c * 1e6 / hz / n}')"
+        done
+    done | tee "$DIR/rounds.txt"
+    awk -v a="$a" -v b="$b" '
+        $2 == a { t[$1, "a"] = $3; c[$1, "a"] = $4 }
+        $2 == b { t[$1, "b"] = $3; c[$1, "b"] = $4; n = $1 }
+        END {
+            for (r = 1; r <= n; r++) { tr[r] = t[r, "b"] / t[r, "a"]; cr[r] = c[r, "b"] / c[r, "a"] }
+            asort(tr); asort(cr)
+            m = int((n + 1) / 2)
+            printf "median %s/%s: tps %.3f, cpu per txn %.3f (%d rounds)\n", b, a, tr[m], cr[m], n
+        }' "$DIR/rounds.txt"
+}

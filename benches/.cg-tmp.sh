@@ -1,0 +1,174 @@
+#!/usr/bin/env bash
+# User-space instructions per `pgbench -S` transaction through pgsluice, counted by
+# `valgrind --tool=callgrind` (a count, not a time: repeatable whatever else the machine
+# runs). The proxy runs twice under callgrind, with T1 and then T2 transactions per client;
+# (Ir(T2) - Ir(T1)) / (C * (T2 - T1)) is the cost of one transaction, with start-up and
+# logins cancelled out. Then the functions that grew most between the runs, per transaction.
+#
+#   benches/callgrind.sh [CLIENTS...]      (default: 8 64)
+#
+# Environment as benches/.ab-cg.sh (a Postgres with `pgbench -i` tables); T1 (50) and T2
+# (250) transactions per client, MODE (simple), TOP (25) functions listed; CONNECT=1 runs
+# pgbench -C (a login per transaction: the cost of a login with its one select). The proxy runs
+# with pool 20, fingerprinting and the default policy on, and backend TLS off (PgBouncer's
+# default; a Postgres with ssl=on would otherwise add TLS to every backend write).
+# AUTH=md5 makes clients log in with md5 (as PgBouncer's baseline does) instead of SCRAM.
+# BASELINE=1 counts PgBouncer (transaction mode, pool 20, md5) the same way in the same run and
+# prints the ratio (as user postgres when run as root; PgBouncer refuses root; not with
+# MODE=prepared, which PgBouncer 1.18 cannot relay in transaction mode).
+set -euo pipefail
+source "$(dirname "${BASH_SOURCE[0]}")/.ab-cg.sh"
+: "${T1:=50}" "${T2:=250}" "${MODE:=simple}" "${TOP:=25}" "${CONNECT:=0}" "${BASELINE:=0}"
+command -v valgrind >/dev/null || { echo "valgrind missing: apt-get install valgrind" >&2; exit 1; }
+ab_setup
+cat >"$DIR/p.yaml" <<YAML
+log:
+  level: warn
+backend:
+  tls: disable
+  require_auth: [scram-sha-256, md5, trust]
+pool:
+  size: 20
+callers:
+  - name: billing
+    match: {tag: {service: billing}}
+    priority: critical
+    max_concurrency: 8
+global_defaults:
+  max_concurrency: 2000
+  queue_depth: 2000
+  queue_timeout_ms: 30000
+YAML
+# AUTH=md5: clients log in with md5 against an `auth.users` entry (PgBouncer's method in the
+# baseline); by default they log in with SCRAM for the backend URL's user.
+if [[ ${AUTH:-} == md5 ]]; then
+    cat >>"$DIR/p.yaml" <<YAML
+auth:
+  method: md5
+  users:
+    - name: $PGUSER
+      password: $PGPASSWORD
+YAML
+fi
+
+# Ir of the whole proxy run with `$1` clients and `$2` transactions each; profile in $DIR/$3.
+run() {
+    local c=$1 t=$2 out=$DIR/$3
+    valgrind --tool=callgrind --callgrind-out-file="$out" "$BIN" --config "$DIR/p.yaml" \
+        --listen 127.0.0.1:0 --admin-listen 127.0.0.1:0 \
+        --backend "postgres://$PGUSER:$PGPASSWORD@$PGHOST:$PGPORT/$PGDATABASE" \
+        >"$DIR/cg.out" 2>"$DIR/cg.log" &
+    local pid=$!
+    local port=""
+    for _ in $(seq 300); do
+        port=$(sed -n 's/^pgsluice listening on .*:\([0-9]*\)$/\1/p' "$DIR/cg.out")
+        [ -n "$port" ] && break
+        sleep 0.2
+    done
+    [ -n "$port" ] || { cat "$DIR/cg.log" >&2; exit 1; }
+    local connect=()
+    [[ $CONNECT == 1 ]] && connect=(-C)
+    pgbench -h 127.0.0.1 -p "$port" -n -S -M "$MODE" "${connect[@]}" -c "$c" -t "$t" \
+        >"$DIR/pgbench.log" 2>&1 ||
+        { cat "$DIR/pgbench.log" >&2; exit 1; }
+    kill -TERM "$pid"
+    wait "$pid" || true
+    callgrind_annotate --auto=no --threshold=100 "$out" 2>/dev/null |
+        grep -E '^ *[0-9,]+ \(' | grep -v '=>' >"$out.txt"
+}
+
+# PgBouncer's PROGRAM TOTALS with `$1` clients and `$2` transactions each, into $DIR/$3.total.
+bouncer() {
+    local c=$1 t=$2 out=$DIR/$3 port
+    local pgb
+    pgb=$(command -v pgbouncer || echo /usr/sbin/pgbouncer)
+    [ -x "$pgb" ] || { echo "pgbouncer missing: apt-get install pgbouncer" >&2; exit 1; }
+    port=$(python3 -c 'import random,socket
+for _ in range(100):
+    p=random.randint(20000,29999); s=socket.socket()
+    try: s.bind(("127.0.0.1",p)); print(p); break
+    except OSError: pass
+    finally: s.close()')
+    printf '"%s" "%s"\n' "$PGUSER" "$PGPASSWORD" >"$DIR/userlist.txt"
+    cat >"$DIR/pgb.ini" <<INI
+[databases]
+$PGDATABASE = host=$PGHOST port=$PGPORT dbname=$PGDATABASE
+[pgbouncer]
+listen_addr = 127.0.0.1
+listen_port = $port
+unix_socket_dir =
+auth_type = md5
+auth_file = $DIR/userlist.txt
+pool_mode = transaction
+default_pool_size = 20
+max_db_connections = 20
+max_client_conn = 2000
+logfile = $DIR/pgb.log
+log_connections = 0
+log_disconnections = 0
+stats_period = 3600
+INI
+    local as=()
+    if [ "$(id -u)" = 0 ]; then
+        chmod 777 "$DIR"
+        chmod 644 "$DIR/userlist.txt" "$DIR/pgb.ini"
+        as=(runuser -u postgres --)
+    fi
+    "${as[@]}" valgrind --tool=callgrind --callgrind-out-file="$out" "$pgb" "$DIR/pgb.ini" \
+        >"$DIR/pgb.out" 2>&1 &
+    local up=""
+    for _ in $(seq 100); do
+        (exec 3<>"/dev/tcp/127.0.0.1/$port") 2>/dev/null && up=1 && break
+        sleep 0.2
+    done
+    [ -n "$up" ] || { cat "$DIR/pgb.out" "$DIR/pgb.log" >&2; exit 1; }
+    local connect=()
+    [[ $CONNECT == 1 ]] && connect=(-C)
+    pgbench -h 127.0.0.1 -p "$port" -n -S -M "$MODE" "${connect[@]}" -c "$c" -t "$t" \
+        >"$DIR/pgbench.log" 2>&1 ||
+        { cat "$DIR/pgbench.log" >&2; exit 1; }
+    pkill -INT -f "pgbouncer $DIR/pgb.ini" || true
+    for _ in $(seq 100); do
+        pgrep -f "pgbouncer $DIR/pgb.ini" >/dev/null || break
+        sleep 0.1
+    done
+    callgrind_annotate "$out" 2>/dev/null | sed -n 's/^ *\([0-9,]*\) .*PROGRAM TOTALS.*/\1/p' |
+        tr -d , >"$out.total"
+}
+
+clients=("$@")
+[ ${#clients[@]} -gt 0 ] || clients=(8 64)
+for c1 in "${clients[@]}"; do
+        run "$c1" "$T1" small
+        run "$c1" "$T2" big
+        if [[ $BASELINE == 1 && $MODE == prepared ]]; then
+            echo "BASELINE: skipped (PgBouncer before 1.21 cannot run -M prepared in transaction mode)" >&2
+        elif [[ $BASELINE == 1 ]]; then
+            bouncer "$c1" "$T1" bsmall
+            bouncer "$c1" "$T2" bbig
+        fi
+        python3 - "$DIR/small.txt" "$DIR/big.txt" "$((c1 * (T2 - T1)))" "$c1" "$TOP" <<'PY'
+import re, sys
+small, big, n, c, top = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4], int(sys.argv[5])
+def load(f):
+    d = {}
+    for line in open(f):
+        m = re.match(r'\s*([\d,]+) \([^)]*\)\s+(.*)', line)
+        if m:
+            k = re.sub(r' \[.*\]$', '', m.group(2))
+            k = re.sub(r'^.*/(src|library|sysdeps|malloc|string|time)/', '', k)
+            d[k] = d.get(k, 0) + int(m.group(1).replace(',', ''))
+    return d
+b, s = load(big), load(small)
+total = b.pop('PROGRAM TOTALS', 0) - s.pop('PROGRAM TOTALS', 0)
+print(f"clients {c}: {total / n:.0f} user-space instructions per transaction")
+import os
+d = os.path.dirname(small)
+if os.path.exists(f"{d}/bbig.total"):
+    pb = (int(open(f"{d}/bbig.total").read()) - int(open(f"{d}/bsmall.total").read())) / n
+    print(f"clients {c}: PgBouncer {pb:.0f} per transaction; pgsluice / PgBouncer {total / n / pb:.2f}")
+rows = sorted(((v - s.get(k, 0)) / n, k) for k, v in b.items())
+for v, k in reversed(rows[-top:]):
+    print(f"  {v:7.0f}  {k[:140]}")
+PY
+done
