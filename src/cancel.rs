@@ -200,7 +200,7 @@ impl Entry {
     }
 
     /// The change without waiting: `Err` gives `t` back while a cancel is being delivered.
-    fn try_set(&self, t: Option<Target>) -> Result<(), Option<Target>> {
+    pub fn try_set(&self, t: Option<Target>) -> Result<(), Option<Target>> {
         let mut g = self.target.lock();
         if g.delivering > 0 {
             return Err(t);

@@ -657,7 +657,10 @@ impl PgError {
 async fn set_cancel_target(entry: &cancel::Entry, b: Option<&mut Pooled>) {
     let t = b.map(|b| b.conn().cancel_target());
     entry.client.set_backend(t.as_ref().map(|t| t.pid));
-    entry.set(t).await;
+    // Waits only while a cancel is being delivered (rare): no wait's future otherwise.
+    if let Err(t) = entry.try_set(t) {
+        entry.set(t).await;
+    }
 }
 
 /// Awaits `fut` (a pool checkout, a caller queue) while watching the client, read into

@@ -76,12 +76,14 @@ impl Expect {
     }
 }
 
-/// The decision for one backend message.
-#[derive(Debug, Default, PartialEq, Eq)]
+/// The decision for one backend message: `Copy` and a few bytes, returned in registers once
+/// per backend message (a rare list waits in the tracker: [`Tracker::take_not_prepared`]).
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
 pub struct Step {
     pub forward: bool,
-    /// Statements whose Parse failed (or was skipped after an error): not prepared here.
-    pub not_prepared: Vec<u64>,
+    /// Statements whose Parse failed (or was skipped after an error) are not prepared here
+    /// ([`Tracker::take_not_prepared`]).
+    pub not_prepared: bool,
     /// The message was a ReadyForQuery for a request the proxy injected.
     pub injected_done: bool,
     /// A DataRow of the capture query.
@@ -103,6 +105,8 @@ pub struct Tracker {
     pub copy_in: bool,
     /// Extended-protocol messages were sent since the last Sync.
     pub sync_pending: bool,
+    /// What the last [`Step::not_prepared`] announced, until taken.
+    not_prepared: Vec<u64>,
 }
 
 impl Default for Tracker {
@@ -112,6 +116,7 @@ impl Default for Tracker {
             txn: status::IDLE,
             copy_in: false,
             sync_pending: false,
+            not_prepared: Vec::new(),
         }
     }
 }
@@ -186,6 +191,11 @@ impl Tracker {
         self.q.front().copied()
     }
 
+    /// The statements the last [`Step::not_prepared`] announced.
+    pub fn take_not_prepared(&mut self) -> Vec<u64> {
+        std::mem::take(&mut self.not_prepared)
+    }
+
     /// Accounts for one backend message of type `tag` (`first` = first body byte, for Z).
     pub fn on_backend(&mut self, tag: u8, first: Option<u8>) -> Step {
         let head = self.head();
@@ -226,7 +236,8 @@ impl Tracker {
                                 break;
                             }
                             if let Some(h) = e.stmt {
-                                step.not_prepared.push(h);
+                                step.not_prepared = true;
+                                self.not_prepared.push(h);
                             }
                             self.q.pop_front();
                         }
@@ -324,7 +335,8 @@ mod tests {
         t.push(fwd(Kind::Sync));
         let s = t.on_backend(b'E', None);
         assert!(s.forward);
-        assert_eq!(s.not_prepared, vec![7]);
+        assert!(s.not_prepared);
+        assert_eq!(t.take_not_prepared(), vec![7]);
         let mut out = BytesMut::new();
         t.answer_synthetic(&mut out);
         assert!(out.is_empty());

@@ -232,14 +232,18 @@ fn decide(
     }
     let step = t.on_backend(tag, body.first().copied());
     if filter == Some(Filter::Swallow) {
+        if step.not_prepared {
+            // The replay prepares its statements afresh.
+            t.take_not_prepared();
+        }
         seen.replay = tag == backend::READY_FOR_QUERY;
         return seen;
     }
     seen.fatal =
         tag == backend::ERROR_RESPONSE && matches!(field_of(body, b'S'), Some("FATAL" | "PANIC"));
-    if !step.not_prepared.is_empty() {
+    if step.not_prepared {
         seen.not_prepared = true;
-        rare.not_prepared.extend_from_slice(&step.not_prepared);
+        rare.not_prepared.append(&mut t.take_not_prepared());
     }
     if step.capture_row
         && let Some(kv) = state::capture_row(body)
