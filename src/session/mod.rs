@@ -735,6 +735,7 @@ fn connection_line(app: &App) -> Option<u64> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use tokio::io::AsyncReadExt;
 
     #[tokio::test(start_paused = true)]
     async fn write_timeout_fails_a_write_that_makes_no_progress() {
