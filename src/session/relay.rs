@@ -1218,12 +1218,6 @@ impl Relay {
             let msg = self.replies.take_injected_failure();
             self.injected_failed(&msg);
         }
-        if seen.ready {
-            self.statements_done();
-        }
-        if let Some(rows) = seen.rows {
-            self.rows += rows;
-        }
         if seen.errored {
             self.errored = true;
             let code = seen.code();
@@ -1238,6 +1232,10 @@ impl Relay {
             self.backend_conn().applied = captured.clone();
             self.login.settings = captured;
             self.session_caller = None;
+        }
+        if seen.ready {
+            self.rows += seen.rows;
+            self.statements_done();
         }
         false
     }

@@ -415,6 +415,13 @@ async fn item12_cancels_beyond_an_address_share_are_dropped() {
         metric(proxy, r#"pgsluice_cancels_total{outcome="address_limit"}"#).await == Some(3.0)
     })
     .await;
+    // The two forwarded ones may still be on their way to the peer when the third drop is
+    // counted: wait for them, then make sure no third one follows.
+    eventually(Duration::from_secs(5), "two cancels forwarded", || async {
+        taken.load(Ordering::SeqCst) >= 2
+    })
+    .await;
+    tokio::time::sleep(Duration::from_millis(200)).await;
     assert_eq!(taken.load(Ordering::SeqCst), 2, "only the address's share");
 
     // Another address's cancel still reaches the peer meanwhile.

@@ -36,6 +36,9 @@ pub(super) struct Replies {
     pass_fwd: bool,
     /// What a [`Seen`] announces and the driver takes (kept here so `Seen` stays `Copy`).
     rare: Rare,
+    /// Rows of the CommandCompletes forwarded since the last forwarded ReadyForQuery: given
+    /// with that ReadyForQuery's [`Seen`], so a CommandComplete needs no `Seen` of its own.
+    rows: u64,
 }
 
 /// The payloads of rare replies, waiting to be taken.
@@ -49,14 +52,15 @@ struct Rare {
 }
 
 /// What one backend message means beyond the bytes written for the client. `Copy`, a few
-/// words: the driver gets one per CommandComplete and ReadyForQuery; a rare reply's payload
-/// waits in [`Replies`] until taken (`take_*`).
+/// words: the driver gets one per ReadyForQuery and per error; a rare reply's payload waits
+/// in [`Replies`] until taken (`take_*`).
 #[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
 pub(super) struct Seen {
-    /// A ReadyForQuery went to the client: the request it ends is over.
+    /// A ReadyForQuery went to the client: the request it ends is over…
     pub ready: bool,
-    /// A CommandComplete went to the client, with this many rows.
-    pub rows: Option<u64>,
+    /// …and the CommandCompletes that went to the client since the previous one counted
+    /// this many rows.
+    pub rows: u64,
     /// An ErrorResponse went to the client…
     pub errored: bool,
     /// …with this SQLSTATE.
@@ -192,7 +196,14 @@ impl Replies {
                 }
                 return Ok(Next::Read);
             }
-            let seen = decide(&rest[..h.total], t, retry, &mut self.rare, client);
+            let seen = decide(
+                &rest[..h.total],
+                t,
+                retry,
+                &mut self.rare,
+                &mut self.rows,
+                client,
+            );
             *at += h.total;
             if !seen.is_empty() {
                 return Ok(Next::Seen(seen));
@@ -217,6 +228,7 @@ fn decide(
     t: &mut Tracker,
     retry: &mut Option<Retry>,
     rare: &mut Rare,
+    rows: &mut u64,
     client: &mut BytesMut,
 ) -> Seen {
     let tag = frame[0];
@@ -263,8 +275,11 @@ fn decide(
         return seen;
     }
     match tag {
-        backend::READY_FOR_QUERY => seen.ready = true,
-        backend::COMMAND_COMPLETE => seen.rows = Some(rows_of(body)),
+        backend::READY_FOR_QUERY => {
+            seen.ready = true;
+            seen.rows = std::mem::take(rows);
+        }
+        backend::COMMAND_COMPLETE => *rows += rows_of(body),
         backend::ERROR_RESPONSE => {
             seen.errored = true;
             seen.code = sqlstate_of(body).and_then(|c| c.as_bytes().try_into().ok());
