@@ -94,8 +94,27 @@ struct Inner {
     sweeper: Option<tokio::task::JoinHandle<()>>,
 }
 
-/// Wakers to call once the lock is released.
-type Wakes = Vec<Waker>;
+/// Wakers to call once the lock is released: one without allocating (a release grants at
+/// most one slot), more when caps rise or deadlines pass.
+#[derive(Default)]
+struct Wakes {
+    one: Option<Waker>,
+    more: Vec<Waker>,
+}
+
+impl Wakes {
+    fn push(&mut self, w: Option<Waker>) {
+        let Some(w) = w else { return };
+        match self.one {
+            None => self.one = Some(w),
+            Some(_) => self.more.push(w),
+        }
+    }
+
+    fn wake(self) {
+        self.one.into_iter().chain(self.more).for_each(Waker::wake);
+    }
+}
 
 impl Inner {
     /// Entries in the wait queues (including waiters that left and are not yet popped).
@@ -130,7 +149,7 @@ impl Inner {
                 self.held[p] += 1;
                 let m = &mut self.mailboxes[w.mailbox];
                 m.state = Mail::Granted(p);
-                wakes.extend(m.waker.take());
+                wakes.push(m.waker.take());
             }
         }
     }
@@ -161,12 +180,6 @@ impl Inner {
         self.held[priority] = self.held[priority].saturating_sub(1);
         self.available += 1;
         self.grant(wakes);
-    }
-}
-
-fn wake_all(wakes: Wakes) {
-    for w in wakes {
-        w.wake();
     }
 }
 
@@ -296,9 +309,9 @@ impl Slots {
 
     /// A slot comes back: straight to the most urgent waiter allowed it (one lock).
     fn release(self: &Arc<Self>, priority: usize) {
-        let mut wakes = Wakes::new();
+        let mut wakes = Wakes::default();
         self.inner.lock().put_back(priority, &mut wakes);
-        wake_all(wakes);
+        wakes.wake();
     }
 
     /// A slot for `priority` if one is free now and nobody of equal or higher priority waits.
@@ -326,7 +339,7 @@ impl Slots {
 
     /// The adaptive limit's shares (most slots per priority); new room goes to waiters.
     pub fn set_caps(self: &Arc<Self>, caps: [usize; PRIORITIES]) {
-        let mut wakes = Wakes::new();
+        let mut wakes = Wakes::default();
         {
             let mut g = self.inner.lock();
             if g.caps == caps {
@@ -335,7 +348,7 @@ impl Slots {
             g.caps = caps;
             g.grant(&mut wakes);
         }
-        wake_all(wakes);
+        wakes.wake();
     }
 
     /// Nobody waits and a slot is free beyond the critical reserve: a backend may stay
@@ -412,7 +425,7 @@ impl Future for Wait<'_> {
 impl Drop for Wait<'_> {
     fn drop(&mut self) {
         let Some(i) = self.mailbox else { return };
-        let mut wakes = Wakes::new();
+        let mut wakes = Wakes::default();
         {
             let mut g = self.slots.inner.lock();
             let granted = g.mailboxes[i].state;
@@ -421,7 +434,7 @@ impl Drop for Wait<'_> {
                 g.put_back(priority, &mut wakes);
             }
         }
-        wake_all(wakes);
+        wakes.wake();
     }
 }
 
@@ -430,7 +443,7 @@ impl Drop for Wait<'_> {
 /// holds the pool only while someone waits, at most until the last deadline.)
 async fn sweep(s: Arc<Slots>) {
     loop {
-        let mut wakes = Wakes::new();
+        let mut wakes = Wakes::default();
         let at = {
             let mut guard = s.inner.lock();
             let g = &mut *guard;
@@ -447,7 +460,7 @@ async fn sweep(s: Arc<Slots>) {
                     }
                     let m = &mut g.mailboxes[w.mailbox];
                     m.state = Mail::TimedOut;
-                    wakes.extend(m.waker.take());
+                    wakes.push(m.waker.take());
                     true
                 };
                 if *ordered {
@@ -474,7 +487,7 @@ async fn sweep(s: Arc<Slots>) {
             g.sweep_at = earliest;
             earliest
         };
-        wake_all(wakes);
+        wakes.wake();
         let Some(at) = at else { return };
         tokio::select! {
             biased;

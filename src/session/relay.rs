@@ -1234,7 +1234,7 @@ impl Relay {
             self.session_caller = None;
         }
         if seen.ready {
-            self.rows += seen.rows;
+            self.rows = self.rows.saturating_add(seen.rows);
             self.statements_done();
         }
         false

@@ -279,7 +279,7 @@ fn decide(
             seen.ready = true;
             seen.rows = std::mem::take(rows);
         }
-        backend::COMMAND_COMPLETE => *rows += rows_of(body),
+        backend::COMMAND_COMPLETE => *rows = rows.saturating_add(rows_of(body)),
         backend::ERROR_RESPONSE => {
             seen.errored = true;
             seen.code = sqlstate_of(body).and_then(|c| c.as_bytes().try_into().ok());
