@@ -471,13 +471,14 @@ impl Pool {
         self.cfg.mode
     }
 
-    /// The checkout that waits for nothing: the pool is not paused, a slot is free at once
-    /// for `priority`, and the most recently idle connection is usable without a health
-    /// check. `None`: [`Pool::checkout`] does the rest (the session's hot path takes this
-    /// first, so the large checkout future is built only when it must wait or connect).
+    /// The checkout that waits for nothing: the pool is not paused, nobody is queued for a
+    /// slot (read without the lock), a slot is free at once for `priority`, and the most
+    /// recently idle connection is usable without a health check. `None`: [`Pool::checkout`]
+    /// does the rest (the session's hot path takes this first, so the large checkout future
+    /// is built only when it must wait or connect).
     /// `now` is the caller's clock reading (a session reads it once per wake-up).
     pub fn try_checkout_now(self: &Arc<Self>, priority: usize, now: Instant) -> Option<Pooled> {
-        if self.paused.load(Ordering::SeqCst) {
+        if self.paused.load(Ordering::SeqCst) || !self.slots.queue_empty() {
             return None;
         }
         let permit = self.slots.try_acquire(priority)?;
