@@ -159,8 +159,7 @@ pub struct Relay {
     /// Client ReadyForQuery-bearing requests sent / replies seen.
     ready_sent: u64,
     ready_seen: u64,
-    /// Rows and errors of the current request, from CommandComplete / ErrorResponse.
-    rows: u64,
+    /// The current request got an ErrorResponse (its rows come with its ReadyForQuery).
     errored: bool,
     /// How the current request's error is counted in the per-fingerprint statistics.
     failure: crate::observe::stats::Outcome,
@@ -293,7 +292,6 @@ impl Relay {
             pending: Vec::new(),
             ready_sent: 0,
             ready_seen: 0,
-            rows: 0,
             errored: false,
             failure: crate::observe::stats::Outcome::Error,
             bytes_in,
@@ -1234,8 +1232,7 @@ impl Relay {
             self.session_caller = None;
         }
         if seen.ready {
-            self.rows = self.rows.saturating_add(seen.rows);
-            self.statements_done();
+            self.statements_done(seen.rows);
         }
         false
     }

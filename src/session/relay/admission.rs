@@ -222,8 +222,9 @@ impl Relay {
         }
     }
 
-    /// A client ReadyForQuery arrived: records the statements it completes.
-    pub(super) fn statements_done(&mut self) {
+    /// A client ReadyForQuery arrived: records the statements it completes, the last of them
+    /// with the `rows` its CommandCompletes counted.
+    pub(super) fn statements_done(&mut self, rows: u64) {
         self.ready_seen += 1;
         let seen = self.ready_seen;
         let done = self
@@ -234,7 +235,6 @@ impl Relay {
         if done == 0 {
             self.transaction_done(None);
             self.flush_counters();
-            self.rows = 0;
             self.errored = false;
             self.failure = Outcome::Error;
             self.fault = false;
@@ -271,7 +271,7 @@ impl Relay {
             } else {
                 // Rows go to the last statement of the group (CommandComplete counts).
                 Outcome::Ok {
-                    rows: if i + 1 == n { self.rows } else { 0 },
+                    rows: if i + 1 == n { rows } else { 0 },
                 }
             };
             self.app.fp_stats.record(
@@ -287,7 +287,6 @@ impl Relay {
         stats.queries.fetch_add(n as u64, Ordering::Relaxed);
         stats.query_us.fetch_add(backend_us, Ordering::Relaxed);
         self.flush_counters();
-        self.rows = 0;
         self.errored = false;
         self.failure = Outcome::Error;
         self.fault = false;
