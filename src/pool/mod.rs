@@ -514,7 +514,7 @@ impl Pool {
     /// Parks `conn` with its client under `ticket` (see [`Pool::may_park`]).
     pub fn park(&self, ticket: &Arc<park::Ticket>, conn: &mut BackendConn, now: Instant) {
         conn.idle_since = now;
-        self.slots.parking.park(ticket);
+        self.slots.park(ticket);
     }
 
     /// The parked client wants its backend again: `true` when it may use it — the pool did

@@ -318,7 +318,10 @@ impl Slots {
             }
             mailbox
         };
-        // A backend parked with an idle client comes back to serve this wait.
+        // A backend parked with an idle client comes back to serve this wait. The fence
+        // pairs with the one in `park`: this wait sees a ticket parked concurrently, or that
+        // park sees this wait queued.
+        std::sync::atomic::fence(Ordering::SeqCst);
         self.parking.revoke_one();
         Wait {
             slots: self,
@@ -374,6 +377,19 @@ impl Slots {
             self.publish(&g);
         }
         wakes.wake();
+    }
+
+    /// Parks `ticket`'s backend ([`Parking::park`]). A waiter that queued while the caller
+    /// decided to park (after its [`Slots::quiet`]) may have looked for a ticket to revoke
+    /// before this one was listed: it would then wait for a release or the next upkeep
+    /// tick. So the queue is looked at once more after listing, and one parked backend is
+    /// revoked if anyone is queued.
+    pub fn park(&self, ticket: &Arc<super::park::Ticket>) {
+        self.parking.park(ticket);
+        std::sync::atomic::fence(Ordering::SeqCst);
+        if !self.queue_empty() {
+            self.parking.revoke_one();
+        }
     }
 
     /// Nobody waits and a slot is free beyond the critical reserve: a backend may stay
@@ -756,6 +772,22 @@ mod tests {
 
     /// A slot held by a parked client is asked back when a checkout has to wait, and
     /// nobody may park while someone waits or only the critical reserve is free.
+    /// A ticket parked after a waiter queued (the waiter found no ticket to revoke) is
+    /// revoked at once: the waiter does not sit until the next upkeep tick.
+    #[tokio::test(start_paused = true)]
+    async fn a_backend_parked_while_someone_waits_is_revoked_at_once() {
+        use super::super::park::Ticket;
+        use std::task::{Context, Waker};
+        let (s, start, _held) = one_slot_held().await;
+        let _w = waiter(&s, start, 60_000);
+        tokio::task::yield_now().await;
+        assert_eq!(s.waiting(), 1);
+        let ticket = Arc::new(Ticket::default());
+        s.park(&ticket);
+        assert!(ticket.revoked(&mut Context::from_waker(Waker::noop())));
+        assert!(s.parking.is_empty());
+    }
+
     #[tokio::test(start_paused = true)]
     async fn a_waiter_revokes_a_parked_slot_and_parking_needs_a_free_one() {
         use super::super::park::Ticket;
