@@ -1,0 +1,135 @@
+#!/usr/bin/env bash
+# Where a proxy's time goes per `pgbench -S` transaction, pgsluice against PgBouncer in the same
+# run: the proxy's user and system CPU (/proc/PID/stat), and, counted by `perf stat` from the
+# kernel's own tracepoints (no strace slowdown), the system calls and context switches of the
+# proxy and of pgbench. Shows which part of a gap is the kernel's work (the same for any proxy
+# that makes the same calls) and which is the proxy's own code.
+#
+#   benches/syscalls.sh [CLIENTS...]      (default: 8 64 512)
+#
+# Environment as benches/ab-lib.sh (a Postgres with `pgbench -i` tables); T seconds per run
+# (5), ROUNDS (2, order alternating), MODE (simple). pgsluice runs with pool 20, md5 client
+# logins, fingerprinting and the default policy on; PgBouncer 1.18 in transaction mode, pool
+# 20, md5. Needs perf (Debian: apt-get install linux-perf) and pgbouncer; as root, PgBouncer
+# runs as the `postgres` user.
+set -euo pipefail
+source "$(dirname "${BASH_SOURCE[0]}")/ab-lib.sh"
+: "${ROUNDS:=2}" "${MODE:=simple}" "${T:=5}"
+for t in perf pgbench; do
+    command -v "$t" >/dev/null || { echo "$t missing (perf: apt-get install linux-perf)" >&2; exit 1; }
+done
+PGB=$(command -v pgbouncer || echo /usr/sbin/pgbouncer)
+[ -x "$PGB" ] || { echo "pgbouncer missing: apt-get install pgbouncer" >&2; exit 1; }
+ab_setup
+
+cat >"$DIR/p.yaml" <<YAML
+log:
+  level: warn
+backend:
+  tls: disable
+  require_auth: [scram-sha-256, md5, trust]
+pool:
+  size: 20
+auth:
+  method: md5
+  users:
+    - name: $PGUSER
+      password: $PGPASSWORD
+limits:
+  max_client_conn: 3000
+callers:
+  - name: billing
+    match: {tag: {service: billing}}
+    priority: critical
+    max_concurrency: 8
+global_defaults:
+  max_concurrency: 2000
+  queue_depth: 2000
+  queue_timeout_ms: 30000
+YAML
+ab_start pgsluice "$DIR/p.yaml"
+
+BPORT=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])')
+printf '"%s" "%s"\n' "$PGUSER" "$PGPASSWORD" >"$DIR/userlist.txt"
+cat >"$DIR/pgb.ini" <<INI
+[databases]
+$PGDATABASE = host=$PGHOST port=$PGPORT dbname=$PGDATABASE
+[pgbouncer]
+listen_addr = 127.0.0.1
+listen_port = $BPORT
+unix_socket_dir =
+auth_type = md5
+auth_file = $DIR/userlist.txt
+pool_mode = transaction
+default_pool_size = 20
+max_db_connections = 20
+max_client_conn = 3000
+logfile = $DIR/pgb.log
+pidfile = $DIR/pgb.pid
+log_connections = 0
+log_disconnections = 0
+stats_period = 3600
+INI
+as=()
+if [ "$(id -u)" = 0 ]; then
+    chmod 777 "$DIR"
+    chmod 644 "$DIR/userlist.txt" "$DIR/pgb.ini"
+    as=(runuser -u postgres --)
+fi
+"${as[@]}" "$PGB" -d "$DIR/pgb.ini"
+trap 'kill $(jobs -p) 2>/dev/null || true; [ -f "$DIR/pgb.pid" ] && kill "$(cat "$DIR/pgb.pid")" 2>/dev/null; rm -rf "$DIR"' EXIT
+for _ in $(seq 50); do [ -f "$DIR/pgb.pid" ] && break; sleep 0.1; done
+PID[pgbouncer]=$(cat "$DIR/pgb.pid")
+PORT[pgbouncer]=$BPORT
+
+EVENTS=task-clock,context-switches
+for s in epoll_wait epoll_ctl recvfrom sendto read write writev ppoll poll futex; do
+    EVENTS+=",syscalls:sys_enter_$s"
+done
+
+clients=("$@")
+[ ${#clients[@]} -gt 0 ] || clients=(8 64 512)
+for c in "${clients[@]}"; do
+    for r in $(seq 1 "$ROUNDS"); do
+        order="pgbouncer pgsluice"
+        [[ $((r % 2)) -eq 0 ]] && order="pgsluice pgbouncer"
+        for name in $order; do
+            pid=${PID[$name]}
+            read -r u0 s0 < <(awk '{print $14, $15}' "/proc/$pid/stat")
+            perf stat -x, -e "$EVENTS" -p "$pid" -o "$DIR/proxy.stat" &
+            pp=$!
+            sleep 0.2
+            perf stat -x, -e "$EVENTS" -o "$DIR/bench.stat" pgbench -h 127.0.0.1 \
+                -p "${PORT[$name]}" -n -S -M "$MODE" -c "$c" -j 2 -T "$T" "$PGDATABASE" \
+                >"$DIR/pgbench.log" 2>&1 || { cat "$DIR/pgbench.log" >&2; exit 1; }
+            kill -INT "$pp"
+            wait "$pp" || true
+            read -r u1 s1 < <(awk '{print $14, $15}' "/proc/$pid/stat")
+            python3 - "$name" "$c" "$r" "$DIR/pgbench.log" "$DIR/proxy.stat" "$DIR/bench.stat" \
+                "$((u1 - u0))" "$((s1 - s0))" "$(getconf CLK_TCK)" <<'PY'
+import re, sys
+name, c, r, log, proxy, bench = sys.argv[1:7]
+ut, st, hz = int(sys.argv[7]), int(sys.argv[8]), int(sys.argv[9])
+text = open(log).read()
+n = int(re.search(r'processed: (\d+)', text).group(1))
+tps = float(re.search(r'tps = ([\d.]+)', text).group(1))
+def load(f):
+    d = {}
+    for line in open(f):
+        p = line.strip().split(',')
+        if len(p) > 3 and p[0][:1].isdigit():
+            d[p[2].replace('syscalls:sys_enter_', '')] = float(p[0])
+    return d
+a, b = load(proxy), load(bench)
+print(f"{name} -c {c} round {r}: {tps:.0f} TPS; proxy user {ut * 1e6 / hz / n:.2f} "
+      f"sys {st * 1e6 / hz / n:.2f} µs per txn")
+print(f"  {'per transaction':18} {'proxy':>8} {'pgbench':>8}")
+for k in a:
+    if a[k] or b.get(k):
+        scale = 1000.0 if k == 'task-clock' else 1.0  # ms -> µs
+        label = 'CPU µs' if k == 'task-clock' else k
+        print(f"  {label:18} {a[k] * scale / n:8.3f} {b.get(k, 0) * scale / n:8.3f}")
+PY
+        done
+    done
+done
