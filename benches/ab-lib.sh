@@ -5,6 +5,10 @@
 #                            start pgsluice with CONFIG (and ARGs) on OS-picked ports in front
 #                            of $PGHOST:$PGPORT/$PGDATABASE; sets PID[NAME], PORT[NAME] and
 #                            ADMIN[NAME]
+#   ab_sluice_config FILE    write pgsluice's benchmark config (pool 20, policy on; AUTH=md5)
+#   ab_bouncer_config PORT [PIDFILE]
+#                            write PgBouncer's config (transaction mode, pool 20, md5) into
+#                            $DIR; sets BOUNCER and AS_PG (see below)
 #   ab_rounds ROUNDS A B     pgbench -S through A and B in turn (order alternating per round),
 #                            printing "round target tps cpu_us_per_txn" and then the median of
 #                            the per-round B/A ratios of TPS and of proxy CPU per transaction
@@ -40,6 +44,80 @@ ab_start() {
     PORT[$name]=$(sed -n 's/^pgsluice listening on .*:\([0-9]*\)$/\1/p' "$DIR/$name.out")
     ADMIN[$name]=$(sed -n 's/^pgsluice admin listening on //p' "$DIR/$name.out")
     [ -n "${PORT[$name]}" ] || { echo "$name did not start: $(tail -3 "$DIR/$name.log")" >&2; exit 1; }
+}
+
+# pgsluice's config for the benchmark scripts, into FILE: pool 20, fingerprinting and the
+# default policy on (a critical `billing` caller; untagged traffic gets generous defaults, so
+# pgbench measures the proxy path, not a caller limit), backend TLS off (PgBouncer's default).
+# With AUTH=md5 clients log in with md5 for $PGUSER (PgBouncer's method), otherwise with SCRAM
+# for the backend URL's user.
+ab_sluice_config() {
+    cat >"$1" <<YAML
+log:
+  level: warn
+backend:
+  tls: disable
+  require_auth: [scram-sha-256, md5, trust]
+pool:
+  size: 20
+limits:
+  max_client_conn: 3000
+callers:
+  - name: billing
+    match: {tag: {service: billing}}
+    priority: critical
+    max_concurrency: 8
+global_defaults:
+  max_concurrency: 2000
+  queue_depth: 2000
+  queue_timeout_ms: 30000
+YAML
+    if [[ ${AUTH:-} == md5 ]]; then
+        cat >>"$1" <<YAML
+auth:
+  method: md5
+  users:
+    - name: $PGUSER
+      password: $PGPASSWORD
+YAML
+    fi
+}
+
+# PgBouncer beside pgsluice, configured alike: transaction mode, pool 20, md5 logins for
+# $PGUSER, in front of $PGHOST:$PGPORT/$PGDATABASE, listening on 127.0.0.1:PORT. Writes
+# $DIR/pgb.ini and $DIR/userlist.txt (and a `pidfile` line when PIDFILE is given); sets
+# BOUNCER to the binary and AS_PG to the prefix that runs it (`runuser -u postgres --` as
+# root: PgBouncer refuses to run as root).
+ab_bouncer_config() {
+    local port=$1 pidfile=${2:-}
+    BOUNCER=$(command -v pgbouncer || echo /usr/sbin/pgbouncer)
+    [ -x "$BOUNCER" ] || { echo "pgbouncer missing: apt-get install pgbouncer" >&2; exit 1; }
+    printf '"%s" "%s"\n' "$PGUSER" "$PGPASSWORD" >"$DIR/userlist.txt"
+    cat >"$DIR/pgb.ini" <<INI
+[databases]
+$PGDATABASE = host=$PGHOST port=$PGPORT dbname=$PGDATABASE
+[pgbouncer]
+listen_addr = 127.0.0.1
+listen_port = $port
+unix_socket_dir =
+auth_type = md5
+auth_file = $DIR/userlist.txt
+pool_mode = transaction
+default_pool_size = 20
+max_db_connections = 20
+max_client_conn = 3000
+logfile = $DIR/pgb.log
+log_connections = 0
+log_disconnections = 0
+stats_period = 3600
+INI
+    [ -z "$pidfile" ] || echo "pidfile = $pidfile" >>"$DIR/pgb.ini"
+    AS_PG=()
+    if [ "$(id -u)" = 0 ]; then
+        chmod 777 "$DIR"
+        chmod 644 "$DIR/userlist.txt" "$DIR/pgb.ini"
+        AS_PG=(runuser -u postgres --)
+    fi
 }
 
 ab_cpu() { awk '{print $14 + $15}' "/proc/$1/stat"; }

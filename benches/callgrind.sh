@@ -21,35 +21,7 @@ source "$(dirname "${BASH_SOURCE[0]}")/ab-lib.sh"
 : "${T1:=50}" "${T2:=250}" "${MODE:=simple}" "${TOP:=25}" "${CONNECT:=0}" "${BASELINE:=0}"
 command -v valgrind >/dev/null || { echo "valgrind missing: apt-get install valgrind" >&2; exit 1; }
 ab_setup
-cat >"$DIR/p.yaml" <<YAML
-log:
-  level: warn
-backend:
-  tls: disable
-  require_auth: [scram-sha-256, md5, trust]
-pool:
-  size: 20
-callers:
-  - name: billing
-    match: {tag: {service: billing}}
-    priority: critical
-    max_concurrency: 8
-global_defaults:
-  max_concurrency: 2000
-  queue_depth: 2000
-  queue_timeout_ms: 30000
-YAML
-# AUTH=md5: clients log in with md5 against an `auth.users` entry (PgBouncer's method in the
-# baseline); by default they log in with SCRAM for the backend URL's user.
-if [[ ${AUTH:-} == md5 ]]; then
-    cat >>"$DIR/p.yaml" <<YAML
-auth:
-  method: md5
-  users:
-    - name: $PGUSER
-      password: $PGPASSWORD
-YAML
-fi
+ab_sluice_config "$DIR/p.yaml"
 
 # Ir of the whole proxy run with `$1` clients and `$2` transactions each; profile in $DIR/$3.
 run() {
@@ -80,41 +52,14 @@ run() {
 # PgBouncer's PROGRAM TOTALS with `$1` clients and `$2` transactions each, into $DIR/$3.total.
 bouncer() {
     local c=$1 t=$2 out=$DIR/$3 port
-    local pgb
-    pgb=$(command -v pgbouncer || echo /usr/sbin/pgbouncer)
-    [ -x "$pgb" ] || { echo "pgbouncer missing: apt-get install pgbouncer" >&2; exit 1; }
     port=$(python3 -c 'import random,socket
 for _ in range(100):
     p=random.randint(20000,29999); s=socket.socket()
     try: s.bind(("127.0.0.1",p)); print(p); break
     except OSError: pass
     finally: s.close()')
-    printf '"%s" "%s"\n' "$PGUSER" "$PGPASSWORD" >"$DIR/userlist.txt"
-    cat >"$DIR/pgb.ini" <<INI
-[databases]
-$PGDATABASE = host=$PGHOST port=$PGPORT dbname=$PGDATABASE
-[pgbouncer]
-listen_addr = 127.0.0.1
-listen_port = $port
-unix_socket_dir =
-auth_type = md5
-auth_file = $DIR/userlist.txt
-pool_mode = transaction
-default_pool_size = 20
-max_db_connections = 20
-max_client_conn = 2000
-logfile = $DIR/pgb.log
-log_connections = 0
-log_disconnections = 0
-stats_period = 3600
-INI
-    local as=()
-    if [ "$(id -u)" = 0 ]; then
-        chmod 777 "$DIR"
-        chmod 644 "$DIR/userlist.txt" "$DIR/pgb.ini"
-        as=(runuser -u postgres --)
-    fi
-    "${as[@]}" valgrind --tool=callgrind --callgrind-out-file="$out" "$pgb" "$DIR/pgb.ini" \
+    ab_bouncer_config "$port"
+    "${AS_PG[@]}" valgrind --tool=callgrind --callgrind-out-file="$out" "$BOUNCER" "$DIR/pgb.ini" \
         >"$DIR/pgb.out" 2>&1 &
     local up=""
     for _ in $(seq 100); do

@@ -18,66 +18,15 @@ source "$(dirname "${BASH_SOURCE[0]}")/ab-lib.sh"
 for t in perf pgbench; do
     command -v "$t" >/dev/null || { echo "$t missing (perf: apt-get install linux-perf)" >&2; exit 1; }
 done
-PGB=$(command -v pgbouncer || echo /usr/sbin/pgbouncer)
-[ -x "$PGB" ] || { echo "pgbouncer missing: apt-get install pgbouncer" >&2; exit 1; }
 ab_setup
 
-cat >"$DIR/p.yaml" <<YAML
-log:
-  level: warn
-backend:
-  tls: disable
-  require_auth: [scram-sha-256, md5, trust]
-pool:
-  size: 20
-auth:
-  method: md5
-  users:
-    - name: $PGUSER
-      password: $PGPASSWORD
-limits:
-  max_client_conn: 3000
-callers:
-  - name: billing
-    match: {tag: {service: billing}}
-    priority: critical
-    max_concurrency: 8
-global_defaults:
-  max_concurrency: 2000
-  queue_depth: 2000
-  queue_timeout_ms: 30000
-YAML
+AUTH=md5 ab_sluice_config "$DIR/p.yaml"
 ab_start pgsluice "$DIR/p.yaml"
 
 BPORT=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])')
-printf '"%s" "%s"\n' "$PGUSER" "$PGPASSWORD" >"$DIR/userlist.txt"
-cat >"$DIR/pgb.ini" <<INI
-[databases]
-$PGDATABASE = host=$PGHOST port=$PGPORT dbname=$PGDATABASE
-[pgbouncer]
-listen_addr = 127.0.0.1
-listen_port = $BPORT
-unix_socket_dir =
-auth_type = md5
-auth_file = $DIR/userlist.txt
-pool_mode = transaction
-default_pool_size = 20
-max_db_connections = 20
-max_client_conn = 3000
-logfile = $DIR/pgb.log
-pidfile = $DIR/pgb.pid
-log_connections = 0
-log_disconnections = 0
-stats_period = 3600
-INI
-as=()
-if [ "$(id -u)" = 0 ]; then
-    chmod 777 "$DIR"
-    chmod 644 "$DIR/userlist.txt" "$DIR/pgb.ini"
-    as=(runuser -u postgres --)
-fi
-"${as[@]}" "$PGB" -d "$DIR/pgb.ini"
-trap 'kill $(jobs -p) 2>/dev/null || true; [ -f "$DIR/pgb.pid" ] && kill "$(cat "$DIR/pgb.pid")" 2>/dev/null; rm -rf "$DIR"' EXIT
+ab_bouncer_config "$BPORT" "$DIR/pgb.pid"
+"${AS_PG[@]}" "$BOUNCER" -d "$DIR/pgb.ini"
+trap 'kill $(jobs -p) 2>/dev/null || true; kill "$(cat "$DIR/pgb.pid" 2>/dev/null)" 2>/dev/null || true; rm -rf "$DIR"' EXIT
 for _ in $(seq 50); do [ -f "$DIR/pgb.pid" ] && break; sleep 0.1; done
 PID[pgbouncer]=$(cat "$DIR/pgb.pid")
 PORT[pgbouncer]=$BPORT
