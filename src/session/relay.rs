@@ -394,8 +394,7 @@ impl Relay {
     /// Arms the idle-in-transaction deadline when the client owes the next move inside an
     /// open transaction (nothing in flight, nothing unsent) and its caller has a limit, and
     /// the idle-client deadline when it owes the next move outside one; disarms each
-    /// otherwise. Each limit is looked up once per idle period, in the unit's runtime snapshot
-    /// (a plain read: no `ArcSwap` load after every event).
+    /// otherwise. Each limit is looked up once per idle period.
     fn arm_idle_timers(&mut self) {
         use crate::clients::ClientState;
         let waiting_for_client = !self.out.t.in_flight() && self.out.is_empty();
@@ -410,7 +409,7 @@ impl Relay {
         if !waiting_for_client || in_txn {
             self.idle_client = None;
         } else if self.idle_client.is_none() {
-            let limit = self.rt.config.limits.client_idle_timeout_ms;
+            let limit = self.app.config().limits.client_idle_timeout_ms;
             if limit > 0 {
                 self.idle_client = Some(Instant::now() + Duration::from_millis(limit));
             }
@@ -450,7 +449,7 @@ impl Relay {
     /// The client sat idle between transactions past `limits.client_idle_timeout_ms`: end
     /// the session as Postgres' own `idle_session_timeout` does (FATAL 57P05).
     fn client_idle_over(&mut self) -> End {
-        let limit = self.rt.config.limits.client_idle_timeout_ms;
+        let limit = self.app.config().limits.client_idle_timeout_ms;
         tracing::info!(limit_ms = limit, "client idle timeout");
         End::Error(
             PgError::fatal(
