@@ -770,8 +770,6 @@ mod tests {
         assert_eq!(s.available(), 1);
     }
 
-    /// A slot held by a parked client is asked back when a checkout has to wait, and
-    /// nobody may park while someone waits or only the critical reserve is free.
     /// A ticket parked after a waiter queued (the waiter found no ticket to revoke) is
     /// revoked at once: the waiter does not sit until the next upkeep tick.
     #[tokio::test(start_paused = true)]
@@ -788,6 +786,8 @@ mod tests {
         assert!(s.parking.is_empty());
     }
 
+    /// A slot held by a parked client is asked back when a checkout has to wait, and
+    /// nobody may park while someone waits or only the critical reserve is free.
     #[tokio::test(start_paused = true)]
     async fn a_waiter_revokes_a_parked_slot_and_parking_needs_a_free_one() {
         use super::super::park::Ticket;
