@@ -261,7 +261,10 @@ impl Dirt {
             return Some("DISCARD ALL".to_owned());
         }
         let mut s = String::new();
-        if self.role {
+        // `RESET ALL` leaves `role` and `session_authorization` alone, yet the caller forgets
+        // every applied setting after it: a role the proxy re-applied for the client (not
+        // marked `role`, the client did not set it here) would outlive it. So both go.
+        if self.role || self.gucs {
             s.push_str("RESET SESSION AUTHORIZATION;RESET ROLE;");
         }
         if self.gucs {
@@ -853,6 +856,38 @@ pub async fn read_message<S: AsyncRead + Unpin>(
 mod tests {
     use super::*;
     use tokio::net::TcpListener;
+
+    /// `RESET ALL` skips `role` and `session_authorization`, and after any settings reset
+    /// the pool forgets every applied setting: each such reset must undo the identity too.
+    #[test]
+    fn every_settings_reset_undoes_the_role() {
+        for d in [
+            Dirt {
+                gucs: true,
+                ..Dirt::default()
+            },
+            Dirt {
+                role: true,
+                ..Dirt::default()
+            },
+            Dirt {
+                gucs: true,
+                advisory: true,
+                ..Dirt::default()
+            },
+        ] {
+            let sql = d.reset_sql().expect("resettable");
+            assert!(
+                sql.contains("RESET SESSION AUTHORIZATION;RESET ROLE;"),
+                "{d:?}: {sql}"
+            );
+        }
+        let all = Dirt {
+            all: true,
+            ..Dirt::default()
+        };
+        assert_eq!(all.reset_sql().as_deref(), Some("DISCARD ALL"));
+    }
 
     /// A server that reads the startup packet, answers `script` and closes its side, and
     /// returns everything the client sent after the startup packet until it closed.

@@ -121,41 +121,73 @@ pub fn dollar_tag(body: &str, name: &str) -> String {
 }
 
 /// SQL that turns a backend carrying `applied` into one carrying `desired` (both sorted), or
-/// `None` when they already match.
+/// `None` when they already match: one statement, so a failure changes nothing (a login
+/// checks the client's settings with it).
 pub fn apply_sql(applied: &[(String, String)], desired: &[(String, String)]) -> Option<String> {
+    let (resets, sets) = apply_parts(applied, desired)?;
+    Some(select(resets.into_iter().chain(sets)))
+}
+
+/// [`apply_sql`] as two statements for two Query messages, each its own transaction: first
+/// every applied setting that is not exactly desired goes back to its default, then the
+/// client's are set. A client's setting the server refuses (a role dropped since its login)
+/// then leaves the backend at defaults, never at the previous client's values.
+pub fn apply_steps(
+    applied: &[(String, String)],
+    desired: &[(String, String)],
+) -> Option<(Option<String>, Option<String>)> {
+    let (resets, sets) = apply_parts(applied, desired)?;
+    let nonempty = |v: Vec<String>| (!v.is_empty()).then(|| select(v));
+    Some((nonempty(resets), nonempty(sets)))
+}
+
+fn select(calls: impl IntoIterator<Item = String>) -> String {
+    format!(
+        "SELECT {}",
+        calls.into_iter().collect::<Vec<_>>().join(", ")
+    )
+}
+
+/// The resets and the sets of [`apply_sql`]: a reset for every applied setting that is not
+/// exactly desired, a set for every desired one not already applied. A new
+/// `session_authorization` resets the role, so then the role is reset and set again too.
+fn apply_parts(
+    applied: &[(String, String)],
+    desired: &[(String, String)],
+) -> Option<(Vec<String>, Vec<String>)> {
     if applied == desired {
         return None;
     }
-    let mut resets = Vec::new();
-    for (n, _) in applied {
-        if !desired.iter().any(|(d, _)| d == n) {
-            resets.push(format!(
-                "pg_catalog.set_config({}, NULL, false)",
-                literal(n)
-            ));
-        }
-    }
+    let identity_changes = applied.iter().chain(desired).any(|kv| {
+        kv.0 == "session_authorization" && !(applied.contains(kv) && desired.contains(kv))
+    });
+    let keep = |kv: &(String, String)| {
+        applied.contains(kv) && desired.contains(kv) && !(identity_changes && kv.0 == "role")
+    };
+    let resets = applied
+        .iter()
+        .filter(|kv| !keep(kv))
+        .map(|(n, _)| format!("pg_catalog.set_config({}, NULL, false)", literal(n)))
+        .collect();
     // SET SESSION AUTHORIZATION resets the role, so it goes first and role second.
     let rank = |n: &str| match n {
         "session_authorization" => 0,
         "role" => 1,
         _ => 2,
     };
-    let mut todo: Vec<&(String, String)> =
-        desired.iter().filter(|d| !applied.contains(d)).collect();
+    let mut todo: Vec<&(String, String)> = desired.iter().filter(|kv| !keep(kv)).collect();
     todo.sort_by_key(|(n, _)| rank(n));
-    // Resets first: a reset of a name after its set would undo it.
-    let sets: Vec<String> = resets
+    let sets = todo
         .into_iter()
-        .chain(todo.into_iter().map(|(n, v)| {
+        .map(|(n, v)| {
             format!(
                 "pg_catalog.set_config({}, {}, false)",
                 literal(n),
                 literal(v)
             )
-        }))
+        })
         .collect();
-    Some(format!("SELECT {}", sets.join(", ")))
+    Some((resets, sets))
 }
 
 #[cfg(test)]
@@ -232,6 +264,51 @@ mod tests {
             "SELECT pg_catalog.set_config($q$a$q$, NULL, false), \
              pg_catalog.set_config($q$c$q$, $q$it's$q$, false)"
         );
+    }
+
+    /// The relay's two statements: whatever the previous client left that this one does not
+    /// want exactly is reset in the first, so a refused set in the second leaves defaults.
+    #[test]
+    fn apply_steps_reset_everything_not_exactly_desired_first() {
+        assert_eq!(apply_steps(&[kv("a", "1")], &[kv("a", "1")]), None);
+        let (resets, sets) = apply_steps(
+            &[kv("a", "1"), kv("b", "2"), kv("role", "old")],
+            &[kv("b", "2"), kv("role", "new")],
+        )
+        .unwrap();
+        assert_eq!(
+            resets.as_deref(),
+            Some(
+                "SELECT pg_catalog.set_config($q$a$q$, NULL, false), \
+                 pg_catalog.set_config($q$role$q$, NULL, false)"
+            )
+        );
+        assert_eq!(
+            sets.as_deref(),
+            Some("SELECT pg_catalog.set_config($q$role$q$, $q$new$q$, false)")
+        );
+        let (resets, sets) = apply_steps(&[], &[kv("a", "1")]).unwrap();
+        assert_eq!(resets, None);
+        assert!(sets.is_some());
+        let (resets, sets) = apply_steps(&[kv("a", "1")], &[]).unwrap();
+        assert!(resets.is_some());
+        assert_eq!(sets, None);
+    }
+
+    /// A new session_authorization resets the role: an unchanged role is set again after it.
+    #[test]
+    fn a_new_session_authorization_sets_the_role_again() {
+        let (_, sets) = apply_steps(
+            &[kv("role", "r"), kv("session_authorization", "s1")],
+            &[kv("role", "r"), kv("session_authorization", "s2")],
+        )
+        .unwrap();
+        let sets = sets.unwrap();
+        let (sa, role) = (
+            sets.find("$q$session_authorization$q$").unwrap(),
+            sets.find("$q$role$q$").unwrap(),
+        );
+        assert!(sa < role, "{sets}");
     }
 
     /// Names and values a client controls can never end the literal they are put in: not

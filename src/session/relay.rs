@@ -1067,9 +1067,14 @@ impl Relay {
             )
         })?;
         let conn = b.conn();
-        if let Some(sql) = params::apply_sql(&conn.applied, &self.login.settings) {
+        if let Some((resets, sets)) = params::apply_steps(&conn.applied, &self.login.settings) {
+            // Two messages, two transactions: should the server refuse the client's own
+            // settings, the previous client's are still gone. The client then gets a warning
+            // and the backend is closed after it (`injected_failed`).
             conn.applied = self.login.settings.clone();
-            self.out.query(Mode::Swallow, &sql);
+            for sql in [resets, sets].into_iter().flatten() {
+                self.out.query(Mode::Swallow, &sql);
+            }
         }
         set_cancel_target(&self.cancel, Some(&mut b)).await;
         self.backend = Some(b);

@@ -225,3 +225,108 @@ async fn hostile_values_cannot_escape_the_proxys_literals() {
     );
     proxy.assert_healthy().await;
 }
+
+/// A role the client set is re-applied on every backend it borrows; when the client later
+/// pins that backend and changes a setting there, the reset (`RESET ALL`, which leaves
+/// `role` alone) must not leave the role to the next client. Found by the random sessions (`SET SESSION ROLE`, then an
+/// advisory lock and a `set_config`, then a hang-up).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_role_re_applied_on_a_borrowed_backend_does_not_outlive_the_client() {
+    let env = start(1, "", |_| {});
+    let proxy = &env.proxy;
+    if proxy.is_direct() {
+        note_skipped("backend sharing (direct mode has none)");
+        return;
+    }
+    let cases = [
+        // Tracked: read back; the next client's settings diff undoes the role.
+        "SET statement_timeout = '1s'",
+        // Pinned by the lock, which dirties the settings: `RESET ALL` when the client leaves.
+        "SELECT pg_advisory_lock(11); SET lock_timeout = '5s'",
+        "SET lock_timeout = '5s'; SELECT pg_advisory_lock(11)",
+    ];
+    for later in cases {
+        for spelling in ["SET ROLE", "SET SESSION ROLE"] {
+            let a = proxy.client().await;
+            a.batch_execute(&format!("{spelling} {OTHER_ROLE}"))
+                .await
+                .expect("set role");
+            assert_eq!(
+                scalar(&a, "SELECT current_user").await,
+                OTHER_ROLE,
+                "`{spelling}`: the client lost its own role"
+            );
+            // The last thing the client does on the backend before it goes back.
+            a.batch_execute(later).await.expect("later statement");
+            drop(a);
+            let state = within(
+                Duration::from_secs(10),
+                "the next client",
+                fresh_state(proxy),
+            )
+            .await;
+            assert_eq!(
+                state, CLEAN,
+                "`{spelling}` then `{later}`: the next client saw the role"
+            );
+        }
+    }
+    proxy.assert_healthy().await;
+}
+
+/// The proxy puts a client's own settings on each backend it borrows, in the same write as
+/// the client's statement. When the server refuses one of them (here a role whose membership
+/// was revoked after the client's login), the previous client's settings must still be gone:
+/// the client gets the defaults and a warning, never its predecessor's session.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_refused_client_setting_still_clears_the_previous_clients() {
+    let env = start(1, "", |c| {
+        c.psql(&format!("CREATE ROLE guest; GRANT guest TO {APP_USER};"));
+    });
+    let proxy = &env.proxy;
+    if proxy.is_direct() {
+        note_skipped("backend sharing (direct mode has none)");
+        return;
+    }
+    let mut with_role = proxy.app_config();
+    with_role.options("-c role=guest");
+    let (b, mut notices, _task) = proxy.client_with_messages(&with_role).await;
+    assert_eq!(scalar(&b, "SELECT current_user").await, "guest");
+    // A leaves its search_path on the one backend (tracked: read back, not reset).
+    let a = proxy.client().await;
+    a.batch_execute("SET search_path = evil")
+        .await
+        .expect("set");
+    assert_eq!(
+        scalar(&a, "SELECT current_setting('search_path')").await,
+        "evil"
+    );
+    env.cluster.psql(&format!("REVOKE guest FROM {APP_USER};"));
+    assert_eq!(
+        scalar(
+            &b,
+            "SELECT current_setting('search_path') || '|' || current_user"
+        )
+        .await,
+        format!("\"$user\", public|{APP_USER}"),
+        "B ran on A's settings after its own role was refused"
+    );
+    let warned = within(Duration::from_secs(5), "the warning", async {
+        while let Some(m) = notices.recv().await {
+            if let tokio_postgres::AsyncMessage::Notice(n) = m
+                && n.message().contains("could not re-apply session settings")
+            {
+                return true;
+            }
+        }
+        false
+    })
+    .await;
+    assert!(warned, "B was not told its settings were not applied");
+    // A keeps its own settings; the backend B used was closed, not pooled.
+    assert_eq!(
+        scalar(&a, "SELECT current_setting('search_path')").await,
+        "evil"
+    );
+    proxy.assert_healthy().await;
+}
