@@ -124,21 +124,30 @@ pub fn dollar_tag(body: &str, name: &str) -> String {
 /// `None` when they already match: one statement, so a failure changes nothing (a login
 /// checks the client's settings with it).
 pub fn apply_sql(applied: &[(String, String)], desired: &[(String, String)]) -> Option<String> {
-    let (resets, sets) = apply_parts(applied, desired)?;
+    let (resets, sets, _) = apply_parts(applied, desired)?;
     Some(select(resets.into_iter().chain(sets)))
 }
 
 /// [`apply_sql`] as two statements for two Query messages, each its own transaction: first
 /// every applied setting that is not exactly desired goes back to its default, then the
-/// client's are set. A client's setting the server refuses (a role dropped since its login)
-/// then leaves the backend at defaults, never at the previous client's values.
-pub fn apply_steps(
-    applied: &[(String, String)],
-    desired: &[(String, String)],
-) -> Option<(Option<String>, Option<String>)> {
-    let (resets, sets) = apply_parts(applied, desired)?;
+/// client's are set. A client's setting the server refuses then leaves the backend at
+/// defaults, never at the previous client's values.
+#[derive(Debug, PartialEq, Eq)]
+pub struct Steps {
+    pub resets: Option<String>,
+    pub sets: Option<String>,
+    /// The sets change who the client runs as (`role`, `session_authorization`).
+    pub identity: bool,
+}
+
+pub fn apply_steps(applied: &[(String, String)], desired: &[(String, String)]) -> Option<Steps> {
+    let (resets, sets, identity) = apply_parts(applied, desired)?;
     let nonempty = |v: Vec<String>| (!v.is_empty()).then(|| select(v));
-    Some((nonempty(resets), nonempty(sets)))
+    Some(Steps {
+        resets: nonempty(resets),
+        sets: nonempty(sets),
+        identity,
+    })
 }
 
 fn select(calls: impl IntoIterator<Item = String>) -> String {
@@ -151,10 +160,11 @@ fn select(calls: impl IntoIterator<Item = String>) -> String {
 /// The resets and the sets of [`apply_sql`]: a reset for every applied setting that is not
 /// exactly desired, a set for every desired one not already applied. A new
 /// `session_authorization` resets the role, so then the role is reset and set again too.
+/// The flag: the sets change who the client runs as.
 fn apply_parts(
     applied: &[(String, String)],
     desired: &[(String, String)],
-) -> Option<(Vec<String>, Vec<String>)> {
+) -> Option<(Vec<String>, Vec<String>, bool)> {
     if applied == desired {
         return None;
     }
@@ -177,6 +187,7 @@ fn apply_parts(
     };
     let mut todo: Vec<&(String, String)> = desired.iter().filter(|kv| !keep(kv)).collect();
     todo.sort_by_key(|(n, _)| rank(n));
+    let identity = todo.first().is_some_and(|(n, _)| rank(n) < 2);
     let sets = todo
         .into_iter()
         .map(|(n, v)| {
@@ -187,7 +198,7 @@ fn apply_parts(
             )
         })
         .collect();
-    Some((resets, sets))
+    Some((resets, sets, identity))
 }
 
 #[cfg(test)]
@@ -271,11 +282,16 @@ mod tests {
     #[test]
     fn apply_steps_reset_everything_not_exactly_desired_first() {
         assert_eq!(apply_steps(&[kv("a", "1")], &[kv("a", "1")]), None);
-        let (resets, sets) = apply_steps(
+        let Steps {
+            resets,
+            sets,
+            identity,
+        } = apply_steps(
             &[kv("a", "1"), kv("b", "2"), kv("role", "old")],
             &[kv("b", "2"), kv("role", "new")],
         )
         .unwrap();
+        assert!(identity);
         assert_eq!(
             resets.as_deref(),
             Some(
@@ -287,23 +303,29 @@ mod tests {
             sets.as_deref(),
             Some("SELECT pg_catalog.set_config($q$role$q$, $q$new$q$, false)")
         );
-        let (resets, sets) = apply_steps(&[], &[kv("a", "1")]).unwrap();
-        assert_eq!(resets, None);
-        assert!(sets.is_some());
-        let (resets, sets) = apply_steps(&[kv("a", "1")], &[]).unwrap();
-        assert!(resets.is_some());
-        assert_eq!(sets, None);
+        let s = apply_steps(&[kv("role", "r")], &[kv("a", "1"), kv("role", "r")]).unwrap();
+        assert_eq!(s.resets, None);
+        assert!(s.sets.is_some());
+        assert!(!s.identity, "the role is already there");
+        let s = apply_steps(&[kv("a", "1"), kv("role", "r")], &[]).unwrap();
+        assert!(s.resets.is_some());
+        assert_eq!(s.sets, None);
+        assert!(
+            !s.identity,
+            "a reset to the login user needs no answer first"
+        );
     }
 
     /// A new session_authorization resets the role: an unchanged role is set again after it.
     #[test]
     fn a_new_session_authorization_sets_the_role_again() {
-        let (_, sets) = apply_steps(
+        let s = apply_steps(
             &[kv("role", "r"), kv("session_authorization", "s1")],
             &[kv("role", "r"), kv("session_authorization", "s2")],
         )
         .unwrap();
-        let sets = sets.unwrap();
+        assert!(s.identity);
+        let sets = s.sets.unwrap();
         let (sa, role) = (
             sets.find("$q$session_authorization$q$").unwrap(),
             sets.find("$q$role$q$").unwrap(),

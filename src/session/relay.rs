@@ -1067,14 +1067,23 @@ impl Relay {
             )
         })?;
         let conn = b.conn();
-        if let Some((resets, sets)) = params::apply_steps(&conn.applied, &self.login.settings) {
-            // Two messages, two transactions: should the server refuse the client's own
-            // settings, the previous client's are still gone. The client then gets a warning
-            // and the backend is closed after it (`injected_failed`).
-            conn.applied = self.login.settings.clone();
-            for sql in [resets, sets].into_iter().flatten() {
-                self.out.query(Mode::Swallow, &sql);
+        if let Some(steps) = params::apply_steps(&conn.applied, &self.login.settings) {
+            if steps.identity {
+                // Who the client runs as must be certain before its statement goes.
+                let wait = Duration::from_millis(pool.cfg.checkout_timeout_ms);
+                if let Err(e) = apply_now(conn, &steps, wait).await {
+                    b.discard();
+                    return Err(e);
+                }
+            } else {
+                // Two messages, two transactions: should the server refuse one of the
+                // client's settings, the previous client's are still gone. The client then
+                // gets a warning and the backend is closed after it (`injected_failed`).
+                for sql in [steps.resets, steps.sets].into_iter().flatten() {
+                    self.out.query(Mode::Swallow, &sql);
+                }
             }
+            conn.applied = self.login.settings.clone();
         }
         set_cancel_target(&self.cancel, Some(&mut b)).await;
         self.backend = Some(b);
@@ -1555,6 +1564,41 @@ impl Cleanup {
         }
         Ok(())
     }
+}
+
+/// Runs a settings re-apply that changes the client's identity and waits for its answer.
+/// Refused by the server (a role the login user may no longer take), the client's statement
+/// does not run as someone else: the session ends, as a login with that setting would be
+/// refused (each statement would otherwise cost a backend). A lost connection is an error
+/// the client may retry.
+async fn apply_now(
+    conn: &mut crate::pool::BackendConn,
+    steps: &params::Steps,
+    wait: Duration,
+) -> Result<(), PgError> {
+    let run = async {
+        for sql in [&steps.resets, &steps.sets].into_iter().flatten() {
+            conn.simple(sql).await?;
+        }
+        Ok::<_, crate::pool::ConnectError>(())
+    };
+    let why = match tokio::time::timeout(wait, run).await {
+        Ok(Ok(())) => return Ok(()),
+        Ok(Err(crate::pool::ConnectError::Server { code, message, .. })) => {
+            return Err(PgError::error(
+                super::static_code(&code),
+                format!("pgsluice: could not apply your session settings on a server connection: {message}"),
+            )
+            .with_hint("the server refused the role or session authorization this session runs as; reconnect")
+            .into_fatal());
+        }
+        Ok(Err(e)) => e.to_string(),
+        Err(_) => format!("no answer within {} ms", wait.as_millis()),
+    };
+    Err(PgError::error(
+        "08006",
+        format!("pgsluice: could not apply your session settings on a server connection: {why}"),
+    ))
 }
 
 /// The attached backend's statements. Callers run only after `ensure_backend` succeeded.

@@ -275,23 +275,29 @@ async fn a_role_re_applied_on_a_borrowed_backend_does_not_outlive_the_client() {
 }
 
 /// The proxy puts a client's own settings on each backend it borrows, in the same write as
-/// the client's statement. When the server refuses one of them (here a role whose membership
-/// was revoked after the client's login), the previous client's settings must still be gone:
-/// the client gets the defaults and a warning, never its predecessor's session.
+/// the client's statement. When the server refuses one of them (here a superuser setting
+/// whose `GRANT SET` was revoked after the client's login), the previous client's settings
+/// must still be gone: the client gets the defaults and a warning, never its predecessor's
+/// session.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_refused_client_setting_still_clears_the_previous_clients() {
     let env = start(1, "", |c| {
-        c.psql(&format!("CREATE ROLE guest; GRANT guest TO {APP_USER};"));
+        c.psql(&format!(
+            "GRANT SET ON PARAMETER log_statement TO {APP_USER};"
+        ));
     });
     let proxy = &env.proxy;
     if proxy.is_direct() {
         note_skipped("backend sharing (direct mode has none)");
         return;
     }
-    let mut with_role = proxy.app_config();
-    with_role.options("-c role=guest");
-    let (b, mut notices, _task) = proxy.client_with_messages(&with_role).await;
-    assert_eq!(scalar(&b, "SELECT current_user").await, "guest");
+    let mut with_setting = proxy.app_config();
+    with_setting.options("-c log_statement=all");
+    let (b, mut notices, _task) = proxy.client_with_messages(&with_setting).await;
+    assert_eq!(
+        scalar(&b, "SELECT current_setting('log_statement')").await,
+        "all"
+    );
     // A leaves its search_path on the one backend (tracked: read back, not reset).
     let a = proxy.client().await;
     a.batch_execute("SET search_path = evil")
@@ -301,15 +307,17 @@ async fn a_refused_client_setting_still_clears_the_previous_clients() {
         scalar(&a, "SELECT current_setting('search_path')").await,
         "evil"
     );
-    env.cluster.psql(&format!("REVOKE guest FROM {APP_USER};"));
+    env.cluster.psql(&format!(
+        "REVOKE SET ON PARAMETER log_statement FROM {APP_USER};"
+    ));
     assert_eq!(
         scalar(
             &b,
-            "SELECT current_setting('search_path') || '|' || current_user"
+            "SELECT current_setting('search_path') || '|' || current_setting('log_statement')"
         )
         .await,
-        format!("\"$user\", public|{APP_USER}"),
-        "B ran on A's settings after its own role was refused"
+        "\"$user\", public|none",
+        "B ran on A's settings after its own setting was refused"
     );
     let warned = within(Duration::from_secs(5), "the warning", async {
         while let Some(m) = notices.recv().await {
@@ -324,6 +332,50 @@ async fn a_refused_client_setting_still_clears_the_previous_clients() {
     .await;
     assert!(warned, "B was not told its settings were not applied");
     // A keeps its own settings; the backend B used was closed, not pooled.
+    assert_eq!(
+        scalar(&a, "SELECT current_setting('search_path')").await,
+        "evil"
+    );
+    proxy.assert_healthy().await;
+}
+
+/// A role the client runs as (here from its startup options) that the server no longer
+/// lets the login user take: the client's statement must not run as the login user
+/// instead. It is refused and the session ends, as a new login with that role would be;
+/// the next client gets a clean backend.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_refused_role_ends_the_session_instead_of_running_as_the_login_user() {
+    let env = start(1, "", |c| {
+        c.psql(&format!("CREATE ROLE guest; GRANT guest TO {APP_USER};"));
+    });
+    let proxy = &env.proxy;
+    if proxy.is_direct() {
+        note_skipped("backend sharing (direct mode has none)");
+        return;
+    }
+    let mut with_role = proxy.app_config();
+    with_role.options("-c role=guest");
+    let b = proxy.client_with(&with_role).await.0;
+    assert_eq!(scalar(&b, "SELECT current_user").await, "guest");
+    // A takes the backend in between, so B's next statement needs its role applied again.
+    let a = proxy.client().await;
+    a.batch_execute("SET search_path = evil")
+        .await
+        .expect("set");
+    env.cluster.psql(&format!("REVOKE guest FROM {APP_USER};"));
+    let err = b
+        .query_one("SELECT current_user::text", &[])
+        .await
+        .expect_err("B's statement ran without its role");
+    let db = err.as_db_error().expect("a server error");
+    assert_eq!(db.code().code(), "42501", "{db:?}");
+    assert!(
+        db.message()
+            .contains("could not apply your session settings"),
+        "{db:?}"
+    );
+    assert!(b.is_closed() || b.simple_query("SELECT 1").await.is_err());
+    assert_eq!(fresh_state(proxy).await, CLEAN);
     assert_eq!(
         scalar(&a, "SELECT current_setting('search_path')").await,
         "evil"
