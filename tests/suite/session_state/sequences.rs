@@ -1,7 +1,8 @@
 //! Random client sessions with an isolation oracle: sequences of whole client messages (simple
 //! and extended protocol, FunctionCall, transaction control, session-state changes in many
-//! spellings, truncated frames, hang-ups at any point) go through a pool of one backend; after
-//! each session a fresh client, necessarily on that backend, must see a clean session.
+//! spellings, truncated frames, hang-ups at any point) go through a pool of one backend, from
+//! clients some of which log in with settings of their own (a role, a search_path, timeouts);
+//! after each session a fresh client, necessarily on that backend, must see a clean session.
 //!
 //! Reproducible: the seed is printed, and `PGSLUICE_SEQUENCE_SEED=<n>` replays one run.
 
@@ -62,20 +63,36 @@ fn statements() -> Vec<String> {
         "ROLLBACK",
         "SELECT 1/0",
         "SELEC broken",
+        "RESET ROLE",
+        "SET LOCAL search_path = evil",
+        "CREATE TEMP TABLE IF NOT EXISTS tmp_leak (a int)",
+        "DECLARE held CURSOR WITH HOLD FOR SELECT 1",
+        "PREPARE sqlp AS SELECT 1",
     ]
     .iter()
     .map(|s| (*s).to_string())
     .collect();
     v.push(format!("SET ROLE {OTHER_ROLE}"));
     v.push(format!("SET SESSION ROLE {OTHER_ROLE}"));
+    v.push(format!("SET LOCAL ROLE {OTHER_ROLE}"));
     v
 }
 
 /// One random session; returns what it sent, for the failure message.
 async fn session(proxy: &Proxy, rng: &mut Rng, stmts: &[String], set_config_oid: u32) -> String {
-    let mut log = String::new();
-    let Ok(mut c) = WireClient::connect(proxy.addr(), APP_USER, APP_PASSWORD, APP_DB).await else {
-        return "login failed".into();
+    // Most log in plain; some bring settings the proxy re-applies on every backend.
+    let role = format!("-c role={OTHER_ROLE}");
+    let startup: Vec<(&str, &str)> = match rng.below(8) {
+        0 => vec![("options", role.as_str())],
+        1 => vec![("search_path", "evil"), ("application_name", "seq")],
+        2 => vec![("options", "-c statement_timeout=3s -c lock_timeout=4s")],
+        _ => vec![],
+    };
+    let mut log = format!("login {startup:?}: ");
+    let Ok(mut c) =
+        WireClient::connect_with(proxy.addr(), APP_USER, APP_PASSWORD, APP_DB, &startup).await
+    else {
+        return log + "login failed";
     };
     let steps = 1 + rng.below(8);
     for _ in 0..steps {
