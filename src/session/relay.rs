@@ -1582,23 +1582,22 @@ async fn apply_now(
         }
         Ok::<_, crate::pool::ConnectError>(())
     };
+    const WHAT: &str = "pgsluice: could not apply your session settings on a server connection";
     let why = match tokio::time::timeout(wait, run).await {
         Ok(Ok(())) => return Ok(()),
         Ok(Err(crate::pool::ConnectError::Server { code, message, .. })) => {
-            return Err(PgError::error(
-                super::static_code(&code),
-                format!("pgsluice: could not apply your session settings on a server connection: {message}"),
-            )
-            .with_hint("the server refused the role or session authorization this session runs as; reconnect")
-            .into_fatal());
+            let hint = "the server refused the role or session authorization this session \
+                        runs as; reconnect";
+            return Err(
+                PgError::error(super::static_code(&code), format!("{WHAT}: {message}"))
+                    .with_hint(hint)
+                    .into_fatal(),
+            );
         }
         Ok(Err(e)) => e.to_string(),
         Err(_) => format!("no answer within {} ms", wait.as_millis()),
     };
-    Err(PgError::error(
-        "08006",
-        format!("pgsluice: could not apply your session settings on a server connection: {why}"),
-    ))
+    Err(PgError::error("08006", format!("{WHAT}: {why}")))
 }
 
 /// The attached backend's statements. Callers run only after `ensure_backend` succeeded.

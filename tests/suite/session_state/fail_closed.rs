@@ -228,8 +228,8 @@ async fn hostile_values_cannot_escape_the_proxys_literals() {
 
 /// A role the client set is re-applied on every backend it borrows; when the client later
 /// pins that backend and changes a setting there, the reset (`RESET ALL`, which leaves
-/// `role` alone) must not leave the role to the next client. Found by the random sessions (`SET SESSION ROLE`, then an
-/// advisory lock and a `set_config`, then a hang-up).
+/// `role` alone) must not leave the role to the next client. Found by the random sessions
+/// (`SET SESSION ROLE`, then an advisory lock and a `set_config`, then a hang-up).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_role_re_applied_on_a_borrowed_backend_does_not_outlive_the_client() {
     let env = start(1, "", |_| {});
