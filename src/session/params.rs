@@ -124,31 +124,65 @@ pub fn dollar_tag(body: &str, name: &str) -> String {
 /// `None` when they already match: one statement, so a failure changes nothing (a login
 /// checks the client's settings with it).
 pub fn apply_sql(applied: &[(String, String)], desired: &[(String, String)]) -> Option<String> {
-    let (resets, sets, _) = apply_parts(applied, desired)?;
+    let (resets, sets, _) = apply_parts(applied, desired, false)?;
     Some(select(resets.into_iter().chain(sets)))
 }
 
-/// [`apply_sql`] as two statements for two Query messages, each its own transaction: first
-/// every applied setting that is not exactly desired goes back to its default, then the
-/// client's are set. A client's setting the server refuses then leaves the backend at
-/// defaults, never at the previous client's values.
+/// [`apply_sql`] for the relay, as two statements for two Query messages where a set may be
+/// refused, each its own transaction: first every applied setting that is not exactly
+/// desired goes back to its default, then the client's are set. A client's setting the
+/// server refuses then leaves the backend at defaults, never at the previous client's values.
 #[derive(Debug, PartialEq, Eq)]
 pub struct Steps {
-    pub resets: Option<String>,
-    pub sets: Option<String>,
+    /// One Query message each, in order.
+    pub statements: Vec<String>,
     /// The sets change who the client runs as (`role`, `session_authorization`).
     pub identity: bool,
 }
 
+/// When every setting to set is one whose value, once the server accepted it, it accepts
+/// again on any backend ([`REAPPLY_CANNOT_FAIL`]), nothing can be refused: one statement.
 pub fn apply_steps(applied: &[(String, String)], desired: &[(String, String)]) -> Option<Steps> {
-    let (resets, sets, identity) = apply_parts(applied, desired)?;
-    let nonempty = |v: Vec<String>| (!v.is_empty()).then(|| select(v));
+    if applied == desired {
+        return None;
+    }
+    let certain = desired
+        .iter()
+        .filter(|kv| !applied.contains(kv))
+        .all(|(n, _)| REAPPLY_CANNOT_FAIL.contains(&n.as_str()));
+    let (mut resets, sets, identity) = apply_parts(applied, desired, !certain)?;
+    let statements = if certain || resets.is_empty() || sets.is_empty() {
+        resets.extend(sets);
+        vec![select(resets)]
+    } else {
+        vec![select(resets), select(sets)]
+    };
     Some(Steps {
-        resets: nonempty(resets),
-        sets: nonempty(sets),
+        statements,
         identity,
     })
 }
+
+/// Settings anyone may set (`PGC_USERSET`, where `GRANT SET` means nothing) whose check, if
+/// any, reads only the value: not the catalog (`default_tablespace`, `role`), not what a
+/// backend has loaded (custom `prefix.name` settings fail once a module reserves the prefix).
+/// A value the server took once it takes again, on any backend.
+const REAPPLY_CANNOT_FAIL: &[&str] = &[
+    "application_name",
+    "bytea_output",
+    "client_min_messages",
+    "datestyle",
+    "extra_float_digits",
+    "idle_in_transaction_session_timeout",
+    "idle_session_timeout",
+    "intervalstyle",
+    "lock_timeout",
+    "maintenance_work_mem",
+    "search_path",
+    "statement_timeout",
+    "timezone",
+    "work_mem",
+];
 
 fn select(calls: impl IntoIterator<Item = String>) -> String {
     format!(
@@ -158,12 +192,14 @@ fn select(calls: impl IntoIterator<Item = String>) -> String {
 }
 
 /// The resets and the sets of [`apply_sql`]: a reset for every applied setting that is not
-/// exactly desired, a set for every desired one not already applied. A new
-/// `session_authorization` resets the role, so then the role is reset and set again too.
-/// The flag: the sets change who the client runs as.
+/// desired (with `reset_changed`, every one not desired exactly: for a set that may be
+/// refused in a statement of its own), a set for every desired one not already applied. A
+/// new `session_authorization` resets the role, so then the role is set again too. The
+/// flag: the sets change who the client runs as.
 fn apply_parts(
     applied: &[(String, String)],
     desired: &[(String, String)],
+    reset_changed: bool,
 ) -> Option<(Vec<String>, Vec<String>, bool)> {
     if applied == desired {
         return None;
@@ -176,7 +212,13 @@ fn apply_parts(
     };
     let resets = applied
         .iter()
-        .filter(|kv| !keep(kv))
+        .filter(|kv| {
+            if reset_changed {
+                !keep(kv)
+            } else {
+                !desired.iter().any(|d| d.0 == kv.0)
+            }
+        })
         .map(|(n, _)| format!("pg_catalog.set_config({}, NULL, false)", literal(n)))
         .collect();
     // SET SESSION AUTHORIZATION resets the role, so it goes first and role second.
@@ -282,38 +324,57 @@ mod tests {
     #[test]
     fn apply_steps_reset_everything_not_exactly_desired_first() {
         assert_eq!(apply_steps(&[kv("a", "1")], &[kv("a", "1")]), None);
-        let Steps {
-            resets,
-            sets,
-            identity,
-        } = apply_steps(
+        let s = apply_steps(
             &[kv("a", "1"), kv("b", "2"), kv("role", "old")],
             &[kv("b", "2"), kv("role", "new")],
         )
         .unwrap();
-        assert!(identity);
+        assert!(s.identity);
         assert_eq!(
-            resets.as_deref(),
-            Some(
+            s.statements,
+            [
                 "SELECT pg_catalog.set_config($q$a$q$, NULL, false), \
-                 pg_catalog.set_config($q$role$q$, NULL, false)"
-            )
-        );
-        assert_eq!(
-            sets.as_deref(),
-            Some("SELECT pg_catalog.set_config($q$role$q$, $q$new$q$, false)")
+                 pg_catalog.set_config($q$role$q$, NULL, false)",
+                "SELECT pg_catalog.set_config($q$role$q$, $q$new$q$, false)"
+            ]
         );
         let s = apply_steps(&[kv("role", "r")], &[kv("a", "1"), kv("role", "r")]).unwrap();
-        assert_eq!(s.resets, None);
-        assert!(s.sets.is_some());
+        assert_eq!(s.statements.len(), 1, "nothing to reset");
         assert!(!s.identity, "the role is already there");
         let s = apply_steps(&[kv("a", "1"), kv("role", "r")], &[]).unwrap();
-        assert!(s.resets.is_some());
-        assert_eq!(s.sets, None);
+        assert_eq!(s.statements.len(), 1, "nothing to set");
         assert!(
             !s.identity,
             "a reset to the login user needs no answer first"
         );
+    }
+
+    /// Settings whose re-apply cannot be refused go in one statement (one transaction, one
+    /// reply); one that can makes it two.
+    #[test]
+    fn settings_that_cannot_be_refused_go_in_one_statement() {
+        let s = apply_steps(
+            &[kv("application_name", "a"), kv("search_path", "x")],
+            &[kv("search_path", "y"), kv("statement_timeout", "5s")],
+        )
+        .unwrap();
+        assert!(!s.identity);
+        let [one] = &s.statements[..] else {
+            panic!("{s:?}");
+        };
+        let (reset, set) = (
+            one.find("$q$application_name$q$, NULL").unwrap(),
+            one.find("$q$search_path$q$, $q$y$q$").unwrap(),
+        );
+        assert!(reset < set, "{one}");
+        assert!(
+            !one.contains("$q$search_path$q$, NULL"),
+            "a set overwrites: {one}"
+        );
+        for risky in ["app.tenant", "default_tablespace", "log_statement", "role"] {
+            let s = apply_steps(&[kv("search_path", "x")], &[kv(risky, "v")]).unwrap();
+            assert_eq!(s.statements.len(), 2, "{risky}: {s:?}");
+        }
     }
 
     /// A new session_authorization resets the role: an unchanged role is set again after it.
@@ -325,7 +386,7 @@ mod tests {
         )
         .unwrap();
         assert!(s.identity);
-        let sets = s.sets.unwrap();
+        let sets = s.statements.last().unwrap();
         let (sa, role) = (
             sets.find("$q$session_authorization$q$").unwrap(),
             sets.find("$q$role$q$").unwrap(),

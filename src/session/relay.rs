@@ -1069,18 +1069,22 @@ impl Relay {
         let conn = b.conn();
         if let Some(steps) = params::apply_steps(&conn.applied, &self.login.settings) {
             if steps.identity {
-                // Who the client runs as must be certain before its statement goes.
+                // Who the client runs as must be certain before its statement goes. One
+                // statement: refused, it changes nothing, and the backend is closed.
                 let wait = Duration::from_millis(pool.cfg.checkout_timeout_ms);
-                if let Err(e) = apply_now(conn, &steps, wait).await {
+                let sql = params::apply_sql(&conn.applied, &self.login.settings)
+                    .expect("settings differ");
+                if let Err(e) = apply_now(conn, &sql, wait).await {
                     b.discard();
                     return Err(e);
                 }
             } else {
-                // Two messages, two transactions: should the server refuse one of the
-                // client's settings, the previous client's are still gone. The client then
-                // gets a warning and the backend is closed after it (`injected_failed`).
-                for sql in [steps.resets, steps.sets].into_iter().flatten() {
-                    self.out.query(Mode::Swallow, &sql);
+                // Where a set may be refused, resets and sets are two messages, two
+                // transactions: the previous client's settings are gone all the same. The
+                // client then gets a warning and the backend is closed after it
+                // (`injected_failed`).
+                for sql in &steps.statements {
+                    self.out.query(Mode::Swallow, sql);
                 }
             }
             conn.applied = self.login.settings.clone();
@@ -1573,15 +1577,10 @@ impl Cleanup {
 /// the client may retry.
 async fn apply_now(
     conn: &mut crate::pool::BackendConn,
-    steps: &params::Steps,
+    sql: &str,
     wait: Duration,
 ) -> Result<(), PgError> {
-    let run = async {
-        for sql in [&steps.resets, &steps.sets].into_iter().flatten() {
-            conn.simple(sql).await?;
-        }
-        Ok::<_, crate::pool::ConnectError>(())
-    };
+    let run = async { conn.simple(sql).await.map(|_| ()) };
     const WHAT: &str = "pgsluice: could not apply your session settings on a server connection";
     let why = match tokio::time::timeout(wait, run).await {
         Ok(Ok(())) => return Ok(()),
