@@ -220,8 +220,8 @@ pub struct BackendConn {
 /// What a client changed on this connection that must be undone before reuse.
 #[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
 pub struct Dirt {
+    /// Settings (the role and session authorization among them).
     pub gucs: bool,
-    pub role: bool,
     pub listen: bool,
     pub advisory: bool,
     pub cursors: bool,
@@ -241,7 +241,6 @@ impl Dirt {
 
     pub fn merge(&mut self, o: Dirt) {
         self.gucs |= o.gucs;
-        self.role |= o.role;
         self.listen |= o.listen;
         self.advisory |= o.advisory;
         self.cursors |= o.cursors;
@@ -261,14 +260,11 @@ impl Dirt {
             return Some("DISCARD ALL".to_owned());
         }
         let mut s = String::new();
-        // `RESET ALL` leaves `role` and `session_authorization` alone, yet the caller forgets
-        // every applied setting after it: a role the proxy re-applied for the client (not
-        // marked `role`, the client did not set it here) would outlive it. So both go.
-        if self.role || self.gucs {
-            s.push_str("RESET SESSION AUTHORIZATION;RESET ROLE;");
-        }
         if self.gucs {
-            s.push_str("RESET ALL;");
+            // `RESET ALL` leaves `role` and `session_authorization` alone, yet the caller
+            // forgets every applied setting after it: a role the proxy re-applied for the
+            // client (who need not have set it on this backend) would outlive it.
+            s.push_str("RESET SESSION AUTHORIZATION;RESET ROLE;RESET ALL;");
         }
         if self.listen {
             s.push_str("UNLISTEN *;");
@@ -864,10 +860,6 @@ mod tests {
         for d in [
             Dirt {
                 gucs: true,
-                ..Dirt::default()
-            },
-            Dirt {
-                role: true,
                 ..Dirt::default()
             },
             Dirt {

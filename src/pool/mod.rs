@@ -1100,8 +1100,8 @@ impl Pooled {
                 conn.prepared.clear();
                 conn.stale.clear();
             }
-            if conn.dirty.gucs || conn.dirty.role || conn.dirty.all {
-                // RESET ALL (or the role's reset) also undid the client startup parameters.
+            if conn.dirty.gucs || conn.dirty.all {
+                // RESET ALL also undid the client startup parameters.
                 conn.applied.clear();
             }
             conn.dirty = Dirt::default();

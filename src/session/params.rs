@@ -124,14 +124,16 @@ pub fn dollar_tag(body: &str, name: &str) -> String {
 /// `None` when they already match: one statement, so a failure changes nothing (a login
 /// checks the client's settings with it).
 pub fn apply_sql(applied: &[(String, String)], desired: &[(String, String)]) -> Option<String> {
-    let (resets, sets, _) = apply_parts(applied, desired, false)?;
-    Some(select(resets.into_iter().chain(sets)))
+    let p = apply_parts(applied, desired)?;
+    Some(select(p.gone.into_iter().chain(p.sets)))
 }
 
-/// [`apply_sql`] for the relay, as two statements for two Query messages where a set may be
-/// refused, each its own transaction: first every applied setting that is not exactly
-/// desired goes back to its default, then the client's are set. A client's setting the
-/// server refuses then leaves the backend at defaults, never at the previous client's values.
+/// [`apply_sql`] for the relay. Pipelined in front of the client's statement, a set the
+/// server may refuse gets two statements for two Query messages, each its own transaction:
+/// first every applied setting that is not exactly desired goes back to its default, then
+/// the client's are set, so a refusal leaves defaults, never the previous client's values.
+/// An identity change is one statement, answered before the client's statement goes (a
+/// refusal changes nothing and the backend is closed).
 #[derive(Debug, PartialEq, Eq)]
 pub struct Steps {
     /// One Query message each, in order.
@@ -143,19 +145,26 @@ pub struct Steps {
 /// When every setting to set is one whose value, once the server accepted it, it accepts
 /// again on any backend ([`REAPPLY_CANNOT_FAIL`]), nothing can be refused: one statement.
 pub fn apply_steps(applied: &[(String, String)], desired: &[(String, String)]) -> Option<Steps> {
-    if applied == desired {
-        return None;
-    }
+    let Parts {
+        mut gone,
+        changed,
+        sets,
+        identity,
+    } = apply_parts(applied, desired)?;
     let certain = desired
         .iter()
         .filter(|kv| !applied.contains(kv))
         .all(|(n, _)| REAPPLY_CANNOT_FAIL.contains(&n.as_str()));
-    let (mut resets, sets, identity) = apply_parts(applied, desired, !certain)?;
-    let statements = if certain || resets.is_empty() || sets.is_empty() {
-        resets.extend(sets);
-        vec![select(resets)]
+    let statements = if certain || identity || sets.is_empty() {
+        gone.extend(sets);
+        vec![select(gone)]
     } else {
-        vec![select(resets), select(sets)]
+        gone.extend(changed);
+        if gone.is_empty() {
+            vec![select(sets)]
+        } else {
+            vec![select(gone), select(sets)]
+        }
     };
     Some(Steps {
         statements,
@@ -191,16 +200,21 @@ fn select(calls: impl IntoIterator<Item = String>) -> String {
     )
 }
 
-/// The resets and the sets of [`apply_sql`]: a reset for every applied setting that is not
-/// desired (with `reset_changed`, every one not desired exactly: for a set that may be
-/// refused in a statement of its own), a set for every desired one not already applied. A
-/// new `session_authorization` resets the role, so then the role is set again too. The
-/// flag: the sets change who the client runs as.
-fn apply_parts(
-    applied: &[(String, String)],
-    desired: &[(String, String)],
-    reset_changed: bool,
-) -> Option<(Vec<String>, Vec<String>, bool)> {
+/// The `set_config` calls between two lists of settings.
+struct Parts {
+    /// Resets of applied settings not desired at all.
+    gone: Vec<String>,
+    /// Resets of applied settings desired with another value (a set overwrites them too;
+    /// reset first only when the set may be refused in a statement of its own).
+    changed: Vec<String>,
+    /// Sets of desired settings not applied as they are. A new `session_authorization`
+    /// resets the role, so then the role is set again too, after it.
+    sets: Vec<String>,
+    /// The sets change who the client runs as.
+    identity: bool,
+}
+
+fn apply_parts(applied: &[(String, String)], desired: &[(String, String)]) -> Option<Parts> {
     if applied == desired {
         return None;
     }
@@ -210,17 +224,12 @@ fn apply_parts(
     let keep = |kv: &(String, String)| {
         applied.contains(kv) && desired.contains(kv) && !(identity_changes && kv.0 == "role")
     };
-    let resets = applied
+    let reset =
+        |(n, _): &(String, String)| format!("pg_catalog.set_config({}, NULL, false)", literal(n));
+    let (gone, changed): (Vec<_>, Vec<_>) = applied
         .iter()
-        .filter(|kv| {
-            if reset_changed {
-                !keep(kv)
-            } else {
-                !desired.iter().any(|d| d.0 == kv.0)
-            }
-        })
-        .map(|(n, _)| format!("pg_catalog.set_config({}, NULL, false)", literal(n)))
-        .collect();
+        .filter(|kv| !keep(kv))
+        .partition(|kv| !desired.iter().any(|d| d.0 == kv.0));
     // SET SESSION AUTHORIZATION resets the role, so it goes first and role second.
     let rank = |n: &str| match n {
         "session_authorization" => 0,
@@ -240,7 +249,12 @@ fn apply_parts(
             )
         })
         .collect();
-    Some((resets, sets, identity))
+    Some(Parts {
+        gone: gone.into_iter().map(reset).collect(),
+        changed: changed.into_iter().map(reset).collect(),
+        sets,
+        identity,
+    })
 }
 
 #[cfg(test)]
@@ -321,22 +335,30 @@ mod tests {
 
     /// The relay's two statements: whatever the previous client left that this one does not
     /// want exactly is reset in the first, so a refused set in the second leaves defaults.
+    /// An identity change is one statement (the relay waits for its answer).
     #[test]
     fn apply_steps_reset_everything_not_exactly_desired_first() {
         assert_eq!(apply_steps(&[kv("a", "1")], &[kv("a", "1")]), None);
         let s = apply_steps(
-            &[kv("a", "1"), kv("b", "2"), kv("role", "old")],
-            &[kv("b", "2"), kv("role", "new")],
+            &[kv("a", "1"), kv("b", "2"), kv("c", "old")],
+            &[kv("b", "2"), kv("c", "new")],
         )
         .unwrap();
-        assert!(s.identity);
+        assert!(!s.identity);
         assert_eq!(
             s.statements,
             [
                 "SELECT pg_catalog.set_config($q$a$q$, NULL, false), \
-                 pg_catalog.set_config($q$role$q$, NULL, false)",
-                "SELECT pg_catalog.set_config($q$role$q$, $q$new$q$, false)"
+                 pg_catalog.set_config($q$c$q$, NULL, false)",
+                "SELECT pg_catalog.set_config($q$c$q$, $q$new$q$, false)"
             ]
+        );
+        let s = apply_steps(&[kv("a", "1"), kv("role", "old")], &[kv("role", "new")]).unwrap();
+        assert!(s.identity);
+        assert_eq!(
+            s.statements,
+            ["SELECT pg_catalog.set_config($q$a$q$, NULL, false), \
+              pg_catalog.set_config($q$role$q$, $q$new$q$, false)"]
         );
         let s = apply_steps(&[kv("role", "r")], &[kv("a", "1"), kv("role", "r")]).unwrap();
         assert_eq!(s.statements.len(), 1, "nothing to reset");
@@ -371,7 +393,7 @@ mod tests {
             !one.contains("$q$search_path$q$, NULL"),
             "a set overwrites: {one}"
         );
-        for risky in ["app.tenant", "default_tablespace", "log_statement", "role"] {
+        for risky in ["app.tenant", "default_tablespace", "log_statement"] {
             let s = apply_steps(&[kv("search_path", "x")], &[kv(risky, "v")]).unwrap();
             assert_eq!(s.statements.len(), 2, "{risky}: {s:?}");
         }

@@ -1069,12 +1069,10 @@ impl Relay {
         let conn = b.conn();
         if let Some(steps) = params::apply_steps(&conn.applied, &self.login.settings) {
             if steps.identity {
-                // Who the client runs as must be certain before its statement goes. One
-                // statement: refused, it changes nothing, and the backend is closed.
+                // Who the client runs as must be certain before its statement goes (one
+                // statement: refused, it changes nothing, and the backend is closed).
                 let wait = Duration::from_millis(pool.cfg.checkout_timeout_ms);
-                let sql = params::apply_sql(&conn.applied, &self.login.settings)
-                    .expect("settings differ");
-                if let Err(e) = apply_now(conn, &sql, wait).await {
+                if let Err(e) = apply_now(conn, &steps.statements, wait).await {
                     b.discard();
                     return Err(e);
                 }
@@ -1577,10 +1575,15 @@ impl Cleanup {
 /// the client may retry.
 async fn apply_now(
     conn: &mut crate::pool::BackendConn,
-    sql: &str,
+    statements: &[String],
     wait: Duration,
 ) -> Result<(), PgError> {
-    let run = async { conn.simple(sql).await.map(|_| ()) };
+    let run = async {
+        for sql in statements {
+            conn.simple(sql).await?;
+        }
+        Ok::<_, crate::pool::ConnectError>(())
+    };
     const WHAT: &str = "pgsluice: could not apply your session settings on a server connection";
     let why = match tokio::time::timeout(wait, run).await {
         Ok(Ok(())) => return Ok(()),

@@ -201,10 +201,7 @@ pub fn assess(c: &Classified, mode: SessionStateMode) -> Assessment {
     for e in &c.effects {
         match e {
             SessionEffect::Set { local: true, .. } => {}
-            SessionEffect::Set { name, .. } => {
-                if name == "role" || name == "session_authorization" {
-                    a.dirt.role = true;
-                }
+            SessionEffect::Set { .. } => {
                 a.dirt.gucs = true;
                 a.capture = true;
                 trackable.get_or_insert("SET");
@@ -275,7 +272,6 @@ pub fn assess(c: &Classified, mode: SessionStateMode) -> Assessment {
     if tracked {
         // Settings are captured and re-applied; no reset needed beyond the usual diff.
         a.dirt.gucs = false;
-        a.dirt.role = false;
         a.capture |= unknown;
     }
     a
@@ -357,7 +353,7 @@ mod tests {
         let a = assess_sql("select pg_advisory_lock(1)", SessionStateMode::Track);
         assert!(a.pin && a.dirt.advisory);
         let a = assess_sql("SET ROLE other", SessionStateMode::Pin);
-        assert!(a.pin && a.dirt.role);
+        assert!(a.pin && a.dirt.gucs);
         let a = assess_sql("LISTEN jobs", SessionStateMode::Reject);
         let e = a.reject.unwrap();
         assert_eq!(e.code, "0A000");
