@@ -16,9 +16,17 @@
 # BASELINE=1 counts PgBouncer (transaction mode, pool 20, md5) the same way in the same run and
 # prints the ratio (as user postgres when run as root; PgBouncer refuses root; not with
 # MODE=prepared, which PgBouncer 1.18 cannot relay in transaction mode).
+# CACHE=1 also simulates the caches (valgrind's model: first-level data cache as valgrind reads
+# it off this CPU, and a last level of L2 bytes, default 2 MiB: one core's L2 here, not the
+# shared L3) and prints the misses per transaction in each level, for pgsluice and, with
+# BASELINE=1, PgBouncer: what a transaction costs in memory traffic, which instruction counts
+# do not show (at -c 512 each client's state has gone cold by its next turn).
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/ab-lib.sh"
 : "${T1:=50}" "${T2:=250}" "${MODE:=simple}" "${TOP:=25}" "${CONNECT:=0}" "${BASELINE:=0}"
+: "${CACHE:=0}" "${L2:=2097152}"
+VG=(--tool=callgrind)
+[[ $CACHE == 1 ]] && VG+=(--cache-sim=yes "--LL=$L2,16,64")
 command -v valgrind >/dev/null || { echo "valgrind missing: apt-get install valgrind" >&2; exit 1; }
 ab_setup
 ab_sluice_config "$DIR/p.yaml"
@@ -26,7 +34,7 @@ ab_sluice_config "$DIR/p.yaml"
 # Ir of the whole proxy run with `$1` clients and `$2` transactions each; profile in $DIR/$3.
 run() {
     local c=$1 t=$2 out=$DIR/$3
-    valgrind --tool=callgrind --callgrind-out-file="$out" "$BIN" --config "$DIR/p.yaml" \
+    valgrind "${VG[@]}" --callgrind-out-file="$out" "$BIN" --config "$DIR/p.yaml" \
         --listen 127.0.0.1:0 --admin-listen 127.0.0.1:0 \
         --backend "postgres://$PGUSER:$PGPASSWORD@$PGHOST:$PGPORT/$PGDATABASE" \
         >"$DIR/cg.out" 2>"$DIR/cg.log" &
@@ -45,8 +53,17 @@ run() {
         { cat "$DIR/pgbench.log" >&2; exit 1; }
     kill -TERM "$pid"
     wait "$pid" || true
-    callgrind_annotate --auto=no --threshold=100 "$out" 2>/dev/null |
+    callgrind_annotate --show=Ir --auto=no --threshold=100 "$out" 2>/dev/null |
         grep -E '^ *[0-9,]+ \(' | grep -v '=>' >"$out.txt"
+    cache_totals "$out"
+}
+
+# With CACHE=1, the profile's first-level and last-level miss totals into `$1.cache`.
+cache_totals() {
+    [[ $CACHE == 1 ]] || return 0
+    callgrind_annotate --show=I1mr,D1mr,D1mw,ILmr,DLmr,DLmw "$1" 2>/dev/null |
+        sed -n 's/ *([^)]*)//g; s/^ *\([0-9, ]*\) *PROGRAM TOTALS.*/\1/p' | tr -d , |
+        awk '{print $1 + $2 + $3, $4 + $5 + $6}' >"$1.cache"
 }
 
 # PgBouncer's PROGRAM TOTALS with `$1` clients and `$2` transactions each, into $DIR/$3.total.
@@ -59,7 +76,7 @@ for _ in range(100):
     except OSError: pass
     finally: s.close()')
     ab_bouncer_config "$port"
-    "${AS_PG[@]}" valgrind --tool=callgrind --callgrind-out-file="$out" "$BOUNCER" "$DIR/pgb.ini" \
+    "${AS_PG[@]}" valgrind "${VG[@]}" --callgrind-out-file="$out" "$BOUNCER" "$DIR/pgb.ini" \
         >"$DIR/pgb.out" 2>&1 &
     local up=""
     for _ in $(seq 100); do
@@ -79,6 +96,7 @@ for _ in range(100):
     done
     callgrind_annotate "$out" 2>/dev/null | sed -n 's/^ *\([0-9,]*\) .*PROGRAM TOTALS.*/\1/p' |
         tr -d , >"$out.total"
+    cache_totals "$out"
 }
 
 clients=("$@")
@@ -112,6 +130,14 @@ d = os.path.dirname(small)
 if os.path.exists(f"{d}/bbig.total"):
     pb = (int(open(f"{d}/bbig.total").read()) - int(open(f"{d}/bsmall.total").read())) / n
     print(f"clients {c}: PgBouncer {pb:.0f} per transaction; pgsluice / PgBouncer {total / n / pb:.2f}")
+def cache(name):
+    f = f"{d}/{name}.cache"
+    return [int(x) for x in open(f).read().split()] if os.path.exists(f) else None
+for who, a, z in (("pgsluice", "small", "big"), ("PgBouncer", "bsmall", "bbig")):
+    lo, hi = cache(a), cache(z)
+    if lo and hi:
+        print(f"clients {c}: {who} {(hi[0] - lo[0]) / n:.1f} first-level and "
+              f"{(hi[1] - lo[1]) / n:.1f} last-level (L2) cache misses per transaction")
 rows = sorted(((v - s.get(k, 0)) / n, k) for k, v in b.items())
 for v, k in reversed(rows[-top:]):
     print(f"  {v:7.0f}  {k[:140]}")

@@ -10,7 +10,9 @@
 #   * proxy CPU time per transaction (utime+stime from /proc/PID/stat / transactions) and
 #     context switches per transaction (all threads' /proc/PID/task/*/status);
 #   * added p50 latency at -c 1 (pgbench per-transaction log);
-#   * RSS per idle client connection with N idle logged-in clients (pgsluice-storm idle);
+#   * RSS per idle client connection with N idle logged-in clients (pgsluice-storm idle;
+#     with --idle-sql each client runs that statement once first, as the connections of an
+#     application's idle pool have);
 #   * the storm scenarios (reconnect storm naive and backoff, noisy neighbour) through
 #     pgsluice vs direct, with backend connections counted from pg_stat_activity;
 # and prints one table of ratios (to direct and to PgBouncer), in Markdown. Then, with its own
@@ -19,7 +21,7 @@
 #
 # Usage: benches/compare.sh [--duration S] [--rounds N] [--clients "8 64 512"]
 #          [--modes "simple extended prepared"] [--pool N] [--storm-clients N]
-#          [--storm-secs S] [--idle-clients N] [--skip-storms] [--skip-idle]
+#          [--storm-secs S] [--idle-clients N] [--idle-sql SQL] [--skip-storms] [--skip-idle]
 #          [--incident-clients N] [--incident-deadline S] [--skip-incident] [--quick]
 #          [--no-build] [--out DIR] [--port-base P] [--keep] [--unix]
 #        benches/compare.sh --only incident [benches/incident.sh options]
@@ -42,6 +44,7 @@ STORM_CLIENTS=5000
 STORM_SECS=12
 IDLE_CLIENTS=10000
 IDLE_HOLD=4
+IDLE_SQL=()
 LAT_DURATION=5
 SKIP_STORMS=0
 SKIP_IDLE=0
@@ -69,6 +72,7 @@ while [ $# -gt 0 ]; do
     --storm-clients) STORM_CLIENTS=$2; shift 2 ;;
     --storm-secs) STORM_SECS=$2; shift 2 ;;
     --idle-clients) IDLE_CLIENTS=$2; shift 2 ;;
+    --idle-sql) IDLE_SQL=(--idle-sql "$2"); shift 2 ;;
     --skip-storms) SKIP_STORMS=1; shift ;;
     --skip-idle) SKIP_IDLE=1; shift ;;
     --incident-clients) INCIDENT_ARGS+=(--clients "$2"); shift 2 ;;
@@ -412,7 +416,7 @@ if [ "$SKIP_IDLE" = 0 ]; then
     base=$(rss_kib "${PID[$t]}")
     "$STORM_BIN" --target "$(url "$t")" --scenario idle --clients "$IDLE_CLIENTS" \
       --hold-secs "$IDLE_HOLD" --ready-file "$TMP/ready" --summary "$OUT/idle-$t.txt" \
-      >"$OUT/idle-$t.log" 2>&1 &
+      "${IDLE_SQL[@]}" >"$OUT/idle-$t.log" 2>&1 &
     spid=$!; BG_PIDS+=("$spid")
     for _ in $(seq 1 1800); do [ -s "$TMP/ready" ] && break; kill -0 "$spid" 2>/dev/null || break; sleep 0.1; done
     [ -s "$TMP/ready" ] || log "idle clients on $t not all attempted after 180 s"

@@ -3,7 +3,10 @@
 # run: the proxy's user and system CPU (/proc/PID/stat), and, counted by `perf stat` from the
 # kernel's own tracepoints (no strace slowdown), the system calls and context switches of the
 # proxy and of pgbench. Shows which part of a gap is the kernel's work (the same for any proxy
-# that makes the same calls) and which is the proxy's own code.
+# that makes the same calls) and which is the proxy's own code. For a local Postgres it also
+# shows the rest of the machine's two cores: the CPU of Postgres' processes (the children of
+# its postmaster) and the time no CPU had anything to run (/proc/stat idle and iowait), both
+# per transaction.
 #
 #   benches/syscalls.sh [CLIENTS...]      (default: 8 64 512)
 #
@@ -31,6 +34,20 @@ for _ in $(seq 50); do [ -f "$DIR/pgb.pid" ] && break; sleep 0.1; done
 PID[pgbouncer]=$(cat "$DIR/pgb.pid")
 PORT[pgbouncer]=$BPORT
 
+# Postgres' postmaster, when it runs on this machine (the parent of a backend): its children's
+# CPU is the database's share of each transaction.
+PM=$(psql -Atc 'select pg_backend_pid()' 2>/dev/null | xargs -I{} awk '{print $4}' /proc/{}/stat 2>/dev/null || true)
+pg_cpu() {
+    local t=0 p u s
+    [ -n "$PM" ] || { echo 0; return; }
+    for p in $(pgrep -P "$PM"); do
+        read -r u s < <(awk '{print $14, $15}' "/proc/$p/stat" 2>/dev/null || echo "0 0")
+        t=$((t + u + s))
+    done
+    echo "$t"
+}
+idle() { awk '/^cpu / {print $5 + $6}' /proc/stat; }
+
 EVENTS=task-clock,context-switches
 for s in epoll_wait epoll_ctl recvfrom sendto read write writev ppoll poll futex; do
     EVENTS+=",syscalls:sys_enter_$s"
@@ -45,6 +62,8 @@ for c in "${clients[@]}"; do
         for name in $order; do
             pid=${PID[$name]}
             read -r u0 s0 < <(awk '{print $14, $15}' "/proc/$pid/stat")
+            g0=$(pg_cpu)
+            i0=$(idle)
             perf stat -x, -e "$EVENTS" -p "$pid" -o "$DIR/proxy.stat" &
             pp=$!
             sleep 0.2
@@ -54,11 +73,15 @@ for c in "${clients[@]}"; do
             kill -INT "$pp"
             wait "$pp" || true
             read -r u1 s1 < <(awk '{print $14, $15}' "/proc/$pid/stat")
+            g1=$(pg_cpu)
+            i1=$(idle)
             python3 - "$name" "$c" "$r" "$DIR/pgbench.log" "$DIR/proxy.stat" "$DIR/bench.stat" \
-                "$((u1 - u0))" "$((s1 - s0))" "$(getconf CLK_TCK)" <<'PY'
+                "$((u1 - u0))" "$((s1 - s0))" "$(getconf CLK_TCK)" "$((g1 - g0))" "$((i1 - i0))" \
+                "$PM" <<'PY'
 import re, sys
 name, c, r, log, proxy, bench = sys.argv[1:7]
 ut, st, hz = int(sys.argv[7]), int(sys.argv[8]), int(sys.argv[9])
+pg, idle, pm = int(sys.argv[10]), int(sys.argv[11]), sys.argv[12]
 text = open(log).read()
 n = int(re.search(r'processed: (\d+)', text).group(1))
 tps = float(re.search(r'tps = ([\d.]+)', text).group(1))
@@ -72,6 +95,9 @@ def load(f):
 a, b = load(proxy), load(bench)
 print(f"{name} -c {c} round {r}: {tps:.0f} TPS; proxy user {ut * 1e6 / hz / n:.2f} "
       f"sys {st * 1e6 / hz / n:.2f} µs per txn")
+if pm:
+    print(f"  Postgres CPU {pg * 1e6 / hz / n:.2f} µs, machine idle {idle * 1e6 / hz / n:.2f} µs "
+          f"per txn")
 print(f"  {'per transaction':18} {'proxy':>8} {'pgbench':>8}")
 for k in a:
     if a[k] or b.get(k):

@@ -152,6 +152,10 @@ struct Cli {
     /// Idle: file written (with the number held) once all connections are attempted.
     #[arg(long)]
     ready_file: Option<PathBuf>,
+    /// Idle: a statement each connection runs once after its login, before it is held (an
+    /// application's idle pool: its connections have all run queries before).
+    #[arg(long)]
+    idle_sql: Option<String>,
     #[arg(long, default_value_t = 10_000)]
     connect_timeout_ms: u64,
     /// Width of a time-series slot.
@@ -526,6 +530,7 @@ async fn run(cli: Cli, probe: tokio::runtime::Handle) -> Result<(), String> {
                 cli.connect_concurrency,
                 hold,
                 cli.ready_file.clone(),
+                cli.idle_sql.clone(),
             )
             .await
         }

@@ -20,6 +20,7 @@ pub mod auth_query;
 mod handshake;
 pub mod params;
 mod relay;
+mod spare;
 mod state;
 mod tracker;
 

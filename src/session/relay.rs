@@ -46,7 +46,7 @@ use crate::runtime::Runtime;
 
 use super::state;
 use super::tracker::{Expect, Kind, Mode, Outbox};
-use super::{End, Login, params, set_cancel_target};
+use super::{End, Login, params, set_cancel_target, spare};
 
 mod admission;
 #[cfg(any(test, fuzzing))]
@@ -1016,6 +1016,7 @@ impl Relay {
                     .caller_metrics
                     .checkout_wait(self.unit_caller, Duration::ZERO);
                 self.backend = Some(b);
+                self.lend_buffers();
                 return Ok(());
             }
             self.parked = Some(b);
@@ -1089,7 +1090,24 @@ impl Relay {
         }
         set_cancel_target(&self.cancel, Some(&mut b)).await;
         self.backend = Some(b);
+        self.lend_buffers();
         Ok(())
+    }
+
+    /// A backend is attached: the reply, client-bound and backend-bound buffers come from
+    /// the thread's spares when the session has none.
+    fn lend_buffers(&mut self) {
+        spare::lend(self.replies.buf_mut());
+        spare::lend(&mut self.cout);
+        spare::lend(self.out.buf_mut());
+    }
+
+    /// The backend went back to its pool: the empty buffers go back to the spares, for the
+    /// next session that attaches one (kept while a backend is parked with the client).
+    fn return_buffers(&mut self) {
+        spare::give_back(self.replies.buf_mut());
+        spare::give_back(&mut self.cout);
+        spare::give_back(self.out.buf_mut());
     }
 
     /// A replica's backend is held for a routed read (until its ReadyForQuery releases it).
@@ -1326,6 +1344,7 @@ impl Relay {
                 if let Some(b) = self.backend.take() {
                     b.release_at(self.now()).await;
                 }
+                self.return_buffers();
                 self.unit_pool = None;
                 self.leave_if_draining()
             }
@@ -1365,6 +1384,7 @@ impl Relay {
         }
         set_cancel_target(&self.cancel, None).await;
         b.release_parked(self.now());
+        self.return_buffers();
     }
 
     /// During a graceful shutdown a client leaves as soon as it is between transactions.

@@ -427,16 +427,19 @@ pub fn spawn_billing(
         .collect()
 }
 
-/// Opens `clients` logged-in connections (at most `concurrency` handshakes at once), holds
-/// them for `hold`, then closes them. `ready` is written (with the count) once every
-/// connection has been attempted, so a script can measure the target meanwhile.
+/// Opens `clients` logged-in connections (at most `concurrency` handshakes at once), has each
+/// run `sql` once when given, holds them for `hold`, then closes them. `ready` is written (with
+/// the count) once every connection has been attempted, so a script can measure the target
+/// meanwhile. A connection whose statement fails is not held.
 pub async fn idle(
     ctx: Arc<Ctx>,
     clients: u64,
     concurrency: usize,
     hold: Duration,
     ready: Option<std::path::PathBuf>,
+    sql: Option<String>,
 ) -> Extra {
+    let sql = Arc::new(sql);
     let gate = Arc::new(Semaphore::new(concurrency.max(1)));
     let held = Arc::new(AtomicU64::new(0));
     let release = ctx.abort.child_token();
@@ -444,12 +447,13 @@ pub async fn idle(
     let mut tasks = Vec::with_capacity(clients as usize);
     let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel::<()>();
     for _ in 0..clients {
-        let (ctx, gate, held, release, tx) = (
+        let (ctx, gate, held, release, tx, sql) = (
             ctx.clone(),
             gate.clone(),
             held.clone(),
             release.clone(),
             tx.clone(),
+            sql.clone(),
         );
         tasks.push(tokio::spawn(async move {
             let conn = {
@@ -460,7 +464,16 @@ pub async fn idle(
                 let began = Instant::now();
                 let r = client::connect(&ctx.target).await;
                 ctx.rec.connect("idle", began, r.as_ref().map(|_| ()));
-                r.ok()
+                match (r, sql.as_deref()) {
+                    (Ok(mut c), Some(sql)) => {
+                        let due = Instant::now();
+                        let r = client::run(&mut c, sql).await;
+                        ctx.rec
+                            .statement("idle", false, due, r.as_ref().map(|_| ()));
+                        r.ok().map(|()| c)
+                    }
+                    (r, _) => r.ok(),
+                }
             };
             let _ = tx.send(());
             if let Some(c) = conn {

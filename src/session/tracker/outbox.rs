@@ -61,6 +61,11 @@ impl Outbox {
         self.t.push(Expect::new(kind, Mode::Synthetic));
     }
 
+    /// The buffer requests are written into (lent from the session thread's spares).
+    pub fn buf_mut(&mut self) -> &mut BytesMut {
+        &mut self.buf
+    }
+
     /// What is written and not yet flushed.
     pub fn pending(&self) -> &[u8] {
         &self.buf

@@ -1,0 +1,94 @@
+//! The session thread's spare I/O buffers. A session holds its reply, client-bound and
+//! backend-bound buffers only while a backend is attached to it (or parked with it); between
+//! transactions they wait here, most recently returned first, so the next session to attach
+//! writes into memory that is still in cache. At -c 512 a session's own buffers have gone
+//! cold by its next turn (docs/BENCHMARKS.md: misses per transaction, `CACHE=1`).
+//!
+//! Only empty buffers come back: what a session still has to send or handle stays with it.
+
+use std::cell::RefCell;
+
+use bytes::BytesMut;
+
+/// Buffers kept per thread: enough for every backend of a few pools; more are freed.
+const KEEP: usize = 128;
+/// A buffer a burst made larger than this is freed rather than kept.
+const MAX_CAPACITY: usize = 64 * 1024;
+/// Nor is one smaller than this (one a write made before any was lent): kept, it would be
+/// lent for reads and grown there.
+const MIN_CAPACITY: usize = 4 * 1024;
+/// The size of a new buffer: a backend read takes up to 16 KiB at a time.
+const NEW_CAPACITY: usize = 16 * 1024;
+
+thread_local! {
+    static SPARE: RefCell<Vec<BytesMut>> = const { RefCell::new(Vec::new()) };
+}
+
+/// Gives `buf` a buffer when it has none (a spare one if there is one).
+pub fn lend(buf: &mut BytesMut) {
+    if buf.capacity() == 0 {
+        *buf = SPARE
+            .with_borrow_mut(Vec::pop)
+            .unwrap_or_else(|| BytesMut::with_capacity(NEW_CAPACITY));
+    }
+}
+
+/// Takes `buf`'s buffer back when it holds no byte; leaves it where it is otherwise.
+pub fn give_back(buf: &mut BytesMut) {
+    if !buf.is_empty() || buf.capacity() == 0 {
+        return;
+    }
+    let b = std::mem::take(buf);
+    if (MIN_CAPACITY..=MAX_CAPACITY).contains(&b.capacity()) {
+        SPARE.with_borrow_mut(|s| {
+            if s.len() < KEEP {
+                s.push(b);
+            }
+        });
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_returned_buffer_is_the_next_one_lent() {
+        let mut a = BytesMut::new();
+        lend(&mut a);
+        assert!(a.capacity() >= NEW_CAPACITY);
+        a.extend_from_slice(b"x");
+        give_back(&mut a);
+        assert_eq!(
+            &a[..],
+            b"x",
+            "a buffer holding bytes stays with its session"
+        );
+        a.clear();
+        let at = a.as_ptr();
+        give_back(&mut a);
+        assert_eq!(a.capacity(), 0);
+        let mut b = BytesMut::new();
+        lend(&mut b);
+        assert_eq!(b.as_ptr(), at, "most recently returned first");
+        // A buffer that has one is left alone.
+        let mut c = BytesMut::with_capacity(8);
+        let c_at = c.as_ptr();
+        lend(&mut c);
+        assert_eq!(c.as_ptr(), c_at);
+    }
+
+    #[test]
+    fn an_oversized_or_small_buffer_is_freed() {
+        for size in [MAX_CAPACITY + 1, 64] {
+            let mut odd = BytesMut::with_capacity(size);
+            let at = odd.as_ptr();
+            give_back(&mut odd);
+            assert_eq!(odd.capacity(), 0);
+            let mut next = BytesMut::new();
+            lend(&mut next);
+            assert_ne!(next.as_ptr(), at);
+            assert!(next.capacity() >= MIN_CAPACITY);
+        }
+    }
+}
