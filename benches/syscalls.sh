@@ -34,9 +34,11 @@ for _ in $(seq 50); do [ -f "$DIR/pgb.pid" ] && break; sleep 0.1; done
 PID[pgbouncer]=$(cat "$DIR/pgb.pid")
 PORT[pgbouncer]=$BPORT
 
-# Postgres' postmaster, when it runs on this machine (the parent of a backend): its children's
-# CPU is the database's share of each transaction.
-PM=$(psql -Atc 'select pg_backend_pid()' 2>/dev/null | xargs -I{} awk '{print $4}' /proc/{}/stat 2>/dev/null || true)
+# Postgres' postmaster, when it runs on this machine (the parent of its checkpointer): its
+# children's CPU is the database's share of each transaction.
+CKPT=$(psql -Atc "select pid from pg_stat_activity where backend_type = 'checkpointer'" \
+    2>/dev/null || true)
+PM=$(awk '{print $4}' "/proc/$CKPT/stat" 2>/dev/null || true)
 pg_cpu() {
     local t=0 p u s
     [ -n "$PM" ] || { echo 0; return; }
