@@ -1099,7 +1099,7 @@ impl Relay {
     fn lend_buffers(&mut self) {
         spare::lend(self.replies.buf_mut());
         spare::lend(&mut self.cout);
-        spare::lend(self.out.buf_mut());
+        self.out.lend_buffer();
     }
 
     /// The backend went back to its pool: the empty buffers go back to the spares, for the
@@ -1107,7 +1107,7 @@ impl Relay {
     fn return_buffers(&mut self) {
         spare::give_back(self.replies.buf_mut());
         spare::give_back(&mut self.cout);
-        spare::give_back(self.out.buf_mut());
+        self.out.return_buffer();
     }
 
     /// A replica's backend is held for a routed read (until its ReadyForQuery releases it).

@@ -15,6 +15,7 @@ use bytes::BytesMut;
 
 use super::{Expect, Kind, Mode, Tracker};
 use crate::protocol::messages;
+use crate::session::spare;
 
 #[derive(Debug, Default)]
 pub struct Outbox {
@@ -61,9 +62,14 @@ impl Outbox {
         self.t.push(Expect::new(kind, Mode::Synthetic));
     }
 
-    /// The buffer requests are written into (lent from the session thread's spares).
-    pub fn buf_mut(&mut self) -> &mut BytesMut {
-        &mut self.buf
+    /// A backend is attached: a buffer from the session thread's spares if there is none.
+    pub fn lend_buffer(&mut self) {
+        spare::lend(&mut self.buf);
+    }
+
+    /// The backend went back: the buffer goes back to the spares when nothing is unsent.
+    pub fn return_buffer(&mut self) {
+        spare::give_back(&mut self.buf);
     }
 
     /// What is written and not yet flushed.
