@@ -66,10 +66,16 @@ mod tests {
         );
         a.clear();
         let at = a.as_ptr();
+        let kept = || SPARE.with_borrow(Vec::len);
+        let before = kept();
         give_back(&mut a);
         assert_eq!(a.capacity(), 0);
+        // Counted, not only compared by address: a freed buffer's address may come back
+        // from malloc for a new one.
+        assert_eq!(kept(), before + 1, "an empty buffer is kept");
         let mut b = BytesMut::new();
         lend(&mut b);
+        assert_eq!(kept(), before, "the next lend takes a kept buffer");
         assert_eq!(b.as_ptr(), at, "most recently returned first");
         // A buffer that has one is left alone.
         let mut c = BytesMut::with_capacity(8);
