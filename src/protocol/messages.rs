@@ -85,7 +85,8 @@ pub fn parse_startup(body: &[u8]) -> Result<StartupPacket, StartupError> {
         _ => {
             let major = (code >> 16) as u16;
             let minor = (code & 0xffff) as u16;
-            let mut params = Vec::new();
+            // user, database and the usual one or two more.
+            let mut params = Vec::with_capacity(4);
             let mut buf = rest;
             loop {
                 let (name, tail) = cstr(buf).ok_or(StartupError::NoTerminator)?;

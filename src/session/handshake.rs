@@ -103,9 +103,12 @@ async fn read_startup<S: AsyncRead + Unpin>(
             let len = messages::startup_len([buf[0], buf[1], buf[2], buf[3]])
                 .map_err(|e| PgError::protocol_violation(e.to_string()))?;
             if buf.len() >= len {
-                let packet = buf.split_to(len);
-                return Ok(messages::parse_startup(&packet[4..])
-                    .map_err(|e| PgError::protocol_violation(e.to_string()))?);
+                // Parsed in place and then consumed: splitting it off would turn `buf` into a
+                // shared buffer (an allocation, and a costlier growth later).
+                let packet = messages::parse_startup(&buf[4..len])
+                    .map_err(|e| PgError::protocol_violation(e.to_string()));
+                buf.advance(len);
+                return Ok(packet?);
             }
         }
         fill(s, buf).await?;
@@ -135,8 +138,10 @@ async fn read_auth_message<S: AsyncRead + Unpin>(
     loop {
         match framing::complete(buf, Direction::Frontend) {
             Ok(Some(h)) if h.tag == frontend::PASSWORD && h.total <= SMALL_LIMIT => {
-                let mut f = buf.split_to(h.total);
-                f.advance(framing::HEADER_LEN);
+                // Copied out (it is small): splitting it off would make `buf`, which the
+                // session goes on to read into, a shared buffer for the rest of its life.
+                let f = BytesMut::from(&buf[framing::HEADER_LEN..h.total]);
+                buf.advance(h.total);
                 return Ok(f);
             }
             Ok(Some(h)) if h.tag == frontend::PASSWORD => {
@@ -177,7 +182,9 @@ pub async fn startup<S: AsyncRead + AsyncWrite + Unpin>(
     buf: &mut BytesMut,
     peer: std::net::IpAddr,
 ) -> Result<Start, Fail> {
-    let mut out = BytesMut::new();
+    // Sized for what a login writes: the authentication request, AuthenticationOk and, in
+    // `session::greet`, the ParameterStatus list, BackendKeyData and ReadyForQuery.
+    let mut out = BytesMut::with_capacity(1024);
     let tls = app.tls.client();
     if buf.is_empty() {
         fill(s, buf).await?;
@@ -265,25 +272,24 @@ pub async fn startup<S: AsyncRead + AsyncWrite + Unpin>(
         )
         .into());
     }
-    let user = raw
-        .iter()
-        .find(|(k, _)| k == "user")
-        .map(|(_, v)| v.clone())
-        .filter(|u| !u.is_empty())
-        .ok_or_else(|| {
-            PgError::fatal(
-                "28000",
-                "no PostgreSQL user name specified in startup packet",
-            )
-        })?;
-    let database = raw
-        .iter()
-        .find(|(k, _)| k == "database")
-        .map(|(_, v)| v.clone())
+    let mut raw = raw;
+    // Taken out of the list (`client_settings` skips both names): no copies.
+    let mut take = |name: &str| {
+        raw.iter_mut()
+            .find(|(k, _)| k == name)
+            .map(|(_, v)| std::mem::take(v))
+    };
+    let user = take("user").filter(|u| !u.is_empty()).ok_or_else(|| {
+        PgError::fatal(
+            "28000",
+            "no PostgreSQL user name specified in startup packet",
+        )
+    })?;
+    let database = take("database")
         .filter(|d| !d.is_empty())
         .unwrap_or_else(|| user.clone());
     let (settings, unsupported) =
-        params::client_settings(&raw).map_err(|m| PgError::fatal("42704", m))?;
+        params::client_settings(raw).map_err(|m| PgError::fatal("42704", m))?;
     let negotiated = minor.min(NEWEST_MINOR);
     if minor > NEWEST_MINOR || !unsupported.is_empty() {
         messages::negotiate_protocol_version(&mut out, negotiated, unsupported);

@@ -229,10 +229,11 @@ pub async fn run<S, G>(
             None => return,
         }
     }
-    // Boxed: the session's future is several KiB, and a task moves its future into the task
-    // cell and again on every change of stage (running, finished); a box is moved instead.
-    // It also keeps this login future (on the login thread) small.
-    let rest = Box::pin(async move {
+    // The session's future is several KiB. Handed to another thread it is boxed: a task
+    // moves its future into the task cell and again on every change of stage (running,
+    // finished), and a box is moved instead. Run here it is awaited in place, inside this
+    // future's own box (`server::admit`): one allocation and copy of it per login, not two.
+    let rest = async move {
         let _hold = hold;
         // The socket joins the session thread's event loop (it logged in on the login
         // thread's). If the kernel refuses the registration (out of memory), the client is
@@ -250,9 +251,9 @@ pub async fn run<S, G>(
         if let Some((pool, reg)) = greeted {
             serve(app, stream, buf, peer, pool, login, reg).await;
         }
-    });
+    };
     match handover.0 {
-        Some((tasks, sessions)) => drop(tasks.spawn_on(rest, &sessions)),
+        Some((tasks, sessions)) => drop(tasks.spawn_on(Box::pin(rest), &sessions)),
         None => rest.await,
     }
 }
@@ -375,8 +376,9 @@ async fn serve<S: AsyncRead + AsyncWrite + Unpin>(
         tracing::debug!(%peer, %user, db = %database, tls, "client logged in");
     }
     let since = Instant::now();
-    let relay = Relay::new(app.clone(), pool, login, reg.entry.clone(), buf, peer);
+    let mut relay = Relay::new(app.clone(), pool, login, reg.entry.clone(), buf, peer);
     let end = relay.run(&mut stream).await;
+    drop(relay);
     if let End::Error(e) = &end {
         send_error(&mut stream, BytesMut::new(), e).await;
     }

@@ -73,24 +73,25 @@ pub type Settings = Vec<(String, String)>;
 
 /// From the raw startup parameters to the sorted, deduplicated GUC settings to apply.
 /// Returns the settings and the `_pq_.` protocol options we do not support.
-pub fn client_settings(raw: &[(String, String)]) -> Result<(Settings, Vec<String>), String> {
-    let mut settings: Vec<(String, String)> = Vec::new();
+/// Takes the strings out of `raw` rather than copying them (a login's allocations).
+pub fn client_settings(raw: Vec<(String, String)>) -> Result<(Settings, Vec<String>), String> {
+    let mut settings: Vec<(String, String)> = Vec::with_capacity(raw.len());
     let mut unsupported = Vec::new();
     for (k, v) in raw {
         if k.starts_with("_pq_.") {
-            unsupported.push(k.clone());
+            unsupported.push(k);
         } else if k == "options" {
-            settings.extend(parse_options(v)?);
+            settings.extend(parse_options(&v)?);
         } else if k == "replication" {
             if !matches!(v.as_str(), "false" | "off" | "0" | "no") {
                 return Err("replication connections are not supported by pgsluice".into());
             }
         } else if !NOT_GUCS.contains(&k.as_str()) {
-            settings.push((k.clone(), v.clone()));
+            settings.push((k, v));
         }
     }
     for (k, _) in settings.iter_mut() {
-        *k = k.to_ascii_lowercase();
+        k.make_ascii_lowercase();
         if !valid_guc_name(k) {
             return Err(format!("unrecognized configuration parameter \"{k}\""));
         }
@@ -276,7 +277,7 @@ mod tests {
             ),
             kv("application_name", "y"),
         ];
-        let (s, u) = client_settings(&raw).unwrap();
+        let (s, u) = client_settings(raw).unwrap();
         assert!(u.is_empty());
         assert_eq!(
             s,
@@ -291,11 +292,11 @@ mod tests {
 
     #[test]
     fn rejects_bad_names_and_options() {
-        assert!(client_settings(&[kv("x; drop", "1")]).is_err());
-        assert!(client_settings(&[kv("options", "-c=")]).is_err());
-        assert!(client_settings(&[kv("options", "-c")]).is_err());
-        assert!(client_settings(&[kv("replication", "database")]).is_err());
-        let (_, u) = client_settings(&[kv("_pq_.foo", "1")]).unwrap();
+        assert!(client_settings(vec![kv("x; drop", "1")]).is_err());
+        assert!(client_settings(vec![kv("options", "-c=")]).is_err());
+        assert!(client_settings(vec![kv("options", "-c")]).is_err());
+        assert!(client_settings(vec![kv("replication", "database")]).is_err());
+        let (_, u) = client_settings(vec![kv("_pq_.foo", "1")]).unwrap();
         assert_eq!(u, vec!["_pq_.foo".to_string()]);
     }
 

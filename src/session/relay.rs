@@ -306,7 +306,10 @@ impl Relay {
         }
     }
 
-    pub async fn run<S: AsyncRead + AsyncWrite + Unpin>(mut self, client: &mut S) -> End {
+    /// Borrows the relay rather than taking it: an `async fn` that takes its receiver by
+    /// value keeps it twice in its future (the argument and the moved-in local), 1.2 KiB
+    /// more per session. The caller drops it right after.
+    pub async fn run<S: AsyncRead + AsyncWrite + Unpin>(&mut self, client: &mut S) -> End {
         let end = self.run_loop(client).await;
         self.finish(&end).await;
         end
