@@ -486,4 +486,74 @@ mod tests {
             assert!(rest.is_empty(), "{password}: sent early: {rest:?}");
         }
     }
+
+    /// What a login reads is consumed exactly: a query pipelined behind the password stays in
+    /// `buf` for the session. The user and database are taken out of the parameters (the
+    /// database defaults to the user), and the rest become the settings, names lower-cased.
+    /// Without a user, the login is refused (28000) before any challenge.
+    #[tokio::test]
+    async fn startup_takes_user_and_database_out_and_leaves_what_follows() {
+        let app = app();
+        let ip = std::net::IpAddr::from([127, 0, 0, 1]);
+        let (mut client, server) = tokio::io::duplex(4096);
+        let mut s = ClientStream::Plain(server);
+        let mut buf = BytesMut::new();
+        let login = startup(&app, &mut s, &mut buf, ip);
+        let talk = async {
+            let mut p = BytesMut::new();
+            let params = [
+                ("application_name", "x"),
+                ("user", "app"),
+                ("Search_Path", "a"),
+            ];
+            frontend::startup_message(params, &mut p).unwrap();
+            client.write_all(&p).await.unwrap();
+            let mut challenge = [0u8; 13];
+            client.read_exact(&mut challenge).await.unwrap();
+            let salt = [challenge[9], challenge[10], challenge[11], challenge[12]];
+            let hash = postgres_protocol::authentication::md5_hash(b"app", b"secret", salt);
+            let mut msg = BytesMut::new();
+            frontend::password_message(hash.as_bytes(), &mut msg).unwrap();
+            frontend::query("SELECT 1", &mut msg).unwrap();
+            client.write_all(&msg).await.unwrap();
+        };
+        let (r, ()) = tokio::join!(login, talk);
+        let Ok(Start::Login(a)) = r else {
+            panic!("login failed")
+        };
+        assert_eq!(
+            (a.login.user.as_str(), a.login.database.as_str()),
+            ("app", "app")
+        );
+        let settings: Vec<(&str, &str)> = a
+            .login
+            .settings
+            .iter()
+            .map(|(k, v)| (k.as_str(), v.as_str()))
+            .collect();
+        assert_eq!(settings, [("application_name", "x"), ("search_path", "a")]);
+        let mut query = BytesMut::new();
+        frontend::query("SELECT 1", &mut query).unwrap();
+        assert_eq!(
+            &buf[..],
+            &query[..],
+            "the pipelined query is left for the session"
+        );
+
+        let (mut client, server) = tokio::io::duplex(4096);
+        let mut s = ClientStream::Plain(server);
+        let mut buf = BytesMut::new();
+        let login = startup(&app, &mut s, &mut buf, ip);
+        let talk = async {
+            let mut p = BytesMut::new();
+            frontend::startup_message([("database", "db")], &mut p).unwrap();
+            client.write_all(&p).await.unwrap();
+        };
+        let (r, ()) = tokio::join!(login, talk);
+        match r {
+            Err(Fail::Report(e)) => assert_eq!(e.code, "28000"),
+            Ok(_) => panic!("a login without a user"),
+            Err(e) => panic!("unexpected failure {e:?}"),
+        }
+    }
 }
