@@ -431,38 +431,16 @@ mod tests {
         .unwrap()
     }
 
-    fn startup_packet() -> BytesMut {
-        let mut p = BytesMut::new();
-        let params = [("user", "app"), ("database", "db")];
-        frontend::startup_message(params, &mut p).unwrap();
-        p
-    }
-
     /// An md5 login: the client gets the challenge, and nothing after its right answer until
     /// the session sends AuthenticationOk with its parameters; a wrong answer is refused
     /// (28P01) with nothing owed.
     #[tokio::test]
     async fn authentication_ok_is_owed_not_sent() {
         for (password, accepted) in [("secret", true), ("wrong", false)] {
-            let app = app();
-            let (mut client, server) = tokio::io::duplex(4096);
-            let mut s = ClientStream::Plain(server);
-            let mut buf = BytesMut::new();
-            let ip = std::net::IpAddr::from([127, 0, 0, 1]);
-            let login = startup(&app, &mut s, &mut buf, ip);
-            let talk = async {
-                client.write_all(&startup_packet()).await.unwrap();
-                let mut challenge = [0u8; 13];
-                client.read_exact(&mut challenge).await.unwrap();
-                assert_eq!(&challenge[..9], b"R\0\0\0\x0c\0\0\0\x05", "md5 challenge");
-                let salt = [challenge[9], challenge[10], challenge[11], challenge[12]];
-                let hash =
-                    postgres_protocol::authentication::md5_hash(b"app", password.as_bytes(), salt);
-                let mut msg = BytesMut::new();
-                frontend::password_message(hash.as_bytes(), &mut msg).unwrap();
-                client.write_all(&msg).await.unwrap();
-            };
-            let (r, ()) = tokio::join!(login, talk);
+            let params = [("user", "app"), ("database", "db")];
+            let (r, _, challenge, rest) = log_in(&params, Some(password), b"").await;
+            let challenge = challenge.expect("a challenge");
+            assert_eq!(&challenge[..9], b"R\0\0\0\x0c\0\0\0\x05", "md5 challenge");
             match (r, accepted) {
                 (Ok(Start::Login(a)), true) => {
                     assert_eq!(
@@ -480,11 +458,46 @@ mod tests {
                 (Err(e), _) => panic!("{password}: unexpected failure {e:?}"),
             }
             // Nothing else reached the client: the server side wrote only the challenge.
-            drop(s);
-            let mut rest = Vec::new();
-            client.read_to_end(&mut rest).await.unwrap();
             assert!(rest.is_empty(), "{password}: sent early: {rest:?}");
         }
+    }
+
+    /// Runs `startup` against a client that sends a startup packet of `params` and, when
+    /// `password` is given, reads the md5 challenge and answers it, followed by `after`.
+    /// Returns the outcome, what is left in the session's buffer, the challenge the client
+    /// read, and whatever else reached the client before the server side closed.
+    async fn log_in(
+        params: &[(&str, &str)],
+        password: Option<&str>,
+        after: &[u8],
+    ) -> (Result<Start, Fail>, BytesMut, Option<[u8; 13]>, Vec<u8>) {
+        let app = app();
+        let (mut client, server) = tokio::io::duplex(4096);
+        let mut s = ClientStream::Plain(server);
+        let mut buf = BytesMut::new();
+        let ip = std::net::IpAddr::from([127, 0, 0, 1]);
+        let login = startup(&app, &mut s, &mut buf, ip);
+        let talk = async {
+            let mut p = BytesMut::new();
+            frontend::startup_message(params.iter().copied(), &mut p).unwrap();
+            client.write_all(&p).await.unwrap();
+            let password = password?;
+            let mut challenge = [0u8; 13];
+            client.read_exact(&mut challenge).await.unwrap();
+            let salt = [challenge[9], challenge[10], challenge[11], challenge[12]];
+            let hash =
+                postgres_protocol::authentication::md5_hash(b"app", password.as_bytes(), salt);
+            let mut msg = BytesMut::new();
+            frontend::password_message(hash.as_bytes(), &mut msg).unwrap();
+            msg.extend_from_slice(after);
+            client.write_all(&msg).await.unwrap();
+            Some(challenge)
+        };
+        let (r, challenge) = tokio::join!(login, talk);
+        drop(s);
+        let mut rest = Vec::new();
+        client.read_to_end(&mut rest).await.unwrap();
+        (r, buf, challenge, rest)
     }
 
     /// What a login reads is consumed exactly: a query pipelined behind the password stays in
@@ -493,31 +506,14 @@ mod tests {
     /// Without a user, the login is refused (28000) before any challenge.
     #[tokio::test]
     async fn startup_takes_user_and_database_out_and_leaves_what_follows() {
-        let app = app();
-        let ip = std::net::IpAddr::from([127, 0, 0, 1]);
-        let (mut client, server) = tokio::io::duplex(4096);
-        let mut s = ClientStream::Plain(server);
-        let mut buf = BytesMut::new();
-        let login = startup(&app, &mut s, &mut buf, ip);
-        let talk = async {
-            let mut p = BytesMut::new();
-            let params = [
-                ("application_name", "x"),
-                ("user", "app"),
-                ("Search_Path", "a"),
-            ];
-            frontend::startup_message(params, &mut p).unwrap();
-            client.write_all(&p).await.unwrap();
-            let mut challenge = [0u8; 13];
-            client.read_exact(&mut challenge).await.unwrap();
-            let salt = [challenge[9], challenge[10], challenge[11], challenge[12]];
-            let hash = postgres_protocol::authentication::md5_hash(b"app", b"secret", salt);
-            let mut msg = BytesMut::new();
-            frontend::password_message(hash.as_bytes(), &mut msg).unwrap();
-            frontend::query("SELECT 1", &mut msg).unwrap();
-            client.write_all(&msg).await.unwrap();
-        };
-        let (r, ()) = tokio::join!(login, talk);
+        let mut query = BytesMut::new();
+        frontend::query("SELECT 1", &mut query).unwrap();
+        let params = [
+            ("application_name", "x"),
+            ("user", "app"),
+            ("Search_Path", "a"),
+        ];
+        let (r, buf, _, _) = log_in(&params, Some("secret"), &query).await;
         let Ok(Start::Login(a)) = r else {
             panic!("login failed")
         };
@@ -532,24 +528,17 @@ mod tests {
             .map(|(k, v)| (k.as_str(), v.as_str()))
             .collect();
         assert_eq!(settings, [("application_name", "x"), ("search_path", "a")]);
-        let mut query = BytesMut::new();
-        frontend::query("SELECT 1", &mut query).unwrap();
         assert_eq!(
             &buf[..],
             &query[..],
             "the pipelined query is left for the session"
         );
 
-        let (mut client, server) = tokio::io::duplex(4096);
-        let mut s = ClientStream::Plain(server);
-        let mut buf = BytesMut::new();
-        let login = startup(&app, &mut s, &mut buf, ip);
-        let talk = async {
-            let mut p = BytesMut::new();
-            frontend::startup_message([("database", "db")], &mut p).unwrap();
-            client.write_all(&p).await.unwrap();
-        };
-        let (r, ()) = tokio::join!(login, talk);
+        let (r, _, challenge, rest) = log_in(&[("database", "db")], None, b"").await;
+        assert!(
+            challenge.is_none() && rest.is_empty(),
+            "nothing sent before the refusal"
+        );
         match r {
             Err(Fail::Report(e)) => assert_eq!(e.code, "28000"),
             Ok(_) => panic!("a login without a user"),
