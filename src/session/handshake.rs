@@ -204,7 +204,7 @@ pub async fn startup<S: AsyncRead + AsyncWrite + Unpin>(
         }
     }
     let (mut ssl_done, mut gss_done) = (s.is_tls(), s.is_tls());
-    let (major, minor, raw) = loop {
+    let (major, minor, mut raw) = loop {
         match read_startup(s, buf).await? {
             StartupPacket::SslRequest if !ssl_done => {
                 ssl_done = true;
@@ -272,7 +272,6 @@ pub async fn startup<S: AsyncRead + AsyncWrite + Unpin>(
         )
         .into());
     }
-    let mut raw = raw;
     // Taken out of the list (`client_settings` skips both names): no copies.
     let mut take = |name: &str| {
         raw.iter_mut()
