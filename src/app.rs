@@ -197,6 +197,7 @@ impl App {
                 creds: Arc::new(creds),
                 limits,
                 caller_metrics,
+                generation: crate::runtime::next_generation(),
             }),
             reload_lock: parking_lot::Mutex::new(()),
             pools: Pools::default(),
@@ -252,7 +253,8 @@ impl App {
                 &pool.user,
             );
             if let Ok(r) = r {
-                pool.set_route(&r);
+                // Under no snapshot yet: the first login under the new one checks it again.
+                pool.set_route(&r, 0);
             }
         }
         self.pools.set_cap_limits(|name| {
@@ -273,6 +275,7 @@ impl App {
             creds,
             limits,
             caller_metrics,
+            generation: crate::runtime::next_generation(),
         }));
         self.auth_cache.clear();
         self.tls.install(tls);
@@ -294,7 +297,10 @@ impl App {
     }
 
     /// The pool for a logged-in (database, user), created on first use; an existing one gets
-    /// the current backend password for its new connections.
+    /// the current backend password for its new connections. A pool whose route was set
+    /// under the runtime snapshot in force is taken as it is: the route is a function of
+    /// that snapshot (and, for a user without a backend password, of the keys its clients
+    /// proved, which is why such a route is never marked current).
     pub fn pool_for(&self, database: &str, user: &str) -> Result<Arc<Pool>, PgError> {
         if self.disabled.read().contains(database) {
             return Err(PgError::fatal(
@@ -307,12 +313,15 @@ impl App {
             .with_detail(format!("POST /v1/databases/{database}/enable reopens it")));
         }
         let rt = self.runtime.load();
+        if let Some(pool) = self.pools.get(database, user)
+            && pool.routed_under(rt.generation)
+        {
+            return Ok(pool);
+        }
         let cfg = &rt.config;
         let route = self.route_in(&rt, database, user)?;
         let max = cfg.limits.max_pools;
-        let mut created = false;
         let pool = self.pools.get_or_create(database, user, max, || {
-            created = true;
             let pool_cfg = cfg.pool_for(database, user);
             let caps = self.pools.caps_for(database, user, &pool_cfg);
             let mut p = ConnectParams::blank(self.tls.backend());
@@ -329,11 +338,10 @@ impl App {
             ))
             .with_hint("pools without clients and connections are removed; try again later")
         })?;
-        if !created {
-            // A reload between the reads above and a pool created concurrently could leave
-            // that pool with the old address or password; every login re-aligns it.
-            pool.set_route(&route);
-        }
+        // A reload between the reads above and a pool created concurrently could leave that
+        // pool with the old address or password: a login under another snapshot re-aligns it
+        // (a new pool already has this route, and only takes note of the snapshot).
+        pool.set_route(&route, rt.generation);
         Ok(pool)
     }
 
@@ -410,7 +418,7 @@ impl App {
                 }
             });
         } else {
-            pool.set_route(&route);
+            pool.set_route(&route, 0);
         }
         Some(pool)
     }
@@ -912,6 +920,52 @@ mod tests {
         assert!(app.policy.admit_in(&new.limits, &req(0)).await.is_ok());
         drop(held);
         assert!(app.policy.admit_in(&new.limits, &req(x_new)).await.is_ok());
+    }
+
+    /// A login takes an existing pool as it is while its route was set under the snapshot in
+    /// force; under another snapshot (a reload, or a login that read the old one and set its
+    /// route late) it computes the route again. A route without a password is never current.
+    #[tokio::test]
+    async fn a_pool_route_is_computed_again_only_under_another_snapshot() {
+        let yaml = |user: &str| {
+            format!(
+                "databases:\n  - {{ name: d, url: \"postgres://{user}:pw@127.0.0.1:1/d\" }}\n  \
+                 - {{ name: open, url: \"postgres://127.0.0.1:1/open\" }}\n"
+            )
+        };
+        let app = App::new(
+            Config::from_yaml(&yaml("first")).unwrap(),
+            Arc::new(RuleSet::new()),
+        )
+        .unwrap();
+        let old = app.runtime.load_full();
+        let p = app.pool_for("d", "client").unwrap();
+        assert_eq!(p.login_user(), "first");
+        assert!(p.routed_under(old.generation));
+        assert!(Arc::ptr_eq(&p, &app.pool_for("d", "client").unwrap()));
+
+        app.reload(Config::from_yaml(&yaml("second")).unwrap())
+            .unwrap();
+        let new = app.runtime.load_full();
+        assert_ne!(old.generation, new.generation);
+        assert_eq!(p.login_user(), "second", "the reload re-routes the pool");
+        assert!(!p.routed_under(new.generation), "until a login under it");
+        assert!(Arc::ptr_eq(&p, &app.pool_for("d", "client").unwrap()));
+        assert!(p.routed_under(new.generation));
+
+        // A login that read the old snapshot sets the old route after the reload: the next
+        // login under the new one puts the new route back.
+        p.set_route(&app.route_in(&old, "d", "client").unwrap(), old.generation);
+        assert_eq!(p.login_user(), "first");
+        assert!(!p.routed_under(new.generation));
+        app.pool_for("d", "client").unwrap();
+        assert_eq!(p.login_user(), "second");
+
+        // The client's own user, without a password here: its route may depend on a key a
+        // client proves, so it is computed at every login.
+        let o = app.pool_for("open", "client").unwrap();
+        assert_eq!(o.login_user(), "client");
+        assert!(!o.routed_under(new.generation));
     }
 
     #[tokio::test]

@@ -9,6 +9,7 @@
 //! all four from it, so a reload is seen whole or not at all.
 
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 
 use crate::auth::Credentials;
 use crate::classify::CallerMatcher;
@@ -28,4 +29,14 @@ pub struct Runtime {
     /// Where pools connect without a `databases` entry (`backend.url`, else host and port),
     /// parsed once per configuration rather than at every login.
     pub endpoint: Arc<crate::pool::Endpoint>,
+    /// Which snapshot this is, unique for the process's life ([`next_generation`]): a pool
+    /// remembers the one its route was last set under, so a login under the same snapshot
+    /// need not compute the route again ([`crate::pool::Pool::routed_under`]).
+    pub generation: u64,
+}
+
+/// A new snapshot's generation: 1, 2, … (0 stands for none).
+pub fn next_generation() -> u64 {
+    static NEXT: AtomicU64 = AtomicU64::new(1);
+    NEXT.fetch_add(1, Ordering::Relaxed)
 }

@@ -122,6 +122,9 @@ pub struct Pool {
     /// Where and as whom new connections log in. Behind a lock so that a reload can hand a
     /// changed backend password to a pool that already exists ([`Pool::set_route`]).
     connect: Mutex<Arc<ConnectParams>>,
+    /// The runtime snapshot `connect`'s route was last set under (0: none, or a route that
+    /// also depends on a client's proved key); written under the `connect` lock with it.
+    route_generation: AtomicU64,
     slots: Arc<Slots>,
     /// Boxed: a connection moves between the idle list, the checkout and the client's guard
     /// on every transaction, and a box moves as one pointer instead of a few hundred bytes.
@@ -234,6 +237,7 @@ impl Pool {
             attempts: Semaphore::new(cfg.max_connect_attempts),
             cfg,
             connect: Mutex::new(Arc::new(connect)),
+            route_generation: AtomicU64::new(0),
             idle: Mutex::new(Vec::new()),
             open: AtomicUsize::new(0),
             backoff: Mutex::new(Backoff {
@@ -400,10 +404,22 @@ impl Pool {
     /// them (those already open stay as they are: Postgres does not re-check a session's
     /// password; [`Pool::reconnect`] replaces them). A change also ends a failure backoff,
     /// which may be the old address's or password's doing.
-    pub fn set_route(&self, route: &Route) {
+    ///
+    /// `generation` is the runtime snapshot `route` was computed under (0 for none): while
+    /// it is the one in force, [`Pool::routed_under`] says the route is current. A route
+    /// without a password also depends on the key a client proved, which changes without a
+    /// new snapshot; it is never marked current.
+    pub fn set_route(&self, route: &Route, generation: u64) {
         let endpoint = &route.endpoint;
+        let generation = if route.password.is_some() {
+            generation
+        } else {
+            0
+        };
         {
             let mut connect = self.connect.lock();
+            // Under the lock, with the route: the last writer's route and generation match.
+            self.route_generation.store(generation, Ordering::Release);
             let same_key = match (&connect.client_key, &route.client_key) {
                 (Some(a), Some(b)) => Arc::ptr_eq(a, b),
                 (None, None) => true,
@@ -430,6 +446,11 @@ impl Pool {
         b.until = None;
         b.last_error = None;
         tracing::info!(pool = %self.name, "backend settings changed; new connections use them");
+    }
+
+    /// The pool's route was set under runtime snapshot `generation` ([`Pool::set_route`]).
+    pub fn routed_under(&self, generation: u64) -> bool {
+        generation != 0 && self.route_generation.load(Ordering::Acquire) == generation
     }
 
     /// The error of the last connection attempt while it failed, none has succeeded since
@@ -1147,6 +1168,45 @@ pub struct Pools {
     caps: Mutex<HashMap<String, Arc<caps::Cap>>>,
 }
 
+/// A (database, user) key of [`Pools`], owned in the map and borrowed in a lookup: a login
+/// finds its pool without making two strings for the key.
+trait PoolKey {
+    fn parts(&self) -> (&str, &str);
+}
+
+impl PoolKey for (String, String) {
+    fn parts(&self) -> (&str, &str) {
+        (&self.0, &self.1)
+    }
+}
+
+impl PoolKey for (&str, &str) {
+    fn parts(&self) -> (&str, &str) {
+        (self.0, self.1)
+    }
+}
+
+impl<'a> std::borrow::Borrow<dyn PoolKey + 'a> for (String, String) {
+    fn borrow(&self) -> &(dyn PoolKey + 'a) {
+        self
+    }
+}
+
+/// As the owned tuple hashes: field by field.
+impl std::hash::Hash for dyn PoolKey + '_ {
+    fn hash<H: std::hash::Hasher>(&self, h: &mut H) {
+        self.parts().hash(h);
+    }
+}
+
+impl PartialEq for dyn PoolKey + '_ {
+    fn eq(&self, other: &Self) -> bool {
+        self.parts() == other.parts()
+    }
+}
+
+impl Eq for dyn PoolKey + '_ {}
+
 /// No session holds the pool (the map's is the only reference) and it has no connection.
 fn unused(p: &Arc<Pool>) -> bool {
     Arc::strong_count(p) == 1 && p.open.load(Ordering::Relaxed) == 0 && !p.is_paused()
@@ -1163,7 +1223,7 @@ impl Pools {
         make: impl FnOnce() -> Arc<Pool>,
     ) -> Option<Arc<Pool>> {
         let mut m = self.map.lock();
-        if let Some(p) = m.get(&(database.to_string(), user.to_string())) {
+        if let Some(p) = m.get(&(database, user) as &dyn PoolKey) {
             return Some(p.clone());
         }
         if m.len() >= max {
@@ -1175,6 +1235,14 @@ impl Pools {
         let p = make();
         m.insert((database.to_string(), user.to_string()), p.clone());
         Some(p)
+    }
+
+    /// The pool of (database, user), if a client created it.
+    pub fn get(&self, database: &str, user: &str) -> Option<Arc<Pool>> {
+        self.map
+            .lock()
+            .get(&(database, user) as &dyn PoolKey)
+            .cloned()
     }
 
     /// Drops unused pools (and caps no pool uses); returns how many pools.
@@ -1228,14 +1296,6 @@ impl Pools {
 
     pub fn is_empty(&self) -> bool {
         self.map.lock().is_empty()
-    }
-
-    /// The pool of (database, user), if a client created it.
-    pub fn get(&self, database: &str, user: &str) -> Option<Arc<Pool>> {
-        self.map
-            .lock()
-            .get(&(database.to_string(), user.to_string()))
-            .cloned()
     }
 
     pub fn all(&self) -> Vec<Arc<Pool>> {

@@ -114,7 +114,15 @@ pub fn parse_startup(body: &[u8]) -> Result<StartupPacket, StartupError> {
 
 /// Reads a NUL-terminated string at the start of `buf`: (string, rest after the NUL).
 pub fn cstr(buf: &[u8]) -> Option<(&[u8], &[u8])> {
-    let end = memchr::memchr(0, buf)?;
+    // Most strings here are short (statement and portal names, startup parameters): a plain
+    // scan of the first bytes costs less than memchr's set-up and dispatch; a longer one (a
+    // query's text) goes on with memchr.
+    const SHORT: usize = 32;
+    let end = match buf.iter().take(SHORT).position(|&b| b == 0) {
+        Some(i) => i,
+        None if buf.len() > SHORT => SHORT + memchr::memchr(0, &buf[SHORT..])?,
+        None => return None,
+    };
     Some((&buf[..end], &buf[end + 1..]))
 }
 
@@ -299,6 +307,18 @@ pub fn negotiate_protocol_version(out: &mut BytesMut, minor: u16, unsupported: V
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn cstr_finds_the_first_nul_on_either_side_of_the_short_scan() {
+        for len in [0, 1, 31, 32, 33, 64, 1000] {
+            let mut buf = vec![b'a'; len];
+            buf.extend_from_slice(b"\0rest\0");
+            let (s, rest) = cstr(&buf).unwrap();
+            assert_eq!(s.len(), len, "string of {len}");
+            assert_eq!(rest, b"rest\0", "after a string of {len}");
+            assert_eq!(cstr(&buf[..len]), None, "no NUL in {len} bytes");
+        }
+    }
 
     #[test]
     fn parameter_status_is_written_as_pgwire_encodes_it() {
