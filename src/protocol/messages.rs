@@ -112,17 +112,23 @@ pub fn parse_startup(body: &[u8]) -> Result<StartupPacket, StartupError> {
     }
 }
 
-/// Reads a NUL-terminated string at the start of `buf`: (string, rest after the NUL).
+/// Reads a NUL-terminated string at the start of `buf`: (string, rest after the NUL). For a
+/// name (a statement, a portal, a startup parameter): usually short, so the first bytes are
+/// scanned plainly, which costs less than memchr's set-up and dispatch; a longer one goes
+/// on with memchr. A query's text is read with [`text`].
 pub fn cstr(buf: &[u8]) -> Option<(&[u8], &[u8])> {
-    // Most strings here are short (statement and portal names, startup parameters): a plain
-    // scan of the first bytes costs less than memchr's set-up and dispatch; a longer one (a
-    // query's text) goes on with memchr.
     const SHORT: usize = 32;
     let end = match buf.iter().take(SHORT).position(|&b| b == 0) {
         Some(i) => i,
         None if buf.len() > SHORT => SHORT + memchr::memchr(0, &buf[SHORT..])?,
         None => return None,
     };
+    Some((&buf[..end], &buf[end + 1..]))
+}
+
+/// [`cstr`] for a query's text, seldom short: memchr from the first byte.
+fn text(buf: &[u8]) -> Option<(&[u8], &[u8])> {
+    let end = memchr::memchr(0, buf)?;
     Some((&buf[..end], &buf[end + 1..]))
 }
 
@@ -138,7 +144,7 @@ pub struct Parse<'a> {
 impl<'a> Parse<'a> {
     pub fn read(body: &'a [u8]) -> Option<Self> {
         let (name, rest) = cstr(body)?;
-        let (query, types) = cstr(rest)?;
+        let (query, types) = text(rest)?;
         Some(Parse { name, query, types })
     }
 }
@@ -189,7 +195,7 @@ impl<'a> Target<'a> {
 
 /// Query body: the SQL text without its terminator.
 pub fn query_body(body: &[u8]) -> Option<&[u8]> {
-    let (q, tail) = cstr(body)?;
+    let (q, tail) = text(body)?;
     tail.is_empty().then_some(q)
 }
 
@@ -309,7 +315,7 @@ mod tests {
     use super::*;
 
     #[test]
-    fn cstr_finds_the_first_nul_on_either_side_of_the_short_scan() {
+    fn names_and_texts_end_at_the_first_nul_on_either_side_of_the_short_scan() {
         for len in [0, 1, 31, 32, 33, 64, 1000] {
             let mut buf = vec![b'a'; len];
             buf.extend_from_slice(b"\0rest\0");
@@ -317,6 +323,8 @@ mod tests {
             assert_eq!(s.len(), len, "string of {len}");
             assert_eq!(rest, b"rest\0", "after a string of {len}");
             assert_eq!(cstr(&buf[..len]), None, "no NUL in {len} bytes");
+            assert_eq!(text(&buf), cstr(&buf), "a text of {len}");
+            assert_eq!(text(&buf[..len]), None);
         }
     }
 
