@@ -112,22 +112,8 @@ pub fn parse_startup(body: &[u8]) -> Result<StartupPacket, StartupError> {
     }
 }
 
-/// Reads a NUL-terminated string at the start of `buf`: (string, rest after the NUL). For a
-/// name (a statement, a portal, a startup parameter): usually short, so the first bytes are
-/// scanned plainly, which costs less than memchr's set-up and dispatch; a longer one goes
-/// on with memchr. A query's text is read with [`text`].
+/// Reads a NUL-terminated string at the start of `buf`: (string, rest after the NUL).
 pub fn cstr(buf: &[u8]) -> Option<(&[u8], &[u8])> {
-    const SHORT: usize = 32;
-    let end = match buf.iter().take(SHORT).position(|&b| b == 0) {
-        Some(i) => i,
-        None if buf.len() > SHORT => SHORT + memchr::memchr(0, &buf[SHORT..])?,
-        None => return None,
-    };
-    Some((&buf[..end], &buf[end + 1..]))
-}
-
-/// [`cstr`] for a query's text, seldom short: memchr from the first byte.
-fn text(buf: &[u8]) -> Option<(&[u8], &[u8])> {
     let end = memchr::memchr(0, buf)?;
     Some((&buf[..end], &buf[end + 1..]))
 }
@@ -144,7 +130,7 @@ pub struct Parse<'a> {
 impl<'a> Parse<'a> {
     pub fn read(body: &'a [u8]) -> Option<Self> {
         let (name, rest) = cstr(body)?;
-        let (query, types) = text(rest)?;
+        let (query, types) = cstr(rest)?;
         Some(Parse { name, query, types })
     }
 }
@@ -195,7 +181,7 @@ impl<'a> Target<'a> {
 
 /// Query body: the SQL text without its terminator.
 pub fn query_body(body: &[u8]) -> Option<&[u8]> {
-    let (q, tail) = text(body)?;
+    let (q, tail) = cstr(body)?;
     tail.is_empty().then_some(q)
 }
 
@@ -313,20 +299,6 @@ pub fn negotiate_protocol_version(out: &mut BytesMut, minor: u16, unsupported: V
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn names_and_texts_end_at_the_first_nul_on_either_side_of_the_short_scan() {
-        for len in [0, 1, 31, 32, 33, 64, 1000] {
-            let mut buf = vec![b'a'; len];
-            buf.extend_from_slice(b"\0rest\0");
-            let (s, rest) = cstr(&buf).unwrap();
-            assert_eq!(s.len(), len, "string of {len}");
-            assert_eq!(rest, b"rest\0", "after a string of {len}");
-            assert_eq!(cstr(&buf[..len]), None, "no NUL in {len} bytes");
-            assert_eq!(text(&buf), cstr(&buf), "a text of {len}");
-            assert_eq!(text(&buf[..len]), None);
-        }
-    }
 
     #[test]
     fn parameter_status_is_written_as_pgwire_encodes_it() {
