@@ -1,7 +1,7 @@
 //! Shared state of a running proxy: the config snapshot, credentials, pools, cancel keys and
 //! counters. Sessions and the admin API read it; reload swaps the snapshot atomically.
 
-use std::sync::atomic::{AtomicU64, AtomicUsize};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
@@ -25,6 +25,9 @@ pub struct App {
     /// Config, credentials and the caller tables of one configuration, swapped as one on
     /// reload (see [`Runtime`]).
     pub runtime: ArcSwap<Runtime>,
+    /// The generation of the snapshot in `runtime`, written after each swap: a session asks
+    /// whether its snapshot is still current with one load ([`App::newer_runtime`]).
+    runtime_generation: AtomicU64,
     /// Serialises reloads: each builds its caller table on the one installed before it.
     reload_lock: parking_lot::Mutex<()>,
     pub pools: Pools,
@@ -128,6 +131,17 @@ impl App {
 
     /// The configuration in force (one `Arc` clone; a session's hot path loads [`App::runtime`]
     /// once and reads all it needs from that).
+    /// The snapshot in force, if it is not `held`: one atomic load while `held` is current.
+    /// A reload that has swapped but not yet published its generation is seen at the next
+    /// call, as if it had come a moment later.
+    pub fn newer_runtime(&self, held: &Runtime) -> Option<Arc<Runtime>> {
+        if self.runtime_generation.load(Ordering::Acquire) == held.generation {
+            return None;
+        }
+        let current = self.runtime.load_full();
+        (current.generation != held.generation).then_some(current)
+    }
+
     pub fn config(&self) -> Arc<Config> {
         Arc::clone(&self.runtime.load().config)
     }
@@ -159,6 +173,7 @@ impl App {
         let caller_metrics = metrics.callers().as_ref().clone();
         let cancels = Arc::new(cancel::Registry::new(peer_layout(&config)));
         let fleet = Fleet::from_config(&config, claimed_peer_id)?;
+        let generation = crate::runtime::next_generation();
         if fleet.is_some() {
             metrics.enable_fleet();
         }
@@ -190,6 +205,7 @@ impl App {
             statement_seed: rand::random::<u64>(),
             tls: crate::tls::Tls::new(&config).map_err(|e| e.to_string())?,
             fp_stats: FingerprintStats::new(config.classify.stats_capacity),
+            runtime_generation: AtomicU64::new(generation),
             runtime: ArcSwap::from_pointee(Runtime {
                 callers: caller_matcher(&config),
                 endpoint: Arc::new(endpoint(&config)),
@@ -197,7 +213,7 @@ impl App {
                 creds: Arc::new(creds),
                 limits,
                 caller_metrics,
-                generation: crate::runtime::next_generation(),
+                generation,
             }),
             reload_lock: parking_lot::Mutex::new(()),
             pools: Pools::default(),
@@ -267,7 +283,9 @@ impl App {
         for note in config.notes() {
             tracing::warn!("{note}");
         }
-        // One swap: sessions see the old configuration or the new one, never a mix.
+        // One swap: sessions see the old configuration or the new one, never a mix. The
+        // generation follows the swap (under the reload lock, so in the same order).
+        let generation = crate::runtime::next_generation();
         self.runtime.store(Arc::new(Runtime {
             callers: caller_matcher(&config),
             endpoint: default_endpoint,
@@ -275,8 +293,9 @@ impl App {
             creds,
             limits,
             caller_metrics,
-            generation: crate::runtime::next_generation(),
+            generation,
         }));
+        self.runtime_generation.store(generation, Ordering::Release);
         self.auth_cache.clear();
         self.tls.install(tls);
         Ok(())
@@ -939,6 +958,10 @@ mod tests {
         )
         .unwrap();
         let old = app.runtime.load_full();
+        assert!(
+            app.newer_runtime(&old).is_none(),
+            "the first snapshot is current"
+        );
         let p = app.pool_for("d", "client").unwrap();
         assert_eq!(p.login_user(), "first");
         assert!(p.routed_under(old.generation));
@@ -948,6 +971,12 @@ mod tests {
             .unwrap();
         let new = app.runtime.load_full();
         assert_ne!(old.generation, new.generation);
+        // A session holding the old snapshot is told of the new one; one holding it is not.
+        let told = app
+            .newer_runtime(&old)
+            .expect("the old snapshot is not current");
+        assert!(Arc::ptr_eq(&told, &new));
+        assert!(app.newer_runtime(&new).is_none());
         assert_eq!(p.login_user(), "second", "the reload re-routes the pool");
         assert!(!p.routed_under(new.generation), "until a login under it");
         assert!(Arc::ptr_eq(&p, &app.pool_for("d", "client").unwrap()));

@@ -412,7 +412,8 @@ impl Relay {
         if !waiting_for_client || in_txn {
             self.idle_client = None;
         } else if self.idle_client.is_none() {
-            let limit = self.app.config().limits.client_idle_timeout_ms;
+            // The session's snapshot, refreshed at each unit's admission: no shared load here.
+            let limit = self.rt.config.limits.client_idle_timeout_ms;
             if limit > 0 {
                 self.idle_client = Some(Instant::now() + Duration::from_millis(limit));
             }
@@ -452,7 +453,7 @@ impl Relay {
     /// The client sat idle between transactions past `limits.client_idle_timeout_ms`: end
     /// the session as Postgres' own `idle_session_timeout` does (FATAL 57P05).
     fn client_idle_over(&mut self) -> End {
-        let limit = self.app.config().limits.client_idle_timeout_ms;
+        let limit = self.rt.config.limits.client_idle_timeout_ms;
         tracing::info!(limit_ms = limit, "client idle timeout");
         End::Error(
             PgError::fatal(

@@ -109,9 +109,8 @@ impl Relay {
             // A new unit: it runs under the configuration in force now, all of it (caller
             // matching, limits, series, timeouts) from one snapshot, whatever a reload does
             // meanwhile.
-            let current = self.app.runtime.load();
-            if !Arc::ptr_eq(&current, &self.rt) {
-                self.rt = arc_swap::Guard::into_inner(current);
+            if let Some(current) = self.app.newer_runtime(&self.rt) {
+                self.rt = current;
                 self.session_caller = None;
             }
         }
