@@ -129,8 +129,6 @@ impl App {
         self.cancels.wake_all();
     }
 
-    /// The configuration in force (one `Arc` clone; a session's hot path loads [`App::runtime`]
-    /// once and reads all it needs from that).
     /// The snapshot in force, if it is not `held`: one atomic load while `held` is current.
     /// A reload that has swapped but not yet published its generation is seen at the next
     /// call, as if it had come a moment later.
@@ -142,6 +140,8 @@ impl App {
         (current.generation != held.generation).then_some(current)
     }
 
+    /// The configuration in force (one `Arc` clone; a session's hot path loads [`App::runtime`]
+    /// once and reads all it needs from that).
     pub fn config(&self) -> Arc<Config> {
         Arc::clone(&self.runtime.load().config)
     }
