@@ -14,7 +14,10 @@
 //!   `... WHERE id = 1` and `... WHERE id = 2` share one classification, and the simple
 //!   protocol's literal-laden texts are tokenized once per shape, not once per call. A miss
 //!   inserts that one key; a stream of new literals hits the shape and churns nothing.
-//! - Keys are looked up as `&str` (the shape is built in a per-thread buffer). quick_cache
+//! - Keys are the text's bytes, looked up as `&[u8]` (the shape is built in a per-thread
+//!   buffer): a hit needs no UTF-8 check. Only a miss reads the text as UTF-8 (a lossy copy
+//!   when it is not: a non-UTF-8 client encoding), so the answer is a function of the bytes,
+//!   as the key is. quick_cache
 //!   hashes it once with its per-process randomly seeded hasher and compares the text on a
 //!   hit, which is the "verify the text on hit" variant: no collision can ever return another
 //!   text's classification (that matters: a crafted collision could hide a `SET ROLE` from the
@@ -86,14 +89,14 @@ impl Classified {
 
 thread_local! {
     /// Reused buffer for shape keys: a lookup allocates nothing.
-    static KEY: std::cell::RefCell<String> = const { std::cell::RefCell::new(String::new()) };
+    static KEY: std::cell::RefCell<Vec<u8>> = const { std::cell::RefCell::new(Vec::new()) };
 }
 
 #[derive(Clone)]
 struct EntryWeight;
 
-impl Weighter<Box<str>, Arc<Classified>> for EntryWeight {
-    fn weight(&self, key: &Box<str>, val: &Arc<Classified>) -> u64 {
+impl Weighter<Box<[u8]>, Arc<Classified>> for EntryWeight {
+    fn weight(&self, key: &Box<[u8]>, val: &Arc<Classified>) -> u64 {
         1 + (key.len() + val.normalized.len()) as u64 / 1024
     }
 }
@@ -106,32 +109,32 @@ const MEMO_MAX_KEY: usize = 1024;
 /// all texts of a key), so a later text with an equal key gets the same answer.
 #[derive(Default)]
 pub struct Memo {
-    key: String,
+    key: Vec<u8>,
     class: Option<Arc<Classified>>,
 }
 
 impl Memo {
-    fn hit(&self, key: &str) -> Option<Arc<Classified>> {
+    fn hit(&self, key: &[u8]) -> Option<Arc<Classified>> {
         self.class.as_ref().filter(|_| self.key == key).cloned()
     }
 
-    fn remember(&mut self, key: &str, class: &Arc<Classified>) {
+    fn remember(&mut self, key: &[u8], class: &Arc<Classified>) {
         if key.len() > MEMO_MAX_KEY {
             self.class = None;
             if self.key.capacity() > MEMO_MAX_KEY {
-                self.key = String::new();
+                self.key = Vec::new();
             }
             return;
         }
         self.key.clear();
-        self.key.push_str(key);
+        self.key.extend_from_slice(key);
         self.class = Some(Arc::clone(class));
     }
 }
 
 /// Cached classification of statement texts. Cheap to share behind an `Arc`.
 pub struct Classifier {
-    cache: Option<Cache<Box<str>, Arc<Classified>, EntryWeight>>,
+    cache: Option<Cache<Box<[u8]>, Arc<Classified>, EntryWeight>>,
     max_text_bytes: usize,
 }
 
@@ -157,29 +160,36 @@ impl Classifier {
     }
 
     pub fn classify(&self, sql: &str) -> Arc<Classified> {
-        self.lookup(sql, None)
+        self.lookup(sql.as_bytes(), None)
     }
 
-    /// [`Classifier::classify`] for one session: a text with the same cache key as the one
-    /// before it (a client running one statement in a loop, with new literals each time) is
-    /// answered from `memo`, without the shared cache's hash, lock and probe.
-    pub fn classify_memo(&self, sql: &str, memo: &mut Memo) -> Arc<Classified> {
+    /// [`Classifier::classify`] of a text as the client sent it, for one session: a text
+    /// with the same cache key as the one before it (a client running one statement in a
+    /// loop, with new literals each time) is answered from `memo`, without the shared cache's
+    /// hash, lock and probe. A text that is not UTF-8 (a client encoding such as LATIN1) is
+    /// classified as its lossy UTF-8 copy.
+    pub fn classify_memo(&self, sql: &[u8], memo: &mut Memo) -> Arc<Classified> {
         self.lookup(sql, Some(memo))
     }
 
-    fn lookup(&self, sql: &str, memo: Option<&mut Memo>) -> Arc<Classified> {
+    /// The analysis itself, on a miss: the text as UTF-8 (checked here, once).
+    fn analyze(&self, sql: &[u8]) -> Classified {
+        analyze(&String::from_utf8_lossy(sql), self.max_text_bytes)
+    }
+
+    fn lookup(&self, sql: &[u8], memo: Option<&mut Memo>) -> Arc<Classified> {
         let Some(cache) = self
             .cache
             .as_ref()
             .filter(|_| sql.len() <= self.max_text_bytes)
         else {
-            return Arc::new(analyze(sql, self.max_text_bytes));
+            return Arc::new(self.analyze(sql));
         };
         // One lookup: by the shape key when the text has literals to blank (the pass is a
         // few instructions per byte, cheaper than a second lookup), else by the exact text.
         KEY.with_borrow_mut(|key| {
             let k = if shape::shape_key(sql, key) {
-                key.as_str()
+                key.as_slice()
             } else {
                 sql
             };
@@ -191,7 +201,7 @@ impl Classifier {
             let classified = match cache.get(k) {
                 Some(hit) => hit,
                 None => {
-                    let classified = Arc::new(analyze(sql, self.max_text_bytes));
+                    let classified = Arc::new(self.analyze(sql));
                     cache.insert(Box::from(k), Arc::clone(&classified));
                     classified
                 }
@@ -244,21 +254,21 @@ mod tests {
     fn memo_answers_a_repeated_shape_and_follows_a_new_one() {
         let c = Classifier::new(100, DEFAULT_MAX_TEXT_BYTES);
         let mut m = Memo::default();
-        let a = c.classify_memo("select * from t where id = 1", &mut m);
+        let a = c.classify_memo(b"select * from t where id = 1", &mut m);
         assert!(Arc::ptr_eq(&a, &c.classify("select * from t where id = 1")));
         // Same shape, other literal: the memo's answer, which is the cache's.
-        let b = c.classify_memo("select * from t where id = 2", &mut m);
+        let b = c.classify_memo(b"select * from t where id = 2", &mut m);
         assert!(Arc::ptr_eq(&a, &b));
         // Another text: its own class, and the memo moves to it.
-        let w = c.classify_memo("update t set x = 1 where id = 2", &mut m);
+        let w = c.classify_memo(b"update t set x = 1 where id = 2", &mut m);
         assert_eq!(w.kind, StmtKind::Write);
         assert!(!Arc::ptr_eq(&a, &w));
-        let again = c.classify_memo("select * from t where id = 3", &mut m);
+        let again = c.classify_memo(b"select * from t where id = 3", &mut m);
         assert_eq!(again.kind, StmtKind::Read);
         assert!(Arc::ptr_eq(&a, &again));
         // A key longer than the memo keeps is classified all the same, and not remembered.
         let long = format!("select {} from t", "x, ".repeat(MEMO_MAX_KEY) + "y");
-        let l = c.classify_memo(&long, &mut m);
+        let l = c.classify_memo(long.as_bytes(), &mut m);
         assert!(Arc::ptr_eq(&l, &c.classify(&long)));
         assert!(m.class.is_none());
         assert!(m.key.capacity() <= MEMO_MAX_KEY);
@@ -266,10 +276,37 @@ mod tests {
         let off = Classifier::new(0, 1024);
         let mut m = Memo::default();
         assert_eq!(
-            off.classify_memo("delete from t", &mut m).kind,
+            off.classify_memo(b"delete from t", &mut m).kind,
             StmtKind::Write
         );
         assert!(m.class.is_none());
+    }
+
+    #[test]
+    fn a_text_that_is_not_utf8_is_classified_as_its_lossy_copy() {
+        let c = Classifier::new(100, DEFAULT_MAX_TEXT_BYTES);
+        let mut m = Memo::default();
+        // LATIN1 bytes: in a literal, in an identifier, in a tag.
+        for (latin1, lossy) in [
+            (
+                &b"select * from t where s = 'caf\xe9'"[..],
+                "select * from t where s = 'caf\u{fffd}'",
+            ),
+            (b"select caf\xe9 from t", "select caf\u{fffd} from t"),
+            (
+                b"/*service:caf\xe9*/ set role x",
+                "/*service:caf\u{fffd}*/ set role x",
+            ),
+        ] {
+            let got = c.classify_memo(latin1, &mut m);
+            assert_eq!(*got, analyze(lossy, DEFAULT_MAX_TEXT_BYTES), "{lossy}");
+            // Again, now from the memo or the cache: the same answer.
+            assert!(Arc::ptr_eq(&got, &c.classify_memo(latin1, &mut m)));
+        }
+        // A byte outside a literal is part of the key: another byte is another entry.
+        let a = c.classify_memo(b"select caf\xe9 from t", &mut m);
+        let b = c.classify_memo(b"select caf\xe8 from t", &mut m);
+        assert!(!Arc::ptr_eq(&a, &b));
     }
 
     #[test]

@@ -52,7 +52,7 @@ fn is_word_byte(b: u8) -> bool {
 /// Writes the shape key of `sql` into `out` (cleared first). Returns `true` when `out` holds a
 /// shape key with at least one literal blanked; `false` when the text has no literal to blank
 /// or must be keyed by its exact bytes (`out` is then unspecified).
-pub(crate) fn shape_key(sql: &str, out: &mut String) -> bool {
+pub(crate) fn shape_key(sql: &[u8], out: &mut Vec<u8>) -> bool {
     shape_into(sql, out).is_some_and(|blanked| blanked > 0)
 }
 
@@ -61,9 +61,9 @@ pub(crate) fn shape_key(sql: &str, out: &mut String) -> bool {
 /// Only bytes of the `SPECIAL` class are looked at, found eight bytes at a time; everything
 /// else (words, spaces, punctuation) is skipped. A digit right after a word byte is inside a
 /// word (`t1`, `c2x`) and is skipped with the rest of that word.
-fn shape_into(sql: &str, out: &mut String) -> Option<usize> {
+fn shape_into(sql: &[u8], out: &mut Vec<u8>) -> Option<usize> {
     let mut p = Pass::new(sql, out)?;
-    let (b, len) = (sql.as_bytes(), sql.len());
+    let (b, len) = (sql, sql.len());
     let mut i = 0;
     while i < len {
         // Eight bytes at a time while none of them may be special.
@@ -97,8 +97,8 @@ fn skip_word(b: &[u8], mut i: usize) -> usize {
 
 /// The key being written: `sql[copied..]` is verbatim text not yet appended to `out`.
 struct Pass<'a> {
-    sql: &'a str,
-    out: &'a mut String,
+    sql: &'a [u8],
+    out: &'a mut Vec<u8>,
     copied: usize,
     blanked: usize,
 }
@@ -106,13 +106,13 @@ struct Pass<'a> {
 impl<'a> Pass<'a> {
     /// `None` for a text holding a NUL (the key's marker) or a `$` (parameters and dollar
     /// quotes: every extended-protocol Parse), found in one SIMD search before any pass.
-    fn new(sql: &'a str, out: &'a mut String) -> Option<Self> {
-        if memchr::memchr2(0, b'$', sql.as_bytes()).is_some() {
+    fn new(sql: &'a [u8], out: &'a mut Vec<u8>) -> Option<Self> {
+        if memchr::memchr2(0, b'$', sql).is_some() {
             return None;
         }
         out.clear();
         out.reserve(sql.len() + 1);
-        out.push('\0');
+        out.push(0);
         Some(Pass {
             sql,
             out,
@@ -123,8 +123,8 @@ impl<'a> Pass<'a> {
 
     /// Replaces `sql[start..end]` (a literal's contents) by the marker.
     fn blank(&mut self, start: usize, end: usize) {
-        self.out.push_str(&self.sql[self.copied..start]);
-        self.out.push('\0');
+        self.out.extend_from_slice(&self.sql[self.copied..start]);
+        self.out.push(0);
         self.blanked += 1;
         self.copied = end;
     }
@@ -132,7 +132,7 @@ impl<'a> Pass<'a> {
     /// What starts at `i`, a `SPECIAL` byte outside a word: where the pass goes on, or `None`
     /// to key by the exact text.
     fn special(&mut self, i: usize) -> Option<usize> {
-        let b = self.sql.as_bytes();
+        let b = self.sql;
         let len = b.len();
         Some(match b[i] {
             b'\\' => return None,
@@ -184,7 +184,7 @@ impl<'a> Pass<'a> {
     }
 
     fn finish(self) -> usize {
-        self.out.push_str(&self.sql[self.copied..]);
+        self.out.extend_from_slice(&self.sql[self.copied..]);
         self.blanked
     }
 }
@@ -222,9 +222,9 @@ mod tests {
     /// The pass as it was before it skipped eight bytes at a time: every word consumed whole
     /// from its first byte, the same step at every other special byte. The oracle of
     /// `same_keys_as_the_word_by_word_pass`.
-    fn reference_shape_into(sql: &str, out: &mut String) -> Option<usize> {
+    fn reference_shape_into(sql: &[u8], out: &mut Vec<u8>) -> Option<usize> {
         let mut p = Pass::new(sql, out)?;
-        let b = sql.as_bytes();
+        let b = sql;
         let mut i = 0;
         while i < b.len() {
             let c = b[i];
@@ -240,8 +240,9 @@ mod tests {
     }
 
     fn key(sql: &str) -> Option<String> {
-        let mut out = String::new();
-        shape_into(sql, &mut out).map(|_| out)
+        let mut out = Vec::new();
+        shape_into(sql.as_bytes(), &mut out)
+            .map(|_| String::from_utf8(out).expect("a valid text's key is valid"))
     }
 
     #[test]
@@ -259,9 +260,9 @@ mod tests {
         assert_ne!(key("SELECT 1"), key("SELECT '1'"));
         assert_ne!(key("SELECT a FROM t"), key("SELECT b FROM t"));
         // Nothing to blank: the exact text is the key.
-        let mut out = String::new();
-        assert!(!shape_key("SELECT a FROM t", &mut out));
-        assert!(shape_key("SELECT 1", &mut out));
+        let mut out = Vec::new();
+        assert!(!shape_key(b"SELECT a FROM t", &mut out));
+        assert!(shape_key(b"SELECT 1", &mut out));
     }
 
     #[test]
@@ -321,14 +322,14 @@ mod tests {
             seed ^= seed << 17;
             seed
         };
-        let (mut a, mut b) = (String::new(), String::new());
+        let (mut a, mut b) = (Vec::new(), Vec::new());
         for _ in 0..200_000 {
             let n = (next() % 12) as usize;
             let sql: String = (0..n)
                 .map(|_| PARTS[(next() % PARTS.len() as u64) as usize])
                 .collect();
-            let new = shape_into(&sql, &mut a);
-            let old = reference_shape_into(&sql, &mut b);
+            let new = shape_into(sql.as_bytes(), &mut a);
+            let old = reference_shape_into(sql.as_bytes(), &mut b);
             assert_eq!(new, old, "{sql:?}");
             if new.is_some() {
                 assert_eq!(a, b, "{sql:?}");

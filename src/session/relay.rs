@@ -885,11 +885,9 @@ impl Relay {
         if !self.classify_on {
             return self.app.unclassified.clone();
         }
-        match std::str::from_utf8(sql) {
-            Ok(s) => self.app.classifier.classify_memo(s, &mut self.memo),
-            // Non-UTF-8 client encodings: classify a lossy copy; the bytes sent stay the client's.
-            Err(_) => self.app.classifier.classify(&String::from_utf8_lossy(sql)),
-        }
+        // A non-UTF-8 text (client encoding) is classified as its lossy copy; the bytes sent
+        // stay the client's.
+        self.app.classifier.classify_memo(sql, &mut self.memo)
     }
 
     /// Applies a statement's session-state effects: pin, capture, cleanup marks, or refusal.
