@@ -7,7 +7,9 @@
 #   * pgbench -S TPS in -M simple / extended / prepared (and, with --modes "... connect",
 #     pgbench -C: a login per transaction) at -c 8, 64, 512 (-j 2), targets
 #     interleaved per point and rotated per round (A B C, B C A, C A B, ...);
-#   * proxy CPU time per transaction (utime+stime from /proc/PID/stat / transactions) and
+#   * proxy CPU time per transaction (utime+stime from /proc/PID/stat / transactions), its
+#     user-space part (utime: the proxy's own code, the rest being the kernel's socket and
+#     scheduler work done for it), and
 #     context switches per transaction (all threads' /proc/PID/task/*/status);
 #   * added p50 latency at -c 1 (pgbench per-transaction log);
 #   * RSS per idle client connection with N idle logged-in clients (pgsluice-storm idle;
@@ -320,6 +322,10 @@ cpu_ticks() { # utime+stime of a process, in clock ticks ('-' without a process)
   if [ -z "$1" ]; then echo -; return; fi
   sed 's/^.*) //' "/proc/$1/stat" | awk '{print $12 + $13}'
 }
+user_ticks() { # utime of a process, in clock ticks ('-' without a process)
+  if [ -z "$1" ]; then echo -; return; fi
+  sed 's/^.*) //' "/proc/$1/stat" | awk '{print $12}'
+}
 rss_kib() { awk '/^VmRSS:/ {print $2}' "/proc/$1/status"; }
 ctx_switches() { # voluntary + involuntary context switches of all a process's threads ('-' without one)
   if [ -z "$1" ]; then echo -; return; fi
@@ -346,9 +352,11 @@ RESULTS=$OUT/pgbench.tsv
 : >"$RESULTS"
 run_pgbench() { # target mode clients round
   local t=$1 mode=$2 c=$3 r=$4 before after out tps txns cpu pg0 pg1 ch0 ch1 pgcpu benchcpu sw0 sw1 sw
+  local u0 u1 ucpu
   if [ "$t" = pgbouncer ] && [ "$mode" = prepared ] && [ "$BOUNCER_PREPARED" = 0 ]; then
-    printf '%s\t%s\t%s\t%s\tn/a\t-\t-\t-\t-\t-\n' "$mode" "$c" "$t" "$r" >>"$RESULTS"; return
+    printf '%s\t%s\t%s\t%s\tn/a\t-\t-\t-\t-\t-\t-\n' "$mode" "$c" "$t" "$r" >>"$RESULTS"; return
   fi
+  u0=$(user_ticks "${PID[$t]}")
   before=$(cpu_ticks "${PID[$t]}"); sw0=$(ctx_switches "${PID[$t]}"); pg0=$(pg_ticks); children_cpu_s; ch0=$CH
   local how=(-M "$mode")
   # "connect": pgbench -C, a new connection (and login) for every transaction.
@@ -356,26 +364,28 @@ run_pgbench() { # target mode clients round
   out=$("$PGBENCH" -n -S "${how[@]}" -c "$c" -j 2 -T "$DURATION" -h "$BENCH_HOST" -p "${PORT[$t]}" \
         -U postgres bench 2>&1) || true
   # Direct: let the postmaster reap pgbench's backends, so their CPU reaches its cutime.
+  u1=$(user_ticks "${PID[$t]}")
   after=$(cpu_ticks "${PID[$t]}"); sw1=$(ctx_switches "${PID[$t]}"); sleep 0.5; pg1=$(pg_ticks); children_cpu_s; ch1=$CH
   tps=$(printf '%s\n' "$out" | awk '/^tps = / {print $3; exit}')
   txns=$(printf '%s\n' "$out" | awk -F': ' '/actually processed/ {print $2; exit}' | awk '{print $1}')
   if [ -z "$tps" ] || [ -z "$txns" ] || [ "$txns" = 0 ] || printf '%s' "$out" | grep -q 'aborted in command\|could not connect\|too many clients'; then
     printf '%s\n' "$out" | tail -3 >"$OUT/pgbench-fail-$t-$mode-$c-$r.log"
-    printf '%s\t%s\t%s\t%s\tfail\t-\t-\t-\t-\t-\n' "$mode" "$c" "$t" "$r" >>"$RESULTS"; return
+    printf '%s\t%s\t%s\t%s\tfail\t-\t-\t-\t-\t-\t-\n' "$mode" "$c" "$t" "$r" >>"$RESULTS"; return
   fi
   # Where the machine's CPU went per transaction: Postgres and pgbench (the proxy below).
   pgcpu=$(awk -v a="$pg0" -v b="$pg1" -v n="$txns" -v hz="$CLK_TCK" 'BEGIN {printf "%.1f", (b - a) / hz * 1e6 / n}')
   benchcpu=$(awk -v a="$ch0" -v b="$ch1" -v n="$txns" 'BEGIN {printf "%.1f", (b - a) * 1e6 / n}')
-  cpu=-
+  cpu=-; ucpu=-
   if [ "$before" != - ]; then
     cpu=$(awk -v a="$before" -v b="$after" -v n="$txns" -v hz="$CLK_TCK" 'BEGIN {printf "%.1f", (b - a) / hz * 1e6 / n}')
+    ucpu=$(awk -v a="$u0" -v b="$u1" -v n="$txns" -v hz="$CLK_TCK" 'BEGIN {printf "%.2f", (b - a) / hz * 1e6 / n}')
   fi
   # Context switches of the proxy's threads per transaction: each is a sleep and a wake-up.
   sw=-
   if [ "$sw0" != - ]; then
     sw=$(awk -v a="$sw0" -v b="$sw1" -v n="$txns" 'BEGIN {printf "%.2f", (b - a) / n}')
   fi
-  printf '%s\t%s\t%s\t%s\t%.0f\t%s\t%s\t%s\t%s\t%s\n' "$mode" "$c" "$t" "$r" "$tps" "$txns" "$cpu" "$pgcpu" "$benchcpu" "$sw" >>"$RESULTS"
+  printf '%s\t%s\t%s\t%s\t%.0f\t%s\t%s\t%s\t%s\t%s\t%s\n' "$mode" "$c" "$t" "$r" "$tps" "$txns" "$cpu" "$pgcpu" "$benchcpu" "$sw" "$ucpu" >>"$RESULTS"
 }
 
 point=0
@@ -449,7 +459,7 @@ if [ "$SKIP_STORMS" = 0 ]; then
 fi
 
 # --- the table -----------------------------------------------------------------------------------
-med() { # mode clients target column(5=tps,7=cpu,10=context switches)
+med() { # mode clients target column(5=tps,7=cpu,10=context switches,11=user-space cpu)
   local vals
   vals=$(awk -F'\t' -v m="$1" -v c="$2" -v t="$3" -v col="$4" '$1==m && $2==c && $3==t {print $col}' "$RESULTS")
   if [ -z "$vals" ]; then echo -; return; fi
@@ -477,7 +487,7 @@ row() { printf '| %s | %s | %s | %s | %s | %s |\n' "$@"; }
       row "-S $mode -c $c TPS" "$d" "$b" "$s" "$(ratio "$s" "$d")" "$(ratio "$s" "$b")"
     done
   done
-  for measure in "7 proxy CPU µs/txn" "10 proxy context switches/txn"; do
+  for measure in "7 proxy CPU µs/txn" "11 proxy user-space CPU µs/txn" "10 proxy context switches/txn"; do
     read -r col label <<<"$measure"
     for mode in $MODES; do
       for c in $CLIENTS; do
