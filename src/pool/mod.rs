@@ -140,7 +140,7 @@ pub struct Pool {
     canonical: Mutex<HashMap<String, HashMap<String, String>>>,
     /// A client's startup settings → the ParameterStatus messages it is greeted with, encoded
     /// (built from `server_params` and `canonical`; at most [`GREETINGS`] lists).
-    greetings: Mutex<HashMap<Vec<(String, String)>, bytes::Bytes>>,
+    greetings: Mutex<HashMap<crate::session::params::Shared, bytes::Bytes>>,
     pub stats: PoolStats,
     /// How fast checkouts are served (the retry hints of its waiters).
     drain: crate::policy::drain::DrainRate,
@@ -832,11 +832,29 @@ impl Pool {
 
     /// Remembers the ParameterStatus messages of a client with these startup settings (not
     /// beyond [`GREETINGS`] lists: then each such login builds its own).
-    pub fn remember_greeting(&self, settings: &[(String, String)], greeting: bytes::Bytes) {
+    pub fn remember_greeting(
+        &self,
+        settings: &crate::session::params::Shared,
+        greeting: bytes::Bytes,
+    ) {
         let mut g = self.greetings.lock();
         if g.len() < GREETINGS {
-            g.insert(settings.to_vec(), greeting);
+            g.insert(Arc::clone(settings), greeting);
         }
+    }
+
+    /// The list this pool already holds equal to `settings` (the one its greetings are kept
+    /// under), else `settings` itself. Sessions that share a list find a backend's settings
+    /// equal to theirs by pointer ([`crate::pool::BackendConn::applied`]), without reading
+    /// the strings of either, which at hundreds of sessions have long left the cache.
+    pub fn intern_settings(
+        &self,
+        settings: crate::session::params::Shared,
+    ) -> crate::session::params::Shared {
+        self.greetings
+            .lock()
+            .get_key_value(&*settings)
+            .map_or(settings, |(k, _)| Arc::clone(k))
     }
 
     /// Closes idle connections past their lifetime, and those idle longer than
@@ -1123,7 +1141,7 @@ impl Pooled {
             }
             if conn.dirty.gucs || conn.dirty.all {
                 // RESET ALL also undid the client startup parameters.
-                conn.applied.clear();
+                conn.applied = Default::default();
             }
             conn.dirty = Dirt::default();
             now = Instant::now();
@@ -1308,8 +1326,8 @@ mod tests {
     use super::*;
     use bytes::Bytes;
 
-    fn settings(name: &str, value: &str) -> Vec<(String, String)> {
-        vec![(name.to_owned(), value.to_owned())]
+    fn settings(name: &str, value: &str) -> crate::session::params::Shared {
+        Arc::from([(name.to_owned(), value.to_owned())])
     }
 
     /// A greeting is remembered per startup-settings list, kept while the server reports the
@@ -1341,5 +1359,32 @@ mod tests {
             p.remember_greeting(&settings("application_name", &i.to_string()), Bytes::new());
         }
         assert_eq!(p.greetings.lock().len(), GREETINGS);
+    }
+
+    /// Logins with equal settings get one shared list once the pool has remembered one (so
+    /// a backend's applied list is found equal by pointer); others keep their own.
+    #[test]
+    fn equal_settings_are_interned_to_the_remembered_list() {
+        let p = Pool::new(
+            "d",
+            "u",
+            PoolConfig::default(),
+            ConnectParams::blank(crate::tls::BackendTlsHandle::disabled()),
+            Vec::new(),
+        );
+        let first = settings("application_name", "web");
+        // Nothing remembered yet: a login keeps its own list.
+        let kept = p.intern_settings(Arc::clone(&first));
+        assert!(Arc::ptr_eq(&kept, &first));
+        p.remember_greeting(&first, Bytes::new());
+        // An equal list from another login: the remembered one.
+        let second = settings("application_name", "web");
+        assert!(!Arc::ptr_eq(&second, &first));
+        assert!(Arc::ptr_eq(&p.intern_settings(second), &first));
+        // A different list is not touched.
+        let other = settings("application_name", "batch");
+        let got = p.intern_settings(Arc::clone(&other));
+        assert!(Arc::ptr_eq(&got, &other));
+        assert_eq!(&*got, &*other);
     }
 }

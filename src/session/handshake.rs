@@ -37,8 +37,10 @@ const TLS_HANDSHAKE: u8 = 0x16;
 pub struct Login {
     pub user: String,
     pub database: String,
-    /// GUC settings from the startup packet, sorted by name.
-    pub settings: Vec<(String, String)>,
+    /// GUC settings from the startup packet, sorted by name. Shared: a pool hands every
+    /// login with equal settings the same list ([`crate::pool::Pool::intern_settings`]), so
+    /// a backend's [`crate::pool::BackendConn::applied`] is found equal by pointer.
+    pub settings: params::Shared,
     /// Negotiated protocol minor version (0 or 2).
     pub minor: u16,
 }
@@ -304,7 +306,7 @@ pub async fn startup<S: AsyncRead + AsyncWrite + Unpin>(
     let login = Login {
         user,
         database,
-        settings,
+        settings: settings.into(),
         minor: negotiated,
     };
     Ok(Start::Login(Authenticated { login, owed: out }))

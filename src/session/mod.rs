@@ -362,9 +362,10 @@ async fn serve<S: AsyncRead + AsyncWrite + Unpin>(
     buf: BytesMut,
     peer: ClientAddr,
     pool: Arc<Pool>,
-    login: Login,
+    mut login: Login,
     reg: cancel::Registration,
 ) {
+    login.settings = pool.intern_settings(login.settings);
     let tls = stream.is_tls();
     // Named from the client's record (the relay takes `login`): no copies of the names.
     let meta = reg.entry.client.meta.as_ref();
@@ -554,7 +555,7 @@ fn known_status(pool: &Pool, login: &Login) -> Option<Bytes> {
 fn status_of(server: ServerParams, pool: &Pool, login: &Login) -> Bytes {
     let mut own: Vec<(String, String)> = Vec::new();
     let mut complete = true;
-    for (k, v) in &login.settings {
+    for (k, v) in login.settings.iter() {
         let Some(reported) = pool.canonical(k, v) else {
             complete = false;
             continue;
@@ -587,7 +588,7 @@ async fn learn_settings(
 ) -> Result<(), PgError> {
     let conn = b.conn();
     let Some(sql) = params::apply_sql(&conn.applied, &login.settings) else {
-        for (k, v) in &login.settings {
+        for (k, v) in login.settings.iter() {
             let reported = conn
                 .server_params
                 .iter()
@@ -626,7 +627,7 @@ async fn learn_settings(
         }));
     }
     conn.applied = login.settings.clone();
-    for (k, v) in &login.settings {
+    for (k, v) in login.settings.iter() {
         let r = reported
             .iter()
             .find(|(n, _)| n.eq_ignore_ascii_case(k))

@@ -71,6 +71,10 @@ pub fn parse_options(options: &str) -> Result<Vec<(String, String)>, String> {
 /// GUC settings as (name, value) pairs, sorted by name.
 pub type Settings = Vec<(String, String)>;
 
+/// [`Settings`] as a login and a backend hold them: immutable, so two that share one
+/// allocation are equal without a look at their strings.
+pub type Shared = std::sync::Arc<[(String, String)]>;
+
 /// From the raw startup parameters to the sorted, deduplicated GUC settings to apply.
 /// Returns the settings and the `_pq_.` protocol options we do not support.
 /// Takes the strings out of `raw` rather than copying them (a login's allocations).

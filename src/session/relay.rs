@@ -1069,12 +1069,28 @@ impl Relay {
                 ),
             )
         })?;
+        // One list (the pool interns them, `Pool::intern_settings`): equal without a look at
+        // the strings, which at hundreds of sessions are cold.
+        if !Arc::ptr_eq(&b.conn().applied, &self.login.settings) {
+            let wait = Duration::from_millis(pool.cfg.checkout_timeout_ms);
+            b = self.apply_settings(b, wait).await?;
+        }
+        set_cancel_target(&self.cancel, Some(&mut b)).await;
+        self.backend = Some(b);
+        self.lend_buffers();
+        Ok(())
+    }
+
+    /// Makes `b`'s session settings the client's: resets and sets when they differ; the
+    /// client's list either way, so the next compare with it is a pointer's. A refused change
+    /// of who the client runs as discards `b`.
+    /// `wait` bounds a change of who the client runs as, applied before its statement.
+    async fn apply_settings(&mut self, mut b: Pooled, wait: Duration) -> Result<Pooled, PgError> {
         let conn = b.conn();
         if let Some(steps) = params::apply_steps(&conn.applied, &self.login.settings) {
             if steps.identity {
                 // Who the client runs as must be certain before its statement goes (one
                 // statement: refused, it changes nothing, and the backend is closed).
-                let wait = Duration::from_millis(pool.cfg.checkout_timeout_ms);
                 if let Err(e) = apply_now(conn, &steps.statements, wait).await {
                     b.discard();
                     return Err(e);
@@ -1088,12 +1104,9 @@ impl Relay {
                     self.out.query(Mode::Swallow, sql);
                 }
             }
-            conn.applied = self.login.settings.clone();
         }
-        set_cancel_target(&self.cancel, Some(&mut b)).await;
-        self.backend = Some(b);
-        self.lend_buffers();
-        Ok(())
+        conn.applied = Arc::clone(&self.login.settings);
+        Ok(b)
     }
 
     /// A backend is attached: the reply, client-bound and backend-bound buffers come from
@@ -1262,8 +1275,8 @@ impl Relay {
             self.failure = crate::observe::stats::Outcome::of_error(code, asked);
         }
         if seen.captured {
-            let captured = self.replies.take_settings();
-            self.backend_conn().applied = captured.clone();
+            let captured: params::Shared = self.replies.take_settings().into();
+            self.backend_conn().applied = Arc::clone(&captured);
             self.login.settings = captured;
             self.session_caller = None;
         }
@@ -1584,7 +1597,7 @@ impl Cleanup {
                 return Err(());
             }
             conn.prepared.clear();
-            conn.applied.clear();
+            conn.applied = Default::default();
         }
         Ok(())
     }

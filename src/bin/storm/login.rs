@@ -238,7 +238,7 @@ async fn login(
         pid,
         secret,
         server_params,
-        applied: Vec::new(),
+        applied: Default::default(),
         prepared: PreparedCache::new(1),
         stale: Vec::new(),
         dirty: Dirt::default(),
