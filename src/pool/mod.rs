@@ -1326,6 +1326,17 @@ mod tests {
     use super::*;
     use bytes::Bytes;
 
+    /// A pool with default settings that never connects.
+    fn unconnected_pool() -> Arc<Pool> {
+        Pool::new(
+            "d",
+            "u",
+            PoolConfig::default(),
+            ConnectParams::blank(crate::tls::BackendTlsHandle::disabled()),
+            Vec::new(),
+        )
+    }
+
     fn settings(name: &str, value: &str) -> crate::session::params::Shared {
         Arc::from([(name.to_owned(), value.to_owned())])
     }
@@ -1335,13 +1346,7 @@ mod tests {
     /// `GREETINGS` lists.
     #[test]
     fn greetings_are_remembered_per_settings_and_forgotten_when_a_report_changes() {
-        let p = Pool::new(
-            "d",
-            "u",
-            PoolConfig::default(),
-            ConnectParams::blank(crate::tls::BackendTlsHandle::disabled()),
-            Vec::new(),
-        );
+        let p = unconnected_pool();
         let iso = settings("DateStyle", "iso");
         assert!(p.greeting(&iso).is_none());
         p.learn_canonical("DateStyle", "iso", "ISO, MDY");
@@ -1365,13 +1370,7 @@ mod tests {
     /// a backend's applied list is found equal by pointer); others keep their own.
     #[test]
     fn equal_settings_are_interned_to_the_remembered_list() {
-        let p = Pool::new(
-            "d",
-            "u",
-            PoolConfig::default(),
-            ConnectParams::blank(crate::tls::BackendTlsHandle::disabled()),
-            Vec::new(),
-        );
+        let p = unconnected_pool();
         let first = settings("application_name", "web");
         // Nothing remembered yet: a login keeps its own list.
         let kept = p.intern_settings(Arc::clone(&first));
