@@ -318,13 +318,9 @@ url() { echo "postgres://${2:-postgres}:$PASSWORD@127.0.0.1:${PORT[$1]}/bench"; 
 DIRECT_URL=$(url direct)
 export PGPASSWORD=$PASSWORD
 CLK_TCK=$(getconf CLK_TCK)
-cpu_ticks() { # utime+stime of a process, in clock ticks ('-' without a process)
-  if [ -z "$1" ]; then echo -; return; fi
-  sed 's/^.*) //' "/proc/$1/stat" | awk '{print $12 + $13}'
-}
-user_ticks() { # utime of a process, in clock ticks ('-' without a process)
-  if [ -z "$1" ]; then echo -; return; fi
-  sed 's/^.*) //' "/proc/$1/stat" | awk '{print $12}'
+cpu_ticks() { # utime+stime and utime of a process, in clock ticks, from one read ('- -' without a process)
+  if [ -z "$1" ]; then echo - -; return; fi
+  sed 's/^.*) //' "/proc/$1/stat" | awk '{print $12 + $13, $12}'
 }
 rss_kib() { awk '/^VmRSS:/ {print $2}' "/proc/$1/status"; }
 ctx_switches() { # voluntary + involuntary context switches of all a process's threads ('-' without one)
@@ -356,16 +352,14 @@ run_pgbench() { # target mode clients round
   if [ "$t" = pgbouncer ] && [ "$mode" = prepared ] && [ "$BOUNCER_PREPARED" = 0 ]; then
     printf '%s\t%s\t%s\t%s\tn/a\t-\t-\t-\t-\t-\t-\n' "$mode" "$c" "$t" "$r" >>"$RESULTS"; return
   fi
-  u0=$(user_ticks "${PID[$t]}")
-  before=$(cpu_ticks "${PID[$t]}"); sw0=$(ctx_switches "${PID[$t]}"); pg0=$(pg_ticks); children_cpu_s; ch0=$CH
+  read -r before u0 <<<"$(cpu_ticks "${PID[$t]}")"; sw0=$(ctx_switches "${PID[$t]}"); pg0=$(pg_ticks); children_cpu_s; ch0=$CH
   local how=(-M "$mode")
   # "connect": pgbench -C, a new connection (and login) for every transaction.
   [ "$mode" = connect ] && how=(-M simple -C)
   out=$("$PGBENCH" -n -S "${how[@]}" -c "$c" -j 2 -T "$DURATION" -h "$BENCH_HOST" -p "${PORT[$t]}" \
         -U postgres bench 2>&1) || true
   # Direct: let the postmaster reap pgbench's backends, so their CPU reaches its cutime.
-  u1=$(user_ticks "${PID[$t]}")
-  after=$(cpu_ticks "${PID[$t]}"); sw1=$(ctx_switches "${PID[$t]}"); sleep 0.5; pg1=$(pg_ticks); children_cpu_s; ch1=$CH
+  read -r after u1 <<<"$(cpu_ticks "${PID[$t]}")"; sw1=$(ctx_switches "${PID[$t]}"); sleep 0.5; pg1=$(pg_ticks); children_cpu_s; ch1=$CH
   tps=$(printf '%s\n' "$out" | awk '/^tps = / {print $3; exit}')
   txns=$(printf '%s\n' "$out" | awk -F': ' '/actually processed/ {print $2; exit}' | awk '{print $1}')
   if [ -z "$tps" ] || [ -z "$txns" ] || [ "$txns" = 0 ] || printf '%s' "$out" | grep -q 'aborted in command\|could not connect\|too many clients'; then

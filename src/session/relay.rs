@@ -1082,9 +1082,8 @@ impl Relay {
     }
 
     /// Makes `b`'s session settings the client's: resets and sets when they differ; the
-    /// client's list either way, so the next compare with it is a pointer's. A refused change
-    /// of who the client runs as discards `b`.
-    /// `wait` bounds a change of who the client runs as, applied before its statement.
+    /// client's list either way, so the next compare with it is a pointer's. A change of who
+    /// the client runs as is applied at once, within `wait`; refused, it discards `b`.
     async fn apply_settings(&mut self, mut b: Pooled, wait: Duration) -> Result<Pooled, PgError> {
         let conn = b.conn();
         if let Some(steps) = params::apply_steps(&conn.applied, &self.login.settings) {
