@@ -825,9 +825,19 @@ impl Pool {
         }
     }
 
-    /// The ParameterStatus messages remembered for a client with these startup settings.
-    pub fn greeting(&self, settings: &[(String, String)]) -> Option<bytes::Bytes> {
-        self.greetings.lock().get(settings).cloned()
+    /// The ParameterStatus messages remembered for a client with these startup settings,
+    /// with the pool's own list equal to them (the one the greeting is kept under). A session
+    /// that takes that list in place of its own finds a backend's settings equal to its own by
+    /// pointer ([`crate::pool::BackendConn::applied`]), without reading the strings of either,
+    /// which at hundreds of sessions have long left the cache.
+    pub fn greeting(
+        &self,
+        settings: &[(String, String)],
+    ) -> Option<(bytes::Bytes, crate::session::params::Shared)> {
+        self.greetings
+            .lock()
+            .get_key_value(settings)
+            .map(|(k, v)| (v.clone(), Arc::clone(k)))
     }
 
     /// Remembers the ParameterStatus messages of a client with these startup settings (not
@@ -841,20 +851,6 @@ impl Pool {
         if g.len() < GREETINGS {
             g.insert(Arc::clone(settings), greeting);
         }
-    }
-
-    /// The list this pool already holds equal to `settings` (the one its greetings are kept
-    /// under), else `settings` itself. Sessions that share a list find a backend's settings
-    /// equal to theirs by pointer ([`crate::pool::BackendConn::applied`]), without reading
-    /// the strings of either, which at hundreds of sessions have long left the cache.
-    pub fn intern_settings(
-        &self,
-        settings: crate::session::params::Shared,
-    ) -> crate::session::params::Shared {
-        self.greetings
-            .lock()
-            .get_key_value(&*settings)
-            .map_or(settings, |(k, _)| Arc::clone(k))
     }
 
     /// Closes idle connections past their lifetime, and those idle longer than
@@ -1351,7 +1347,7 @@ mod tests {
         assert!(p.greeting(&iso).is_none());
         p.learn_canonical("DateStyle", "iso", "ISO, MDY");
         p.remember_greeting(&iso, Bytes::from_static(b"S..."));
-        assert_eq!(p.greeting(&iso).as_deref(), Some(&b"S..."[..]));
+        assert_eq!(p.greeting(&iso).unwrap().0, Bytes::from_static(b"S..."));
         assert!(p.greeting(&[]).is_none(), "another list has no greeting");
         p.learn_canonical("DateStyle", "iso", "ISO, MDY");
         assert!(p.greeting(&iso).is_some(), "the same answer keeps it");
@@ -1366,22 +1362,21 @@ mod tests {
         assert_eq!(p.greetings.lock().len(), GREETINGS);
     }
 
-    /// Logins with equal settings get one shared list once the pool has remembered one (so
-    /// a backend's applied list is found equal by pointer); others keep their own.
+    /// A login whose settings the pool has met gets the pool's list with the greeting (so a
+    /// backend's applied list is found equal by pointer); the list it was remembered under is
+    /// the first login's own.
     #[test]
-    fn equal_settings_are_interned_to_the_remembered_list() {
+    fn a_greeting_comes_with_the_remembered_list() {
         let p = unconnected_pool();
         let first = settings("application_name", "web");
-        // Nothing remembered yet: a login keeps its own list.
-        let kept = p.intern_settings(Arc::clone(&first));
-        assert!(Arc::ptr_eq(&kept, &first));
-        p.remember_greeting(&first, Bytes::new());
+        p.remember_greeting(&first, Bytes::from_static(b"S..."));
         // An equal list from another login: the remembered one.
         let second = settings("application_name", "web");
         assert!(!Arc::ptr_eq(&second, &first));
-        assert!(Arc::ptr_eq(&p.intern_settings(second), &first));
-        // A different list is not touched.
-        let other = settings("application_name", "batch");
-        assert!(Arc::ptr_eq(&p.intern_settings(Arc::clone(&other)), &other));
+        let (greeting, list) = p.greeting(&second).expect("remembered");
+        assert_eq!(&greeting[..], b"S...");
+        assert!(Arc::ptr_eq(&list, &first));
+        // A different list has none.
+        assert!(p.greeting(&settings("application_name", "batch")).is_none());
     }
 }

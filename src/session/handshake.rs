@@ -37,9 +37,10 @@ const TLS_HANDSHAKE: u8 = 0x16;
 pub struct Login {
     pub user: String,
     pub database: String,
-    /// GUC settings from the startup packet, sorted by name. Shared: a pool hands every
-    /// login with equal settings the same list ([`crate::pool::Pool::intern_settings`]), so
-    /// a backend's [`crate::pool::BackendConn::applied`] is found equal by pointer.
+    /// GUC settings from the startup packet, sorted by name. Shared: the first login with
+    /// these settings leaves its list with the pool's greeting, and the pool hands the later
+    /// ones that list with it ([`crate::pool::Pool::greeting`]), so a backend's
+    /// [`crate::pool::BackendConn::applied`] is found equal by pointer.
     pub settings: params::Shared,
     /// Negotiated protocol minor version (0 or 2).
     pub minor: u16,

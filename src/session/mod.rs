@@ -207,7 +207,10 @@ pub async fn run<S, G>(
         handshake::startup(&app, &mut stream, &mut buf, peer.source_ip()),
     )
     .await;
-    let Authenticated { login, mut owed } = match started {
+    let Authenticated {
+        mut login,
+        mut owed,
+    } = match started {
         Ok(Ok(Start::Login(auth))) => auth,
         Ok(Ok(Start::Cancelled)) => return,
         other => {
@@ -218,7 +221,7 @@ pub async fn run<S, G>(
     let moving = handover.0.is_some();
     let mut slot = Some(slot);
     let mut greeted = None;
-    if moving && let Some((pool, status)) = known_answer(&app, &login) {
+    if moving && let Some((pool, status)) = known_answer(&app, &mut login) {
         // The usual login: all the client is told is known here, so it is told from this
         // thread, and its first query is on its way while the session moves (the session
         // thread then starts with a read, not a write and then a read).
@@ -246,7 +249,7 @@ pub async fn run<S, G>(
         }
         let greeted = match greeted {
             Some(g) => Some(g),
-            None => prepare(&app, &mut stream, peer, slot, &login, owed, deadline).await,
+            None => prepare(&app, &mut stream, peer, slot, &mut login, owed, deadline).await,
         };
         if let Some((pool, reg)) = greeted {
             serve(app, stream, buf, peer, pool, login, reg).await;
@@ -290,7 +293,7 @@ async fn startup_failed<S: AsyncRead + AsyncWrite + Unpin>(
 /// The pool and ParameterStatus list of an authenticated client when both are known without
 /// I/O (the pool exists and has met the client's settings before); `None` sends the login
 /// the long way ([`prepare`]), which also reports what is wrong.
-fn known_answer(app: &App, login: &Login) -> Option<(Arc<Pool>, Bytes)> {
+fn known_answer(app: &App, login: &mut Login) -> Option<(Arc<Pool>, Bytes)> {
     let pool = app.pool_for(&login.database, &login.user).ok()?;
     let status = known_status(&pool, login)?;
     Some((pool, status))
@@ -304,7 +307,7 @@ async fn prepare<S: AsyncRead + AsyncWrite + Unpin>(
     stream: &mut Client<S>,
     peer: ClientAddr,
     slot: Option<HandshakeSlot>,
-    login: &Login,
+    login: &mut Login,
     owed: BytesMut,
     deadline: Instant,
 ) -> Option<(Arc<Pool>, cancel::Registration)> {
@@ -323,7 +326,7 @@ async fn prepare<S: AsyncRead + AsyncWrite + Unpin>(
             return None;
         }
     };
-    let reg = greet(app, stream, owed, &status, login, peer).await?;
+    let reg = greet(app, stream, owed, &status, &*login, peer).await?;
     Some((pool, reg))
 }
 
@@ -362,10 +365,9 @@ async fn serve<S: AsyncRead + AsyncWrite + Unpin>(
     buf: BytesMut,
     peer: ClientAddr,
     pool: Arc<Pool>,
-    mut login: Login,
+    login: Login,
     reg: cancel::Registration,
 ) {
-    login.settings = pool.intern_settings(login.settings);
     let tls = stream.is_tls();
     // Named from the client's record (the relay takes `login`): no copies of the names.
     let meta = reg.entry.client.meta.as_ref();
@@ -514,7 +516,7 @@ fn write_status(server: &[(String, String)], own: &[(String, String)], out: &mut
 /// The ParameterStatus list for a new client. Learns the server's spelling of the client's
 /// settings once per value (one round trip on a pooled backend), then answers from the
 /// pool's cache.
-async fn login_params(app: &App, pool: &Arc<Pool>, login: &Login) -> Result<Bytes, PgError> {
+async fn login_params(app: &App, pool: &Arc<Pool>, login: &mut Login) -> Result<Bytes, PgError> {
     if let Some(status) = known_status(pool, login) {
         return Ok(status);
     }
@@ -536,9 +538,11 @@ async fn login_params(app: &App, pool: &Arc<Pool>, login: &Login) -> Result<Byte
 
 /// [`login_params`] without I/O: the list the pool remembers for these settings, or else
 /// `None` unless the pool knows the server's values and how the server reports each of the
-/// client's settings.
-fn known_status(pool: &Pool, login: &Login) -> Option<Bytes> {
-    if let Some(greeting) = pool.greeting(&login.settings) {
+/// client's settings. A remembered list also gives the login the pool's copy of its settings
+/// ([`Pool::greeting`]).
+fn known_status(pool: &Pool, login: &mut Login) -> Option<Bytes> {
+    if let Some((greeting, settings)) = pool.greeting(&login.settings) {
+        login.settings = settings;
         return Some(greeting);
     }
     let server = pool.server_params()?;
@@ -763,5 +767,33 @@ mod tests {
         let e = w.write_all(&[0u8; 1024]).await.expect_err("stalled write");
         assert_eq!(e.kind(), io::ErrorKind::TimedOut);
         assert!(t.elapsed() >= Duration::from_secs(30));
+    }
+
+    /// A login whose settings the pool has met takes the pool's list of them with the
+    /// greeting: its checkouts then find a backend's applied settings equal by pointer.
+    #[test]
+    fn a_known_login_takes_the_pools_settings_list() {
+        let pool = Pool::new(
+            "d",
+            "u",
+            crate::config::PoolConfig::default(),
+            crate::pool::ConnectParams::blank(crate::tls::BackendTlsHandle::disabled()),
+            Vec::new(),
+        );
+        let web = || -> params::Shared { Arc::from([("application_name".into(), "web".into())]) };
+        let first = web();
+        pool.remember_greeting(&first, Bytes::from_static(b"S..."));
+        let mut login = Login {
+            user: "u".into(),
+            database: "d".into(),
+            settings: web(),
+            minor: 0,
+        };
+        assert!(!Arc::ptr_eq(&login.settings, &first));
+        assert_eq!(
+            known_status(&pool, &mut login).as_deref(),
+            Some(&b"S..."[..])
+        );
+        assert!(Arc::ptr_eq(&login.settings, &first));
     }
 }

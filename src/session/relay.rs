@@ -1069,7 +1069,7 @@ impl Relay {
                 ),
             )
         })?;
-        // One list (the pool interns them, `Pool::intern_settings`): equal without a look at
+        // One list (logins with equal settings share the pool's, `Pool::greeting`): equal without a look at
         // the strings, which at hundreds of sessions are cold.
         if !Arc::ptr_eq(&b.conn().applied, &self.login.settings) {
             let wait = Duration::from_millis(pool.cfg.checkout_timeout_ms);
