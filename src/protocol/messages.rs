@@ -32,9 +32,16 @@ pub enum StartupPacket {
     Startup {
         major: u16,
         minor: u16,
-        params: Vec<(String, String)>,
+        params: Vec<(ParamName, String)>,
     },
 }
+
+/// A startup parameter's name: borrowed for the names the proxy takes out of the packet
+/// itself (never settings, so never kept), owned for the rest.
+pub type ParamName = std::borrow::Cow<'static, str>;
+
+/// The startup parameters that are not settings: named without an allocation per login.
+pub const NOT_SETTINGS: [&str; 4] = ["user", "database", "options", "replication"];
 
 /// Why a startup packet was refused (all map to FATAL 08P01).
 #[derive(Debug, PartialEq, Eq, thiserror::Error)]
@@ -100,7 +107,11 @@ pub fn parse_startup(body: &[u8]) -> Result<StartupPacket, StartupError> {
                 let (value, tail) = cstr(tail).ok_or(StartupError::OddPairs)?;
                 let name = std::str::from_utf8(name).map_err(|_| StartupError::NotUtf8)?;
                 let value = std::str::from_utf8(value).map_err(|_| StartupError::NotUtf8)?;
-                params.push((name.to_string(), value.to_string()));
+                let name = match NOT_SETTINGS.iter().find(|n| **n == name) {
+                    Some(n) => ParamName::Borrowed(n),
+                    None => ParamName::Owned(name.to_owned()),
+                };
+                params.push((name, value.to_owned()));
                 buf = tail;
             }
             Ok(StartupPacket::Startup {
@@ -329,18 +340,30 @@ mod tests {
 
     #[test]
     fn parses_startup_params() {
-        let b = startup_body(196_608, b"user\0app\0database\0appdb\0\0");
+        let b = startup_body(
+            196_608,
+            b"user\0app\0database\0appdb\0application_name\0x\0\0",
+        );
+        let packet = parse_startup(&b);
         assert_eq!(
-            parse_startup(&b),
+            packet,
             Ok(StartupPacket::Startup {
                 major: 3,
                 minor: 0,
                 params: vec![
                     ("user".into(), "app".into()),
-                    ("database".into(), "appdb".into())
+                    ("database".into(), "appdb".into()),
+                    ("application_name".into(), "x".into())
                 ]
             })
         );
+        // The proxy's own names are not allocated; a setting's name is (it is kept).
+        let Ok(StartupPacket::Startup { params, .. }) = packet else {
+            unreachable!()
+        };
+        assert!(matches!(params[0].0, ParamName::Borrowed("user")));
+        assert!(matches!(params[1].0, ParamName::Borrowed("database")));
+        assert!(matches!(params[2].0, ParamName::Owned(_)));
     }
 
     #[test]

@@ -13,9 +13,6 @@
 //! whatever its `client_encoding` (no byte of the tag can be the second byte of a multi-byte
 //! character in SJIS, BIG5, GBK, UHC or GB18030, as `\` can).
 
-/// Startup keys that are not GUCs.
-const NOT_GUCS: &[&str] = &["user", "database", "options", "replication"];
-
 /// A GUC name we are willing to put into SQL unquoted.
 pub fn valid_guc_name(name: &str) -> bool {
     let mut chars = name.chars();
@@ -78,20 +75,24 @@ pub type Shared = std::sync::Arc<[(String, String)]>;
 /// From the raw startup parameters to the sorted, deduplicated GUC settings to apply.
 /// Returns the settings and the `_pq_.` protocol options we do not support.
 /// Takes the strings out of `raw` rather than copying them (a login's allocations).
-pub fn client_settings(raw: Vec<(String, String)>) -> Result<(Settings, Vec<String>), String> {
+pub fn client_settings<K>(raw: Vec<(K, String)>) -> Result<(Settings, Vec<String>), String>
+where
+    K: AsRef<str> + Into<String>,
+{
     let mut settings: Vec<(String, String)> = Vec::with_capacity(raw.len());
     let mut unsupported = Vec::new();
     for (k, v) in raw {
-        if k.starts_with("_pq_.") {
-            unsupported.push(k);
-        } else if k == "options" {
+        let name = k.as_ref();
+        if name.starts_with("_pq_.") {
+            unsupported.push(k.into());
+        } else if name == "options" {
             settings.extend(parse_options(&v)?);
-        } else if k == "replication" {
+        } else if name == "replication" {
             if !matches!(v.as_str(), "false" | "off" | "0" | "no") {
                 return Err("replication connections are not supported by pgsluice".into());
             }
-        } else if !NOT_GUCS.contains(&k.as_str()) {
-            settings.push((k, v));
+        } else if !crate::protocol::messages::NOT_SETTINGS.contains(&name) {
+            settings.push((k.into(), v));
         }
     }
     for (k, _) in settings.iter_mut() {
