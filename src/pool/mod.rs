@@ -825,6 +825,19 @@ impl Pool {
         }
     }
 
+    /// A pool with default settings that never connects, for unit tests of what it
+    /// remembers.
+    #[cfg(test)]
+    pub(crate) fn unconnected() -> Arc<Pool> {
+        Pool::new(
+            "d",
+            "u",
+            PoolConfig::default(),
+            ConnectParams::blank(crate::tls::BackendTlsHandle::disabled()),
+            Vec::new(),
+        )
+    }
+
     /// The ParameterStatus messages remembered for a client with these startup settings,
     /// with the pool's own list equal to them (the one the greeting is kept under). A session
     /// that takes that list in place of its own finds a backend's settings equal to its own by
@@ -1322,17 +1335,6 @@ mod tests {
     use super::*;
     use bytes::Bytes;
 
-    /// A pool with default settings that never connects.
-    fn unconnected_pool() -> Arc<Pool> {
-        Pool::new(
-            "d",
-            "u",
-            PoolConfig::default(),
-            ConnectParams::blank(crate::tls::BackendTlsHandle::disabled()),
-            Vec::new(),
-        )
-    }
-
     fn settings(name: &str, value: &str) -> crate::session::params::Shared {
         Arc::from([(name.to_owned(), value.to_owned())])
     }
@@ -1342,7 +1344,7 @@ mod tests {
     /// `GREETINGS` lists.
     #[test]
     fn greetings_are_remembered_per_settings_and_forgotten_when_a_report_changes() {
-        let p = unconnected_pool();
+        let p = Pool::unconnected();
         let iso = settings("DateStyle", "iso");
         assert!(p.greeting(&iso).is_none());
         p.learn_canonical("DateStyle", "iso", "ISO, MDY");
@@ -1367,7 +1369,7 @@ mod tests {
     /// the first login's own.
     #[test]
     fn a_greeting_comes_with_the_remembered_list() {
-        let p = unconnected_pool();
+        let p = Pool::unconnected();
         let first = settings("application_name", "web");
         p.remember_greeting(&first, Bytes::from_static(b"S..."));
         // An equal list from another login: the remembered one.

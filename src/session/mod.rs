@@ -773,13 +773,7 @@ mod tests {
     /// greeting: its checkouts then find a backend's applied settings equal by pointer.
     #[test]
     fn a_known_login_takes_the_pools_settings_list() {
-        let pool = Pool::new(
-            "d",
-            "u",
-            crate::config::PoolConfig::default(),
-            crate::pool::ConnectParams::blank(crate::tls::BackendTlsHandle::disabled()),
-            Vec::new(),
-        );
+        let pool = Pool::unconnected();
         let web = || -> params::Shared { Arc::from([("application_name".into(), "web".into())]) };
         let first = web();
         pool.remember_greeting(&first, Bytes::from_static(b"S..."));

@@ -1069,8 +1069,8 @@ impl Relay {
                 ),
             )
         })?;
-        // One list (logins with equal settings share the pool's, `Pool::greeting`): equal without a look at
-        // the strings, which at hundreds of sessions are cold.
+        // One list (logins with equal settings share the pool's, `Pool::greeting`): equal
+        // without a look at the strings, which at hundreds of sessions are cold.
         if !Arc::ptr_eq(&b.conn().applied, &self.login.settings) {
             let wait = Duration::from_millis(pool.cfg.checkout_timeout_ms);
             b = self.apply_settings(b, wait).await?;
