@@ -14,6 +14,7 @@ use std::io;
 use std::pin::Pin;
 use std::task::{Context, Poll};
 
+use bytes::BytesMut;
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 
 /// A socket, or a stream wrapping one, that can move to the current runtime's event loop.
@@ -21,6 +22,57 @@ pub trait Rehome {
     /// Registers the socket with the current runtime (drops its old registration). On an
     /// error the connection may be closed: the caller ends it.
     fn rehome(&mut self) -> io::Result<()>;
+
+    /// Whether a read could find input now, asked of the runtime's readiness flag: no system
+    /// call, no waker registered, nothing cleared. `false` only when the event loop has seen
+    /// no readiness since the socket's last read that came back empty, so a reader whose
+    /// waker that read registered can skip the read: it is woken when input comes. A stream
+    /// that buffers on its own (TLS) always says `true`.
+    fn may_read(&self) -> bool {
+        true
+    }
+}
+
+/// Whose waker a socket holds for its next input, when a read of it came back `Pending`: the
+/// socket wakes that waker when input comes, and until then the same task reading again (its
+/// waker compared by data pointer and vtable) would find nothing and register the same waker
+/// again. [`Waiting::poll_read`] skips such a read when the runtime has seen no readiness
+/// since. Empty after any other outcome: a read that returned something, or a `Pending` that
+/// tokio's cooperative budget returned without registering anything (the budget is spent).
+///
+/// Sound only while every read of the stream goes through the same `Waiting`: a read
+/// elsewhere could take the input and clear the readiness while this still says "waiting".
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct Waiting(Option<(usize, usize)>);
+
+impl Waiting {
+    fn of(cx: &Context<'_>) -> (usize, usize) {
+        let w = cx.waker();
+        (w.data() as usize, std::ptr::from_ref(w.vtable()) as usize)
+    }
+
+    /// `poll_read_buf` of `stream` into `buf`, or `Pending` without a read when this task's
+    /// waker already waits on a socket that has shown no input (see [`Rehome::may_read`]).
+    pub fn poll_read<S: AsyncRead + Rehome + Unpin>(
+        &mut self,
+        cx: &mut Context<'_>,
+        stream: &mut S,
+        buf: &mut BytesMut,
+    ) -> Poll<io::Result<usize>> {
+        if self.0.is_some_and(|w| w == Waiting::of(cx)) && !stream.may_read() {
+            return Poll::Pending;
+        }
+        let r = tokio_util::io::poll_read_buf(Pin::new(stream), cx, buf);
+        let registered = r.is_pending() && tokio::task::coop::has_budget_remaining();
+        self.0 = registered.then(|| Waiting::of(cx));
+        r
+    }
+
+    /// Whether the last read left a waker with the socket.
+    #[cfg(test)]
+    fn is_waiting(&self) -> bool {
+        self.0.is_some()
+    }
 }
 
 /// A client connection that moves with its own descriptor (see the module's header). Reads
@@ -61,6 +113,14 @@ macro_rules! rehome_in_place {
                 let socket = self.0.take().ok_or_else(lost)?;
                 self.0 = Some(<$tokio>::from_std(socket.into_std()?)?);
                 Ok(())
+            }
+
+            fn may_read(&self) -> bool {
+                // The closure runs only when the readiness flag is set; its `Ok` leaves the
+                // flag as it is (a `WouldBlock` would clear it).
+                self.0
+                    .as_ref()
+                    .is_none_or(|s| s.try_io(tokio::io::Interest::READABLE, || Ok(())).is_ok())
             }
         }
     };
@@ -113,6 +173,7 @@ impl<T: AsyncWrite + Unpin> AsyncWrite for Movable<T> {
 mod tests {
     use super::*;
     use std::io::{Read, Write};
+    use std::time::Duration;
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
     fn runtime() -> tokio::runtime::Runtime {
@@ -156,5 +217,134 @@ mod tests {
             buf
         });
         assert_eq!(&again, b"again");
+    }
+
+    /// A socket whose reads are counted: the reads [`Waiting`] skips do not reach it.
+    struct Counted {
+        socket: Movable<tokio::net::TcpStream>,
+        reads: usize,
+    }
+
+    impl AsyncRead for Counted {
+        fn poll_read(
+            mut self: Pin<&mut Self>,
+            cx: &mut Context<'_>,
+            buf: &mut ReadBuf<'_>,
+        ) -> Poll<io::Result<()>> {
+            self.reads += 1;
+            Pin::new(&mut self.socket).poll_read(cx, buf)
+        }
+    }
+
+    impl Rehome for Counted {
+        fn rehome(&mut self) -> io::Result<()> {
+            self.socket.rehome()
+        }
+
+        fn may_read(&self) -> bool {
+            self.socket.may_read()
+        }
+    }
+
+    /// A connected pair: the proxy's side (counted) and the peer's.
+    async fn pair() -> (Counted, tokio::net::TcpStream) {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let peer = tokio::net::TcpStream::connect(listener.local_addr().unwrap());
+        let (peer, accepted) = tokio::join!(peer, listener.accept());
+        let socket = Movable::new(accepted.unwrap().0);
+        (Counted { socket, reads: 0 }, peer.unwrap())
+    }
+
+    /// Reads through `wait` until something comes, failing (not hanging) if no wake-up does.
+    async fn next_input(wait: &mut Waiting, s: &mut Counted, buf: &mut BytesMut) -> usize {
+        let read = std::future::poll_fn(|cx| wait.poll_read(cx, s, buf));
+        tokio::time::timeout(Duration::from_secs(5), read)
+            .await
+            .expect("woken when input came")
+            .unwrap()
+    }
+
+    /// Polled once, Pending or Ready.
+    async fn poll_once(wait: &mut Waiting, s: &mut Counted, buf: &mut BytesMut) -> Poll<usize> {
+        std::future::poll_fn(|cx| Poll::Ready(wait.poll_read(cx, s, buf).map(|r| r.unwrap()))).await
+    }
+
+    /// The reads an empty socket would answer `Pending` are skipped, and the waker the first
+    /// of them registered still wakes the task when input comes.
+    #[tokio::test]
+    async fn a_waiting_read_is_skipped_until_input_comes() {
+        let (mut s, mut peer) = pair().await;
+        let (mut wait, mut buf) = (Waiting::default(), BytesMut::with_capacity(64));
+        assert!(poll_once(&mut wait, &mut s, &mut buf).await.is_pending());
+        assert!(wait.is_waiting());
+        assert_eq!(s.reads, 1);
+        for _ in 0..3 {
+            assert!(poll_once(&mut wait, &mut s, &mut buf).await.is_pending());
+        }
+        assert_eq!(s.reads, 1, "the socket showed nothing: no read");
+        peer.write_all(b"abc").await.unwrap();
+        assert_eq!(next_input(&mut wait, &mut s, &mut buf).await, 3);
+        assert!(!wait.is_waiting());
+        assert_eq!(&buf[..], b"abc");
+        // The short read cleared the readiness: the next read registers again, then skips.
+        let before = s.reads;
+        assert!(poll_once(&mut wait, &mut s, &mut buf).await.is_pending());
+        assert!(poll_once(&mut wait, &mut s, &mut buf).await.is_pending());
+        assert_eq!(s.reads, before + 1);
+        drop(peer);
+        assert_eq!(
+            next_input(&mut wait, &mut s, &mut buf).await,
+            0,
+            "EOF is input"
+        );
+    }
+
+    /// A read with another waker (another task, or a combinator's own) is never skipped: the
+    /// socket holds only the last registered waker.
+    #[tokio::test]
+    async fn a_read_with_another_waker_is_not_skipped() {
+        let (mut s, _peer) = pair().await;
+        let (mut wait, mut buf) = (Waiting::default(), BytesMut::with_capacity(64));
+        assert!(poll_once(&mut wait, &mut s, &mut buf).await.is_pending());
+        let mut other = Context::from_waker(std::task::Waker::noop());
+        assert!(wait.poll_read(&mut other, &mut s, &mut buf).is_pending());
+        assert_eq!(s.reads, 2);
+        assert!(poll_once(&mut wait, &mut s, &mut buf).await.is_pending());
+        assert_eq!(s.reads, 3, "the socket now holds the other waker");
+    }
+
+    /// A `Pending` from tokio's cooperative budget registered no waker: the socket is not
+    /// marked waiting, so the next read is made and input that comes later wakes the task.
+    #[tokio::test]
+    async fn a_pending_from_a_spent_budget_is_not_waiting() {
+        let (mut busy, mut busy_peer) = pair().await;
+        let (mut quiet, mut quiet_peer) = pair().await;
+        busy_peer.write_all(&[7u8; 64 * 300]).await.unwrap();
+        let (mut wait, mut buf) = (Waiting::default(), BytesMut::with_capacity(64));
+        let mut busy_wait = Waiting::default();
+        let spent = std::future::poll_fn(|cx| {
+            // Full 64-byte reads of the busy socket until the budget (128 per poll) runs out…
+            let mut n = 0;
+            loop {
+                buf.clear();
+                match busy_wait.poll_read(cx, &mut busy, &mut buf) {
+                    Poll::Ready(r) => {
+                        assert_eq!(r.unwrap(), 64);
+                        n += 1;
+                    }
+                    Poll::Pending => break,
+                }
+            }
+            // …then the quiet socket, which the spent budget answers without registering.
+            buf.clear();
+            assert!(wait.poll_read(cx, &mut quiet, &mut buf).is_pending());
+            Poll::Ready(n)
+        })
+        .await;
+        assert!(spent < 300, "the budget ran out before the input did");
+        assert!(!busy_wait.is_waiting());
+        assert!(!wait.is_waiting(), "a spent budget registered no waker");
+        quiet_peer.write_all(b"late").await.unwrap();
+        assert_eq!(next_input(&mut wait, &mut quiet, &mut buf).await, 4);
     }
 }

@@ -527,6 +527,14 @@ impl<S: crate::rehome::Rehome> crate::rehome::Rehome for ClientStream<S> {
             ClientStream::Closed => Ok(()),
         }
     }
+
+    /// Plaintext asks the socket; TLS may hold decrypted input the socket no longer shows.
+    fn may_read(&self) -> bool {
+        match self {
+            ClientStream::Plain(s) => s.may_read(),
+            _ => true,
+        }
+    }
 }
 
 impl<S: AsyncRead + AsyncWrite + Unpin> AsyncRead for ClientStream<S> {

@@ -359,7 +359,7 @@ async fn greet<S: AsyncRead + AsyncWrite + Unpin>(
 }
 
 /// A greeted client's session, to its end.
-async fn serve<S: AsyncRead + AsyncWrite + Unpin>(
+async fn serve<S: AsyncRead + AsyncWrite + Rehome + Unpin>(
     app: Arc<App>,
     mut stream: Client<S>,
     buf: BytesMut,
@@ -446,6 +446,10 @@ impl<S: Rehome> Rehome for WriteTimeout<S> {
     fn rehome(&mut self) -> io::Result<()> {
         self.timer = None;
         self.inner.rehome()
+    }
+
+    fn may_read(&self) -> bool {
+        self.inner.may_read()
     }
 }
 

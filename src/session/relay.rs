@@ -42,6 +42,7 @@ use crate::pool::{Pool, Pooled};
 use crate::protocol::PgError;
 use crate::protocol::framing;
 use crate::protocol::messages;
+use crate::rehome::{Rehome, Waiting};
 use crate::runtime::Runtime;
 
 use super::state;
@@ -124,6 +125,9 @@ pub struct Relay {
     timer: Option<Pin<Box<tokio::time::Sleep>>>,
     /// Which of client and backend the event loop looks at first (they take turns).
     backend_first: bool,
+    /// Whose waker the client socket holds, if its last read found it empty. The client is
+    /// read only through it, in [`Relay::poll_event`].
+    client_wait: Waiting,
     /// The clock read once per wake-up ([`Relay::now`]); cleared when an event arrives and
     /// after any wait.
     tick: Option<Instant>,
@@ -277,6 +281,7 @@ impl Relay {
             idle_client: None,
             timer: None,
             backend_first: false,
+            client_wait: Waiting::default(),
             tick: None,
             peer_ip: peer.ip(),
             classify_on,
@@ -309,13 +314,16 @@ impl Relay {
     /// Borrows the relay rather than taking it: an `async fn` that takes its receiver by
     /// value keeps it twice in its future (the argument and the moved-in local), 1.2 KiB
     /// more per session. The caller drops it right after.
-    pub async fn run<S: AsyncRead + AsyncWrite + Unpin>(&mut self, client: &mut S) -> End {
+    pub async fn run<S: AsyncRead + AsyncWrite + Rehome + Unpin>(&mut self, client: &mut S) -> End {
         let end = self.run_loop(client).await;
         self.finish(&end).await;
         end
     }
 
-    async fn run_loop<S: AsyncRead + AsyncWrite + Unpin>(&mut self, client: &mut S) -> End {
+    async fn run_loop<S: AsyncRead + AsyncWrite + Rehome + Unpin>(
+        &mut self,
+        client: &mut S,
+    ) -> End {
         if let Err(end) = self.on_client_data(client).await {
             return end;
         }
@@ -468,7 +476,7 @@ impl Relay {
     /// starves the other; then the timer; then the process phase, read from an atomic after
     /// registering this task's waker with the registry (which wakes every session when the
     /// phase changes), so no shutdown is missed and no lock is taken per message.
-    fn poll_event<S: AsyncRead + Unpin>(
+    fn poll_event<S: AsyncRead + Rehome + Unpin>(
         &mut self,
         cx: &mut Context<'_>,
         client: &mut S,
@@ -481,8 +489,9 @@ impl Relay {
         }
         // Not while a replica runs a read: what follows it waits (`on_client_data`).
         if !self.replica_held()
-            && let Poll::Ready(r) =
-                poll_read_buf(Pin::new(&mut *client), cx, self.requests.buf_mut())
+            && let Poll::Ready(r) = self
+                .client_wait
+                .poll_read(cx, client, self.requests.buf_mut())
         {
             return Poll::Ready(Event::Client(r));
         }
