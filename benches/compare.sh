@@ -307,9 +307,16 @@ log:
   level: warn
 EOF
 "$SLUICE_BIN" check-config "$TMP/pgsluice.yaml" >/dev/null || die "pgsluice config rejected"
-"$SLUICE_BIN" -c "$TMP/pgsluice.yaml" >"$TMP/pgsluice.log" 2>&1 &
+# In a session of its own, as PgBouncer is (`-d` makes it one) and as a service manager starts
+# it: with the kernel's autogroup scheduling (/proc/sys/kernel/sched_autogroup_enabled) each
+# session is one scheduling group, and a proxy left in this script's session would share
+# pgbench's group, while PgBouncer competes as a group of its own. setsid does not fork here
+# (a background job of a script is not a process-group leader), so the PID is pgsluice's.
+setsid "$SLUICE_BIN" -c "$TMP/pgsluice.yaml" >"$TMP/pgsluice.log" 2>&1 &
 SLUICE_PID=$!
 wait_port 127.0.0.1 "$SLUICE_PORT" pgsluice
+[ "$(ps -o sid= -p "$SLUICE_PID" | tr -d ' ')" = "$SLUICE_PID" ] ||
+  die "pgsluice is not in a session of its own (setsid forked?)"
 
 declare -A PORT=([direct]=$PGPORT [pgbouncer]=$BOUNCER_PORT [pgsluice]=$SLUICE_PORT)
 declare -A PID=([direct]="" [pgbouncer]=$BOUNCER_PID [pgsluice]=$SLUICE_PID)

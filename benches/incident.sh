@@ -288,7 +288,8 @@ start_target() { # target
       PROXY_PID=$(cat "$TMP/pgbouncer.pid")
       ;;
     *)
-      (cd "$TMP" && exec "$SLUICE_BIN" -c "$TMP/$1.yaml") >"$OUT/pgsluice-$1.log" 2>&1 &
+      # A session of its own, as PgBouncer's -d gives it (see compare.sh: autogroups).
+      (cd "$TMP" && exec setsid "$SLUICE_BIN" -c "$TMP/$1.yaml") >"$OUT/pgsluice-$1.log" 2>&1 &
       PROXY_PID=$!
       wait_port "$PROXY_PORT" "pgsluice ($1)"
       ;;
