@@ -9,6 +9,10 @@
 //! whose socket is deregistered from the old event loop and its descriptor registered here:
 //! two system calls, and no descriptor needed for the move. The connection itself is
 //! untouched, and readiness is not lost: a new registration reports what is already pending.
+//!
+//! The same registration tells a reader when a read would find nothing: [`Waiting`] skips the
+//! reads of a socket that has shown no input since its last empty read (the relay's event
+//! loop otherwise reads the client at every wake-up, whichever socket woke it).
 
 use std::io;
 use std::pin::Pin;
@@ -40,8 +44,10 @@ pub trait Rehome {
 /// since. Empty after any other outcome: a read that returned something, or a `Pending` that
 /// tokio's cooperative budget returned without registering anything (the budget is spent).
 ///
-/// Sound only while every read of the stream goes through the same `Waiting`: a read
-/// elsewhere could take the input and clear the readiness while this still says "waiting".
+/// Sound only while every read of the stream goes through the same `Waiting` and the stream
+/// stays registered where it is: a read elsewhere could take the input and clear the
+/// readiness, and [`Rehome::rehome`] drops the registration holding the waker, while this
+/// still says "waiting".
 #[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
 pub struct Waiting(Option<(usize, usize)>);
 
