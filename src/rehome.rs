@@ -48,7 +48,7 @@ pub trait Rehome {
 /// stays registered where it is: a read elsewhere could take the input and clear the
 /// readiness, and [`Rehome::rehome`] drops the registration holding the waker, while this
 /// still says "waiting".
-#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Default)]
 pub struct Waiting(Option<(usize, usize)>);
 
 impl Waiting {
