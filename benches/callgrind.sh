@@ -16,17 +16,22 @@
 # BASELINE=1 counts PgBouncer (transaction mode, pool 20, md5) the same way in the same run and
 # prints the ratio (as user postgres when run as root; PgBouncer refuses root; not with
 # MODE=prepared, which PgBouncer 1.18 cannot relay in transaction mode).
-# CACHE=1 also simulates the caches (valgrind's model: first-level data cache as valgrind reads
-# it off this CPU, and a last level of L2 bytes, default 2 MiB: one core's L2 here, not the
-# shared L3) and prints the misses per transaction in each level, for pgsluice and, with
-# BASELINE=1, PgBouncer: what a transaction costs in memory traffic, which instruction counts
-# do not show (at -c 512 each client's state has gone cold by its next turn).
+# CACHE=1 also simulates the caches (valgrind's model: first-level instruction and data caches
+# as valgrind reads them off this CPU, and a last level of L2 bytes, default 2 MiB: one core's
+# L2 here, not the shared L3) and prints the misses per transaction in each level, for pgsluice
+# and, with BASELINE=1, PgBouncer: what a transaction costs in memory traffic, which instruction
+# counts do not show (at -c 512 each client's state has gone cold by its next turn).
+# FOOTPRINT=1 also prints the hot path's code footprint: the distinct instructions run at least
+# 0.9 times per transaction (T2's run less T1's) and the distinct 64-byte lines they sit on,
+# with the functions holding most of those lines (what has to fit in the first-level
+# instruction cache for a transaction to run without instruction misses).
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/ab-lib.sh"
 : "${T1:=50}" "${T2:=250}" "${MODE:=simple}" "${TOP:=25}" "${CONNECT:=0}" "${BASELINE:=0}"
-: "${CACHE:=0}" "${L2:=2097152}"
+: "${CACHE:=0}" "${L2:=2097152}" "${FOOTPRINT:=0}"
 VG=(--tool=callgrind)
 [[ $CACHE == 1 ]] && VG+=(--cache-sim=yes "--LL=$L2,16,64")
+[[ $FOOTPRINT == 1 ]] && VG+=(--dump-instr=yes)
 command -v valgrind >/dev/null || { echo "valgrind missing: apt-get install valgrind" >&2; exit 1; }
 ab_setup
 ab_sluice_config "$DIR/p.yaml"
@@ -58,12 +63,13 @@ run() {
     cache_totals "$out"
 }
 
-# With CACHE=1, the profile's first-level and last-level miss totals into `$1.cache`.
+# With CACHE=1, the profile's first-level instruction, first-level data and last-level miss
+# totals into `$1.cache`.
 cache_totals() {
     [[ $CACHE == 1 ]] || return 0
     callgrind_annotate --show=I1mr,D1mr,D1mw,ILmr,DLmr,DLmw "$1" 2>/dev/null |
         sed -n 's/ *([^)]*)//g; s/^ *\([0-9, ]*\) *PROGRAM TOTALS.*/\1/p' | tr -d , |
-        awk '{print $1 + $2 + $3, $4 + $5 + $6}' >"$1.cache"
+        awk '{print $1, $2 + $3, $4 + $5 + $6}' >"$1.cache"
 }
 
 # PgBouncer's PROGRAM TOTALS with `$1` clients and `$2` transactions each, into $DIR/$3.total.
@@ -97,6 +103,65 @@ for _ in range(100):
     callgrind_annotate "$out" 2>/dev/null | sed -n 's/^ *\([0-9,]*\) .*PROGRAM TOTALS.*/\1/p' |
         tr -d , >"$out.total"
     cache_totals "$out"
+}
+
+# With FOOTPRINT=1: the code a transaction runs, from two `--dump-instr=yes` profiles (`$2`
+# with fewer transactions, `$3` with `$4` more); `$1` names the target, `$5` the clients.
+footprint() {
+    python3 - "$@" <<'PY'
+import collections, re, sys
+who, small, big, n, c = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]), sys.argv[5]
+def parse(path):
+    # callgrind's format: `ob=`/`fn=` name the object and function (an id, with the name at its
+    # first use, also in `cob=`/`cfn=`); cost lines are "address line Ir", each position
+    # absolute or relative to the last; the line after `calls=` is a call's inclusive cost.
+    names, cost, where = {}, collections.Counter(), {}
+    ob = fn = None
+    addr = line = 0
+    after_call = False
+    def pos(tok, last):
+        if tok == "*":
+            return last
+        if tok[0] in "+-":
+            return last + int(tok)
+        return int(tok, 0)
+    for text in open(path):
+        m = re.match(r"(c?)(ob|fn)=\((\d+)\)(?: (.*))?", text)
+        if m:
+            key = (m.group(2), m.group(3))
+            if m.group(4):
+                names[key] = m.group(4).strip()
+            if not m.group(1):
+                if m.group(2) == "ob":
+                    ob = names.get(key)
+                else:
+                    fn = names.get(key)
+            continue
+        if text.startswith("calls="):
+            after_call = True
+            continue
+        if not text or text[0] not in "0123456789+-*":
+            continue
+        parts = text.split()
+        if len(parts) < 3:
+            continue
+        addr, line = pos(parts[0], addr), pos(parts[1], line)
+        if after_call:
+            after_call = False
+            continue
+        cost[(ob, addr)] += int(parts[2])
+        where[(ob, addr)] = fn
+    return cost, where
+b, where = parse(big)
+s, _ = parse(small)
+hot = [k for k, v in b.items() if v - s.get(k, 0) >= 0.9 * n]
+lines = {(k[0], k[1] // 64): where[k] for k in hot}
+print(f"clients {c}: {who} runs {len(hot)} distinct instructions per transaction, on "
+      f"{len(lines)} distinct 64-byte lines ({len(lines) * 64 // 1024} KiB)")
+per_fn = collections.Counter(fn or "?" for fn in lines.values())
+for fn, k in per_fn.most_common(12):
+    print(f"  {k:5d} lines  {fn[:120]}")
+PY
 }
 
 clients=("$@")
@@ -136,10 +201,17 @@ def cache(name):
 for who, a, z in (("pgsluice", "small", "big"), ("PgBouncer", "bsmall", "bbig")):
     lo, hi = cache(a), cache(z)
     if lo and hi:
-        print(f"clients {c}: {who} {(hi[0] - lo[0]) / n:.1f} first-level and "
-              f"{(hi[1] - lo[1]) / n:.1f} last-level (L2) cache misses per transaction")
+        print(f"clients {c}: {who} {(hi[0] - lo[0]) / n:.1f} first-level instruction, "
+              f"{(hi[1] - lo[1]) / n:.1f} first-level data and "
+              f"{(hi[2] - lo[2]) / n:.1f} last-level (L2) cache misses per transaction")
 rows = sorted(((v - s.get(k, 0)) / n, k) for k, v in b.items())
 for v, k in reversed(rows[-top:]):
     print(f"  {v:7.0f}  {k[:140]}")
 PY
+        if [[ $FOOTPRINT == 1 ]]; then
+            footprint pgsluice "$DIR/small" "$DIR/big" "$((c1 * (T2 - T1)))" "$c1"
+            if [ -f "$DIR/bbig" ]; then
+                footprint PgBouncer "$DIR/bsmall" "$DIR/bbig" "$((c1 * (T2 - T1)))" "$c1"
+            fi
+        fi
 done
