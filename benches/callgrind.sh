@@ -113,11 +113,11 @@ import collections, re, sys
 who, small, big, n, c = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]), sys.argv[5]
 def parse(path):
     # callgrind's format: `ob=`/`fn=` name the object and function (an id, with the name at its
-    # first use, also in `cob=`/`cfn=`); cost lines are "address line Ir", each position
+    # first use, also in `cob=`/`cfn=`); cost lines are "address line Ir …", the address
     # absolute or relative to the last; the line after `calls=` is a call's inclusive cost.
     names, cost, where = {}, collections.Counter(), {}
     ob = fn = None
-    addr = line = 0
+    addr = 0
     after_call = False
     def pos(tok, last):
         if tok == "*":
@@ -145,7 +145,7 @@ def parse(path):
         parts = text.split()
         if len(parts) < 3:
             continue
-        addr, line = pos(parts[0], addr), pos(parts[1], line)
+        addr = pos(parts[0], addr)
         if after_call:
             after_call = False
             continue
