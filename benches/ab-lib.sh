@@ -1,6 +1,8 @@
 # Shared by the A/B scripts (fleet-ab.sh, threads-ab.sh); sourced, not run.
 #
-#   ab_setup                 build the release binary, make $DIR, stop everything on exit
+#   ab_setup                 build the release binary (or take $SLUICE_BIN, a binary built
+#                            elsewhere, e.g. with profile-guided optimization), make $DIR,
+#                            stop everything on exit
 #   ab_start NAME CONFIG [ARG...]
 #                            start pgsluice with CONFIG (and ARGs) on OS-picked ports in front
 #                            of $PGHOST:$PGPORT/$PGDATABASE; sets PID[NAME], PORT[NAME] and
@@ -23,9 +25,16 @@ export PGHOST PGPORT PGUSER PGPASSWORD PGDATABASE
 declare -A PID PORT ADMIN
 
 ab_setup() {
+    if [ -n "${SLUICE_BIN:-}" ]; then
+        # Resolved before the cd below: a path relative to where the script was started.
+        [ -x "$SLUICE_BIN" ] || { echo "SLUICE_BIN=$SLUICE_BIN is not an executable" >&2; exit 1; }
+        BIN=$(realpath "$SLUICE_BIN")
+    fi
     cd "$(dirname "${BASH_SOURCE[0]}")/.."
-    cargo build --release --bin pgsluice >&2
-    BIN=$PWD/target/release/pgsluice
+    if [ -z "${SLUICE_BIN:-}" ]; then
+        cargo build --release --bin pgsluice >&2
+        BIN=$PWD/target/release/pgsluice
+    fi
     DIR=$(mktemp -d)
     trap 'kill $(jobs -p) 2>/dev/null; rm -rf "$DIR"' EXIT
 }
