@@ -4,9 +4,9 @@
 #                            elsewhere, e.g. with profile-guided optimization), make $DIR,
 #                            stop everything on exit
 #   ab_start NAME CONFIG [ARG...]
-#                            start pgsluice with CONFIG (and ARGs) on OS-picked ports in front
-#                            of $PGHOST:$PGPORT/$PGDATABASE; sets PID[NAME], PORT[NAME] and
-#                            ADMIN[NAME]
+#                            start pgsluice (in a session of its own) with CONFIG (and ARGs) on
+#                            OS-picked ports in front of $PGHOST:$PGPORT/$PGDATABASE; sets
+#                            PID[NAME], PORT[NAME] and ADMIN[NAME]
 #   ab_sluice_config FILE    write pgsluice's benchmark config (pool 20, policy on; AUTH=md5)
 #   ab_bouncer_config PORT [PIDFILE]
 #                            write PgBouncer's config (transaction mode, pool 20, md5) into
@@ -42,7 +42,11 @@ ab_setup() {
 ab_start() {
     local name=$1 config=$2
     shift 2
-    "$BIN" --config "$config" --listen 127.0.0.1:0 --admin-listen 127.0.0.1:0 \
+    # In a session of its own, as compare.sh starts it and as PgBouncer's `-d` runs: with the
+    # kernel's autogroup scheduling each session competes for the CPU as one group, and a
+    # proxy left in this script's session would share pgbench's. setsid does not fork here
+    # (a background job of a script is not a process-group leader): the PID is pgsluice's.
+    setsid "$BIN" --config "$config" --listen 127.0.0.1:0 --admin-listen 127.0.0.1:0 \
         --backend "postgres://$PGUSER:$PGPASSWORD@$PGHOST:$PGPORT/$PGDATABASE" "$@" \
         >"$DIR/$name.out" 2>"$DIR/$name.log" &
     PID[$name]=$!
@@ -53,6 +57,8 @@ ab_start() {
     PORT[$name]=$(sed -n 's/^pgsluice listening on .*:\([0-9]*\)$/\1/p' "$DIR/$name.out")
     ADMIN[$name]=$(sed -n 's/^pgsluice admin listening on //p' "$DIR/$name.out")
     [ -n "${PORT[$name]}" ] || { echo "$name did not start: $(tail -3 "$DIR/$name.log")" >&2; exit 1; }
+    [ "$(ps -o sid= -p "${PID[$name]}" | tr -d ' ')" = "${PID[$name]}" ] ||
+        { echo "$name is not in a session of its own (setsid forked?)" >&2; exit 1; }
 }
 
 # pgsluice's config for the benchmark scripts, into FILE: pool 20, fingerprinting and the

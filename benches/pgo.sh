@@ -14,7 +14,7 @@
 # in target/pgo-gen and target/pgo, and 16 s of training: about 15 minutes on 2 cores from
 # cold (the second build starts over each time: its flags name a new profile). The default
 # build does not use PGO (docs/BENCHMARKS.md, session 33: −18 % instructions per simple
-# select, 3–11 % less proxy CPU at -c 8 and no direction the A/B resolves at -c 64 and 512).
+# select; in three wall-clock A/Bs, a proxy CPU change only at -c 512 extended, −5 to −8 %).
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/ab-lib.sh"
 : "${T:=4}"
