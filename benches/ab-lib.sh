@@ -1,4 +1,5 @@
-# Shared by the A/B scripts (fleet-ab.sh, threads-ab.sh); sourced, not run.
+# Shared by the A/B scripts (callgrind.sh, syscalls.sh, threads-ab.sh, fleet-ab.sh,
+# settings-mix.sh, pgo.sh); sourced, not run.
 #
 #   ab_setup                 build the release binary (or take $SLUICE_BIN, a binary built
 #                            elsewhere, e.g. with profile-guided optimization), make $DIR,
