@@ -36,21 +36,17 @@ RUSTFLAGS="${RUSTFLAGS:-} -Cprofile-generate=$RAW" CARGO_TARGET_DIR=$ROOT/target
 # Build scripts ran instrumented too and left their profiles here: only the training's count.
 rm -rf "$RAW"
 
-DIR=$(mktemp -d)
-trap 'kill $(jobs -p) 2>/dev/null; rm -rf "$DIR"' EXIT
-BIN=$ROOT/target/pgo-gen/release/pgsluice
+# The instrumented binary as the A/B scripts' binary: $BIN, $DIR and the clean-up on exit.
+SLUICE_BIN=$ROOT/target/pgo-gen/release/pgsluice ab_setup
 AUTH=md5 ab_sluice_config "$DIR/p.yaml"
 ab_start train "$DIR/p.yaml"
 echo "==> training through 127.0.0.1:${PORT[train]}, ${T} s per run" >&2
-for mode in simple extended prepared; do
-    pgbench -h 127.0.0.1 -p "${PORT[train]}" -n -M "$mode" -c 8 -j 2 -T "$T" \
-        "$PGDATABASE" >"$DIR/pgbench.log" 2>&1 ||
-        { cat "$DIR/pgbench.log" >&2; exit 1; }
-    echo "    -M $mode: $(awk '/^tps/ {print $3}' "$DIR/pgbench.log") TPS" >&2
+for run in "-M simple" "-M extended" "-M prepared" "-C"; do
+    # shellcheck disable=SC2086 # $run is two words or one, split on purpose
+    pgbench -h 127.0.0.1 -p "${PORT[train]}" -n $run -c 8 -j 2 -T "$T" "$PGDATABASE" \
+        >"$DIR/pgbench.log" 2>&1 || { cat "$DIR/pgbench.log" >&2; exit 1; }
+    echo "    $run: $(awk '/^tps/ {print $3}' "$DIR/pgbench.log") TPS" >&2
 done
-pgbench -h 127.0.0.1 -p "${PORT[train]}" -n -C -c 8 -j 2 -T "$T" "$PGDATABASE" \
-    >"$DIR/pgbench.log" 2>&1 || { cat "$DIR/pgbench.log" >&2; exit 1; }
-echo "    -C: $(awk '/^tps/ {print $3}' "$DIR/pgbench.log") TPS" >&2
 # The profile is written at exit: a clean shutdown, not a kill.
 kill -TERM "${PID[train]}"
 wait "${PID[train]}" || { echo "the instrumented pgsluice did not exit cleanly" >&2; exit 1; }
