@@ -358,6 +358,7 @@ impl Agg {
         }
     }
 
+    #[inline(always)]
     fn record(&mut self, caller: &str, ns: u64, outcome: Outcome, now_ms: u64) {
         self.calls += 1;
         self.rate.add(now_ms);
@@ -670,6 +671,7 @@ impl FingerprintStats {
         &self.shards[i]
     }
 
+    #[inline(always)]
     pub fn record(
         &self,
         fingerprint: u64,

@@ -24,6 +24,7 @@ pub enum Direction {
 impl Direction {
     /// Largest legal length (including the length word itself) for `tag`, or `None` when the
     /// type is not legal from this side at all.
+    #[inline(always)]
     pub fn limit(self, tag: u8) -> Option<usize> {
         match self {
             Direction::Frontend => match tag {
@@ -69,6 +70,7 @@ pub enum FrameError {
 }
 
 /// Reads the header at the start of `buf`. `Ok(None)` means fewer than 5 bytes are there yet.
+#[inline(always)]
 pub fn header(buf: &[u8], dir: Direction) -> Result<Option<FrameHeader>, FrameError> {
     if buf.len() < HEADER_LEN {
         return Ok(None);

@@ -197,6 +197,7 @@ impl Tracker {
     }
 
     /// Accounts for one backend message of type `tag` (`first` = first body byte, for Z).
+    #[inline(always)]
     pub fn on_backend(&mut self, tag: u8, first: Option<u8>) -> Step {
         let head = self.head();
         let head_mode = head.map(|h| h.mode).unwrap_or(Mode::Forward);

@@ -142,6 +142,7 @@ impl Replies {
     /// Handles buffered backend messages until one needs the driver: the client's bytes go to
     /// `client`, the tracker and the retry are advanced. A malformed frame is an error (the
     /// connection cannot be trusted any more).
+    #[inline(always)]
     pub fn next(
         &mut self,
         t: &mut Tracker,
@@ -156,6 +157,7 @@ impl Replies {
     }
 
     /// [`Replies::next`] over `buf[*at..]`, moving `at` past what it handled.
+    #[inline(always)]
     fn scan(
         &mut self,
         at: &mut usize,
@@ -214,6 +216,7 @@ impl Replies {
 
 /// Drops the first `n` handled bytes; all of them by `clear`, which keeps the buffer's start
 /// where it is (an `advance` to the end would move it, and the next read's reserve with it).
+#[inline(always)]
 fn consume(buf: &mut BytesMut, n: usize) {
     if n == buf.len() {
         buf.clear();
@@ -223,6 +226,7 @@ fn consume(buf: &mut BytesMut, n: usize) {
 }
 
 /// One whole backend message: what the client gets (written to `client`) and what it means.
+#[inline(always)]
 fn decide(
     frame: &[u8],
     t: &mut Tracker,

@@ -74,6 +74,7 @@ impl Requests {
     /// The buffer with a [`Request::Frame`] at its head, taken out so the frame can be read in
     /// place while the driver handles it (no copy, no cut). Bytes the client sends meanwhile
     /// (read while a checkout or an admission waits) land in a stand-in buffer here.
+    #[inline(always)]
     pub fn hold(&mut self) -> BytesMut {
         let stand_in = std::mem::take(&mut self.spare);
         std::mem::replace(&mut self.buf, stand_in)
@@ -82,6 +83,7 @@ impl Requests {
     /// Puts back what [`Requests::hold`] took, without its first `used` bytes (the frame,
     /// handled), followed by whatever arrived while it was held. The stand-in is kept for the
     /// next hold unless a burst made it large.
+    #[inline(always)]
     pub fn give_back(&mut self, mut held: BytesMut, used: usize) {
         held.advance(used);
         let mut stand_in = std::mem::replace(&mut self.buf, held);
@@ -117,6 +119,7 @@ impl Requests {
     /// Handles buffered client messages until one needs the driver. `attached`: a backend is
     /// attached (COPY and Flush messages go to it, else nowhere); `txn`: the transaction
     /// status a ReadyForQuery written here reports. A malformed frame is an error.
+    #[inline(always)]
     pub fn next(
         &mut self,
         attached: bool,
