@@ -518,6 +518,40 @@ impl Policy {
             }
         };
 
+        self.admitted((id, caller), req, permit, stmt, now, waited)
+    }
+
+    /// [`Policy::admit_in`] when none of its steps can wait: no fingerprint rule is loaded,
+    /// the caller has no `max_qps`, and a concurrency slot is free. `None` otherwise, with
+    /// nothing taken: the caller then awaits [`Policy::admit_in`]. The usual statement is
+    /// decided here, without a future made and polled for it.
+    #[inline(always)]
+    pub fn admit_now(
+        &self,
+        table: &CallerTable,
+        req: &AdmitRequest,
+    ) -> Option<Result<Admission, Refusal>> {
+        let (id, caller) = table.caller(req.caller);
+        if caller.bucket.is_some() || !self.rules.is_empty() {
+            return None;
+        }
+        let permit = caller.limiter.try_acquire()?;
+        let stmt = StatementAdmission::default();
+        Some(self.admitted((id, caller), req, permit, stmt, req.now, false))
+    }
+
+    /// The last step of an admission, with a concurrency slot held: (3) the circuit breaker.
+    #[inline(always)]
+    fn admitted(
+        &self,
+        (id, caller): (u16, &CallerState),
+        req: &AdmitRequest,
+        permit: CallerPermit,
+        stmt: StatementAdmission,
+        now: Instant,
+        waited: bool,
+    ) -> Result<Admission, Refusal> {
+        let policy = &caller.policy;
         // 3. Circuit breaker.
         let ticket = match self.breaker.allow(policy.priority, now) {
             Ok(ticket) => ticket,
@@ -559,10 +593,38 @@ impl Policy {
         req: &AdmitRequest,
     ) -> Result<StatementAdmission, Refusal> {
         let (id, caller) = table.caller(req.caller);
-        let policy = &caller.policy;
         // 1. Rules and 2a. the caller's rate: every statement takes a token, pipelined or
         //    not. (Concurrency is already counted: the unit holds its backend and its slot.)
         let (admission, now, _) = self.rules_and_rate(id, caller, req).await?;
+        self.statement_checked((id, caller), req, admission, now)
+    }
+
+    /// [`Policy::check_statement_in`] when none of its steps can wait (no fingerprint rule
+    /// loaded, no `max_qps` for the caller); `None` otherwise, with nothing taken.
+    #[inline(always)]
+    pub fn check_statement_now(
+        &self,
+        table: &CallerTable,
+        req: &AdmitRequest,
+    ) -> Option<Result<StatementAdmission, Refusal>> {
+        let (id, caller) = table.caller(req.caller);
+        if caller.bucket.is_some() || !self.rules.is_empty() {
+            return None;
+        }
+        let admission = StatementAdmission::default();
+        Some(self.statement_checked((id, caller), req, admission, req.now))
+    }
+
+    /// The last step of a statement's check: the circuit breaker.
+    #[inline(always)]
+    fn statement_checked(
+        &self,
+        (id, caller): (u16, &CallerState),
+        req: &AdmitRequest,
+        admission: StatementAdmission,
+        now: Instant,
+    ) -> Result<StatementAdmission, Refusal> {
+        let policy = &caller.policy;
         // 3. Circuit breaker: an open breaker sheds the statement, but it takes no ticket of
         //    its own — the unit's admission holds the one that counts it in flight (a ticket
         //    per statement counted every open transaction twice, and its later statements

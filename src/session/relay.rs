@@ -55,6 +55,7 @@ use crate::runtime::Runtime;
 use super::state;
 use super::tracker::{Expect, Kind, Mode, Outbox};
 use super::{End, Login, params, set_cancel_target, spare};
+use admission::Admit;
 
 mod admission;
 #[cfg(any(test, fuzzing))]
@@ -760,7 +761,11 @@ impl Relay {
             let e = state::protocol_name_in_sql(verb, &name);
             return self.refuse_statement(b'Q', e);
         }
-        let timeouts = match self.admit(&class, client).await {
+        let admitted = match self.admit_now(&class) {
+            Admit::Done(r) => r,
+            Admit::Wait(req) => self.admit_wait(&class, req, client).await,
+        };
+        let timeouts = match admitted {
             Ok(t) => t,
             Err(e) => return self.refuse_statement(b'Q', e),
         };
@@ -805,7 +810,11 @@ impl Relay {
         client: &mut S,
     ) -> Result<(), End> {
         let class = self.app.function_call.clone();
-        let timeouts = match self.admit(&class, client).await {
+        let admitted = match self.admit_now(&class) {
+            Admit::Done(r) => r,
+            Admit::Wait(req) => self.admit_wait(&class, req, client).await,
+        };
+        let timeouts = match admitted {
             Ok(t) => t,
             Err(e) => return self.refuse_statement(b'F', e),
         };
@@ -838,7 +847,11 @@ impl Relay {
         let class = self.classify(p.query);
         if self.admission.is_none() && self.backend.is_none() {
             // A batch that starts with a Parse is admitted here, with that statement.
-            match self.admit(&class, client).await {
+            let admitted = match self.admit_now(&class) {
+                Admit::Done(r) => r,
+                Admit::Wait(req) => self.admit_wait(&class, req, client).await,
+            };
+            match admitted {
                 Ok(t) => self.opened_by_parse = Some((class.fingerprint, t)),
                 Err(e) => return self.refuse_statement(b'P', e),
             }
@@ -874,13 +887,17 @@ impl Relay {
         // A name the proxy never saw prepared (an SQL `PREPARE`, a guessed name): Postgres
         // may still know it, so it is admitted and judged like anything unreadable.
         let class = known.unwrap_or_else(|| self.app.unknown_statement.clone());
-        let timeouts = match self.opened_by_parse.take() {
+        let admitted = match self.opened_by_parse.take() {
             // Already admitted at the Parse that opened this batch.
-            Some((fp, t)) if fp == class.fingerprint => t,
-            _ => match self.admit(&class, client).await {
-                Ok(t) => t,
-                Err(e) => return self.refuse_statement(b'B', e),
+            Some((fp, t)) if fp == class.fingerprint => Ok(t),
+            _ => match self.admit_now(&class) {
+                Admit::Done(r) => r,
+                Admit::Wait(req) => self.admit_wait(&class, req, client).await,
             },
+        };
+        let timeouts = match admitted {
+            Ok(t) => t,
+            Err(e) => return self.refuse_statement(b'B', e),
         };
         if self.backend.is_none()
             && !self.unpark_now()

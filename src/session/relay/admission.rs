@@ -17,7 +17,7 @@ use tokio::time::Instant;
 use crate::app;
 use crate::classify::{Classified, StmtKind};
 use crate::observe::stats::Outcome;
-use crate::policy::{AdmitRequest, Refusal};
+use crate::policy::{Admission, AdmitRequest, Refusal, StatementAdmission};
 use crate::pool::{Pool, PoolStats, Pooled};
 use crate::protocol::PgError;
 use crate::protocol::messages;
@@ -66,6 +66,20 @@ fn refusal_error(r: &Refusal) -> PgError {
     }
 }
 
+/// How far [`Relay::admit_now`] got.
+pub(super) enum Admit {
+    /// Decided: the timeouts to run with, or the refusal to send.
+    Done(Result<Timeouts, PgError>),
+    /// The policy may make it wait: [`Relay::admit_wait`] with this request.
+    Wait(AdmitRequest),
+}
+
+/// An admission the policy granted: a new unit's, or a statement's inside one.
+enum Decided {
+    Unit(Admission),
+    Statement(StatementAdmission),
+}
+
 /// SQLSTATEs that say the backend (not the client's SQL) is in trouble: they feed the breaker.
 pub(super) fn is_backend_fault(code: &str) -> bool {
     code.starts_with("08")
@@ -96,13 +110,12 @@ impl Relay {
         }
     }
 
-    /// Admits one statement (at Query, or at Bind/Parse for the extended protocol).
-    /// `Ok` carries the timeouts it must run with; `Err` is the refusal to send.
-    pub(super) async fn admit<S: AsyncRead + Unpin>(
-        &mut self,
-        class: &Arc<Classified>,
-        client: &mut S,
-    ) -> Result<Timeouts, PgError> {
+    /// Admits one statement (at Query, or at Bind/Parse for the extended protocol), as far as
+    /// that needs no wait: [`Admit::Done`] with the timeouts it must run with or the refusal
+    /// to send; [`Admit::Wait`] when the policy may queue it (a full caller, a rule, a rate),
+    /// to finish with [`Relay::admit_wait`]. The usual statement makes no future here.
+    #[inline(always)]
+    pub(super) fn admit_now(&mut self, class: &Arc<Classified>) -> Admit {
         let arrived = self.now();
         self.arrived = Some(arrived);
         if self.admission.is_none() {
@@ -114,7 +127,6 @@ impl Relay {
                 self.session_caller = None;
             }
         }
-        let rt = Arc::clone(&self.rt);
         let caller = self.resolve_caller(class);
         self.last_caller = caller;
         self.cancel.client.set_statement(caller, class.fingerprint);
@@ -123,45 +135,84 @@ impl Relay {
             fingerprint: class.fingerprint,
             now: arrived,
         };
+        let policy = &self.app.policy;
+        let decided = if self.admission.is_none() {
+            policy
+                .admit_now(&self.rt.limits, &req)
+                .map(|r| r.map(Decided::Unit))
+        } else {
+            policy
+                .check_statement_now(&self.rt.limits, &req)
+                .map(|r| r.map(Decided::Statement))
+        };
+        match decided {
+            Some(d) => Admit::Done(self.admitted(class, caller, d)),
+            None => Admit::Wait(req),
+        }
+    }
+
+    /// The rest of an admission [`Relay::admit_now`] left waiting: the unit's queue (watching
+    /// the client meanwhile), or a statement's rule or rate.
+    pub(super) async fn admit_wait<S: AsyncRead + Unpin>(
+        &mut self,
+        class: &Arc<Classified>,
+        req: AdmitRequest,
+        client: &mut S,
+    ) -> Result<Timeouts, PgError> {
+        let rt = Arc::clone(&self.rt);
         let app = self.app.clone();
-        let (statement_override, lock_override, warnings) = if self.admission.is_none() {
+        let decided = if self.admission.is_none() {
             let why = "client disconnected while queued";
             let admit = std::pin::pin!(app.policy.admit_in(&rt.limits, &req));
-            let r = self.unless_client_leaves(admit, client, why).await?;
-            match r {
-                Ok(mut a) => {
-                    let w = std::mem::take(&mut a.warnings);
-                    let o = (a.statement_timeout_override, a.lock_timeout_override);
-                    self.rule_route = a.route_replica;
-                    rt.caller_metrics.queue_wait(caller, a.queue_wait);
-                    if let Some(action) = a.rule_action {
-                        app.metrics.rule_hit(action, false);
-                    }
-                    self.unit_caller = caller;
-                    self.admission = Some(a);
-                    (o.0, o.1, w)
-                }
-                Err(r) => return Err(self.refused(class, caller, &r)),
-            }
+            self.unless_client_leaves(admit, client, why)
+                .await?
+                .map(Decided::Unit)
         } else {
-            match app.policy.check_statement_in(&rt.limits, &req).await {
-                Ok(mut a) => {
-                    let w = std::mem::take(&mut a.warnings);
-                    let o = (a.statement_timeout_override, a.lock_timeout_override);
-                    self.rule_route = a.route_replica;
-                    if let Some(action) = a.rule_action {
-                        app.metrics.rule_hit(action, false);
-                    }
-                    self.stmt_admissions.push(a);
-                    (o.0, o.1, w)
+            app.policy
+                .check_statement_in(&rt.limits, &req)
+                .await
+                .map(Decided::Statement)
+        };
+        self.admitted(class, req.caller, decided)
+    }
+
+    /// What the policy decided, kept: the unit's admission (held until the backend goes
+    /// back) or a statement's, its warnings sent, its timeouts worked out.
+    fn admitted(
+        &mut self,
+        class: &Arc<Classified>,
+        caller: u16,
+        decided: Result<Decided, Refusal>,
+    ) -> Result<Timeouts, PgError> {
+        let (statement_override, lock_override, warnings) = match decided {
+            Ok(Decided::Unit(mut a)) => {
+                let w = std::mem::take(&mut a.warnings);
+                let o = (a.statement_timeout_override, a.lock_timeout_override);
+                self.rule_route = a.route_replica;
+                self.rt.caller_metrics.queue_wait(caller, a.queue_wait);
+                if let Some(action) = a.rule_action {
+                    self.app.metrics.rule_hit(action, false);
                 }
-                Err(r) => return Err(self.refused(class, caller, &r)),
+                self.unit_caller = caller;
+                self.admission = Some(a);
+                (o.0, o.1, w)
             }
+            Ok(Decided::Statement(mut a)) => {
+                let w = std::mem::take(&mut a.warnings);
+                let o = (a.statement_timeout_override, a.lock_timeout_override);
+                self.rule_route = a.route_replica;
+                if let Some(action) = a.rule_action {
+                    self.app.metrics.rule_hit(action, false);
+                }
+                self.stmt_admissions.push(a);
+                (o.0, o.1, w)
+            }
+            Err(r) => return Err(self.refused(class, caller, &r)),
         };
         for w in warnings {
             PgError::error("01000", w).encode_notice(&mut self.cout);
         }
-        let cfg = &rt.config;
+        let cfg = &self.rt.config;
         Ok(Timeouts {
             statement: statement_override
                 .or_else(|| app::statement_timeout(cfg, caller, class.kind.as_str())),
