@@ -521,6 +521,14 @@ impl Policy {
         self.admitted((id, caller), req, permit, stmt, now, waited)
     }
 
+    /// Steps (1) and (2a) have nothing to do for `caller`, so nothing in them can wait: no
+    /// fingerprint rule is loaded (the first thing [`RuleSet::check`] looks at) and the
+    /// caller has no `max_qps`.
+    #[inline(always)]
+    fn rules_and_rate_are_idle(&self, caller: &CallerState) -> bool {
+        caller.bucket.is_none() && self.rules.is_empty()
+    }
+
     /// [`Policy::admit_in`] when none of its steps can wait: no fingerprint rule is loaded,
     /// the caller has no `max_qps`, and a concurrency slot is free. `None` otherwise, with
     /// nothing taken: the caller then awaits [`Policy::admit_in`]. The usual statement is
@@ -532,7 +540,7 @@ impl Policy {
         req: &AdmitRequest,
     ) -> Option<Result<Admission, Refusal>> {
         let (id, caller) = table.caller(req.caller);
-        if caller.bucket.is_some() || !self.rules.is_empty() {
+        if !self.rules_and_rate_are_idle(caller) {
             return None;
         }
         let permit = caller.limiter.try_acquire()?;
@@ -608,7 +616,7 @@ impl Policy {
         req: &AdmitRequest,
     ) -> Option<Result<StatementAdmission, Refusal>> {
         let (id, caller) = table.caller(req.caller);
-        if caller.bucket.is_some() || !self.rules.is_empty() {
+        if !self.rules_and_rate_are_idle(caller) {
             return None;
         }
         let admission = StatementAdmission::default();
