@@ -584,3 +584,43 @@ async fn later_statements_of_a_unit_are_not_counted_in_flight_again() {
     drop((units, later));
     assert_eq!(p.breaker().in_flight, 0);
 }
+
+#[tokio::test(start_paused = true)]
+async fn decided_at_once_only_when_nothing_can_wait_and_nothing_taken_otherwise() {
+    let p = policy();
+    let table = p.table();
+    // No rule, no max_qps, a free slot: decided here, counted as `admit` counts it.
+    let a = p.admit_now(&table, &req(PAYMENT, FP)).unwrap().unwrap();
+    let b = p.admit_now(&table, &req(PAYMENT, FP)).unwrap().unwrap();
+    assert_eq!((p.callers()[0].in_flight, p.callers()[0].admitted), (2, 2));
+    // The caller is full: the queue is `admit_in`'s, and the slot count is untouched.
+    assert!(p.admit_now(&table, &req(PAYMENT, FP)).is_none());
+    assert_eq!((p.callers()[0].in_flight, p.callers()[0].queued), (2, 0));
+    drop((a, b));
+    assert_eq!(p.callers()[0].in_flight, 0);
+    // Inside a unit: the statement check, decided here too.
+    assert!(
+        p.check_statement_now(&table, &req(DEFAULT, FP))
+            .unwrap()
+            .is_ok()
+    );
+
+    // Any rule loaded (even for another fingerprint): the rules may wait, so nothing is
+    // decided or taken here.
+    put(&p, FP + 1, r#"{"action":"REJECT"}"#);
+    assert!(p.admit_now(&table, &req(DEFAULT, FP)).is_none());
+    assert!(p.check_statement_now(&table, &req(DEFAULT, FP)).is_none());
+    assert_eq!(p.callers()[2].in_flight, 0);
+    // …and the awaited path still applies the rule.
+    let r = refused(&p, DEFAULT, FP + 1).await;
+    assert_eq!(r.kind, RefusalKind::QueryBlocked);
+
+    // A caller with max_qps: its bucket may make it wait.
+    let mut c = callers();
+    c[2].max_qps = Some(100.0);
+    let p = Policy::new(c, breaker_config()).unwrap();
+    let table = p.table();
+    assert!(p.admit_now(&table, &req(DEFAULT, FP)).is_none());
+    assert!(p.check_statement_now(&table, &req(DEFAULT, FP)).is_none());
+    assert!(p.admit_now(&table, &req(PAYMENT, FP)).unwrap().is_ok());
+}
