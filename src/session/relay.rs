@@ -623,10 +623,23 @@ impl Relay {
                     // back without the frame on every path (an error ends the session anyway).
                     let held = self.requests.hold();
                     let frame = &held[..len];
-                    let r = if self.backend.is_some() && !admitted(tag) {
-                        self.on_attached_frame(tag, frame)
+                    // Dispatched here, not through a frame of its own: one future less
+                    // to build and poll per request.
+                    let r = if !admitted(tag) {
+                        if self.backend.is_some() || self.unpark_now() {
+                            self.on_attached_frame(tag, frame)
+                        } else {
+                            self.on_detached_frame(tag, frame, client).await
+                        }
                     } else {
-                        self.on_client_frame(tag, frame, client).await
+                        let body = &frame[framing::HEADER_LEN..];
+                        self.retry_record(tag, frame);
+                        match tag {
+                            b'Q' => self.on_query(frame, body, client).await,
+                            b'P' => self.on_parse(frame, body, client).await,
+                            b'B' => self.on_bind(frame, body, client).await,
+                            _ => self.on_function_call(frame, client).await,
+                        }
                     };
                     self.requests.give_back(held, len);
                     r?;
@@ -666,30 +679,19 @@ impl Relay {
         }
     }
 
-    async fn on_client_frame<S: AsyncRead + AsyncWrite + Unpin>(
+    /// Sync, Execute, Describe or Close with no backend attached (nor parked to take back):
+    /// one is borrowed first.
+    async fn on_detached_frame<S: AsyncRead + AsyncWrite + Unpin>(
         &mut self,
         tag: u8,
         frame: &[u8],
         client: &mut S,
     ) -> Result<(), End> {
-        if !admitted(tag) {
-            if self.backend.is_none()
-                && !self.unpark_now()
-                && let Err(e) = self.ensure_backend(client).await
-            {
-                self.retry_record(tag, frame);
-                return self.refuse(tag, e);
-            }
-            return self.on_attached_frame(tag, frame);
+        if let Err(e) = self.ensure_backend(client).await {
+            self.retry_record(tag, frame);
+            return self.refuse(tag, e);
         }
-        let body = &frame[framing::HEADER_LEN..];
-        self.retry_record(tag, frame);
-        match tag {
-            b'Q' => self.on_query(frame, body, client).await,
-            b'P' => self.on_parse(frame, body, client).await,
-            b'B' => self.on_bind(frame, body, client).await,
-            _ => self.on_function_call(frame, client).await,
-        }
+        self.on_attached_frame(tag, frame)
     }
 
     /// Sync, Execute, Describe or Close with a backend attached: no admission, nothing to

@@ -8,7 +8,7 @@
 //! extended batch drops everything up to the Sync, answering that with ReadyForQuery — what
 //! Postgres does after an error. Whatever needs the policy, the pool or the statement names
 //! (Query, Parse, Bind, Describe, Close, Execute, Sync, FunctionCall) comes back as a
-//! [`Request::Frame`] for the driver (`Relay::on_client_frame`).
+//! [`Request::Frame`] for the driver (`Relay::on_client_data`).
 
 use bytes::{Buf, BytesMut};
 
