@@ -25,8 +25,9 @@
 //! `#[inline(always)]`: left to the inliner, each stayed a call. And what usually finishes
 //! at once is a plain function tried before any future is made: giving the backend back or
 //! keeping it parked ([`Relay::settle`]), taking back the parked one ([`Relay::unpark_now`]),
-//! an empty flush, an admission nothing can delay (`admission`'s `admit_now`). Together
-//! −12 % instructions per simple select (docs/BENCHMARKS.md, session 34).
+//! an empty flush, an admission nothing can delay (`admission`'s `admit_now`); requests are
+//! dispatched in [`Relay::on_client_data`] itself. Together −13 % instructions per simple
+//! select (docs/BENCHMARKS.md, session 34).
 
 use std::future::Future;
 use std::pin::Pin;
