@@ -1064,7 +1064,7 @@ impl Relay {
             return true;
         }
         // A read routed to a replica does not use it, but the pool may still want it.
-        if self.unit_pool.is_some() || self.parked.is_none() {
+        if self.unit_pool.is_some() {
             return false;
         }
         let now = self.now();
