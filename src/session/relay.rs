@@ -366,7 +366,12 @@ impl Relay {
                     self.bytes_out += n as u64;
                     // The server is alive: whatever the cancel does, it will be answered.
                     self.unanswered = None;
-                    self.on_backend_data(client).await
+                    // Not through `on_backend_data`: no future unless something waits.
+                    match self.on_backend_now(client) {
+                        Ok(None) => Ok(()),
+                        Ok(Some(rest)) => self.on_backend_rest(rest, client).await,
+                        Err(end) => Err(end),
+                    }
                 }
                 Event::Backstop => {
                     self.on_backstop();
@@ -666,8 +671,9 @@ impl Relay {
                 Err(e) => return Err(End::Error(PgError::protocol_violation(e.to_string()))),
             }
         }
-        // The empty cases checked here, not in a future made for nothing.
-        if !self.out.is_empty() {
+        // The empty cases checked here, not in a future made for nothing; a write the
+        // socket takes at once needs none either.
+        if !self.out.is_empty() && !self.write_backend_now()? {
             self.flush_backend().await?;
         }
         self.out.t.answer_synthetic(&mut self.cout);
@@ -1289,19 +1295,38 @@ impl Relay {
 
     // ---------------------------------------------------------------- backend → client
 
+    /// What the backend sent is handled: [`Relay::on_backend_now`], then whatever of it
+    /// has to wait.
     async fn on_backend_data<S: AsyncWrite + Unpin>(&mut self, client: &mut S) -> Result<(), End> {
+        match self.on_backend_now(client)? {
+            None => Ok(()),
+            Some(rest) => self.on_backend_rest(rest, client).await,
+        }
+    }
+
+    /// The backend's buffered messages handled without waiting: forwarded, acted on, written
+    /// to the client if its socket takes them now, and the backend settled (the common case:
+    /// a reply that fits the socket, no future made). `Some`: the part that has to wait.
+    #[inline(always)]
+    fn on_backend_now<S: AsyncWrite + Unpin>(
+        &mut self,
+        client: &mut S,
+    ) -> Result<Option<BackendRest>, End> {
         loop {
             let next = self
                 .replies
                 .next(&mut self.out.t, &mut self.retry, &mut self.cout);
             match next {
                 Ok(replies::Next::Read) => break,
-                Ok(replies::Next::Flush) => self.flush_client(client).await?,
+                Ok(replies::Next::Flush) => {
+                    if !self.write_client_now(client)? {
+                        return Ok(Some(BackendRest::Flush));
+                    }
+                }
                 Ok(replies::Next::Seen(seen)) => {
                     if self.on_seen(seen) {
                         // The swallowed batch is over: re-prepare and send it again.
-                        self.retry_replay();
-                        self.flush_backend().await?;
+                        return Ok(Some(BackendRest::Replay));
                     }
                 }
                 Err(e) => {
@@ -1316,12 +1341,61 @@ impl Relay {
             // were silent, give up its connection); a later statement arms its own.
             self.backstop = None;
         }
-        if !self.cout.is_empty() {
-            self.flush_client(client).await?;
+        if !self.cout.is_empty() && !self.write_client_now(client)? {
+            return Ok(Some(BackendRest::Tail));
         }
-        match self.settle()? {
-            None => Ok(()),
-            Some(slow) => self.settle_slow(slow).await,
+        Ok(self.settle()?.map(BackendRest::Settle))
+    }
+
+    /// [`Relay::on_backend_now`]'s waiting part, and the rest of the buffered messages after
+    /// it.
+    async fn on_backend_rest<S: AsyncWrite + Unpin>(
+        &mut self,
+        mut rest: BackendRest,
+        client: &mut S,
+    ) -> Result<(), End> {
+        loop {
+            match rest {
+                BackendRest::Flush => self.flush_client(client).await?,
+                BackendRest::Replay => {
+                    self.retry_replay();
+                    self.flush_backend().await?;
+                }
+                BackendRest::Tail => {
+                    self.flush_client(client).await?;
+                    return self.maybe_release().await;
+                }
+                BackendRest::Settle(d) => return self.settle_slow(d).await,
+            }
+            match self.on_backend_now(client)? {
+                None => return Ok(()),
+                Some(r) => rest = r,
+            }
+        }
+    }
+
+    /// Writes the client's buffer if its socket takes it without waiting: `true` when all of
+    /// it went; `false` leaves what did not go for [`Relay::flush_client`].
+    #[inline(always)]
+    fn write_client_now<S: AsyncWrite + Unpin>(&mut self, client: &mut S) -> Result<bool, End> {
+        let n = write_now(client, &self.cout).map_err(|_| End::ClientClosed)?;
+        Ok(written(&mut self.cout, n))
+    }
+
+    /// [`Relay::write_client_now`] for the backend: not while a backstop's cancel is on its
+    /// way (it must reach the server first) nor without a backend ([`Relay::flush_backend`]
+    /// handles both).
+    #[inline(always)]
+    fn write_backend_now(&mut self) -> Result<bool, End> {
+        if self.backstop_cancel.is_some() {
+            return Ok(false);
+        }
+        let Some(b) = self.backend.as_mut() else {
+            return Ok(false);
+        };
+        match write_now(&mut b.conn().stream, self.out.pending()) {
+            Ok(n) => Ok(written(self.out.buf_mut(), n)),
+            Err(_) => Err(self.backend_gone()),
         }
     }
 
@@ -1776,4 +1850,37 @@ fn raise_sql(e: &PgError) -> String {
 /// Whole microseconds of `d` (saturating).
 fn micros(d: Duration) -> u64 {
     u64::try_from(d.as_micros()).unwrap_or(u64::MAX)
+}
+
+/// What [`Relay::on_backend_now`] left for a future: the client's buffer to write before the
+/// next message (`Flush`) or at the end (`Tail`, then settle), the replay to send, or
+/// [`Relay::settle_slow`].
+enum BackendRest {
+    Flush,
+    Replay,
+    Tail,
+    Settle(release::Decision),
+}
+
+/// One `poll_write` of `buf` that never waits (a no-op waker: the awaited write that follows a
+/// `Pending` registers the task's own): the bytes written, 0 when the socket is full.
+#[inline(always)]
+fn write_now<S: AsyncWrite + Unpin>(stream: &mut S, buf: &[u8]) -> std::io::Result<usize> {
+    let mut cx = Context::from_waker(std::task::Waker::noop());
+    match Pin::new(stream).poll_write(&mut cx, buf) {
+        Poll::Ready(r) => r,
+        Poll::Pending => Ok(0),
+    }
+}
+
+/// After [`write_now`] wrote `n` bytes of `buf`: `true` (and `buf` cleared) when that was
+/// all of it, else the written part dropped and `false`.
+#[inline(always)]
+fn written(buf: &mut BytesMut, n: usize) -> bool {
+    if n == buf.len() {
+        buf.clear();
+        return true;
+    }
+    bytes::Buf::advance(buf, n);
+    false
 }

@@ -81,6 +81,11 @@ impl Outbox {
         self.buf.is_empty()
     }
 
+    /// The written bytes, for a flush that takes only part of them ([`bytes::Buf::advance`]).
+    pub fn buf_mut(&mut self) -> &mut BytesMut {
+        &mut self.buf
+    }
+
     /// Forgets the written bytes (flushed, or the backend is gone).
     pub fn clear(&mut self) {
         self.buf.clear();
