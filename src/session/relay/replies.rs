@@ -311,13 +311,18 @@ fn is_stale_plan(body: &[u8]) -> bool {
 
 /// Rows reported by a CommandComplete tag (`SELECT 5`, `INSERT 0 3`, `UPDATE 2`); 0 for a
 /// tag without a count (`CREATE TABLE`) or one that does not fit.
+/// The digits are read from the end (a count is at most 19 of them), without a split.
+#[inline(always)]
 fn rows_of(body: &[u8]) -> u64 {
     let tag = body.strip_suffix(b"\0").unwrap_or(body);
-    let count = tag.rsplit(|&b| b == b' ').next().unwrap_or_default();
-    if count.is_empty() || count.len() > 19 || !count.iter().all(u8::is_ascii_digit) {
+    let digits = tag.iter().rev().take_while(|b| b.is_ascii_digit()).count();
+    let start = tag.len() - digits;
+    if digits == 0 || digits > 19 || (start > 0 && tag[start - 1] != b' ') {
         return 0;
     }
-    count.iter().fold(0, |n, d| n * 10 + u64::from(d - b'0'))
+    tag[start..]
+        .iter()
+        .fold(0, |n, d| n * 10 + u64::from(d - b'0'))
 }
 
 #[cfg(test)]
@@ -330,6 +335,11 @@ fn command_tags_give_their_row_counts() {
         (b"CREATE TABLE\0", 0),
         (b"SELECT\0", 0),
         (b"SELECT 99999999999999999999\0", 0),
+        (b"SELECT 1234567890123456789\0", 1_234_567_890_123_456_789),
+        (b"FETCH x1\0", 0),
+        (b"42\0", 42),
+        (b"MOVE 0\0", 0),
+        (b"\0", 0),
         (b"", 0),
     ] {
         assert_eq!(rows_of(tag), rows, "{}", String::from_utf8_lossy(tag));
