@@ -25,9 +25,13 @@
 //! `#[inline(always)]`: left to the inliner, each stayed a call. And what usually finishes
 //! at once is a plain function tried before any future is made: giving the backend back or
 //! keeping it parked ([`Relay::settle`]), taking back the parked one ([`Relay::unpark_now`]),
-//! an empty flush, an admission nothing can delay (`admission`'s `admit_now`); requests are
-//! dispatched in [`Relay::on_client_data`] itself. Together −13 % instructions per simple
-//! select (docs/BENCHMARKS.md, session 34).
+//! an empty flush, an admission nothing can delay (`admission`'s `admit_now`), a write the
+//! socket takes whole (one `poll_write` under a no-op waker, [`write_now`]), and the whole
+//! of a backend read that needs nothing else ([`Relay::on_backend_now`]); requests are
+//! dispatched in [`Relay::on_client_data`] itself. Together −14 to −15 % instructions per
+//! simple select (docs/BENCHMARKS.md, sessions 34 and 35). The client side was tried the
+//! same way (a Query admitted and sent without a future) and measured slower; it stays
+//! async.
 
 use std::future::Future;
 use std::pin::Pin;
