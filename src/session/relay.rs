@@ -1379,11 +1379,24 @@ impl Relay {
     }
 
     /// Writes the client's buffer if its socket takes it without waiting: `true` when all of
-    /// it went; `false` leaves what did not go for [`Relay::flush_client`].
+    /// it went; `false` leaves what did not go for [`Relay::flush_client`]. A failed write
+    /// ends the session as `flush_client`'s does.
     #[inline(always)]
     fn write_client_now<S: AsyncWrite + Unpin>(&mut self, client: &mut S) -> Result<bool, End> {
-        let n = write_now(client, &self.cout).map_err(|_| End::ClientClosed)?;
-        Ok(written(&mut self.cout, n))
+        match write_now(client, &self.cout) {
+            Ok(n) if n == self.cout.len() => {
+                self.cout.clear();
+                Ok(true)
+            }
+            Ok(n) => {
+                bytes::Buf::advance(&mut self.cout, n);
+                Ok(false)
+            }
+            Err(_) => {
+                self.cout.clear();
+                Err(End::ClientClosed)
+            }
+        }
     }
 
     /// [`Relay::write_client_now`] for the backend: not while a backstop's cancel is on its
@@ -1398,8 +1411,11 @@ impl Relay {
             return Ok(false);
         };
         match write_now(&mut b.conn().stream, self.out.pending()) {
-            Ok(n) => Ok(written(self.out.buf_mut(), n)),
-            Err(_) => Err(self.backend_gone()),
+            Ok(n) => Ok(self.out.written(n)),
+            Err(_) => {
+                self.out.clear();
+                Err(self.backend_gone())
+            }
         }
     }
 
@@ -1875,16 +1891,4 @@ fn write_now<S: AsyncWrite + Unpin>(stream: &mut S, buf: &[u8]) -> std::io::Resu
         Poll::Ready(r) => r,
         Poll::Pending => Ok(0),
     }
-}
-
-/// After [`write_now`] wrote `n` bytes of `buf`: `true` (and `buf` cleared) when that was
-/// all of it, else the written part dropped and `false`.
-#[inline(always)]
-fn written(buf: &mut BytesMut, n: usize) -> bool {
-    if n == buf.len() {
-        buf.clear();
-        return true;
-    }
-    bytes::Buf::advance(buf, n);
-    false
 }

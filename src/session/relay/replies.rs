@@ -311,6 +311,7 @@ fn is_stale_plan(body: &[u8]) -> bool {
 
 /// Rows reported by a CommandComplete tag (`SELECT 5`, `INSERT 0 3`, `UPDATE 2`); 0 for a
 /// tag without a count (`CREATE TABLE`) or one that does not fit.
+///
 /// The digits are read from the end (a count is at most 19 of them), without a split.
 #[inline(always)]
 fn rows_of(body: &[u8]) -> u64 {

@@ -11,7 +11,7 @@
 //! tracker's own `push` is private to the tracker module, so nothing else can add an
 //! expectation without its bytes.
 
-use bytes::BytesMut;
+use bytes::{Buf, BytesMut};
 
 use super::{Expect, Kind, Mode, Tracker};
 use crate::protocol::messages;
@@ -81,9 +81,15 @@ impl Outbox {
         self.buf.is_empty()
     }
 
-    /// The written bytes, for a flush that takes only part of them ([`bytes::Buf::advance`]).
-    pub fn buf_mut(&mut self) -> &mut BytesMut {
-        &mut self.buf
+    /// After a write of the first `n` pending bytes: `true` (and nothing pending) when that
+    /// was all of them, else those dropped and `false`.
+    pub fn written(&mut self, n: usize) -> bool {
+        if n >= self.buf.len() {
+            self.buf.clear();
+            return true;
+        }
+        self.buf.advance(n);
+        false
     }
 
     /// Forgets the written bytes (flushed, or the backend is gone).
@@ -169,6 +175,24 @@ mod tests {
         assert!(o.t.idle());
         o.clear();
         assert!(o.is_empty());
+    }
+
+    #[test]
+    fn a_partly_written_batch_keeps_its_rest_in_order_and_what_it_is_owed() {
+        let mut o = Outbox::default();
+        o.send(fwd(Kind::Execute), &frame(b'E', b"\0\0\0\0\0"));
+        o.send(fwd(Kind::Sync), &frame(b'S', b""));
+        let all = o.pending().to_vec();
+        assert!(!o.written(3));
+        assert_eq!(o.pending(), &all[3..]);
+        assert!(!o.written(0));
+        assert_eq!(o.pending(), &all[3..]);
+        assert!(o.written(all.len() - 3));
+        assert!(o.is_empty());
+        // The replies owed are the tracker's, whatever the writes did.
+        assert!(o.t.on_backend(b'C', None).forward);
+        assert!(o.t.on_backend(b'Z', Some(b'I')).forward);
+        assert!(o.t.idle());
     }
 
     #[test]
