@@ -1384,13 +1384,10 @@ impl Relay {
     #[inline(always)]
     fn write_client_now<S: AsyncWrite + Unpin>(&mut self, client: &mut S) -> Result<bool, End> {
         match write_now(client, &self.cout) {
-            Ok(n) if n == self.cout.len() => {
-                self.cout.clear();
-                Ok(true)
-            }
             Ok(n) => {
-                bytes::Buf::advance(&mut self.cout, n);
-                Ok(false)
+                let all = n == self.cout.len();
+                spare::consume(&mut self.cout, n);
+                Ok(all)
             }
             Err(_) => {
                 self.cout.clear();

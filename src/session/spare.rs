@@ -5,6 +5,7 @@
 //! cold by its next turn (docs/BENCHMARKS.md: misses per transaction, `CACHE=1`).
 //!
 //! Only empty buffers come back: what a session still has to send or handle stays with it.
+//! How a buffer drops what was handled or written out, keeping its start: [`consume`].
 
 use std::cell::RefCell;
 
@@ -45,6 +46,18 @@ pub fn give_back(buf: &mut BytesMut) {
                 s.push(b);
             }
         });
+    }
+}
+
+/// Drops the first `n` bytes of `buf` (handled, or written out); all of them by `clear`, which
+/// keeps the buffer's start where it is (an `advance` to the end would move it, and the next
+/// read's or write's reserve with it).
+#[inline(always)]
+pub fn consume(buf: &mut BytesMut, n: usize) {
+    if n == buf.len() {
+        buf.clear();
+    } else {
+        bytes::Buf::advance(buf, n);
     }
 }
 

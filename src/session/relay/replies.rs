@@ -12,14 +12,14 @@
 //! sockets, the pool and the statistics. No socket, no clock: the unit tests below drive it
 //! with byte fixtures.
 
-use bytes::{Buf, BytesMut};
+use bytes::BytesMut;
 
 use crate::protocol::error::{field_of, shift_position, sqlstate_of};
 use crate::protocol::framing::{self, Direction, FrameError};
 use crate::protocol::messages;
 use crate::protocol::tag::backend;
-use crate::session::state;
 use crate::session::tracker::Tracker;
+use crate::session::{spare, state};
 
 use super::retry::{Filter, Retry};
 
@@ -152,7 +152,7 @@ impl Replies {
         // Handled bytes are dropped once, on the way out, not per message.
         let mut at = 0;
         let next = self.scan(&mut at, t, retry, client);
-        consume(&mut self.buf, at);
+        spare::consume(&mut self.buf, at);
         next
     }
 
@@ -211,17 +211,6 @@ impl Replies {
                 return Ok(Next::Seen(seen));
             }
         }
-    }
-}
-
-/// Drops the first `n` handled bytes; all of them by `clear`, which keeps the buffer's start
-/// where it is (an `advance` to the end would move it, and the next read's reserve with it).
-#[inline(always)]
-fn consume(buf: &mut BytesMut, n: usize) {
-    if n == buf.len() {
-        buf.clear();
-    } else {
-        buf.advance(n);
     }
 }
 

@@ -11,7 +11,7 @@
 //! tracker's own `push` is private to the tracker module, so nothing else can add an
 //! expectation without its bytes.
 
-use bytes::{Buf, BytesMut};
+use bytes::BytesMut;
 
 use super::{Expect, Kind, Mode, Tracker};
 use crate::protocol::messages;
@@ -84,12 +84,9 @@ impl Outbox {
     /// After a write of the first `n` pending bytes: `true` (and nothing pending) when that
     /// was all of them, else those dropped and `false`.
     pub fn written(&mut self, n: usize) -> bool {
-        if n >= self.buf.len() {
-            self.buf.clear();
-            return true;
-        }
-        self.buf.advance(n);
-        false
+        let all = n == self.buf.len();
+        spare::consume(&mut self.buf, n);
+        all
     }
 
     /// Forgets the written bytes (flushed, or the backend is gone).
