@@ -635,6 +635,13 @@ pub fn unix_ms() -> u64 {
 /// never ahead), read from the vDSO without reading the hardware counter — for stamps only
 /// shown to people, such as how long a client has been in its state (two per statement), and
 /// the per-fingerprint statistics' stamps and per-second rates (one per statement).
+/// `d` in nanoseconds, saturating (without the 128-bit arithmetic of `as_nanos`).
+fn nanos(d: Duration) -> u64 {
+    d.as_secs()
+        .saturating_mul(1_000_000_000)
+        .saturating_add(u64::from(d.subsec_nanos()))
+}
+
 pub fn unix_ms_coarse() -> u64 {
     let mut ts = libc::timespec {
         tv_sec: 0,
@@ -642,8 +649,10 @@ pub fn unix_ms_coarse() -> u64 {
     };
     // SAFETY: `ts` is a valid, writable timespec for the duration of the call.
     let rc = unsafe { libc::clock_gettime(libc::CLOCK_REALTIME_COARSE, &mut ts) };
-    match (rc, u64::try_from(ts.tv_sec), u64::try_from(ts.tv_nsec)) {
-        (0, Ok(s), Ok(ns)) => s.saturating_mul(1000).saturating_add(ns / 1_000_000),
+    // A clock that read fine holds 0 <= tv_nsec < 10^9 and seconds since 1970 far from
+    // overflowing in milliseconds: plain arithmetic (this runs at every state change).
+    match (rc, u64::try_from(ts.tv_sec)) {
+        (0, Ok(s)) => s * 1000 + (ts.tv_nsec as u64) / 1_000_000,
         _ => SystemTime::now()
             .duration_since(UNIX_EPOCH)
             .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX)),
@@ -681,7 +690,7 @@ impl FingerprintStats {
         elapsed: Duration,
         outcome: Outcome,
     ) {
-        let ns = u64::try_from(elapsed.as_nanos()).unwrap_or(u64::MAX);
+        let ns = nanos(elapsed);
         let weight = (ns / 1000).max(1);
         // The coarse clock: stamps and per-second rates, a few ms late at most, never early.
         let now_ms = unix_ms_coarse();

@@ -1866,7 +1866,9 @@ fn raise_sql(e: &PgError) -> String {
 
 /// Whole microseconds of `d` (saturating).
 fn micros(d: Duration) -> u64 {
-    u64::try_from(d.as_micros()).unwrap_or(u64::MAX)
+    d.as_secs()
+        .saturating_mul(1_000_000)
+        .saturating_add(u64::from(d.subsec_micros()))
 }
 
 /// What [`Relay::on_backend_now`] left for a future: the client's buffer to write before the

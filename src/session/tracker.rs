@@ -175,20 +175,9 @@ impl Tracker {
         self.q.front().is_some_and(|e| e.mode == Mode::Capture)
     }
 
-    /// The head is a Query whose injected leading statement's result is still to be dropped.
-    fn skipping_injected_result(&self) -> bool {
-        self.q
-            .front()
-            .is_some_and(|h| h.kind == Kind::Query && h.skip_complete > 0)
-    }
-
     /// The proxy-named statement the oldest outstanding request uses, if any.
     pub fn head_target(&self) -> Option<u64> {
         self.q.front().and_then(|e| e.target)
-    }
-
-    fn head(&self) -> Option<Expect> {
-        self.q.front().copied()
     }
 
     /// The statements the last [`Step::not_prepared`] announced.
@@ -199,8 +188,16 @@ impl Tracker {
     /// Accounts for one backend message of type `tag` (`first` = first body byte, for Z).
     #[inline(always)]
     pub fn on_backend(&mut self, tag: u8, first: Option<u8>) -> Step {
-        let head = self.head();
-        let head_mode = head.map(|h| h.mode).unwrap_or(Mode::Forward);
+        // Only the head's kind, mode and injected results to drop are read per message (not
+        // a copy of the whole entry): the rest is for errors, read where they are handled.
+        let (head, head_mode, skipping) = match self.q.front() {
+            Some(h) => (
+                Some(h.kind),
+                h.mode,
+                h.kind == Kind::Query && h.skip_complete > 0,
+            ),
+            None => (None, Mode::Forward, false),
+        };
         let hidden = matches!(head_mode, Mode::Swallow | Mode::Capture);
         let mut step = Step {
             forward: !hidden,
@@ -223,7 +220,7 @@ impl Tracker {
             }
             backend::ERROR_RESPONSE => {
                 self.copy_in = false;
-                match head {
+                match self.q.front() {
                     None => step.forward = true,
                     Some(h) if h.kind.ends_with_ready() => {
                         step.injected_error = hidden;
@@ -247,18 +244,20 @@ impl Tracker {
             }
             backend::PARSE_COMPLETE | backend::BIND_COMPLETE | backend::CLOSE_COMPLETE => {
                 if matches!(
-                    head.map(|h| h.kind),
+                    head,
                     Some(Kind::Parse | Kind::Bind | Kind::Close)
                 ) {
                     self.q.pop_front();
                 }
             }
-            backend::ROW_DESCRIPTION | backend::DATA_ROW if self.skipping_injected_result() => {
+            // The head is a Query whose injected leading statement's result is still to be
+            // dropped.
+            backend::ROW_DESCRIPTION | backend::DATA_ROW if skipping => {
                 step.forward = false
             }
             backend::ROW_DESCRIPTION | backend::NO_DATA => {
                 if matches!(
-                    head.map(|h| h.kind),
+                    head,
                     Some(Kind::DescribeStmt | Kind::DescribePortal)
                 ) {
                     self.q.pop_front();
@@ -267,15 +266,12 @@ impl Tracker {
             backend::COMMAND_COMPLETE | backend::EMPTY_QUERY | backend::PORTAL_SUSPENDED => {
                 if tag == backend::COMMAND_COMPLETE {
                     self.copy_in = false;
-                    if let Some(h) = self.q.front_mut()
-                        && h.kind == Kind::Query
-                        && h.skip_complete > 0
-                    {
+                    if skipping && let Some(h) = self.q.front_mut() {
                         h.skip_complete -= 1;
                         step.forward = false;
                     }
                 }
-                if head.map(|h| h.kind) == Some(Kind::Execute) {
+                if head == Some(Kind::Execute) {
                     self.q.pop_front();
                 }
             }
@@ -283,7 +279,7 @@ impl Tracker {
                 self.copy_in = true;
                 // Postgres ignores Sync and Flush while in COPY FROM STDIN: Syncs the client
                 // pipelined behind the Execute that started the copy get no ReadyForQuery.
-                if head.map(|h| h.kind) == Some(Kind::Execute) {
+                if head == Some(Kind::Execute) {
                     let mut i = 1;
                     while i < self.q.len() {
                         if self.q[i].kind == Kind::Sync && self.q[i].mode == Mode::Forward {
