@@ -126,7 +126,7 @@ fn stats(c: &mut Criterion) {
                 black_box(42),
                 &text,
                 "read",
-                "billing",
+                &"billing".into(),
                 Duration::from_micros(350),
                 Outcome::Ok { rows: 1 },
             )
@@ -140,7 +140,7 @@ fn stats(c: &mut Criterion) {
                 black_box(i),
                 &text,
                 "read",
-                "billing",
+                &"billing".into(),
                 Duration::from_micros(350),
                 Outcome::Ok { rows: 1 },
             )

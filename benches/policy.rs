@@ -222,7 +222,7 @@ fn detector_tick(c: &mut Criterion) {
     use pgsluice::observe::stats::{FingerprintStats, Outcome};
     let stats = FingerprintStats::new(1_000);
     let text: std::sync::Arc<str> = std::sync::Arc::from("SELECT v FROM t WHERE id = ?");
-    let callers: Vec<String> = (0..8).map(|i| format!("caller{i}")).collect();
+    let callers: Vec<std::sync::Arc<str>> = (0..8).map(|i| format!("caller{i}").into()).collect();
     let mut seed = 7u64;
     let fps: Vec<u64> = (0..1_000).map(|_| next(&mut seed)).collect();
     let record = |round: usize| {

@@ -22,6 +22,7 @@
 use std::fmt;
 use std::net::IpAddr;
 use std::str::FromStr;
+use std::sync::Arc;
 
 /// Index into the matcher's rules; `rules.len()` is the default caller.
 pub type CallerId = u16;
@@ -184,6 +185,9 @@ enum Tier {
 #[derive(Debug, Clone)]
 pub struct CallerMatcher {
     rules: Vec<CallerRule>,
+    /// The callers' names by id, the default's last: shared, so that a statistics entry
+    /// holding one recognizes it again by address (`observe::stats`).
+    names: Vec<Arc<str>>,
     /// Rule indices per tier, in config order.
     tiers: [Vec<CallerId>; 4],
 }
@@ -219,7 +223,16 @@ impl CallerMatcher {
             };
             tiers[tier as usize].push(id);
         }
-        CallerMatcher { rules, tiers }
+        let names = rules
+            .iter()
+            .map(|r| Arc::from(r.name.as_str()))
+            .chain([Arc::from(DEFAULT_CALLER_NAME)])
+            .collect();
+        CallerMatcher {
+            rules,
+            names,
+            tiers,
+        }
     }
 
     pub fn resolve(
@@ -259,6 +272,13 @@ impl CallerMatcher {
         self.rules
             .get(usize::from(id))
             .map_or(DEFAULT_CALLER_NAME, |r| r.name.as_str())
+    }
+
+    /// [`CallerMatcher::name`], shared: the default's for the default id and any out-of-range
+    /// id.
+    pub fn name_arc(&self, id: CallerId) -> &Arc<str> {
+        let last = self.names.len() - 1;
+        &self.names[usize::from(id).min(last)]
     }
 
     /// Number of callers including the default.

@@ -330,11 +330,27 @@ impl Agg {
         }
     }
 
-    fn caller_mut(&mut self, name: &str) -> &mut CallerAgg {
-        let pos = match self.callers.iter().position(|(n, _)| &**n == name) {
+    /// The entry of caller `name`. The matcher hands out one shared name per caller, and an
+    /// entry holds a clone of it: while the entry lives that address holds that name, so an
+    /// equal address is the same caller without comparing bytes (a name from another
+    /// configuration is compared by its bytes).
+    fn caller_mut(&mut self, name: &Arc<str>) -> &mut CallerAgg {
+        let found = match self.callers.iter().position(|(n, _)| Arc::ptr_eq(n, name)) {
+            Some(p) => Some(p),
+            None => {
+                let p = self.callers.iter().position(|(n, _)| **n == **name);
+                // Held from now on: the next statement of this configuration's caller takes
+                // the first branch.
+                if let Some(p) = p {
+                    self.callers[p].0 = Arc::clone(name);
+                }
+                p
+            }
+        };
+        let pos = match found {
             Some(p) => p,
             None if self.callers.len() < MAX_CALLERS => {
-                self.callers.push((name.into(), CallerAgg::default()));
+                self.callers.push((Arc::clone(name), CallerAgg::default()));
                 self.callers.len() - 1
             }
             None => match self.callers.iter().position(|(n, _)| &**n == OTHER) {
@@ -359,7 +375,7 @@ impl Agg {
     }
 
     #[inline(always)]
-    fn record(&mut self, caller: &str, ns: u64, outcome: Outcome, now_ms: u64) {
+    fn record(&mut self, caller: &Arc<str>, ns: u64, outcome: Outcome, now_ms: u64) {
         self.calls += 1;
         self.rate.add(now_ms);
         self.total_ns = self.total_ns.saturating_add(ns);
@@ -686,7 +702,7 @@ impl FingerprintStats {
         fingerprint: u64,
         normalized: &Arc<str>,
         kind: &'static str,
-        caller: &str,
+        caller: &Arc<str>,
         elapsed: Duration,
         outcome: Outcome,
     ) {
@@ -904,7 +920,7 @@ mod tests {
                 1,
                 &t,
                 "read",
-                "a",
+                &"a".into(),
                 Duration::from_millis(ms),
                 Outcome::Ok { rows: 1 },
             );
@@ -923,13 +939,34 @@ mod tests {
         let st = FingerprintStats::new(100);
         let t = text("UPDATE t SET x = ?");
         let d = Duration::from_micros(500);
-        st.record(7, &t, "write", "billing", d, Outcome::Ok { rows: 3 });
-        st.record(7, &t, "write", "billing", d, Outcome::Error);
-        st.record(7, &t, "write", "web", d, Outcome::Refused("caller_limit"));
-        st.record(7, &t, "write", "web", d, Outcome::Refused("rule"));
-        st.record(7, &t, "write", "web", d, Outcome::Refused("rule"));
+        st.record(
+            7,
+            &t,
+            "write",
+            &"billing".into(),
+            d,
+            Outcome::Ok { rows: 3 },
+        );
+        st.record(7, &t, "write", &"billing".into(), d, Outcome::Error);
+        st.record(
+            7,
+            &t,
+            "write",
+            &"web".into(),
+            d,
+            Outcome::Refused("caller_limit"),
+        );
+        st.record(7, &t, "write", &"web".into(), d, Outcome::Refused("rule"));
+        st.record(7, &t, "write", &"web".into(), d, Outcome::Refused("rule"));
         for i in 0..100 {
-            st.record(7, &t, "write", &format!("c{i}"), d, Outcome::Ok { rows: 0 });
+            st.record(
+                7,
+                &t,
+                "write",
+                &format!("c{i}").into(),
+                d,
+                Outcome::Ok { rows: 0 },
+            );
         }
         let r = &st.top(SortKey::TotalTime, 10, None)[0];
         assert_eq!(r.fingerprint, "0000000000000007");
@@ -946,6 +983,30 @@ mod tests {
 
     fn is_serialize<T: serde::Serialize>(_: &T) {}
 
+    /// A caller is one entry whether its name comes shared (one configuration's matcher) or
+    /// as another copy of the same bytes (a reloaded one), in either order.
+    #[test]
+    fn a_callers_name_is_one_entry_by_address_or_by_bytes() {
+        let st = FingerprintStats::new(10);
+        let t = text("SELECT ?");
+        let d = Duration::from_micros(5);
+        let ok = Outcome::Ok { rows: 1 };
+        let (web, billing): (Arc<str>, Arc<str>) = ("web".into(), "billing".into());
+        for _ in 0..3 {
+            st.record(1, &t, "read", &web, d, ok);
+            st.record(1, &t, "read", &billing, d, ok);
+        }
+        let reloaded: Arc<str> = "web".into();
+        st.record(1, &t, "read", &reloaded, d, ok);
+        st.record(1, &t, "read", &web, d, ok);
+        let r = &st.top(SortKey::Calls, 1, None)[0];
+        assert_eq!(r.by_caller.len(), 2);
+        assert_eq!(
+            (r.by_caller["web"].calls, r.by_caller["billing"].calls),
+            (5, 3)
+        );
+    }
+
     #[test]
     fn top_sorts_and_filters() {
         let st = FingerprintStats::new(100);
@@ -956,7 +1017,7 @@ mod tests {
                     fp,
                     &t,
                     "read",
-                    "a",
+                    &"a".into(),
                     Duration::from_millis(6 - fp),
                     Outcome::Ok { rows: 0 },
                 );
@@ -986,7 +1047,7 @@ mod tests {
                 1 << 40,
                 &t,
                 "read",
-                "a",
+                &"a".into(),
                 Duration::from_millis(5),
                 Outcome::Ok { rows: 0 },
             );
@@ -994,7 +1055,7 @@ mod tests {
                 i.wrapping_mul(0x9E37_79B9_7F4A_7C15),
                 &t,
                 "read",
-                "a",
+                &"a".into(),
                 Duration::from_micros(10),
                 Outcome::Ok { rows: 0 },
             );
@@ -1015,7 +1076,14 @@ mod tests {
         let d = Duration::from_micros(100);
         for i in 0..1_000_000u64 {
             let fp = i.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ (i >> 7);
-            st.record(fp, &t, "read", "default", d, Outcome::Ok { rows: 1 });
+            st.record(
+                fp,
+                &t,
+                "read",
+                &"default".into(),
+                d,
+                Outcome::Ok { rows: 1 },
+            );
         }
         assert!(st.len() <= DEFAULT_CAPACITY + 1, "{}", st.len());
         for shard in st.shards.iter() {
@@ -1107,7 +1175,7 @@ mod tests {
 
         let st = FingerprintStats::new(10);
         let t = text("SELECT * FROM t WHERE id = ? FOR UPDATE");
-        let a = "app";
+        let a: &Arc<str> = &"app".into();
         st.record(
             9,
             &t,
@@ -1149,7 +1217,7 @@ mod tests {
         assert_eq!(r.lock_not_available, 2);
         assert_eq!(r.statement_timeouts, 1);
         assert!((r.lock_wait_ms - 500.0).abs() < 1e-9, "{}", r.lock_wait_ms);
-        assert_eq!(r.by_caller[a].errors, 4);
+        assert_eq!(r.by_caller[&**a].errors, 4);
         // Five calls within the last second.
         assert!(r.qps >= 4.0 && r.qps <= 5.0, "{}", r.qps);
         // Evicted into "other": the counts go with it, the row is gone.
@@ -1187,9 +1255,9 @@ mod tests {
         let t = text("q");
         let ok = Outcome::Ok { rows: 0 };
         // 1 is slow and rare, 2 cheap and frequent.
-        st.record(1, &t, "read", "a", Duration::from_secs(5), ok);
+        st.record(1, &t, "read", &"a".into(), Duration::from_secs(5), ok);
         for _ in 0..20 {
-            st.record(2, &t, "read", "b", Duration::from_micros(10), ok);
+            st.record(2, &t, "read", &"b".into(), Duration::from_micros(10), ok);
         }
         let fps = |k| -> Vec<String> {
             st.top(k, 2, None)
@@ -1212,7 +1280,7 @@ mod tests {
             1,
             &text("x"),
             "read",
-            "a",
+            &"a".into(),
             Duration::ZERO,
             Outcome::Ok { rows: 0 },
         );

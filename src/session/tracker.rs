@@ -243,23 +243,15 @@ impl Tracker {
                 }
             }
             backend::PARSE_COMPLETE | backend::BIND_COMPLETE | backend::CLOSE_COMPLETE => {
-                if matches!(
-                    head,
-                    Some(Kind::Parse | Kind::Bind | Kind::Close)
-                ) {
+                if matches!(head, Some(Kind::Parse | Kind::Bind | Kind::Close)) {
                     self.q.pop_front();
                 }
             }
             // The head is a Query whose injected leading statement's result is still to be
             // dropped.
-            backend::ROW_DESCRIPTION | backend::DATA_ROW if skipping => {
-                step.forward = false
-            }
+            backend::ROW_DESCRIPTION | backend::DATA_ROW if skipping => step.forward = false,
             backend::ROW_DESCRIPTION | backend::NO_DATA => {
-                if matches!(
-                    head,
-                    Some(Kind::DescribeStmt | Kind::DescribePortal)
-                ) {
+                if matches!(head, Some(Kind::DescribeStmt | Kind::DescribePortal)) {
                     self.q.pop_front();
                 }
             }

@@ -250,7 +250,7 @@ impl Relay {
             class.fingerprint,
             &class.normalized,
             class.kind.as_str(),
-            names.name(caller),
+            names.name_arc(caller),
             Duration::ZERO,
             Outcome::Refused(r.kind.reason()),
         );
@@ -328,7 +328,7 @@ impl Relay {
                 r.class.fingerprint,
                 &r.class.normalized,
                 r.class.kind.as_str(),
-                names.name(r.caller),
+                names.name_arc(r.caller),
                 elapsed,
                 outcome,
             );

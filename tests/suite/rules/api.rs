@@ -301,12 +301,24 @@ async fn fingerprints_endpoint_validates_and_sorts() {
     let fast: Arc<str> = Arc::from("select 1");
     for _ in 0..3 {
         let ok = Outcome::Ok { rows: 1 };
-        app.fp_stats
-            .record(1, &fast, "read", "app", Duration::from_micros(10), ok);
+        app.fp_stats.record(
+            1,
+            &fast,
+            "read",
+            &"app".into(),
+            Duration::from_micros(10),
+            ok,
+        );
     }
     let ok = Outcome::Ok { rows: 5 };
-    app.fp_stats
-        .record(2, &slow, "read", "app", Duration::from_millis(50), ok);
+    app.fp_stats.record(
+        2,
+        &slow,
+        "read",
+        &"app".into(),
+        Duration::from_millis(50),
+        ok,
+    );
 
     let v = get(&r, "/v1/fingerprints", Some(R)).await.json();
     assert_eq!(
@@ -376,7 +388,7 @@ async fn unseen_fingerprints_get_a_warning_and_rules_come_from_sql() {
         0xdead_beef,
         &text,
         "read",
-        "app",
+        &"app".into(),
         Duration::from_micros(5),
         ok,
     );
