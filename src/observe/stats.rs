@@ -647,10 +647,6 @@ pub fn unix_ms() -> u64 {
         .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
 }
 
-/// [`unix_ms`] from the coarse clock: the kernel's time at its last tick (a few ms behind,
-/// never ahead), read from the vDSO without reading the hardware counter — for stamps only
-/// shown to people, such as how long a client has been in its state (two per statement), and
-/// the per-fingerprint statistics' stamps and per-second rates (one per statement).
 /// `d` in nanoseconds, saturating (without the 128-bit arithmetic of `as_nanos`).
 fn nanos(d: Duration) -> u64 {
     d.as_secs()
@@ -658,6 +654,10 @@ fn nanos(d: Duration) -> u64 {
         .saturating_add(u64::from(d.subsec_nanos()))
 }
 
+/// [`unix_ms`] from the coarse clock: the kernel's time at its last tick (a few ms behind,
+/// never ahead), read from the vDSO without reading the hardware counter — for stamps only
+/// shown to people, such as how long a client has been in its state (two per statement), and
+/// the per-fingerprint statistics' stamps and per-second rates (one per statement).
 pub fn unix_ms_coarse() -> u64 {
     let mut ts = libc::timespec {
         tv_sec: 0,
