@@ -269,13 +269,10 @@ impl CallerMatcher {
 
     /// Caller name; `"default"` for the default id (and any out-of-range id).
     pub fn name(&self, id: CallerId) -> &str {
-        self.rules
-            .get(usize::from(id))
-            .map_or(DEFAULT_CALLER_NAME, |r| r.name.as_str())
+        self.name_arc(id)
     }
 
-    /// [`CallerMatcher::name`], shared: the default's for the default id and any out-of-range
-    /// id.
+    /// [`CallerMatcher::name`], shared (what the statistics keep).
     pub fn name_arc(&self, id: CallerId) -> &Arc<str> {
         let last = self.names.len() - 1;
         &self.names[usize::from(id).min(last)]

@@ -1384,11 +1384,7 @@ impl Relay {
     #[inline(always)]
     fn write_client_now<S: AsyncWrite + Unpin>(&mut self, client: &mut S) -> Result<bool, End> {
         match write_now(client, &self.cout) {
-            Ok(n) => {
-                let all = n == self.cout.len();
-                spare::consume(&mut self.cout, n);
-                Ok(all)
-            }
+            Ok(n) => Ok(spare::consume(&mut self.cout, n)),
             Err(_) => {
                 self.cout.clear();
                 Err(End::ClientClosed)

@@ -49,21 +49,40 @@ pub fn give_back(buf: &mut BytesMut) {
     }
 }
 
-/// Drops the first `n` bytes of `buf` (handled, or written out); all of them by `clear`, which
-/// keeps the buffer's start where it is (an `advance` to the end would move it, and the next
-/// read's or write's reserve with it).
+/// Drops the first `n` bytes of `buf` (handled, or written out): `true` when that was all of
+/// them, dropped by `clear`, which keeps the buffer's start where it is (an `advance` to the
+/// end would move it, and the next read's or write's reserve with it).
 #[inline(always)]
-pub fn consume(buf: &mut BytesMut, n: usize) {
+pub fn consume(buf: &mut BytesMut, n: usize) -> bool {
     if n == buf.len() {
         buf.clear();
+        true
     } else {
         bytes::Buf::advance(buf, n);
+        false
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn consume_keeps_the_rest_and_says_when_nothing_is_left() {
+        let mut b = BytesMut::with_capacity(64);
+        b.extend_from_slice(b"abcdef");
+        assert!(!consume(&mut b, 2));
+        assert_eq!(&b[..], b"cdef");
+        assert!(!consume(&mut b, 0));
+        let start = b.as_ptr();
+        assert!(consume(&mut b, 4));
+        assert!(b.is_empty());
+        assert_eq!(
+            b.as_ptr(),
+            start,
+            "all of it is dropped by clear, not advance"
+        );
+    }
 
     #[test]
     fn a_returned_buffer_is_the_next_one_lent() {

@@ -84,9 +84,7 @@ impl Outbox {
     /// After a write of the first `n` pending bytes: `true` (and nothing pending) when that
     /// was all of them, else those dropped and `false`.
     pub fn written(&mut self, n: usize) -> bool {
-        let all = n == self.buf.len();
-        spare::consume(&mut self.buf, n);
-        all
+        spare::consume(&mut self.buf, n)
     }
 
     /// Forgets the written bytes (flushed, or the backend is gone).
