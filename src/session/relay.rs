@@ -95,6 +95,9 @@ pub struct Relay {
     parked: Option<Pooled>,
     /// This session's place on its pool's parking list (made when it first parks).
     ticket: Option<Arc<crate::pool::park::Ticket>>,
+    /// A backend was released at least once: parking starts from the client's second
+    /// transaction ([`Relay::park_backend`]).
+    released_before: bool,
     /// Bytes for the backend and the replies they are owed, written together.
     out: Outbox,
     /// The client's prepared statements and their proxy names (no I/O).
@@ -277,6 +280,7 @@ impl Relay {
             backend: None,
             parked: None,
             ticket: None,
+            released_before: false,
             out: Outbox::default(),
             statements,
             backend_fatal: false,
@@ -1558,8 +1562,18 @@ impl Relay {
     /// ([`crate::pool::Pool::may_park`]) and it came from the client's own pool (not a
     /// replica's; a client that may read from replicas never parks, so its next read is free to
     /// go there). Its cancel target stays: a cancel meanwhile reaches an idle backend.
+    ///
+    /// A client's first transaction never parks: a login that runs one transaction and
+    /// leaves (a reconnect storm, `pgbench -C`) hands its backend straight back, so the next
+    /// login takes that one and the pool's work stays on few backends, as PgBouncer's does.
+    /// Parked until its Terminate, each such backend would sit out the next logins, and they
+    /// would spread over more Postgres processes.
     fn park_backend(&mut self) -> bool {
-        if self.unit_pool.is_some() || self.replica_possible || self.draining {
+        if self.unit_pool.is_some()
+            || self.replica_possible
+            || self.draining
+            || !std::mem::replace(&mut self.released_before, true)
+        {
             return false;
         }
         let now = self.now();

@@ -1,6 +1,8 @@
 //! Backends parked with idle clients (`src/pool/park.rs`): in transaction mode a client
-//! between transactions keeps its clean backend while nobody else needs it. Each test shows
-//! that the pool still has it back whenever it matters, against a real PostgreSQL:
+//! between transactions keeps its clean backend while nobody else needs it, from its second
+//! transaction on (a login that runs one transaction and leaves hands its backend straight
+//! back). Each test shows that the pool still has it back whenever it matters, against a
+//! real PostgreSQL:
 //!
 //! * a client that has to wait for a full pool gets a parked backend at once, well inside a
 //!   checkout timeout shorter than the pool's upkeep tick (which also takes parked backends
@@ -40,7 +42,9 @@ async fn parked(proxy: &Proxy, n: u64) {
     .await;
 }
 
-/// Two clients that ran a query at the same time, so the pool opened two backends; the
+/// Two clients that each ran a query at the same time twice, so the pool opened two
+/// backends. The first time both went back idle (a client parks from its second
+/// transaction, so a login that runs one and leaves never keeps one). The second time the
 /// first to finish put its backend back idle and the other parked its own (a client parks
 /// only while an idle connection is left for the next one). Returns the clients and their
 /// backend pids.
@@ -49,14 +53,19 @@ async fn one_parked(proxy: &Proxy) -> ([Arc<Client>; 2], [i32; 2]) {
         Arc::new(proxy.client().await),
         Arc::new(proxy.client().await),
     ];
-    let sql = "SELECT pg_backend_pid() FROM pg_sleep(0.3)";
-    let runs = [spawn_query(&clients[0], sql), spawn_query(&clients[1], sql)];
-    let mut pids = [0; 2];
-    for (p, run) in pids.iter_mut().zip(runs) {
-        let (_, r) = within(STEP, sql, run).await.expect("join");
-        let v = r.expect("a query on its own backend");
-        *p = v[0].as_deref().expect("a pid").parse().expect("pid");
-    }
+    let first = both_at_once(&clients).await;
+    assert_ne!(first[0], first[1], "two backends at once");
+    // Both backends are back in the pool within moments, neither kept by its client. (The
+    // upkeep takes parked backends back only every second, so a first transaction that did
+    // park would be seen here as parked.)
+    eventually(STEP, "both first transactions' backends back", || async {
+        let stats = pool_stats(proxy).await;
+        stats["idle"].as_u64().unwrap_or(0) + stats["parked"].as_u64().unwrap_or(0) == 2
+    })
+    .await;
+    let stats = pool_stats(proxy).await;
+    assert_eq!(stats["parked"], 0, "a first transaction parked: {stats}");
+    let pids = both_at_once(&clients).await;
     assert_ne!(pids[0], pids[1], "two backends at once");
     parked(proxy, 1).await;
     let stats = pool_stats(proxy).await;
@@ -66,6 +75,19 @@ async fn one_parked(proxy: &Proxy) -> ([Arc<Client>; 2], [i32; 2]) {
         "{stats}"
     );
     (clients, pids)
+}
+
+/// Runs a 0.3 s query on both clients at once; returns their backends' pids.
+async fn both_at_once(clients: &[Arc<Client>; 2]) -> [i32; 2] {
+    let sql = "SELECT pg_backend_pid() FROM pg_sleep(0.3)";
+    let runs = [spawn_query(&clients[0], sql), spawn_query(&clients[1], sql)];
+    let mut pids = [0; 2];
+    for (p, run) in pids.iter_mut().zip(runs) {
+        let (_, r) = within(STEP, sql, run).await.expect("join");
+        let v = r.expect("a query on its own backend");
+        *p = v[0].as_deref().expect("a pid").parse().expect("pid");
+    }
+    pids
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
