@@ -1569,11 +1569,8 @@ impl Relay {
     /// Parked until its Terminate, each such backend would sit out the next logins, and they
     /// would spread over more Postgres processes.
     fn park_backend(&mut self) -> bool {
-        if self.unit_pool.is_some()
-            || self.replica_possible
-            || self.draining
-            || !std::mem::replace(&mut self.released_before, true)
-        {
+        let first_release = !std::mem::replace(&mut self.released_before, true);
+        if first_release || self.unit_pool.is_some() || self.replica_possible || self.draining {
             return false;
         }
         let now = self.now();
