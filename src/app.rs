@@ -807,6 +807,7 @@ fn opaque(fingerprint: u64, normalized: &str) -> Arc<Classified> {
         oversized: false,
         // A FunctionCall runs on its own; a Bind of an unknown name may be anything.
         own_transaction: true,
+        proof: crate::classify::Proof::unproven("not readable"),
     })
 }
 

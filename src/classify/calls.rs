@@ -420,7 +420,7 @@ pub(super) fn classify(s: &Stmt<'_>, j: usize) -> Call {
 }
 
 /// The verdict for an unqualified (or pg_catalog) name.
-fn builtin(name: &str) -> Call {
+pub(super) fn builtin(name: &str) -> Call {
     match name {
         "set_config" => Call::SetConfig,
         "pg_advisory_lock"

@@ -31,8 +31,9 @@ use xxhash_rust::xxh3::xxh3_64;
 
 use super::Classified;
 use super::effects::SessionEffect;
-use super::kind;
+use super::kind::{self, StmtKind};
 use super::normalize::{Class, Normalizer};
+use super::proof;
 use super::scan;
 use super::tags::parse_tag_comment;
 
@@ -67,18 +68,49 @@ pub fn fingerprint(sql: &str) -> u64 {
 
 /// The full, uncached analysis of one statement string.
 pub fn analyze(sql: &str, max_text_bytes: usize) -> Classified {
+    analyze_text(sql, true, max_text_bytes)
+}
+
+/// The token walk alone, without the parse's proof: what the tests of the walk compare.
+#[cfg(test)]
+pub(crate) fn token_walk(sql: &str) -> Classified {
+    let mut n = Normalizer::new();
+    if tokenize_into(sql, &mut n).is_err() {
+        n = Normalizer::new();
+        scan::scan(sql, &mut n);
+    }
+    finish(n, false, false)
+}
+
+/// [`analyze`] of a text that may be a lossy UTF-8 copy of the client's bytes (`utf8`
+/// false): such a text is never proven (`proof.rs`).
+pub fn analyze_text(sql: &str, utf8: bool, max_text_bytes: usize) -> Classified {
     let mut n = Normalizer::new();
     if sql.len() <= max_text_bytes {
         if tokenize_into(sql, &mut n).is_err() {
             n = Normalizer::new();
             scan::scan(sql, &mut n);
         }
-        return finish(n, false, false);
+        let mut c = finish(n, false, false);
+        let proof = proof::prove(sql, utf8);
+        if !proof.is_proven() && !c.effects.contains(&SessionEffect::Unknown) {
+            // What the parse cannot prove harmless may do anything (the token walk's effects
+            // stay: they are what the session tracks or pins for).
+            c.effects.push(SessionEffect::Unknown);
+        }
+        c.proof = proof;
+        return c;
     }
     let limit = max_text_bytes.saturating_mul(SCAN_FACTOR).max(1);
     let cut = sql.floor_char_boundary(limit);
     scan::scan(&sql[..cut], &mut n);
-    finish(n, true, cut < sql.len())
+    let mut c = finish(n, true, cut < sql.len());
+    if !c.effects.contains(&SessionEffect::Unknown) {
+        c.effects.push(SessionEffect::Unknown);
+    }
+    // Too long to parse: the token walk's kind says whether it may change the catalog.
+    c.proof.catalog_change = matches!(c.kind, StmtKind::Ddl | StmtKind::Other);
+    c
 }
 
 /// Feeds sqlparser's tokens into `n`.
@@ -176,6 +208,7 @@ fn finish(mut n: Normalizer, oversized: bool, truncated: bool) -> Classified {
         tags,
         oversized,
         own_transaction,
+        proof: proof::Proof::unproven("not parsed"),
     }
 }
 
@@ -384,7 +417,7 @@ mod tests {
             "select a::text || b from t where c is not null and d not like 'x%' /*service:web*/",
         ];
         for sql in corpus {
-            let via_tokenizer = analyze(sql, DEFAULT_MAX_TEXT_BYTES);
+            let via_tokenizer = token_walk(sql);
             let via_scanner = scanned(sql);
             assert_eq!(via_tokenizer, via_scanner, "{sql:?}");
         }

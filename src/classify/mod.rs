@@ -45,6 +45,7 @@ pub mod effects;
 pub mod fingerprint;
 pub mod kind;
 mod normalize;
+pub mod proof;
 mod scan;
 mod shape;
 mod stmt;
@@ -56,6 +57,7 @@ pub use fingerprint::{
     DEFAULT_MAX_TEXT_BYTES, analyze, fingerprint, fingerprint_hex, parse_fingerprint_hex,
 };
 pub use kind::StmtKind;
+pub use proof::Proof;
 pub use tags::extract_tags;
 
 /// Everything the proxy needs to know about one statement string.
@@ -78,6 +80,9 @@ pub struct Classified {
     /// INDEX CONCURRENTLY`, …) or may commit by itself (`CALL`, `DO`): timeouts for it are
     /// set for the session around it, not `SET LOCAL` in front of it.
     pub own_transaction: bool,
+    /// What the parse proved (`proof.rs`): unproven texts also carry `SessionEffect::Unknown`;
+    /// a proven one may still depend on names the pool checks against the database.
+    pub proof: Proof,
 }
 
 impl Classified {
@@ -174,7 +179,9 @@ impl Classifier {
 
     /// The analysis itself, on a miss: the text as UTF-8 (checked here, once).
     fn analyze(&self, sql: &[u8]) -> Classified {
-        analyze(&String::from_utf8_lossy(sql), self.max_text_bytes)
+        let text = String::from_utf8_lossy(sql);
+        let utf8 = matches!(text, std::borrow::Cow::Borrowed(_));
+        fingerprint::analyze_text(&text, utf8, self.max_text_bytes)
     }
 
     fn lookup(&self, sql: &[u8], memo: Option<&mut Memo>) -> Arc<Classified> {
@@ -299,7 +306,13 @@ mod tests {
             ),
         ] {
             let got = c.classify_memo(latin1, &mut m);
-            assert_eq!(*got, analyze(lossy, DEFAULT_MAX_TEXT_BYTES), "{lossy}");
+            // Never proven: the lossy copy may read other than Postgres reads the bytes.
+            assert_eq!(
+                *got,
+                fingerprint::analyze_text(lossy, false, DEFAULT_MAX_TEXT_BYTES),
+                "{lossy}"
+            );
+            assert!(got.effects.contains(&SessionEffect::Unknown));
             // Again, now from the memo or the cache: the same answer.
             assert!(Arc::ptr_eq(&got, &c.classify_memo(latin1, &mut m)));
         }
