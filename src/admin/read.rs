@@ -161,6 +161,8 @@ fn scrape(st: &AdminState) -> Scrape {
                 connect_failures: p.connect_failures,
                 checkout_timeouts: p.checkout_timeouts,
                 waiting_refused: p.waiting_refused,
+                session_checks: p.session_checks,
+                session_check_differences: p.session_check_differences,
                 critical_reserve: u(p.critical_reserve),
                 adaptive_limit: p.adaptive_limit.map(u),
                 transactions: p.transactions,

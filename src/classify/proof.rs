@@ -34,9 +34,8 @@
 use std::ops::ControlFlow;
 
 use sqlparser::ast::{
-    AccessExpr, ArrayElemTypeDef, DataType, Expr, FunctionArg, FunctionArgExpr,
-    FunctionArguments, ObjectName, ObjectNamePart, Statement, TableFactor, Value, Visit,
-    Visitor,
+    AccessExpr, ArrayElemTypeDef, DataType, Expr, FunctionArg, FunctionArgExpr, FunctionArguments,
+    ObjectName, ObjectNamePart, Statement, TableFactor, Value, Visit, Visitor,
 };
 use sqlparser::dialect::PostgreSqlDialect;
 use sqlparser::parser::Parser;
@@ -206,7 +205,9 @@ impl Visitor for SetConfigNames<'_> {
     fn pre_visit_table_factor(&mut self, t: &TableFactor) -> ControlFlow<()> {
         match t {
             TableFactor::Table {
-                name, args: Some(a), ..
+                name,
+                args: Some(a),
+                ..
             } => self.call(name, &a.args),
             TableFactor::Function { name, args, .. } => self.call(name, args),
             _ => ControlFlow::Continue(()),
@@ -223,11 +224,14 @@ struct Walk {
 
 /// Unproven when `o` names a setting of [`READING_SETTINGS`].
 fn reading_setting(o: &ObjectName) -> ControlFlow<&'static str> {
-    let named = o.0.last().and_then(ObjectNamePart::as_ident).is_some_and(|i| {
-        READING_SETTINGS
-            .iter()
-            .any(|s| s.eq_ignore_ascii_case(&i.value))
-    });
+    let named =
+        o.0.last()
+            .and_then(ObjectNamePart::as_ident)
+            .is_some_and(|i| {
+                READING_SETTINGS
+                    .iter()
+                    .any(|s| s.eq_ignore_ascii_case(&i.value))
+            });
     if named {
         ControlFlow::Break("sets a setting that changes how statements are read")
     } else {
@@ -280,7 +284,8 @@ impl Walk {
         let base = match name.0.as_slice() {
             [ObjectNamePart::Identifier(f)] => f,
             [ObjectNamePart::Identifier(s), ObjectNamePart::Identifier(f)]
-                if s.value == "pg_catalog" || (s.quote_style.is_none() && s.value.eq_ignore_ascii_case("pg_catalog")) =>
+                if s.value == "pg_catalog"
+                    || (s.quote_style.is_none() && s.value.eq_ignore_ascii_case("pg_catalog")) =>
             {
                 f
             }
@@ -352,9 +357,9 @@ impl Visitor for Walk {
                 sqlparser::ast::Set::ParenthesizedAssignments { variables, .. } => {
                     variables.iter().try_for_each(reading_setting)
                 }
-                sqlparser::ast::Set::MultipleAssignments { assignments } => {
-                    assignments.iter().try_for_each(|a| reading_setting(&a.name))
-                }
+                sqlparser::ast::Set::MultipleAssignments { assignments } => assignments
+                    .iter()
+                    .try_for_each(|a| reading_setting(&a.name)),
                 sqlparser::ast::Set::SetNames { .. } | sqlparser::ast::Set::SetNamesDefault {} => {
                     ControlFlow::Break("sets the client encoding")
                 }
@@ -443,7 +448,9 @@ impl Visitor for Walk {
                 for a in access_chain {
                     match a {
                         AccessExpr::Dot(Expr::Identifier(i)) => self.ident(i)?,
-                        AccessExpr::Dot(_) => return ControlFlow::Break("an unfamiliar field access"),
+                        AccessExpr::Dot(_) => {
+                            return ControlFlow::Break("an unfamiliar field access");
+                        }
                         AccessExpr::Subscript(_) => {}
                     }
                 }
@@ -594,7 +601,10 @@ mod tests {
             ("INSERT INTO t VALUES (1)", false),
             ("BEGIN; UPDATE t SET a = 1; COMMIT", false),
             ("CREATE VIEW v AS SELECT 1", true),
-            ("INSERT INTO t VALUES (1); CREATE FUNCTION f() RETURNS int AS 'select 1' LANGUAGE sql", true),
+            (
+                "INSERT INTO t VALUES (1); CREATE FUNCTION f() RETURNS int AS 'select 1' LANGUAGE sql",
+                true,
+            ),
             ("DO $$ BEGIN END $$", true),
             ("ALTER TABLE t ENABLE ROW LEVEL SECURITY", true),
             ("SELEKT", true),
@@ -615,15 +625,23 @@ mod tests {
     fn set_config_names_are_read_as_postgres_reads_them() {
         let n = |s: &str| set_config_names(s);
         assert_eq!(
-            n("SELECT set_config('App.Tenant', $1, false), pg_catalog.set_config('x.y', 'v', true)"),
+            n(
+                "SELECT set_config('App.Tenant', $1, false), pg_catalog.set_config('x.y', 'v', true)"
+            ),
             Some(vec!["app.tenant".into(), "x.y".into()])
         );
-        assert_eq!(n("SELECT set_config('it''s', 'v', false)"), Some(vec!["it's".into()]));
+        assert_eq!(
+            n("SELECT set_config('it''s', 'v', false)"),
+            Some(vec!["it's".into()])
+        );
         assert_eq!(n("SELECT set_config('a.' || 'b', 'v', false)"), None);
         assert_eq!(n(r"SELECT set_config(E'a\x2eb', 'v', false)"), None);
         assert_eq!(n("SELECT set_config($1, 'v', false)"), None);
         assert_eq!(n("SELECT 'set_config(x)'"), Some(vec![]));
         let p = prove("SELECT set_config('search_path', 'evil', true)", true);
-        assert!(p.is_proven() && p.set_config, "the name is the session's to read");
+        assert!(
+            p.is_proven() && p.set_config,
+            "the name is the session's to read"
+        );
     }
 }

@@ -391,6 +391,21 @@ pub enum SessionStateMode {
     Reject,
 }
 
+/// What a transaction-mode pool does after a unit whose statements the parse could not prove
+/// harmless (a write, a user function, `DO`, …) before another client gets the backend.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum UnprovenMode {
+    /// Ask Postgres (settings, identity, LISTEN, advisory locks, cursors, prepared
+    /// statements, temporary objects), reset settings, sequences and the random seed, and
+    /// reset fully only when the check finds more.
+    #[default]
+    Verify,
+    /// `DISCARD ALL` (and a fresh random seed) after every such unit: more work for Postgres,
+    /// nothing left to a check.
+    Reset,
+}
+
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct PoolConfig {
@@ -427,6 +442,8 @@ pub struct PoolConfig {
     pub connect_backoff_base_ms: u64,
     pub connect_backoff_cap_ms: u64,
     pub session_state: SessionStateMode,
+    /// After a unit the parse could not prove harmless: check the session, or reset it.
+    pub unproven: UnprovenMode,
     /// Protocol-level prepared statements kept per backend connection (LRU).
     pub prepared_cache_size: usize,
     /// After the statement backstop's cancel, how long a server that sends nothing may stay
@@ -459,6 +476,7 @@ impl Default for PoolConfig {
             connect_backoff_base_ms: 100,
             connect_backoff_cap_ms: 5_000,
             session_state: SessionStateMode::Track,
+            unproven: UnprovenMode::Verify,
             prepared_cache_size: 1_000,
             cancel_grace_ms: 2_000,
             max_db_connections: 0,
@@ -476,6 +494,7 @@ pub struct PoolOverride {
     pub size: Option<usize>,
     pub min_idle: Option<usize>,
     pub session_state: Option<SessionStateMode>,
+    pub unproven: Option<UnprovenMode>,
 }
 
 /// One `databases:` entry: the name clients use, and where and as whom its pools connect.
@@ -1247,6 +1266,9 @@ impl Config {
             }
             if let Some(s) = o.min_idle {
                 p.min_idle = s;
+            }
+            if let Some(u) = o.unproven {
+                p.unproven = u;
             }
             if let Some(s) = o.session_state {
                 p.session_state = s;

@@ -45,6 +45,10 @@ pub struct PoolSample {
     pub checkout_timeouts: u64,
     /// Checkouts refused at once: `max_waiting` clients were already waiting.
     pub waiting_refused: u64,
+    /// Sessions checked against Postgres after a unit the parse could not prove harmless.
+    pub session_checks: u64,
+    /// Checks that found session state the proxy could not see (each also reset).
+    pub session_check_differences: u64,
     /// Backends only critical callers may take.
     pub critical_reserve: u64,
     /// The adaptive concurrency limit (`None`: off).
@@ -75,6 +79,8 @@ pub(super) struct PoolSeries {
     connect_failures: IntCounterVec,
     checkout_timeouts: IntCounterVec,
     waiting_refused: IntCounterVec,
+    session_checks: IntCounterVec,
+    session_check_differences: IntCounterVec,
     critical_reserve: IntGaugeVec,
     adaptive_limit: IntGaugeVec,
     transactions: IntCounterVec,
@@ -136,6 +142,14 @@ impl PoolSeries {
                 "pgsluice_pool_waiting_refused_total",
                 "Checkouts refused at once because pool.max_waiting clients were already waiting.",
             ),
+            session_checks: counter(
+                "pgsluice_pool_session_checks_total",
+                "Backend sessions checked against PostgreSQL after a unit the parse could not prove harmless.",
+            ),
+            session_check_differences: counter(
+                "pgsluice_pool_session_check_differences_total",
+                "Session checks that found state the proxy could not see in the statements' text (reset).",
+            ),
             critical_reserve: gauge(
                 "pgsluice_pool_critical_reserve",
                 "Backends of the pool only critical callers may take (pool.critical_reserve).",
@@ -190,6 +204,8 @@ impl PoolSeries {
         self.connect_failures.reset();
         self.checkout_timeouts.reset();
         self.waiting_refused.reset();
+        self.session_checks.reset();
+        self.session_check_differences.reset();
         self.critical_reserve.reset();
         self.adaptive_limit.reset();
         self.transactions.reset();
@@ -229,6 +245,12 @@ impl PoolSeries {
             self.waiting_refused
                 .with_label_values(&l)
                 .inc_by(p.waiting_refused);
+            self.session_checks
+                .with_label_values(&l)
+                .inc_by(p.session_checks);
+            self.session_check_differences
+                .with_label_values(&l)
+                .inc_by(p.session_check_differences);
             self.critical_reserve
                 .with_label_values(&l)
                 .set(gauge(p.critical_reserve));
@@ -283,6 +305,8 @@ pub(super) fn capped_pools(pools: &[PoolSample]) -> Vec<PoolSample> {
         other.connect_failures += p.connect_failures;
         other.checkout_timeouts += p.checkout_timeouts;
         other.waiting_refused += p.waiting_refused;
+        other.session_checks += p.session_checks;
+        other.session_check_differences += p.session_check_differences;
         other.critical_reserve += p.critical_reserve;
         other.transactions += p.transactions;
         other.queries += p.queries;

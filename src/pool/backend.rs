@@ -212,6 +212,8 @@ pub struct BackendConn {
     pub stale: Vec<u64>,
     /// Session state a client left behind; reset (or discard) before the next client.
     pub dirty: Dirt,
+    /// The last statement that left `dirty.verify`, named in the check's log line.
+    pub unproven_fingerprint: u64,
     pub created: Instant,
     pub expires: Instant,
     pub idle_since: Instant,
@@ -232,6 +234,12 @@ pub struct Dirt {
     pub all: bool,
     /// Something we cannot reset reliably (e.g. LOAD): close the connection instead.
     pub unresettable: bool,
+    /// A statement the parse could not prove harmless ran: check the session against
+    /// Postgres before the next client (`pool::verify`), unless `all` resets it anyway.
+    pub verify: bool,
+    /// A statement may have changed the catalog: the pool's snapshot of user code
+    /// (`pool::catalog`) is invalidated when the connection is released.
+    pub catalog: bool,
 }
 
 impl Dirt {
@@ -248,9 +256,12 @@ impl Dirt {
         self.temp |= o.temp;
         self.all |= o.all;
         self.unresettable |= o.unresettable;
+        self.verify |= o.verify;
+        self.catalog |= o.catalog;
     }
 
-    /// SQL that returns a connection to a clean state, or `None` when it must be closed.
+    /// SQL that returns a connection to a clean state (empty: nothing beyond the check of
+    /// `verify`), or `None` when it must be closed.
     pub fn reset_sql(&self) -> Option<String> {
         if self.unresettable {
             return None;
@@ -611,6 +622,7 @@ impl BackendConn {
             prepared: PreparedCache::new(cache_size),
             stale: Vec::new(),
             dirty: Dirt::default(),
+            unproven_fingerprint: 0,
             created: now,
             expires: now + Duration::from_secs(3600),
             idle_since: now,

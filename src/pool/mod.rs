@@ -14,9 +14,11 @@
 pub mod adaptive;
 pub mod backend;
 pub mod caps;
+pub mod catalog;
 pub mod park;
 pub mod prepared;
 pub mod slots;
+pub mod verify;
 
 use foldhash::{HashMap, HashMapExt};
 use std::sync::Arc;
@@ -90,6 +92,10 @@ pub struct PoolStats {
     pub connect_failures: AtomicU64,
     pub discards: AtomicU64,
     pub resets: AtomicU64,
+    /// Sessions checked against Postgres after a unit the parse could not prove harmless.
+    pub verifications: AtomicU64,
+    /// Checks that found session state the proxy did not know of (each also reset).
+    pub verify_differences: AtomicU64,
     pub checkouts: AtomicU64,
     pub checkout_timeouts: AtomicU64,
     /// Checkouts refused at once because `max_waiting` clients were already waiting.
@@ -142,6 +148,8 @@ pub struct Pool {
     /// (built from `server_params` and `canonical`; at most [`GREETINGS`] lists).
     greetings: Mutex<HashMap<crate::session::params::Shared, bytes::Bytes>>,
     pub stats: PoolStats,
+    /// What this pool knows of its database's user code (`catalog.rs`).
+    pub catalog: catalog::Catalog,
     /// How fast checkouts are served (the retry hints of its waiters).
     drain: crate::policy::drain::DrainRate,
     /// The adaptive concurrency limit, when `adaptive` is on.
@@ -249,6 +257,7 @@ impl Pool {
             canonical: Mutex::new(HashMap::new()),
             greetings: Mutex::new(HashMap::new()),
             stats: PoolStats::default(),
+            catalog: catalog::Catalog::default(),
             drain: crate::policy::drain::DrainRate::new(),
             adaptive,
             paused: AtomicBool::new(false),
@@ -958,6 +967,8 @@ impl Pool {
             priority_caps: self.slots.caps(),
             max_waiting: self.cfg.max_waiting,
             waiting_refused: self.stats.waiting_refused.load(Ordering::Relaxed),
+            session_checks: self.stats.verifications.load(Ordering::Relaxed),
+            session_check_differences: self.stats.verify_differences.load(Ordering::Relaxed),
             paused: self.is_paused(),
             replica: self.replica,
             replica_lag_ms: self
@@ -1003,6 +1014,10 @@ pub struct PoolSnapshot {
     pub priority_caps: [usize; slots::PRIORITIES],
     pub max_waiting: usize,
     pub waiting_refused: u64,
+    /// Sessions checked against Postgres after an unproven unit (`verify.rs`).
+    pub session_checks: u64,
+    /// Checks that found state the proxy could not see (each also reset).
+    pub session_check_differences: u64,
     /// Paused by an operator (`POST /v1/pools/{db}/{user}/pause`).
     pub paused: bool,
     /// A pool of the database's replicas, with its last probe.
@@ -1131,31 +1146,126 @@ impl Pooled {
             return;
         };
         if conn.dirty.any() {
-            let Some(sql) = conn.dirty.reset_sql() else {
+            if !self.clean(&mut conn).await {
                 self.pool.close(conn);
                 return;
-            };
-            self.pool.stats.resets.fetch_add(1, Ordering::Relaxed);
-            let ok = matches!(
-                tokio::time::timeout(Duration::from_secs(5), conn.simple(&sql)).await,
-                Ok(Ok(b'I'))
-            );
+            }
+            now = Instant::now();
+        }
+        if let Some(claim) = self.pool.catalog.claim(now) {
+            let mut names = Vec::new();
+            let read = tokio::time::timeout(
+                RESET_TIMEOUT,
+                conn.simple_query(catalog::CATALOG_SQL, |tag, body| {
+                    if tag == b'D'
+                        && let Some(n) = one_text(body)
+                    {
+                        names.push(n);
+                    }
+                }),
+            )
+            .await;
+            let ok = matches!(read, Ok(Ok(b'I')));
+            self.pool.catalog.finish(claim, ok.then_some(names), now);
             if !ok {
                 self.pool.close(conn);
                 return;
             }
-            if conn.dirty.sql_prepared || conn.dirty.all {
-                conn.prepared.clear();
-                conn.stale.clear();
-            }
-            if conn.dirty.gucs || conn.dirty.all {
-                // RESET ALL also undid the client startup parameters.
-                conn.applied = Default::default();
-            }
-            conn.dirty = Dirt::default();
             now = Instant::now();
         }
         self.pool.put_idle(conn, now, now);
+    }
+
+    /// Whether [`Pooled::release_at`] has a query to run (a reset, a check, a catalog
+    /// refresh), so the caller may let it finish off its own path.
+    pub fn release_has_work(&self, now: Instant) -> bool {
+        self.conn.as_ref().is_some_and(|c| c.dirty.any()) || self.pool.catalog.claimable(now)
+    }
+
+    /// Undoes what the client left on `conn` (`conn.dirty`): the targeted resets, `DISCARD
+    /// ALL`, or the check against Postgres (`verify.rs`). `false`: close it instead.
+    async fn clean(&self, conn: &mut BackendConn) -> bool {
+        let dirt = conn.dirty;
+        if dirt.catalog {
+            // After the unit's commit: a snapshot read meanwhile may predate it.
+            self.pool.catalog.invalidate();
+        }
+        let Some(sql) = dirt.reset_sql() else {
+            return false;
+        };
+        if !sql.is_empty() {
+            self.pool.stats.resets.fetch_add(1, Ordering::Relaxed);
+            if !run(conn, &sql).await {
+                return false;
+            }
+        }
+        let seed = || rand::random_range(-1.0..=1.0f64);
+        if dirt.all {
+            // DISCARD ALL leaves random()'s seed as the client may have chosen it.
+            if !run(conn, &format!("SELECT pg_catalog.setseed({:.17})", seed())).await {
+                return false;
+            }
+        } else if dirt.verify {
+            self.pool
+                .stats
+                .verifications
+                .fetch_add(1, Ordering::Relaxed);
+            let mut rows = Vec::new();
+            let read = tokio::time::timeout(
+                RESET_TIMEOUT,
+                conn.simple_query(&verify::verify_sql(seed()), |tag, body| {
+                    if tag == b'D'
+                        && let Some(r) = verify::row(body)
+                    {
+                        rows.push(r);
+                    }
+                }),
+            )
+            .await;
+            if !matches!(read, Ok(Ok(b'I'))) {
+                self.pool
+                    .stats
+                    .verify_differences
+                    .fetch_add(1, Ordering::Relaxed);
+                tracing::warn!(
+                    pool = %self.pool.name,
+                    fingerprint = %crate::classify::fingerprint_hex(conn.unproven_fingerprint),
+                    "the session check failed; the server connection is closed"
+                );
+                return false;
+            }
+            let found = verify::judge(&rows, &conn.applied);
+            if found.any() {
+                self.pool
+                    .stats
+                    .verify_differences
+                    .fetch_add(1, Ordering::Relaxed);
+                tracing::warn!(
+                    pool = %self.pool.name,
+                    fingerprint = %crate::classify::fingerprint_hex(conn.unproven_fingerprint),
+                    found = %found.shown.join(", "),
+                    differences = found.count,
+                    "a statement left session state the proxy could not see in its text; reset"
+                );
+                if found.beyond_settings && !run(conn, "DISCARD ALL").await {
+                    return false;
+                }
+            }
+            if found.beyond_settings {
+                conn.prepared.clear();
+                conn.stale.clear();
+            }
+        }
+        if dirt.sql_prepared || dirt.all {
+            conn.prepared.clear();
+            conn.stale.clear();
+        }
+        if dirt.gucs || dirt.all || dirt.verify {
+            // RESET ALL also undid the client startup parameters.
+            conn.applied = Default::default();
+        }
+        conn.dirty = Dirt::default();
+        true
     }
 
     /// Returns a parked connection ([`Pool::park`]; clean, as parking requires): idle since
@@ -1173,6 +1283,26 @@ impl Pooled {
             self.pool.close(c);
         }
     }
+}
+
+/// How long a reset, a check or a catalog read may take before the connection is closed.
+const RESET_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// Runs `sql` on `conn`; `true` when it ended idle without an error.
+async fn run(conn: &mut BackendConn, sql: &str) -> bool {
+    matches!(
+        tokio::time::timeout(RESET_TIMEOUT, conn.simple(sql)).await,
+        Ok(Ok(b'I'))
+    )
+}
+
+/// The one text column of a DataRow (NULL and other shapes: `None`).
+fn one_text(body: &[u8]) -> Option<String> {
+    if body.get(..2)? != [0, 1] {
+        return None;
+    }
+    let n = usize::try_from(i32::from_be_bytes(body.get(2..6)?.try_into().ok()?)).ok()?;
+    Some(String::from_utf8_lossy(body.get(6..6 + n)?).into_owned())
 }
 
 impl Drop for Pooled {

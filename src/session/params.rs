@@ -13,6 +13,46 @@
 //! whatever its `client_encoding` (no byte of the tag can be the second byte of a multi-byte
 //! character in SJIS, BIG5, GBK, UHC or GB18030, as `\` can).
 
+/// Whether texts sent under `settings` are read by Postgres as the proxy's parse reads them:
+/// `standard_conforming_strings` on (off, a backslash escapes a quote), a `client_encoding`
+/// in which no character's second byte can be a backslash (not SJIS, BIG5, GBK, UHC,
+/// GB18030), and a `search_path` that does not put a schema before `pg_catalog` (then an
+/// unqualified built-in's name may be a user function's).
+pub fn reading_trusted(settings: &[(String, String)]) -> bool {
+    settings.iter().all(|(name, value)| {
+        let v = value.trim().to_ascii_lowercase();
+        match name.as_str() {
+            "standard_conforming_strings" => matches!(v.as_str(), "on" | "true" | "1" | "yes"),
+            "client_encoding" => !matches!(
+                v.replace(['-', '_'], "").as_str(),
+                "sjis"
+                    | "shiftjis"
+                    | "big5"
+                    | "gbk"
+                    | "uhc"
+                    | "gb18030"
+                    | "shiftjis2004"
+                    | "windows932"
+                    | "windows936"
+                    | "windows949"
+                    | "windows950"
+                    | "mskanji"
+                    | "cp932"
+                    | "cp936"
+                    | "cp949"
+                    | "cp950"
+            ),
+            "search_path" => match v.find("pg_catalog") {
+                None => true,
+                Some(at) => v[..at]
+                    .trim_matches(|c: char| c == '"' || c.is_whitespace())
+                    .is_empty(),
+            },
+            _ => true,
+        }
+    })
+}
+
 /// A GUC name we are willing to put into SQL unquoted.
 pub fn valid_guc_name(name: &str) -> bool {
     let mut chars = name.chars();
@@ -269,6 +309,22 @@ mod tests {
 
     fn kv(a: &str, b: &str) -> (String, String) {
         (a.into(), b.into())
+    }
+
+    #[test]
+    fn settings_that_change_reading_are_noticed() {
+        assert!(reading_trusted(&[kv("application_name", "x")]));
+        assert!(reading_trusted(&[kv("search_path", "app, public")]));
+        assert!(reading_trusted(&[kv("search_path", "pg_catalog, app")]));
+        assert!(!reading_trusted(&[kv("search_path", "evil, pg_catalog")]));
+        assert!(!reading_trusted(&[kv(
+            "standard_conforming_strings",
+            "off"
+        )]));
+        assert!(reading_trusted(&[kv("standard_conforming_strings", "on")]));
+        assert!(!reading_trusted(&[kv("client_encoding", "SJIS")]));
+        assert!(!reading_trusted(&[kv("client_encoding", "Shift_JIS")]));
+        assert!(reading_trusted(&[kv("client_encoding", "UTF8")]));
     }
 
     #[test]

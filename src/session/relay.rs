@@ -108,6 +108,9 @@ pub struct Relay {
     pinned: bool,
     /// Re-read the backend's session settings once the current transaction ends.
     capture_needed: bool,
+    /// The client's settings leave texts read as Postgres reads them
+    /// ([`params::reading_trusted`]); when not, no text of its is proven harmless.
+    reading_trusted: bool,
     /// A batch kept for one replay after 0A000 "cached plan must not change result type".
     retry: Option<retry::Retry>,
     /// The proxy's own deadline for the running statement (its statement_timeout + grace).
@@ -261,6 +264,7 @@ impl Relay {
             cfg.limits.max_client_statements,
         );
         drop(cfg);
+        let reading_trusted = params::reading_trusted(&login.settings);
         let bytes_in = cbuf.len() as u64;
         let statements = Statements::new(
             mode == PoolMode::Transaction,
@@ -286,6 +290,7 @@ impl Relay {
             backend_fatal: false,
             pinned: false,
             capture_needed: false,
+            reading_trusted,
             custom_gucs: Vec::new(),
             retry: None,
             backstop: None,
@@ -924,9 +929,10 @@ impl Relay {
             return self.refuse(b'B', e);
         }
         // The text is only read for `set_config` names; other statements skip the lookup.
-        let text = if class
-            .effects
-            .contains(&crate::classify::SessionEffect::SetConfigSession)
+        let text = if class.proof.set_config
+            || class
+                .effects
+                .contains(&crate::classify::SessionEffect::SetConfigSession)
         {
             self.statements.text_of(stmt)
         } else {
@@ -967,22 +973,38 @@ impl Relay {
     /// Applies a statement's session-state effects: pin, capture, cleanup marks, or refusal.
     /// `sql` is the statement's text, where the proxy has it.
     fn apply_effects(&mut self, c: &Classified, sql: Option<&[u8]>) -> Result<(), PgError> {
-        if c.effects.is_empty() {
+        let transaction = self.mode == PoolMode::Transaction;
+        let doubt = transaction && self.doubts(c, sql);
+        if c.effects.is_empty() && !doubt {
             return Ok(());
         }
-        let a = if self.mode == PoolMode::Transaction {
-            state::assess(c, self.pool.cfg.session_state)
+        let cfg = &self.pool.cfg;
+        let mut a = if transaction {
+            state::assess(c, cfg.session_state, cfg.unproven)
         } else {
             // Session mode: the client owns the backend; only our statement cache cares.
             state::Assessment {
-                forget_prepared: state::assess(c, self.pool.cfg.session_state).forget_prepared,
+                forget_prepared: state::assess(c, cfg.session_state, cfg.unproven).forget_prepared,
                 ..Default::default()
             }
         };
+        if doubt {
+            // As for `SessionEffect::Unknown` (`state::assess`).
+            a.dirt.merge(state::unproven_dirt(cfg.unproven));
+            a.capture |= cfg.session_state == crate::config::SessionStateMode::Track && !a.pin;
+        }
         if let Some(e) = a.reject {
             return Err(e);
         }
+        let unproven = cfg.unproven;
+        if transaction && c.proof.catalog_change {
+            self.pool.catalog.invalidate();
+            a.dirt.catalog = true;
+        }
         let conn = self.backend_conn();
+        if a.dirt.verify || a.dirt.all {
+            conn.unproven_fingerprint = c.fingerprint;
+        }
         conn.dirty.merge(a.dirt);
         if a.forget_prepared {
             conn.prepared.clear();
@@ -996,11 +1018,41 @@ impl Relay {
             tracing::debug!(pool = %self.pool.name, statement = %c.normalized, "client pinned to its backend");
         }
         if a.capture && !self.remember_custom_gucs(c, sql) {
-            // A custom setting whose name we cannot tell would escape the read-back.
-            self.backend_conn().dirty.all = true;
+            // A custom setting whose name we cannot tell would escape the read-back: what
+            // the check finds (or a full reset) undoes it.
+            self.backend_conn()
+                .dirty
+                .merge(state::unproven_dirt(unproven));
         }
         self.capture_needed |= a.capture;
         Ok(())
+    }
+
+    /// Whether a statement the parse proved (`classify::proof`) may still reach user code or
+    /// be read otherwise than Postgres reads it: the session's settings change how texts are
+    /// read (`reading_trusted`), a `set_config` names a setting that does, or a name it
+    /// depends on is user code in the database (or the pool's snapshot of that is stale).
+    #[inline(always)]
+    fn doubts(&mut self, c: &Classified, sql: Option<&[u8]>) -> bool {
+        if !c.proof.is_proven() {
+            // Already `SessionEffect::Unknown`.
+            return false;
+        }
+        if !self.reading_trusted {
+            return true;
+        }
+        if c.proof.set_config {
+            let reading = crate::classify::proof::READING_SETTINGS;
+            match sql.and_then(state::set_config_names) {
+                Some(names) if !names.iter().any(|n| reading.contains(&n.as_str())) => {}
+                _ => return true,
+            }
+        }
+        if c.proof.names.is_empty() {
+            return false;
+        }
+        let now = self.now();
+        !self.pool.catalog.trusts(&c.proof.names, now)
     }
 
     /// Notes the custom (dotted) settings a tracked statement may set, for the read-back;
@@ -1451,6 +1503,7 @@ impl Relay {
         if seen.captured {
             let captured: params::Shared = self.replies.take_settings().into();
             self.backend_conn().applied = Arc::clone(&captured);
+            self.reading_trusted = params::reading_trusted(&captured);
             self.login.settings = captured;
             self.session_caller = None;
         }
@@ -1551,7 +1604,15 @@ impl Relay {
         }
         set_cancel_target(&self.cancel, None).await;
         if let Some(b) = self.backend.take() {
-            b.release_at(self.now()).await;
+            let now = self.now();
+            if b.release_has_work(now) {
+                // A reset, a session check or a catalog read: the client has its answer, and
+                // the backend returns to the pool when the work is done, off this client's
+                // path.
+                tokio::spawn(b.release_at(now));
+            } else {
+                b.release_at(now).await;
+            }
         }
         self.return_buffers();
         self.unit_pool = None;

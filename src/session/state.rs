@@ -9,15 +9,18 @@
 //!   PREPARE, LOAD): the client is pinned to its backend for the rest of its session and the
 //!   backend is marked for the matching cleanup before reuse.
 //! - `session_state: pin` pins on any effect; `reject` refuses them with 0A000.
-//! - What the classifier cannot prove harmless (`SessionEffect::Unknown`: a user function, `DO`,
-//!   `CALL`, a FunctionCall message, a text too long to read whole) is never refused — that
-//!   would refuse every stored-function call — but the backend gets `DISCARD ALL` before the
-//!   next client, in every mode; in track mode the client's settings are read back first.
+//! - What the classifier cannot prove harmless (`SessionEffect::Unknown`: whatever the parse
+//!   does not prove — a write, a user function, `DO`, `CALL`, a FunctionCall message, a text
+//!   too long to read whole — and, decided by the relay, a read of a name that is user code
+//!   in the database) is never refused — that would refuse every stored-function call — but
+//!   before the next client the backend is checked against Postgres and reset
+//!   (`pool.unproven: verify`, `pool::verify`) or gets `DISCARD ALL` (`reset`), in every
+//!   mode; in track mode the client's settings are read back first.
 //!
 //! Pure decisions; the relay applies them.
 
 use crate::classify::{Classified, SessionEffect};
-use crate::config::SessionStateMode;
+use crate::config::{SessionStateMode, UnprovenMode};
 use crate::pool::Dirt;
 use crate::protocol::PgError;
 
@@ -55,53 +58,11 @@ pub fn capture_sql(login_user: &str, custom: &[String]) -> String {
     )
 }
 
-/// The setting names of every `set_config(` call in `sql`, when each one's first argument is
-/// a plain string literal (lowercased, as Postgres compares them); `None` when any is not —
-/// a parameter, an expression, an escape string — and the names cannot be known.
+/// The setting names of every `set_config` call in `sql`, as Postgres reads them (a real
+/// parse: `classify::proof::set_config_names`); `None` when any is not a plain literal — a
+/// parameter, an expression, an escape string, a concatenation — or the text is not UTF-8.
 pub fn set_config_names(sql: &[u8]) -> Option<Vec<String>> {
-    let lower = sql.to_ascii_lowercase();
-    let mut out = Vec::new();
-    let mut from = 0;
-    while let Some(at) = find(&lower[from..], b"set_config") {
-        let mut i = from + at + b"set_config".len();
-        from = i;
-        if lower.get(i) == Some(&b'"') {
-            i += 1;
-        }
-        let skip_ws = |i: &mut usize| {
-            while lower.get(*i).is_some_and(u8::is_ascii_whitespace) {
-                *i += 1;
-            }
-        };
-        skip_ws(&mut i);
-        if lower.get(i) != Some(&b'(') {
-            // Not a call here (a name in a string or comment): nothing to read.
-            continue;
-        }
-        i += 1;
-        skip_ws(&mut i);
-        if lower.get(i) != Some(&b'\'') {
-            return None;
-        }
-        i += 1;
-        let mut name = Vec::new();
-        loop {
-            match lower.get(i) {
-                Some(b'\'') if lower.get(i + 1) == Some(&b'\'') => {
-                    name.push(b'\'');
-                    i += 2;
-                }
-                Some(b'\'') => break,
-                Some(&c) => {
-                    name.push(c);
-                    i += 1;
-                }
-                None => return None,
-            }
-        }
-        out.push(String::from_utf8(name).ok()?);
-    }
-    Some(out)
+    crate::classify::proof::set_config_names(std::str::from_utf8(sql).ok()?)
 }
 
 /// For an SQL `EXECUTE name …` or `DEALLOCATE [PREPARE] name`: the verb and the name as
@@ -189,8 +150,23 @@ pub struct Assessment {
     pub forget_prepared: bool,
 }
 
-/// What to do about `c`'s effects under `mode` (transaction pooling).
-pub fn assess(c: &Classified, mode: SessionStateMode) -> Assessment {
+/// The cleanup an unproven unit needs under `unproven`.
+pub fn unproven_dirt(unproven: UnprovenMode) -> Dirt {
+    match unproven {
+        UnprovenMode::Verify => Dirt {
+            verify: true,
+            ..Dirt::default()
+        },
+        UnprovenMode::Reset => Dirt {
+            all: true,
+            ..Dirt::default()
+        },
+    }
+}
+
+/// What to do about `c`'s effects under `mode` (transaction pooling), with `unproven` for
+/// what the parse could not prove.
+pub fn assess(c: &Classified, mode: SessionStateMode, unproven: UnprovenMode) -> Assessment {
     let mut a = Assessment::default();
     if c.effects.is_empty() {
         return a;
@@ -246,9 +222,10 @@ pub fn assess(c: &Classified, mode: SessionStateMode) -> Assessment {
                 untrackable.get_or_insert("LOAD");
             }
             SessionEffect::Unknown => {
-                // Whatever it did is undone by DISCARD ALL before the next client; in track
-                // mode the client's own settings are read back first, so it keeps them.
-                a.dirt.all = true;
+                // Whatever it did is found and undone before the next client (checked, or
+                // DISCARD ALL); in track mode the client's own settings are read back first,
+                // so it keeps them.
+                a.dirt.merge(unproven_dirt(unproven));
                 unknown = true;
             }
             SessionEffect::Unlisten
@@ -339,7 +316,7 @@ mod tests {
 
     fn assess_sql(sql: &str, mode: SessionStateMode) -> Assessment {
         let c = Classifier::new(16, 64 * 1024).classify(sql);
-        assess(&c, mode)
+        assess(&c, mode, UnprovenMode::Verify)
     }
 
     #[test]

@@ -242,6 +242,7 @@ async fn login(
         prepared: PreparedCache::new(1),
         stale: Vec::new(),
         dirty: Dirt::default(),
+        unproven_fingerprint: 0,
         created: now,
         expires: now + Duration::from_secs(3600),
         idle_since: now,

@@ -448,8 +448,14 @@ impl Relay {
             // Transaction control and SET/RESET/LISTEN-like statements run no query of
             // their own; a SET after our SET LOCAL would also be confusing to read back.
             || matches!(class.kind, StmtKind::Transaction | StmtKind::Session)
-            // SHOW reports settings: it must see the client's, not ours.
-            || class.normalized.get(..4).is_some_and(|w| w.eq_ignore_ascii_case("show"))
+            // SHOW reports settings: it must see the client's, not ours. Only a text that is
+            // one SHOW: `SHOW x; SELECT pg_sleep(60)` runs under its budget like any other.
+            || (class.normalized.get(..4).is_some_and(|w| w.eq_ignore_ascii_case("show"))
+                && !class
+                    .normalized
+                    .trim_end()
+                    .trim_end_matches(';')
+                    .contains(';'))
             || self.out.t.txn == b'E'
             // An empty query (or only a comment) must still answer EmptyQueryResponse.
             || class.normalized.trim().is_empty()

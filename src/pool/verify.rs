@@ -1,0 +1,160 @@
+//! Asking Postgres whether a session is clean: the check a backend passes before another
+//! client gets it, after a unit the parse could not prove harmless (`classify::proof`).
+//!
+//! Owns the check's SQL ([`verify_sql`]) and the reading of its rows ([`judge`]). The check
+//! is one simple-protocol request of several statements, sent when the backend is released
+//! (`Pooled::release_at`): the client already has its answer, and the backend goes back to
+//! the pool when the check does.
+//!
+//! What it reads, as Postgres reports it, and what it then does:
+//! - settings whose source is the session, other than the ones the proxy applied for the
+//!   client; `role`, and `session_user` against the user the connection logged in as
+//!   (`pg_stat_activity.usename`, which `SET SESSION AUTHORIZATION` does not change);
+//! - listening channels, session advisory locks held, open (holdable) cursors, SQL-level
+//!   prepared statements, and objects in the session's temporary schema.
+//! - Then, unconditionally: `RESET SESSION AUTHORIZATION`, `RESET ROLE`, `RESET ALL` (custom
+//!   placeholder settings such as `app.tenant` are invisible to any catalog view, so they
+//!   are reset rather than compared), `DISCARD SEQUENCES` (`currval`/`lastval`) and a
+//!   `setseed` with a value from the proxy's own random source (a seed a client chose would
+//!   make the next client's `random()` predictable; no reset undoes it).
+//! - Any row is a difference: it is counted and logged with the statement's fingerprint, and
+//!   when it is more than settings (which the resets above already undid) the backend gets
+//!   `DISCARD ALL` too. An error closes the backend.
+
+/// The check and the resets (see the module doc). Every name is schema-qualified: it runs
+/// under whatever `search_path` the session was left with.
+pub fn verify_sql(seed: f64) -> String {
+    let seed = seed.clamp(-1.0, 1.0);
+    format!(
+        "SELECT k, v FROM (\
+         SELECT 'setting' AS k, name AS v FROM pg_catalog.pg_settings \
+         WHERE source OPERATOR(pg_catalog.=) 'session' \
+         AND name OPERATOR(pg_catalog.<>) ALL ('{{transaction_isolation, \
+         transaction_read_only, transaction_deferrable}}'::pg_catalog.text[]) \
+         AND NOT name OPERATOR(pg_catalog.~~) 'pgsluice.%' \
+         UNION ALL SELECT 'role', pg_catalog.current_setting('role') \
+         WHERE pg_catalog.current_setting('role') OPERATOR(pg_catalog.<>) 'none' \
+         UNION ALL SELECT 'session_authorization', session_user::pg_catalog.text \
+         WHERE session_user OPERATOR(pg_catalog.<>) (SELECT a.usename FROM \
+         pg_catalog.pg_stat_activity a WHERE a.pid OPERATOR(pg_catalog.=) \
+         pg_catalog.pg_backend_pid()) \
+         UNION ALL SELECT 'listen', c FROM pg_catalog.pg_listening_channels() AS c \
+         UNION ALL SELECT 'advisory lock', l.objid::pg_catalog.text FROM pg_catalog.pg_locks l \
+         WHERE l.locktype OPERATOR(pg_catalog.=) 'advisory' \
+         AND l.pid OPERATOR(pg_catalog.=) pg_catalog.pg_backend_pid() \
+         UNION ALL SELECT 'cursor', name FROM pg_catalog.pg_cursors \
+         UNION ALL SELECT 'prepared statement', name FROM pg_catalog.pg_prepared_statements \
+         WHERE from_sql \
+         UNION ALL SELECT 'temporary object', relname::pg_catalog.text FROM pg_catalog.pg_class \
+         WHERE relnamespace OPERATOR(pg_catalog.=) pg_catalog.pg_my_temp_schema()) AS d;\
+         RESET SESSION AUTHORIZATION;RESET ROLE;RESET ALL;DISCARD SEQUENCES;\
+         SELECT pg_catalog.setseed({seed:.17})"
+    )
+}
+
+/// The differences the check found.
+#[derive(Debug, Default, PartialEq, Eq)]
+pub struct Found {
+    /// `kind: name` of each difference, at most [`MAX_SHOWN`] kept for the log.
+    pub shown: Vec<String>,
+    pub count: usize,
+    /// A difference beyond settings and identity: `DISCARD ALL` is due.
+    pub beyond_settings: bool,
+}
+
+/// Differences kept for the log line.
+pub const MAX_SHOWN: usize = 8;
+
+impl Found {
+    pub fn any(&self) -> bool {
+        self.count > 0
+    }
+}
+
+/// Reads the check's rows (`(kind, value)`), leaving out what the proxy itself applied for
+/// the client (`applied`: its startup parameters and tracked settings, role included).
+pub fn judge(rows: &[(String, String)], applied: &[(String, String)]) -> Found {
+    let mut f = Found::default();
+    for (kind, value) in rows {
+        let expected = match kind.as_str() {
+            "setting" => applied.iter().any(|(n, _)| n == value),
+            "role" | "session_authorization" => {
+                applied.iter().any(|(n, v)| n == kind && v == value)
+            }
+            _ => false,
+        };
+        if expected {
+            continue;
+        }
+        f.count += 1;
+        if !matches!(kind.as_str(), "setting" | "role" | "session_authorization") {
+            f.beyond_settings = true;
+        }
+        if f.shown.len() < MAX_SHOWN {
+            f.shown.push(format!("{kind}: {value}"));
+        }
+    }
+    f
+}
+
+/// One DataRow of two text columns: `(kind, value)`; `None` for any other row (the
+/// `setseed` call's).
+pub fn row(body: &[u8]) -> Option<(String, String)> {
+    let cols = i16::from_be_bytes([*body.first()?, *body.get(1)?]);
+    if cols != 2 {
+        return None;
+    }
+    let mut rest = &body[2..];
+    let mut out = Vec::with_capacity(2);
+    for _ in 0..2 {
+        let n = i32::from_be_bytes(rest.get(..4)?.try_into().ok()?);
+        rest = &rest[4..];
+        let n = usize::try_from(n).ok()?;
+        out.push(String::from_utf8_lossy(rest.get(..n)?).into_owned());
+        rest = &rest[n..];
+    }
+    let value = out.pop()?;
+    Some((out.pop()?, value))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn kv(a: &str, b: &str) -> (String, String) {
+        (a.to_owned(), b.to_owned())
+    }
+
+    #[test]
+    fn what_the_proxy_applied_is_not_a_difference() {
+        let applied = [kv("application_name", "web"), kv("role", "reader")];
+        let f = judge(
+            &[kv("setting", "application_name"), kv("role", "reader")],
+            &applied,
+        );
+        assert!(!f.any(), "{f:?}");
+        let f = judge(
+            &[kv("setting", "search_path"), kv("role", "admin")],
+            &applied,
+        );
+        assert_eq!(f.count, 2);
+        assert!(!f.beyond_settings);
+        let f = judge(&[kv("listen", "jobs"), kv("advisory lock", "7")], &applied);
+        assert!(f.beyond_settings);
+        assert_eq!(f.shown, ["listen: jobs", "advisory lock: 7"]);
+    }
+
+    #[test]
+    fn rows_are_read_or_skipped() {
+        let mut b = vec![0, 2];
+        for s in ["listen", "jobs"] {
+            b.extend_from_slice(&(s.len() as i32).to_be_bytes());
+            b.extend_from_slice(s.as_bytes());
+        }
+        assert_eq!(row(&b), Some(kv("listen", "jobs")));
+        assert_eq!(row(&b[..7]), None);
+        assert_eq!(row(&[0, 1, 0, 0, 0, 0]), None);
+        let sql = verify_sql(7.0);
+        assert!(sql.ends_with("setseed(1.00000000000000000)"), "{sql}");
+    }
+}
