@@ -906,6 +906,11 @@ impl Relay {
     ) -> Result<(), End> {
         let bind = messages::Bind::read(body).ok_or_else(|| Self::malformed("Bind"))?;
         let stmt = bind.statement;
+        if stmt.is_empty() && !self.own_unnamed() {
+            // Never parsed by this client: whatever unnamed statement the backend holds is
+            // another client's.
+            return self.refuse_statement(b'B', no_unnamed_statement());
+        }
         let (known, hash) = self.statements.class_and_hash(stmt);
         // A name the proxy never saw prepared (an SQL `PREPARE`, a guessed name): Postgres
         // may still know it, so it is admitted and judged like anything unreadable.
@@ -946,6 +951,7 @@ impl Relay {
         if let Some(hash) = hash {
             self.retry_start(hash, frame);
         }
+        self.statements.ensure_unnamed(stmt, &mut self.out);
         let srv = server(&mut self.backend, &self.pool);
         self.statements.bind(frame, bind, srv, &mut self.out);
         Ok(())
@@ -954,10 +960,28 @@ impl Relay {
     fn on_target(&mut self, tag: u8, frame: &[u8], body: &[u8]) -> Result<(), End> {
         let target =
             messages::Target::read(body).ok_or_else(|| Self::malformed("Describe/Close"))?;
+        if tag == b'D'
+            && matches!(target, messages::Target::Statement(name) if name.is_empty())
+            && !self.own_unnamed()
+        {
+            return self.refuse_statement(b'D', no_unnamed_statement());
+        }
+        if tag == b'D'
+            && let messages::Target::Statement(name) = target
+        {
+            self.statements.ensure_unnamed(name, &mut self.out);
+        }
         let srv = server(&mut self.backend, &self.pool);
         self.statements
             .describe_or_close(tag, frame, target, srv, &mut self.out);
         Ok(())
+    }
+
+    /// Whether a Bind or Describe of the unnamed statement may go to the backend: in session
+    /// mode always (the client owns it); in transaction mode only when this client parsed
+    /// one (it is parsed again where the backend holds another's: `ensure_unnamed`).
+    fn own_unnamed(&self) -> bool {
+        self.mode != PoolMode::Transaction || self.statements.has_unnamed()
     }
 
     /// Fingerprint, kind and session effects of a statement text (cached by text).
@@ -1603,6 +1627,7 @@ impl Relay {
             return self.flush_backend().await;
         }
         set_cancel_target(&self.cancel, None).await;
+        self.statements.unnamed_left();
         if let Some(b) = self.backend.take() {
             let now = self.now();
             if b.release_has_work(now) {
@@ -1654,6 +1679,7 @@ impl Relay {
         let Some(b) = self.parked.take() else {
             return;
         };
+        self.statements.unnamed_left();
         if let Some(t) = &self.ticket {
             b.pool().leave_parking(t);
         }
@@ -1861,6 +1887,15 @@ impl Cleanup {
         }
         Ok(())
     }
+}
+
+/// Postgres's own answer to a Bind or Describe of an unnamed statement that does not exist:
+/// in transaction mode, one this client did not parse on the backend it holds.
+fn no_unnamed_statement() -> PgError {
+    PgError::error("26000", "unnamed prepared statement does not exist").with_hint(
+        "pgsluice (transaction pooling): send Parse of the unnamed statement in the same \
+         transaction or Sync block as its Bind, or use a named statement",
+    )
 }
 
 /// Runs a settings re-apply that changes the client's identity and waits for its answer.

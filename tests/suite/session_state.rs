@@ -8,11 +8,14 @@
 //! * `fail_closed` — issue 15, items 1–3: whatever bytes an authenticated client sends and
 //!   whenever it leaves, the next client of the pool sees a clean session.
 //! * `sequences` — random sessions, each followed by the isolation oracle.
+//! * `spellings` — issue 56: what a token scan was talked around by, a leftover unnamed
+//!   statement, and two tenants under row-level security on one backend.
 //!
 //! With `PGSLUICE_TEST_DIRECT=1` the isolation assertions hold trivially (no sharing).
 
 mod fail_closed;
 mod sequences;
+mod spellings;
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};

@@ -20,7 +20,7 @@ use std::sync::Arc;
 use bytes::Bytes;
 use xxhash_rust::xxh3::Xxh3;
 
-use crate::classify::{Classified, SessionEffect};
+use crate::classify::Classified;
 use crate::pool::prepared::{Lookup, PreparedCache, server_name};
 use crate::protocol::PgError;
 use crate::protocol::messages::{self, Bind, Parse, Target};
@@ -106,10 +106,15 @@ fn close(out: &mut Outbox, hash: u64) {
 
 pub(super) struct Statements {
     named: HashMap<Bytes, Stmt>,
-    /// Classification and (when the settings read-back needs it) text of the unnamed
-    /// statement.
+    /// Classification, text and parameter types of the client's unnamed statement.
     unnamed_class: Option<Arc<Classified>>,
     unnamed_query: Bytes,
+    unnamed_types: Bytes,
+    /// Transaction mode: the unnamed statement on the backend the client holds is its own.
+    /// Cleared when the backend goes back to the pool; a later Bind or Describe of it
+    /// parses it again first ([`Statements::ensure_unnamed`]) — the unnamed statement left
+    /// on a pooled backend is the previous client's.
+    unnamed_here: bool,
     /// Transaction mode: names are mapped to proxy names.
     renamed: bool,
     /// The process's seed of statement hashes.
@@ -124,6 +129,8 @@ impl Statements {
             named: HashMap::new(),
             unnamed_class: None,
             unnamed_query: Bytes::new(),
+            unnamed_types: Bytes::new(),
+            unnamed_here: false,
             renamed,
             seed,
             max,
@@ -133,6 +140,30 @@ impl Statements {
     /// The client holds no named statement.
     pub fn is_empty(&self) -> bool {
         self.named.is_empty()
+    }
+
+    /// The client has parsed an unnamed statement (which a Bind may use).
+    pub fn has_unnamed(&self) -> bool {
+        self.unnamed_class.is_some()
+    }
+
+    /// The backend went back to the pool: the unnamed statement on it is not this client's
+    /// any more.
+    pub fn unnamed_left(&mut self) {
+        self.unnamed_here = false;
+    }
+
+    /// Before a Bind or Describe of the unnamed statement (`name` empty) in transaction
+    /// mode: parses the client's own again when the backend holds someone else's (or none).
+    pub fn ensure_unnamed(&mut self, name: &[u8], out: &mut Outbox) {
+        if !name.is_empty() || !self.renamed || self.unnamed_here || self.unnamed_class.is_none() {
+            return;
+        }
+        let (query, types) = (&self.unnamed_query, &self.unnamed_types);
+        out.send_with(Expect::new(Kind::Parse, Mode::Swallow), |buf| {
+            messages::parse_named(buf, b"", query, types)
+        });
+        self.unnamed_here = true;
     }
 
     /// The client prepared a statement of this name through the protocol.
@@ -191,14 +222,15 @@ impl Statements {
         out: &mut Outbox,
     ) {
         if p.name.is_empty() {
-            // Its text is kept only when the read-back needs names from it: a kept slice
-            // would pin the client buffer it was cut from, and every read would allocate.
-            self.unnamed_query = if class.effects.contains(&SessionEffect::SetConfigSession) {
-                Bytes::copy_from_slice(p.query)
-            } else {
-                Bytes::new()
-            };
+            // Kept (one copy; a kept slice would pin the client buffer it was cut from) to be
+            // parsed again on another backend, and for the read-back's `set_config` names.
+            let kept = Bytes::copy_from_slice(body);
+            let query = p.name.len() + 1;
+            let types = query + p.query.len() + 1;
+            self.unnamed_query = kept.slice(query..types - 1);
+            self.unnamed_types = kept.slice(types..);
             self.unnamed_class = Some(class);
+            self.unnamed_here = true;
             out.send(Expect::new(Kind::Parse, Mode::Forward), frame);
             return;
         }
