@@ -259,7 +259,37 @@ fn the_unnamed_statement_passes_through_and_keeps_its_classification() {
         "kept: the settings read-back needs the names it sets"
     );
     f.parse("", "SELECT 6");
-    assert_eq!(f.st.text_of(b""), Some(Bytes::new()), "not kept otherwise");
+    assert_eq!(f.st.text_of(b"").as_deref(), Some(&b"SELECT 6"[..]));
+}
+
+/// The unnamed statement on a backend the client got back from the pool is someone else's:
+/// the client's own is parsed there again before its Bind, once.
+#[test]
+fn the_unnamed_statement_is_parsed_again_on_another_backend() {
+    let mut f = Fixture::new(true);
+    assert!(!f.st.has_unnamed());
+    f.parse("", "SELECT $1::int + 1");
+    f.sent();
+    assert!(f.st.has_unnamed());
+    // Same backend: nothing to do.
+    f.st.ensure_unnamed(b"", &mut f.out);
+    assert!(f.sent().is_empty());
+    f.st.unnamed_left();
+    f.st.ensure_unnamed(b"", &mut f.out);
+    f.bind("");
+    assert_eq!(f.sent(), vec![('P', String::new()), ('B', String::new())]);
+    f.st.ensure_unnamed(b"", &mut f.out);
+    assert!(f.sent().is_empty(), "parsed once");
+    // Named statements and session mode are not its business.
+    f.st.unnamed_left();
+    f.st.ensure_unnamed(b"x", &mut f.out);
+    assert!(f.sent().is_empty());
+    let mut s = Fixture::new(false);
+    s.parse("", "SELECT 1");
+    s.sent();
+    s.st.unnamed_left();
+    s.st.ensure_unnamed(b"", &mut s.out);
+    assert!(s.sent().is_empty());
 }
 
 #[test]
