@@ -1199,6 +1199,15 @@ impl Pooled {
                 return false;
             }
         }
+        if dirt.sql_prepared || dirt.all {
+            conn.prepared.clear();
+            conn.stale.clear();
+        }
+        if dirt.gucs || dirt.all {
+            // RESET ALL also undid the client startup parameters (before the check below,
+            // which puts back only what the backend still carries).
+            conn.applied = Default::default();
+        }
         let seed = || rand::random_range(-1.0..=1.0f64);
         if dirt.all {
             // DISCARD ALL leaves random()'s seed as the client may have chosen it.
@@ -1211,9 +1220,16 @@ impl Pooled {
                 .verifications
                 .fetch_add(1, Ordering::Relaxed);
             let mut rows = Vec::new();
+            let mut sql = verify::verify_sql(seed());
+            // RESET ALL also undid the client startup parameters the proxy applied: put them
+            // back in the same request, so the backend still carries `conn.applied`.
+            if let Some(again) = crate::session::params::apply_sql(&[], &conn.applied) {
+                sql.push(';');
+                sql.push_str(&again);
+            }
             let read = tokio::time::timeout(
                 RESET_TIMEOUT,
-                conn.simple_query(&verify::verify_sql(seed()), |tag, body| {
+                conn.simple_query(&sql, |tag, body| {
                     if tag == b'D'
                         && let Some(r) = verify::row(body)
                     {
@@ -1254,15 +1270,8 @@ impl Pooled {
             if found.beyond_settings {
                 conn.prepared.clear();
                 conn.stale.clear();
+                conn.applied = Default::default();
             }
-        }
-        if dirt.sql_prepared || dirt.all {
-            conn.prepared.clear();
-            conn.stale.clear();
-        }
-        if dirt.gucs || dirt.all || dirt.verify {
-            // RESET ALL also undid the client startup parameters.
-            conn.applied = Default::default();
         }
         conn.dirty = Dirt::default();
         true

@@ -16,7 +16,9 @@
 //!   placeholder settings such as `app.tenant` are invisible to any catalog view, so they
 //!   are reset rather than compared), `DISCARD SEQUENCES` (`currval`/`lastval`) and a
 //!   `setseed` with a value from the proxy's own random source (a seed a client chose would
-//!   make the next client's `random()` predictable; no reset undoes it).
+//!   make the next client's `random()` predictable; no reset undoes it); then the settings
+//!   the proxy had applied for the client are set again (`Pooled::release_at`), so the
+//!   backend still carries what the pool believes it does.
 //! - Any row is a difference: it is counted and logged with the statement's fingerprint, and
 //!   when it is more than settings (which the resets above already undid) the backend gets
 //!   `DISCARD ALL` too. An error closes the backend.

@@ -1,14 +1,21 @@
-//! Random client sessions with an isolation oracle: sequences of whole client messages (simple
-//! and extended protocol, FunctionCall, transaction control, session-state changes in many
-//! spellings, truncated frames, hang-ups at any point) go through a pool of one backend, from
-//! clients some of which log in with settings of their own (a role, a search_path, timeouts);
-//! after each session a fresh client, necessarily on that backend, must see a clean session.
+//! The differential isolation oracle: random client sessions — sequences of whole client
+//! messages (simple and extended protocol, FunctionCall, transaction control, session-state
+//! changes in many spellings: quoted, qualified, aliased, concatenated, escaped, multi-line,
+//! inside CTEs and multi-statement strings, through DO, PREPARE/EXECUTE, user functions,
+//! views, column defaults, triggers and attribute notation, catalog views that write settings;
+//! truncated frames, hang-ups at any point) — go through a pool of one backend, from clients
+//! some of which log in with settings of their own (a role, a search_path, timeouts). After
+//! each session a fresh client, necessarily on that backend, must see what a fresh backend
+//! reports of itself, asked directly of Postgres at the start.
 //!
-//! Reproducible: the seed is printed, and `PGSLUICE_SEQUENCE_SEED=<n>` replays one run.
+//! Reproducible: each seed is printed, and `PGSLUICE_SEQUENCE_SEED=<n>` replays one run.
+//! The seeds of [`FIXED_SEEDS`] run every time; `PGSLUICE_SEQUENCE_SESSIONS=<n>` runs more
+//! sessions per seed (the suite's default is bounded; `scripts/isolation-soak` runs long).
+//! A seed that ever finds a difference joins [`FIXED_SEEDS`].
 
 use std::time::Duration;
 
-use crate::support::isolation::{CLEAN, fresh_state};
+use crate::support::isolation::{CLEAN, STATE_SQL, fresh_state, user_code};
 use crate::support::pg::{APP_DB, APP_PASSWORD, APP_USER, OTHER_ROLE};
 use crate::support::proxy::Proxy;
 use crate::support::sql::scalar;
@@ -68,6 +75,32 @@ fn statements() -> Vec<String> {
         "CREATE TEMP TABLE IF NOT EXISTS tmp_leak (a int)",
         "DECLARE held CURSOR WITH HOLD FOR SELECT 1",
         "PREPARE sqlp AS SELECT 1",
+        // What a token scan was talked around by (issue 56); `dirty` and its ways in come
+        // from `user_code`.
+        r#"SELECT * FROM "public"."dirty"('a') AS t"#,
+        r#"SELECT * FROM "public"."rec"('a') AS t(x text)"#,
+        r#"WITH x AS (SELECT 1) SELECT "public"."dirty"('b') AS x"#,
+        "SELECT x.y FROM (SELECT public . \"dirty\" ( 'a' ) AS y) x",
+        "SELECT set_config('app.' || 'tenant_id', 'a', false)",
+        "SELECT set_config('app.'\n'tenant_id', 'a', false)",
+        "SELECT set_config(E'app.\\x74enant_id', 'a', false)",
+        "SELECT set_config('search_path', 'evil', true)",
+        "UPDATE pg_settings SET setting = 'evil' WHERE name = 'search_path'",
+        "UPDATE pg_settings SET setting = 'on' WHERE name = 'default_transaction_read_only'",
+        "UPDATE pg_catalog.pg_settings SET setting = '1h' WHERE name = 'lock_timeout'",
+        "SELECT * FROM v_tenant",
+        "SELECT t.dirt FROM things t",
+        "SELECT (t).dirt FROM things t",
+        "INSERT INTO withdefault (id) VALUES (1)",
+        "INSERT INTO trig VALUES (1)",
+        "BEGIN; INSERT INTO trig VALUES (2); COMMIT",
+        "PREPARE dirtyp AS SELECT public.dirty('a')",
+        "EXECUTE dirtyp",
+        "DO $$BEGIN PERFORM public.dirty('b'); END$$",
+        "SELECT setseed(0.5)",
+        "SET seed = 0.25",
+        "SELECT count(*) FROM accounts",
+        "SET LOCAL app.tenant_id = 'a'",
     ]
     .iter()
     .map(|s| (*s).to_string())
@@ -178,20 +211,23 @@ async fn random_sessions_never_leave_state_for_the_next_client() {
                  RETURN 1; END $$; GRANT EXECUTE ON FUNCTION public.leak() TO {APP_USER};"
             ),
         );
+        user_code(cluster);
     });
     let proxy = &env.proxy;
     if proxy.is_direct() {
         note_skipped("backend sharing (direct mode has none)");
         return;
     }
-    let seed = std::env::var("PGSLUICE_SEQUENCE_SEED")
-        .ok()
-        .and_then(|s| s.parse().ok())
-        .unwrap_or_else(random_u64)
-        | 1;
-    eprintln!("random session seed: {seed} (PGSLUICE_SEQUENCE_SEED={seed} replays it)");
-    let mut rng = Rng(seed);
-    let stmts = statements();
+    // A fresh backend's own report, asked of Postgres directly (not through the proxy).
+    let direct = tokio_postgres::connect(
+        &env.cluster.connect_str(APP_USER, APP_PASSWORD, APP_DB),
+        tokio_postgres::NoTls,
+    )
+    .await
+    .expect("a direct connection");
+    tokio::spawn(direct.1);
+    let fresh = scalar(&direct.0, STATE_SQL).await;
+    assert_eq!(fresh, CLEAN, "a fresh backend's state");
     let oid: u32 = scalar(
         &proxy.client().await,
         "SELECT 'pg_catalog.set_config(text,text,boolean)'::regprocedure::oid",
@@ -199,18 +235,47 @@ async fn random_sessions_never_leave_state_for_the_next_client() {
     .await
     .parse()
     .expect("oid");
-    for i in 0..150 {
-        let sent = session(proxy, &mut rng, &stmts, oid).await;
-        let state = within(
-            Duration::from_secs(30),
-            "the next client",
-            fresh_state(proxy),
-        )
-        .await;
-        assert_eq!(
-            state, CLEAN,
-            "session {i} (seed {seed}) left its state for the next client: {sent}"
-        );
+    let stmts = statements();
+    let sessions: usize = std::env::var("PGSLUICE_SEQUENCE_SESSIONS")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(120);
+    let seeds: Vec<(u64, usize)> = match std::env::var("PGSLUICE_SEQUENCE_SEED")
+        .ok()
+        .and_then(|s| s.parse().ok())
+    {
+        Some(seed) => vec![(seed, sessions)],
+        None => FIXED_SEEDS
+            .iter()
+            .map(|s| (*s, FIXED_SESSIONS))
+            .chain([(random_u64(), sessions)])
+            .collect(),
+    };
+    for (seed, n) in seeds {
+        let seed = seed | 1;
+        eprintln!("random session seed: {seed} (PGSLUICE_SEQUENCE_SEED={seed} replays it)");
+        let mut rng = Rng(seed);
+        for i in 0..n {
+            let sent = session(proxy, &mut rng, &stmts, oid).await;
+            let state = within(
+                Duration::from_secs(30),
+                "the next client",
+                fresh_state(proxy),
+            )
+            .await;
+            assert_eq!(
+                state, fresh,
+                "session {i} (seed {seed}) left its state for the next client: {sent}"
+            );
+        }
     }
     proxy.assert_healthy().await;
 }
+
+/// Seeds that run every time, each for [`FIXED_SESSIONS`] sessions (a seed that ever found a
+/// difference is added here):
+/// - 1592590423: session 27, a client pinned (SQL PREPARE, LISTEN) after an unproven unit
+///   whose check had put its settings back; the pinned client's reset then forgot that the
+///   check had re-applied them (role and search_path reached the next client).
+const FIXED_SEEDS: &[u64] = &[1_592_590_423, 56];
+const FIXED_SESSIONS: usize = 40;

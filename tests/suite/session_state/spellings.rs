@@ -10,44 +10,15 @@
 
 use rand::{RngExt, SeedableRng};
 
-use crate::support::isolation::{CLEAN, fresh_state, start, wire};
+use crate::support::isolation::{CLEAN, fresh_state, start, user_code, wire};
 use crate::support::pg::{APP_DB, APP_USER, Cluster};
 use crate::support::sql::scalar;
 use crate::support::wire::{Backend, STEP};
 use crate::support::{note_skipped, within};
 
-/// Tables, a row-security policy keyed on `app.tenant_id`, and user code that leaves session
-/// state behind (`public.dirty`), reached in every way the text of a statement may not show.
+/// The objects of [`user_code`].
 fn setup(c: &Cluster) {
-    c.psql_on(
-        APP_DB,
-        &format!(
-            "CREATE TABLE public.accounts (tenant text, secret text); \
-             INSERT INTO public.accounts VALUES ('a', 'a-secret'), ('b', 'b-secret'); \
-             ALTER TABLE public.accounts ENABLE ROW LEVEL SECURITY; \
-             CREATE POLICY tenant_rows ON public.accounts \
-               USING (tenant = current_setting('app.tenant_id', true)); \
-             CREATE FUNCTION public.dirty(t text) RETURNS text LANGUAGE plpgsql AS $$ \
-               BEGIN PERFORM set_config('app.tenant_id', t, false); \
-               PERFORM set_config('search_path', 'evil', false); \
-               PERFORM pg_advisory_lock(4242); EXECUTE 'LISTEN leak'; RETURN t; END $$; \
-             CREATE FUNCTION public.rec(t text) RETURNS record LANGUAGE plpgsql AS $$ \
-               BEGIN PERFORM public.dirty(t); RETURN ROW(t); END $$; \
-             CREATE VIEW public.v_tenant AS SELECT public.dirty('a') AS t; \
-             CREATE TABLE public.things (id int); INSERT INTO public.things VALUES (1); \
-             CREATE FUNCTION public.dirt(public.things) RETURNS text LANGUAGE sql \
-               AS $$ SELECT public.dirty('a') $$; \
-             CREATE TABLE public.withdefault (id int, t text DEFAULT public.dirty('a')); \
-             CREATE TABLE public.trig (id int); \
-             CREATE FUNCTION public.trig_fn() RETURNS trigger LANGUAGE plpgsql AS $$ \
-               BEGIN PERFORM public.dirty('a'); RETURN NEW; END $$; \
-             CREATE TRIGGER trig_dirty BEFORE INSERT ON public.trig \
-               FOR EACH ROW EXECUTE FUNCTION public.trig_fn(); \
-             GRANT SELECT ON public.accounts, public.v_tenant, public.things TO {APP_USER}; \
-             GRANT INSERT ON public.withdefault, public.trig TO {APP_USER}; \
-             GRANT EXECUTE ON ALL FUNCTIONS IN SCHEMA public TO {APP_USER};"
-        ),
-    );
+    user_code(c);
 }
 
 /// The `appdb/app` entry of `GET /v1/pools`.
@@ -162,6 +133,46 @@ async fn spellings_a_token_scan_missed_leave_nothing_for_the_next_client() {
         "checks {checks}, differences {found}: {stats}"
     );
     proxy.assert_healthy().await;
+}
+
+/// A client that seeds `random()` cannot make the next client's values predictable: after
+/// `setseed` (or `SET seed`) the next client's first `random()` is not the seeded one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_chosen_random_seed_does_not_reach_the_next_client() {
+    let env = start(1, "pool: { session_state: track }\n", |_| {});
+    let proxy = &env.proxy;
+    if proxy.is_direct() {
+        note_skipped("backend sharing (direct mode has none)");
+        return;
+    }
+    let (direct, conn) = tokio_postgres::connect(
+        &env.cluster
+            .connect_str(APP_USER, crate::support::pg::APP_PASSWORD, APP_DB),
+        tokio_postgres::NoTls,
+    )
+    .await
+    .expect("direct");
+    tokio::spawn(conn);
+    direct
+        .batch_execute("SELECT setseed(0.5)")
+        .await
+        .expect("seed");
+    let seeded = scalar(&direct, "SELECT random()::text").await;
+    for seed in [
+        "SELECT setseed(0.5)",
+        "SET seed = 0.5",
+        "SET SESSION seed TO 0.5",
+    ] {
+        let a = proxy.client().await;
+        a.batch_execute(seed).await.expect(seed);
+        drop(a);
+        let b = proxy.client().await;
+        let got = scalar(&b, "SELECT random()::text").await;
+        assert_ne!(
+            got, seeded,
+            "after `{seed}` the next client's random() was predictable"
+        );
+    }
 }
 
 /// `pool.unproven: reset` resets without asking; the next client is as clean.
