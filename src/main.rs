@@ -408,9 +408,11 @@ async fn run(
     ));
     let services = pgsluice::services::start(services)?;
     notifier.ready(&format!("serving on {}", app.config().listen));
+    let keepalive_ms = app.config().limits.client_tcp_keepalive_ms;
     let listeners = pgsluice::server::Listeners {
         tcp: listener,
         unix,
+        keepalive: (keepalive_ms > 0).then(|| std::time::Duration::from_millis(keepalive_ms)),
     };
     pgsluice::server::serve(app, listeners, login).await;
     admin_stop.cancel();

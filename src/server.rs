@@ -160,6 +160,9 @@ const LISTEN_BACKLOG: i32 = 1024;
 pub struct Listeners {
     pub tcp: TcpListener,
     pub unix: Option<UnixSocket>,
+    /// TCP keepalive idle time on accepted client sockets (`limits.client_tcp_keepalive_ms`,
+    /// read at start); `None`: off.
+    pub keepalive: Option<Duration>,
 }
 
 /// One accepted client connection.
@@ -179,6 +182,14 @@ impl Listeners {
         tokio::select! {
             r = self.tcp.accept() => r.map(|(s, a)| {
                 let _ = s.set_nodelay(true);
+                if let Some(idle) = self.keepalive {
+                    // A client host that vanished (no FIN, no RST) is found by the kernel's
+                    // probes, so its session and any backend it holds end.
+                    let ka = socket2::TcpKeepalive::new()
+                        .with_time(idle)
+                        .with_interval(Duration::from_secs(10));
+                    let _ = socket2::SockRef::from(&s).set_tcp_keepalive(&ka);
+                }
                 (Accepted::Tcp(s), ClientAddr::Tcp(a))
             }),
             r = unix => r.map(|(s, _)| (Accepted::Unix(s), ClientAddr::Unix)),

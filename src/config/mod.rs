@@ -446,6 +446,8 @@ pub struct PoolConfig {
     pub unproven: UnprovenMode,
     /// Protocol-level prepared statements kept per backend connection (LRU).
     pub prepared_cache_size: usize,
+    /// Bytes of statement text those may hold per backend connection (LRU beyond it).
+    pub prepared_cache_bytes: usize,
     /// After the statement backstop's cancel, how long a server that sends nothing may stay
     /// silent before its connection is closed and the client gets 08006 (a partition or a hung
     /// host would otherwise hold the client and the pool slot forever).
@@ -478,6 +480,7 @@ impl Default for PoolConfig {
             session_state: SessionStateMode::Track,
             unproven: UnprovenMode::Verify,
             prepared_cache_size: 1_000,
+            prepared_cache_bytes: 8 << 20,
             cancel_grace_ms: 2_000,
             max_db_connections: 0,
             max_user_connections: 0,
@@ -673,12 +676,18 @@ pub struct LimitsConfig {
     pub max_message_bytes: usize,
     /// Named prepared statements one client may hold at once (54000 beyond).
     pub max_client_statements: usize,
+    /// Bytes of text (SQL and parameter types) those may hold together (54000 beyond).
+    pub max_client_statement_bytes: usize,
     /// (database, user) pools; pools without clients or connections are removed.
     pub max_pools: usize,
     /// A client idle between transactions (nothing in flight, no transaction open) longer
     /// than this is disconnected with FATAL 57P05, as Postgres' `idle_session_timeout` and
     /// PgBouncer's `client_idle_timeout` do. 0 = off.
     pub client_idle_timeout_ms: u64,
+    /// TCP keepalive on client sockets: idle time before the first probe (then every 10 s;
+    /// the kernel's probe count). A vanished client host is found and its session ends.
+    /// 0 = off. Read at start.
+    pub client_tcp_keepalive_ms: u64,
 }
 
 impl Default for LimitsConfig {
@@ -693,8 +702,10 @@ impl Default for LimitsConfig {
             client_write_timeout_ms: 30_000,
             max_message_bytes: 16 << 20,
             max_client_statements: 10_000,
+            max_client_statement_bytes: 16 << 20,
             client_idle_timeout_ms: 0,
             max_pools: 1_000,
+            client_tcp_keepalive_ms: 60_000,
         }
     }
 }

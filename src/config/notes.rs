@@ -58,7 +58,40 @@ impl Config {
             }
         }
         self.inert(&mut out);
+        self.no_idle_transaction_timeout(&mut out);
         out
+    }
+
+    /// Callers (the `default` caller among them) with no idle-in-transaction timeout: a client
+    /// that opens a transaction and stops sending holds its backend, and the locks it took,
+    /// until its connection dies (TCP keepalive finds a vanished host; a live one that hangs
+    /// is never found).
+    fn no_idle_transaction_timeout(&self, out: &mut Vec<String>) {
+        let global = self
+            .global_defaults
+            .idle_transaction_timeout_ms
+            .is_some_and(|ms| ms > 0);
+        let mut without: Vec<&str> = self
+            .callers
+            .iter()
+            .filter(|c| match c.idle_transaction_timeout_ms {
+                Some(ms) => ms == 0,
+                None => !global,
+            })
+            .map(|c| c.name.as_str())
+            .collect();
+        if !global {
+            without.push("default");
+        }
+        if !without.is_empty() {
+            out.push(format!(
+                "no idle-in-transaction timeout for caller(s) {}: a client that opens a \
+                 transaction and stops sending holds its backend and its locks until its \
+                 connection dies; set global_defaults.idle_transaction_timeout_ms (or the \
+                 caller's idle_transaction_timeout_ms)",
+                without.join(", ")
+            ));
+        }
     }
 
     /// Settings that are accepted but do nothing in this combination.
@@ -182,7 +215,11 @@ mod notes_tests {
             - { name: net, priority: high, match: { tag: { service: y }, client_cidr: 10.0.0.0/8 } }\n\
             - { name: batch, priority: low, match: { tag: { service: z } } }\n";
         let c = Config::from_yaml(yaml).expect("valid");
-        let notes = c.notes();
+        let notes: Vec<String> = c
+            .notes()
+            .into_iter()
+            .filter(|n| !n.starts_with("no idle-in-transaction timeout"))
+            .collect();
         assert_eq!(notes.len(), 1, "{notes:?}");
         assert!(
             notes[0].contains("callers[0] (pay, priority critical)")
@@ -190,6 +227,33 @@ mod notes_tests {
                 && notes[0].contains("match.user"),
             "{}",
             notes[0]
+        );
+    }
+
+    #[test]
+    fn callers_without_an_idle_transaction_timeout_get_a_note() {
+        let idle = |yaml: &str| -> Option<String> {
+            Config::from_yaml(yaml)
+                .expect("valid")
+                .notes()
+                .into_iter()
+                .find(|n| n.starts_with("no idle-in-transaction timeout"))
+        };
+        let note = idle("callers:\n  - { name: web }\n").expect("a note");
+        assert!(note.contains("caller(s) web, default:"), "{note}");
+        assert_eq!(
+            idle(
+                "global_defaults: { idle_transaction_timeout_ms: 60000 }\ncallers:\n  - { name: web }\n"
+            ),
+            None
+        );
+        let note = idle(
+            "global_defaults: { idle_transaction_timeout_ms: 60000 }\ncallers:\n  - { name: batch, idle_transaction_timeout_ms: 0 }\n",
+        )
+        .expect("a note");
+        assert!(
+            note.contains("batch") && !note.contains("default"),
+            "{note}"
         );
     }
 }

@@ -444,6 +444,9 @@ impl Config {
                 "must not exceed pool.connect_backoff_cap_ms",
             );
         }
+        if pool.prepared_cache_bytes < 1024 {
+            p.add("pool.prepared_cache_bytes".into(), "must be >= 1024");
+        }
         if pool.prepared_cache_size == 0 {
             p.add("pool.prepared_cache_size".into(), "must be > 0");
         }
@@ -558,11 +561,11 @@ impl Config {
                 p.add(format!("callers[{i}].max_concurrency"), "must be > 0");
             }
             if let Some(q) = c.max_qps
-                && (!q.is_finite() || q <= 0.0 || q > 1e6)
+                && !(crate::policy::bucket::MIN_RATE..=1e6).contains(&q)
             {
                 p.add(
                     format!("callers[{i}].max_qps"),
-                    "must be a number in (0, 1000000]",
+                    "must be a number in [0.001, 1000000] (one statement per 1000 s at least)",
                 );
             }
             if let Some(cidr) = &c.matcher.client_cidr

@@ -21,6 +21,11 @@ use tokio::time::Instant;
 /// proxy can forward, and the bound keeps the nanosecond arithmetic away from zero intervals.
 pub const MAX_RATE: f64 = 1_000_000.0;
 
+/// The lowest rate a limit may be configured with: one statement per 1 000 s. Slower rates
+/// are refused at validation (at ~5e-11/s the emission interval no longer fits the bucket's
+/// nanosecond clock, and such a "limit" would never refuse); to stop a pattern, REJECT it.
+pub const MIN_RATE: f64 = 0.001;
+
 /// A GCRA token bucket: `burst` statements may start back to back, then one per `1/rate` s.
 #[derive(Debug)]
 pub struct TokenBucket {

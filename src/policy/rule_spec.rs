@@ -447,6 +447,15 @@ impl RuleSpec {
                 "must be > 0 (use REJECT to block)",
             ));
         }
+        if max_qps < crate::policy::bucket::MIN_RATE {
+            return Err(RuleError::new(
+                "max_qps",
+                format!(
+                    "must be >= {} (one statement per 1000 s; use REJECT to block)",
+                    crate::policy::bucket::MIN_RATE
+                ),
+            ));
+        }
         if max_qps > MAX_RATE {
             return Err(RuleError::new("max_qps", format!("must be <= {MAX_RATE}")));
         }

@@ -74,6 +74,17 @@ fn bad_rules_name_the_field() {
             "must be > 0",
         ),
         (r#"{"action":"THROTTLE","max_qps":1e7}"#, "max_qps", "<="),
+        // A rate so low the bucket's clock cannot express it would never refuse.
+        (
+            r#"{"action":"THROTTLE","max_qps":1e-11}"#,
+            "max_qps",
+            ">= 0.001",
+        ),
+        (
+            r#"{"action":"THROTTLE","max_qps":0.0009}"#,
+            "max_qps",
+            ">= 0.001",
+        ),
         (r#"{"action":"THROTTLE"}"#, "max_qps", "required"),
         (
             r#"{"action":"THROTTLE","max_qps":"2"}"#,

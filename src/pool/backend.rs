@@ -619,7 +619,7 @@ impl BackendConn {
             secret,
             server_params,
             applied: Default::default(),
-            prepared: PreparedCache::new(cache_size),
+            prepared: PreparedCache::new(cache_size, usize::MAX),
             stale: Vec::new(),
             dirty: Dirt::default(),
             unproven_fingerprint: 0,

@@ -724,6 +724,10 @@ impl Pool {
         match BackendConn::connect(&params, self.cfg.prepared_cache_size).await {
             Ok(mut conn) => {
                 units.keep();
+                conn.prepared = prepared::PreparedCache::new(
+                    self.cfg.prepared_cache_size,
+                    self.cfg.prepared_cache_bytes,
+                );
                 let life = Duration::from_millis(self.cfg.max_lifetime_ms);
                 let jitter = life.mul_f64(rand::random::<f64>() * 0.1);
                 conn.expires = conn.created + life - jitter;

@@ -5,7 +5,10 @@
 //! share one server statement. The hash only names the statement: each entry keeps its text,
 //! and a lookup whose text differs is a collision, never a hit (the session closes the other
 //! statement and prepares its own), so no client can run another text under a shared name.
-//! Bounded: the least recently used entry is evicted (the session closes it on the server).
+//! Bounded in count and in bytes of text (`pool.prepared_cache_size`,
+//! `pool.prepared_cache_bytes`): the least recently used entries are evicted (the session
+//! closes them on the server, which frees their plans there too). A statement larger than the
+//! byte budget on its own is kept alone until the next one.
 
 use foldhash::{HashMap, HashMapExt};
 
@@ -46,17 +49,28 @@ pub enum Lookup {
 
 pub struct PreparedCache {
     cap: usize,
+    max_bytes: usize,
+    /// Bytes of text held (SQL and parameter types of every entry).
+    bytes: usize,
     tick: u64,
     map: HashMap<u64, Entry>,
 }
 
 impl PreparedCache {
-    pub fn new(cap: usize) -> Self {
+    /// At most `cap` statements and `max_bytes` of their text.
+    pub fn new(cap: usize, max_bytes: usize) -> Self {
         PreparedCache {
             cap: cap.max(1),
+            max_bytes: max_bytes.max(1),
+            bytes: 0,
             tick: 0,
             map: HashMap::new(),
         }
+    }
+
+    /// Bytes of statement text held.
+    pub fn bytes(&self) -> usize {
+        self.bytes
     }
 
     /// Whether statement `hash` with this text exists here (a hit marks it used). A
@@ -69,28 +83,32 @@ impl PreparedCache {
                 Lookup::Hit
             }
             Some(_) => {
-                self.map.remove(&hash);
+                self.remove(hash);
                 Lookup::Collision
             }
             None => Lookup::Miss,
         }
     }
 
-    /// Records a statement; returns the hash evicted to make room, if any.
-    pub fn insert(&mut self, hash: u64, query: &[u8], types: &[u8]) -> Option<u64> {
+    /// Records a statement; returns the hashes evicted to make room (least recently used
+    /// first), which the caller closes on the server.
+    pub fn insert(&mut self, hash: u64, query: &[u8], types: &[u8]) -> Vec<u64> {
         self.tick += 1;
-        let mut evicted = None;
-        if !self.map.contains_key(&hash)
-            && self.map.len() >= self.cap
+        self.remove(hash);
+        let size = query.len() + 1 + types.len();
+        let mut evicted = Vec::new();
+        while !self.map.is_empty()
+            && (self.map.len() >= self.cap || self.bytes + size > self.max_bytes)
             && let Some((&old, _)) = self.map.iter().min_by_key(|(_, e)| e.tick)
         {
-            self.map.remove(&old);
-            evicted = Some(old);
+            self.remove(old);
+            evicted.push(old);
         }
-        let mut text = Vec::with_capacity(query.len() + 1 + types.len());
+        let mut text = Vec::with_capacity(size);
         text.extend_from_slice(query);
         text.push(0);
         text.extend_from_slice(types);
+        self.bytes += size;
         self.map.insert(
             hash,
             Entry {
@@ -102,11 +120,14 @@ impl PreparedCache {
     }
 
     pub fn remove(&mut self, hash: u64) {
-        self.map.remove(&hash);
+        if let Some(e) = self.map.remove(&hash) {
+            self.bytes -= e.text.len();
+        }
     }
 
     pub fn clear(&mut self) {
         self.map.clear();
+        self.bytes = 0;
     }
 
     pub fn len(&self) -> usize {
@@ -124,12 +145,12 @@ mod tests {
 
     #[test]
     fn evicts_least_recently_used() {
-        let mut c = PreparedCache::new(2);
+        let mut c = PreparedCache::new(2, 1 << 20);
         let q = |h: u64| format!("select {h}");
-        assert_eq!(c.insert(1, q(1).as_bytes(), b""), None);
-        assert_eq!(c.insert(2, q(2).as_bytes(), b""), None);
+        assert!(c.insert(1, q(1).as_bytes(), b"").is_empty());
+        assert!(c.insert(2, q(2).as_bytes(), b"").is_empty());
         assert_eq!(c.touch(1, q(1).as_bytes(), b""), Lookup::Hit);
-        assert_eq!(c.insert(3, q(3).as_bytes(), b""), Some(2));
+        assert_eq!(c.insert(3, q(3).as_bytes(), b""), vec![2]);
         assert_eq!(c.touch(1, q(1).as_bytes(), b""), Lookup::Hit);
         assert_eq!(c.touch(3, q(3).as_bytes(), b""), Lookup::Hit);
         assert_eq!(c.touch(2, q(2).as_bytes(), b""), Lookup::Miss);
@@ -139,7 +160,7 @@ mod tests {
     /// Two texts under one hash (a collision, crafted or not) never share a statement.
     #[test]
     fn a_hash_collision_is_never_a_hit() {
-        let mut c = PreparedCache::new(8);
+        let mut c = PreparedCache::new(8, 1 << 20);
         c.insert(7, b"select 1", b"\0\0");
         assert_eq!(c.touch(7, b"select 1", b"\0\0"), Lookup::Hit);
         assert_eq!(c.touch(7, b"set role admin", b"\0\0"), Lookup::Collision);
@@ -154,6 +175,30 @@ mod tests {
         // A text that is a prefix of the stored one is not it.
         c.insert(9, b"select 12", b"");
         assert_eq!(c.touch(9, b"select 1", b"2"), Lookup::Collision);
+    }
+
+    /// Texts count in bytes: large statements evict older ones before the count is reached,
+    /// and one larger than the whole budget is kept alone.
+    #[test]
+    fn the_byte_budget_evicts_least_recently_used() {
+        let mut c = PreparedCache::new(100, 1000);
+        let big = vec![b'x'; 400];
+        assert!(c.insert(1, &big, b"").is_empty());
+        assert!(c.insert(2, &big, b"").is_empty());
+        assert_eq!(c.bytes(), 802);
+        assert_eq!(c.insert(3, &big, b""), vec![1]);
+        assert_eq!(c.bytes(), 802);
+        let huge = vec![b'y'; 5000];
+        let mut gone = c.insert(4, &huge, b"");
+        gone.sort_unstable();
+        assert_eq!(gone, vec![2, 3]);
+        assert_eq!((c.len(), c.bytes()), (1, 5001));
+        assert_eq!(c.insert(5, b"select 1", b""), vec![4]);
+        // Re-inserting a hash replaces its bytes, never counts them twice.
+        c.insert(5, b"select 1", b"");
+        assert_eq!(c.bytes(), 9);
+        c.remove(5);
+        assert_eq!((c.len(), c.bytes()), (0, 0));
     }
 
     #[test]

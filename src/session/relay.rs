@@ -259,9 +259,10 @@ impl Relay {
             .database_entry(&login.database)
             .is_some_and(|d| !d.replicas.is_empty());
         let classify_on = cfg.classify.enabled;
-        let (max_message, max_statements) = (
+        let (max_message, max_statements, max_statement_bytes) = (
             cfg.limits.max_message_bytes,
             cfg.limits.max_client_statements,
+            cfg.limits.max_client_statement_bytes,
         );
         drop(cfg);
         let reading_trusted = params::reading_trusted(&login.settings);
@@ -270,7 +271,8 @@ impl Relay {
             mode == PoolMode::Transaction,
             app.statement_seed,
             max_statements,
-        );
+        )
+        .with_max_bytes(max_statement_bytes);
         Relay {
             app,
             pool,
@@ -864,7 +866,7 @@ impl Relay {
         client: &mut S,
     ) -> Result<(), End> {
         let p = messages::Parse::read(body).ok_or_else(|| Self::malformed("Parse"))?;
-        if let Some(e) = self.statements.over_limit(p.name) {
+        if let Some(e) = self.statements.over_limit(p.name, body.len()) {
             return self.refuse_statement(b'P', e);
         }
         let class = self.classify(p.query);

@@ -5,7 +5,9 @@
 //!   connections go);
 //! * a message larger than `limits.max_message_bytes` is refused with 54000 before it is
 //!   buffered, and the connection stays usable;
-//! * named prepared statements per session (`limits.max_client_statements`);
+//! * named prepared statements per session (`limits.max_client_statements`), and their bytes
+//!   per session and per backend (`limits.max_client_statement_bytes`,
+//!   `pool.prepared_cache_bytes`);
 //! * per source address, a share of the handshake slots (`limits.max_handshakes_per_address`)
 //!   and of the cancel slots (`limits.max_cancels_per_address`). Other addresses are real ones:
 //!   Linux routes all of 127/8 to the loopback interface, so a client socket bound to 127.0.0.2
@@ -211,6 +213,82 @@ async fn prepared_statements_per_session_are_capped() {
     );
     assert!(
         replies.contains(&Backend::DataRow(vec![Some("20".into())])),
+        "{replies:?}"
+    );
+    proxy.assert_healthy().await;
+}
+
+/// Memory in bytes, not statements: a client that prepares many 1 MiB statements is refused
+/// past `limits.max_client_statement_bytes`, and the backend's statement cache holds at most
+/// `pool.prepared_cache_bytes` of text — what it evicted is closed on the server too, as
+/// `pg_prepared_statements` on that backend shows.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn prepared_statement_bytes_are_bounded_per_client_and_per_backend() {
+    let env = start(
+        1,
+        "limits: { max_client_statement_bytes: 6291456 }\n\
+         pool: { prepared_cache_bytes: 3145728 }\n",
+        |_| {},
+    );
+    let proxy = &env.proxy;
+    if proxy.is_direct() {
+        note_skipped("the proxy's caps (direct mode has none)");
+        return;
+    }
+    let mib = |i: usize| format!("SELECT {i} AS n, '{}' AS pad", "x".repeat(1 << 20));
+    let mut c = wire(proxy).await;
+    let mut refused = 0;
+    for i in 0..10 {
+        c.parse(&format!("big{i}"), &mib(i))
+            .bind("", &format!("big{i}"), &[])
+            .execute("", 1)
+            .sync();
+        c.send().await.expect("send");
+        let replies = within(
+            Duration::from_secs(20),
+            "a 1 MiB statement",
+            c.until_ready(),
+        )
+        .await
+        .expect("replies");
+        match replies.iter().find_map(|m| match m {
+            Backend::Error { code, message } => Some(format!("{code}: {message}")),
+            _ => None,
+        }) {
+            None => assert_eq!(refused, 0, "a statement after a refusal ran: {replies:?}"),
+            Some(e) => {
+                assert!(
+                    e.starts_with("54000") && e.contains("max_client_statement_bytes"),
+                    "{e}"
+                );
+                refused += 1;
+            }
+        }
+    }
+    // 6 MiB of text for the client: five statements of a little over 1 MiB, not more.
+    assert_eq!(refused, 5, "the sixth and later must be refused");
+    // On its one backend: at most 3 MiB of the proxy's statements (the rest closed there).
+    let held = scalar(
+        &proxy.client().await,
+        "SELECT count(*) || ' ' || coalesce(sum(length(statement)), 0) \
+         FROM pg_prepared_statements WHERE name LIKE '\\_pgsl\\_%'",
+    )
+    .await;
+    let (count, bytes) = held.split_once(' ').expect("count and bytes");
+    let (count, bytes): (u64, u64) = (count.parse().unwrap(), bytes.parse().unwrap());
+    assert!(
+        count <= 3 && bytes <= 3 << 20,
+        "the backend holds {count} statements, {bytes} bytes of text"
+    );
+    // Closing gives the client its bytes back.
+    for i in 0..5 {
+        c.close_statement(&format!("big{i}"));
+    }
+    c.parse("again", &mib(99)).sync();
+    c.send().await.expect("send");
+    let replies = c.until_ready().await.expect("after closing");
+    assert!(
+        replies.iter().all(|m| m.error_code().is_none()),
         "{replies:?}"
     );
     proxy.assert_healthy().await;

@@ -239,7 +239,7 @@ async fn login(
         secret,
         server_params,
         applied: Default::default(),
-        prepared: PreparedCache::new(1),
+        prepared: PreparedCache::new(1, usize::MAX),
         stale: Vec::new(),
         dirty: Dirt::default(),
         unproven_fingerprint: 0,

@@ -33,6 +33,8 @@ struct Stmt {
     query: Bytes,
     types: Bytes,
     class: Arc<Classified>,
+    /// Bytes of the kept Parse body (`limits.max_client_statement_bytes`).
+    kept: usize,
 }
 
 /// What the attached backend holds, borrowed from its pooled connection.
@@ -66,7 +68,7 @@ impl Server<'_> {
             self.stale.swap_remove(i);
             close(out, hash);
         }
-        if let Some(old) = self.prepared.insert(hash, query, types) {
+        for old in self.prepared.insert(hash, query, types) {
             close(out, old);
         }
         let mut e = Expect::new(Kind::Parse, mode);
@@ -121,6 +123,10 @@ pub(super) struct Statements {
     seed: u64,
     /// `limits.max_client_statements` at session start.
     max: usize,
+    /// `limits.max_client_statement_bytes` at session start, and the bytes the named
+    /// statements hold now (their kept Parse bodies).
+    max_bytes: usize,
+    bytes: usize,
 }
 
 impl Statements {
@@ -134,6 +140,20 @@ impl Statements {
             renamed,
             seed,
             max,
+            max_bytes: usize::MAX,
+            bytes: 0,
+        }
+    }
+
+    /// Bounds the bytes of text the client's named statements hold together.
+    pub fn with_max_bytes(mut self, max_bytes: usize) -> Statements {
+        self.max_bytes = max_bytes;
+        self
+    }
+
+    fn forget(&mut self, name: &[u8]) {
+        if let Some(s) = self.named.remove(name) {
+            self.bytes -= s.kept;
         }
     }
 
@@ -171,9 +191,26 @@ impl Statements {
         self.named.contains_key(name)
     }
 
-    /// The refusal of a Parse that would hold more than `limits.max_client_statements`.
-    pub fn over_limit(&self, name: &[u8]) -> Option<PgError> {
-        if name.is_empty() || self.named.len() < self.max || self.knows(name) {
+    /// The refusal of a Parse (of `body_len` bytes) that would hold more than
+    /// `limits.max_client_statements` statements or `limits.max_client_statement_bytes` bytes.
+    pub fn over_limit(&self, name: &[u8], body_len: usize) -> Option<PgError> {
+        if name.is_empty() {
+            return None;
+        }
+        let replaced = self.named.get(name).map_or(0, |s| s.kept);
+        if self.bytes - replaced + body_len > self.max_bytes {
+            let e = PgError::error(
+                "54000",
+                format!(
+                    "pgsluice: prepared statements too large: this session's hold {} bytes of \
+                     text and this one {body_len} more (limits.max_client_statement_bytes is {})",
+                    self.bytes, self.max_bytes
+                ),
+            )
+            .with_hint("close prepared statements the client no longer uses");
+            return Some(e);
+        }
+        if self.named.len() < self.max || replaced > 0 || self.knows(name) {
             return None;
         }
         let e = PgError::error(
@@ -253,8 +290,11 @@ impl Statements {
             query: kept.slice(query..types - 1),
             types: kept.slice(types..),
             class,
+            kept: body.len(),
         };
         // Redefining a name replaces it (drivers close before reuse; we stay lenient).
+        self.forget(p.name);
+        self.bytes += stmt.kept;
         self.named.insert(kept.slice(..p.name.len()), stmt);
         if !self.renamed {
             // The client owns its backend: its names stay its own, as on a direct connection
@@ -328,12 +368,12 @@ impl Statements {
             }
             (frontend::CLOSE, Target::Statement(name)) if !name.is_empty() && self.renamed => {
                 // The server statement stays cached for others; only the client's name goes.
-                self.named.remove(name);
+                self.forget(name);
                 out.answer_here(Kind::Close);
             }
             (_, target) => {
                 if let Target::Statement(name) = target {
-                    self.named.remove(name);
+                    self.forget(name);
                 }
                 out.send(Expect::new(Kind::Close, Mode::Forward), frame);
             }

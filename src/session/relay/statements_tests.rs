@@ -40,7 +40,7 @@ impl Fixture {
     fn new(transaction_mode: bool) -> Fixture {
         Fixture {
             st: Statements::new(transaction_mode, 7, 3),
-            prepared: PreparedCache::new(2),
+            prepared: PreparedCache::new(2, 1 << 20),
             stale: Vec::new(),
             out: Outbox::default(),
             classifier: Classifier::new(0, 1 << 16),
@@ -152,7 +152,7 @@ fn a_bind_on_a_backend_that_lacks_the_statement_is_preceded_by_its_parse() {
     f.parse("q", "SELECT 2");
     f.sent();
     // The next transaction borrows another backend: an empty cache, nothing owed.
-    f.prepared = PreparedCache::new(2);
+    f.prepared = PreparedCache::new(2, 1 << 20);
     f.out = Outbox::default();
     f.bind("q");
     let name = f.proxy_name("q");
@@ -296,13 +296,45 @@ fn the_unnamed_statement_is_parsed_again_on_another_backend() {
 fn the_statement_limit_refuses_a_new_name_but_not_a_redefinition() {
     let mut f = Fixture::new(true);
     for (i, n) in ["a", "b", "c"].into_iter().enumerate() {
-        assert!(f.st.over_limit(n.as_bytes()).is_none());
+        assert!(f.st.over_limit(n.as_bytes(), 10).is_none());
         f.parse(n, &format!("SELECT {i}"));
     }
-    let e = f.st.over_limit(b"d").expect("over the limit of 3");
+    let e = f.st.over_limit(b"d", 10).expect("over the limit of 3");
     assert_eq!(e.code, "54000");
-    assert!(f.st.over_limit(b"a").is_none(), "redefining a held name");
-    assert!(f.st.over_limit(b"").is_none(), "the unnamed statement");
+    assert!(
+        f.st.over_limit(b"a", 10).is_none(),
+        "redefining a held name"
+    );
+    assert!(f.st.over_limit(b"", 10).is_none(), "the unnamed statement");
+}
+
+/// Statement texts count in bytes too: a Parse that would take the client's statements over
+/// `limits.max_client_statement_bytes` is refused; a Close gives its bytes back.
+#[test]
+fn the_statement_bytes_limit_refuses_a_parse_that_would_exceed_it() {
+    let mut f = Fixture::new(true);
+    f.st = Statements::new(true, 7, 100).with_max_bytes(100);
+    let long = format!("SELECT '{}'", "x".repeat(60));
+    assert!(f.st.over_limit(b"a", long.len() + 4).is_none());
+    f.parse("a", &long);
+    let e =
+        f.st.over_limit(b"b", long.len() + 4)
+            .expect("over 100 bytes");
+    assert_eq!(e.code, "54000");
+    assert!(
+        e.message.contains("max_client_statement_bytes"),
+        "{}",
+        e.message
+    );
+    assert!(
+        f.st.over_limit(b"a", long.len() + 4).is_none(),
+        "redefining a name replaces its bytes"
+    );
+    f.target(b'C', b'S', "a");
+    assert!(
+        f.st.over_limit(b"b", long.len() + 4).is_none(),
+        "closed: bytes back"
+    );
 }
 
 #[test]
