@@ -251,9 +251,6 @@ mod notes_tests {
             "global_defaults: { idle_transaction_timeout_ms: 60000 }\ncallers:\n  - { name: batch, idle_transaction_timeout_ms: 0 }\n",
         )
         .expect("a note");
-        assert!(
-            note.contains("batch") && !note.contains("default"),
-            "{note}"
-        );
+        assert!(note.contains("caller(s) batch:"), "{note}");
     }
 }
