@@ -18,7 +18,8 @@
 #                            (utime+stime from /proc)
 #
 # Environment: PGHOST PGPORT PGUSER PGPASSWORD PGDATABASE of a Postgres with `pgbench -i`
-# tables; T seconds per run (8), C clients (16), MODE (simple).
+# tables; T seconds per run (8), C clients (16), MODE (simple), PGBENCH_ARGS (-S: the
+# workload, e.g. `-b tpcb-like` or `-f FILE`).
 
 : "${PGHOST:=127.0.0.1}" "${PGPORT:=5432}" "${PGUSER:=postgres}" "${PGPASSWORD:=postgres}"
 : "${PGDATABASE:=bench}"
@@ -147,7 +148,8 @@ ab_rounds() {
         [[ $((r % 2)) -eq 0 ]] && order="$b $a"
         for name in $order; do
             c0=$(ab_cpu "${PID[$name]}")
-            out=$(pgbench -h 127.0.0.1 -p "${PORT[$name]}" -S -M "${MODE:-simple}" -c "${C:-16}" \
+            # shellcheck disable=SC2086 # PGBENCH_ARGS is words on purpose
+            out=$(pgbench -h 127.0.0.1 -p "${PORT[$name]}" ${PGBENCH_ARGS:--S} -M "${MODE:-simple}" -c "${C:-16}" \
                 -j 2 -T "${T:-8}" "$PGDATABASE" 2>/dev/null)
             c1=$(ab_cpu "${PID[$name]}")
             tps=$(awk '/^tps/ {print $3}' <<<"$out")

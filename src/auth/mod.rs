@@ -100,6 +100,10 @@ pub struct Credentials {
     mock: Verifier,
     /// Key of the per-name mock salts; random per credentials set, never shown.
     mock_salt_key: ring::hmac::Key,
+    /// Known users asking for md5 and for SCRAM: an unknown user is challenged with one or
+    /// the other in the same proportion ([`Credentials::method_for_unknown`]).
+    md5_users: u32,
+    scram_users: u32,
 }
 
 impl Credentials {
@@ -139,7 +143,11 @@ impl Credentials {
             );
         }
         let secret: [u8; 32] = rand::random();
+        let count = |m: AuthMethod| users.values().filter(|u| u.method == m).count() as u32;
+        let (md5_users, scram_users) = (count(AuthMethod::Md5), count(AuthMethod::ScramSha256));
         Credentials {
+            md5_users,
+            scram_users,
             users,
             mock: Verifier::from_password(&random_hex(16)),
             mock_salt_key: ring::hmac::Key::new(ring::hmac::HMAC_SHA256, &secret),
@@ -148,6 +156,25 @@ impl Credentials {
 
     pub fn user(&self, name: &str) -> Option<&UserAuth> {
         self.users.get(name)
+    }
+
+    /// The method an unknown user `name` is challenged with, so the challenge does not tell
+    /// whether a user exists: where known users ask for both md5 and SCRAM, md5 for the same
+    /// share of unknown names (chosen by a keyed hash of the name: the same name always gets
+    /// the same method); else the one method known users get, or `default` when none does.
+    pub fn method_for_unknown(&self, name: &str, default: AuthMethod) -> AuthMethod {
+        let (m, s) = (u64::from(self.md5_users), u64::from(self.scram_users));
+        if default == AuthMethod::Trust || m + s == 0 {
+            return default;
+        }
+        let tag = ring::hmac::sign(&self.mock_salt_key, name.as_bytes());
+        let mut b = [0u8; 8];
+        b.copy_from_slice(&tag.as_ref()[SALT_LEN..SALT_LEN + 8]);
+        if u64::from_be_bytes(b) % (m + s) < m {
+            AuthMethod::Md5
+        } else {
+            AuthMethod::ScramSha256
+        }
     }
 
     /// The verifier to run SCRAM with: the user's, or a mock that no password matches, whose
@@ -288,6 +315,45 @@ mod tests {
         assert_ne!(
             salt_and_iterations(&reloaded.verifier_or_mock("ghost")).0,
             ghost
+        );
+    }
+
+    /// With md5 and SCRAM users both configured, an unknown name is challenged like a known
+    /// user would be, in the same proportion, and the same way on every attempt.
+    #[test]
+    fn an_unknown_users_challenge_does_not_reveal_that_it_is_unknown() {
+        let cfg = Config::from_yaml(
+            "auth:\n  method: scram-sha-256\n  users:\n    - { name: alice, password: pw1, method: md5 }\n    - { name: bob, password: pw2 }\n",
+        )
+        .unwrap();
+        let creds = Credentials::from_config(&cfg);
+        let default = AuthMethod::ScramSha256;
+        let names: Vec<String> = (0..2000).map(|i| format!("ghost{i}")).collect();
+        let md5 = names
+            .iter()
+            .filter(|n| creds.method_for_unknown(n, default) == AuthMethod::Md5)
+            .count();
+        assert!(
+            (800..1200).contains(&md5),
+            "{md5} of 2000 unknown names got md5"
+        );
+        for n in &names[..20] {
+            assert_eq!(
+                creds.method_for_unknown(n, default),
+                creds.method_for_unknown(n, default),
+                "stable per name"
+            );
+        }
+        // One method for everyone known: unknown users get it too.
+        let only_md5 = Config::from_yaml(
+            "auth:\n  method: scram-sha-256\n  users:\n    - { name: alice, password: pw1, method: md5 }\n",
+        )
+        .unwrap();
+        let creds = Credentials::from_config(&only_md5);
+        assert!(
+            names
+                .iter()
+                .all(|n| creds.method_for_unknown(n, default) == AuthMethod::Md5)
         );
     }
 

@@ -92,7 +92,20 @@ pub fn analyze_text(sql: &str, utf8: bool, max_text_bytes: usize) -> Classified 
             scan::scan(sql, &mut n);
         }
         let mut c = finish(n, false, false);
-        let proof = proof::prove(sql, utf8);
+        let mut proof = proof::prove(sql, utf8);
+        if proof.unproven == Some(proof::DOES_NOT_PARSE) {
+            // sqlparser does not know all of Postgres' syntax (`FOR NO KEY UPDATE`): the
+            // token walk's kind says whether the text may change the catalog, so a query it
+            // merely fails to parse does not keep the pool's snapshot stale.
+            proof.catalog_change = !matches!(
+                c.kind,
+                StmtKind::Read
+                    | StmtKind::LockingRead
+                    | StmtKind::Write
+                    | StmtKind::Transaction
+                    | StmtKind::Session
+            );
+        }
         if !proof.is_proven() && !c.effects.contains(&SessionEffect::Unknown) {
             // What the parse cannot prove harmless may do anything (the token walk's effects
             // stay: they are what the session tracks or pins for).
@@ -421,6 +434,20 @@ mod tests {
             let via_scanner = scanned(sql);
             assert_eq!(via_tokenizer, via_scanner, "{sql:?}");
         }
+    }
+
+    /// A read sqlparser cannot parse is unproven (checked after its unit) but does not make
+    /// the pool's catalog snapshot stale; a `DO` block does.
+    #[test]
+    fn an_unparsed_read_is_unproven_without_changing_the_catalog() {
+        let c = analyze(
+            "SELECT * FROM jobs WHERE id = 1 FOR NO KEY UPDATE OF jobs NOWAIT",
+            DEFAULT_MAX_TEXT_BYTES,
+        );
+        assert!(!c.proof.is_proven() && c.effects.contains(&SessionEffect::Unknown));
+        assert!(!c.proof.catalog_change, "{:?}", c.proof);
+        let d = analyze("DO $$ BEGIN END $$", DEFAULT_MAX_TEXT_BYTES);
+        assert!(d.proof.catalog_change, "{:?}", d.proof);
     }
 
     #[test]

@@ -55,6 +55,9 @@ pub const READING_SETTINGS: &[&str] = &[
     "seed",
 ];
 
+/// [`Proof::unproven`]'s reason for a text sqlparser cannot parse.
+pub const DOES_NOT_PARSE: &str = "does not parse";
+
 /// The parse's verdict on one statement text.
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
 pub struct Proof {
@@ -93,7 +96,7 @@ impl Proof {
 /// `set_config` name, is read per text by the session ([`set_config_names`]).
 pub fn prove(sql: &str, utf8: bool) -> Proof {
     let Ok(stmts) = Parser::parse_sql(&PostgreSqlDialect {}, sql) else {
-        return Proof::unproven("does not parse");
+        return Proof::unproven(DOES_NOT_PARSE);
     };
     let catalog_change = !stmts.iter().all(|s| {
         matches!(

@@ -330,7 +330,10 @@ async fn authenticate<S: AsyncRead + AsyncWrite + Unpin>(
             looked_up.as_ref()
         }
     };
-    let method = known.map(|u| u.method).unwrap_or(app.config().auth.method);
+    let method = match known {
+        Some(u) => u.method,
+        None => creds.method_for_unknown(user, app.config().auth.method),
+    };
     match method {
         AuthMethod::Trust if known.is_some() => {}
         AuthMethod::Trust => return Err(PgError::auth_failed(user)),

@@ -111,6 +111,9 @@ pub struct Relay {
     /// The client's settings leave texts read as Postgres reads them
     /// ([`params::reading_trusted`]); when not, no text of its is proven harmless.
     reading_trusted: bool,
+    /// The unit declared a WITH HOLD cursor: its COMMIT runs the cursor's query (to
+    /// materialize it), so it runs under the proxy's deadline like any statement.
+    hold_cursor: bool,
     /// A batch kept for one replay after 0A000 "cached plan must not change result type".
     retry: Option<retry::Retry>,
     /// The proxy's own deadline for the running statement (its statement_timeout + grace).
@@ -293,6 +296,7 @@ impl Relay {
             pinned: false,
             capture_needed: false,
             reading_trusted,
+            hold_cursor: false,
             custom_gucs: Vec::new(),
             retry: None,
             backstop: None,
@@ -1004,6 +1008,9 @@ impl Relay {
         if c.effects.is_empty() && !doubt {
             return Ok(());
         }
+        self.hold_cursor |= c
+            .effects
+            .contains(&crate::classify::SessionEffect::DeclareWithHold);
         let cfg = &self.pool.cfg;
         let mut a = if transaction {
             state::assess(c, cfg.session_state, cfg.unproven)

@@ -428,6 +428,7 @@ impl Relay {
         self.opened_by_parse = None;
         self.admission = None;
         self.stmt_admissions.clear();
+        self.hold_cursor = false;
     }
 
     /// Injects `timeouts` for the next statement so they apply inside its transaction.
@@ -444,6 +445,13 @@ impl Relay {
         class: &Classified,
         simple: bool,
     ) -> Option<String> {
+        if class.kind == StmtKind::Transaction && self.hold_cursor {
+            // A COMMIT after a DECLARE ... WITH HOLD runs the cursor's query to materialize
+            // it: user-visible work, so the proxy's deadline holds (nothing is injected: a
+            // budget set now would not bind the COMMIT's own work).
+            self.arm_backstop(t);
+            return None;
+        }
         if t.is_empty()
             // Transaction control and SET/RESET/LISTEN-like statements run no query of
             // their own; a SET after our SET LOCAL would also be confusing to read back.

@@ -280,7 +280,7 @@ async fn two_tenants_on_one_backend_never_see_each_others_rows() {
         ])
         .collect();
     let mut rng = rand::rngs::StdRng::seed_from_u64(56);
-    let sessions = 600;
+    let sessions = 2000;
     let mut a_clients = Vec::new();
     for i in 0..sessions {
         if rng.random_bool(0.5) {

@@ -124,3 +124,55 @@ async fn every_statement_kind_runs_with_its_budget() {
     );
     proxy.assert_healthy().await;
 }
+
+/// Issue 56, item 6: a statement starting with `SHOW` in a multi-statement text, and a COMMIT
+/// that materializes a WITH HOLD cursor after the client lifted its own timeout with
+/// `SET LOCAL statement_timeout = 0`, both run under the caller's budget.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn show_first_and_a_commit_that_materializes_a_cursor_keep_the_budget() {
+    let yaml = "global_defaults:\n  statement_timeout_ms: 600\n";
+    let env = start(2, yaml, |_| {});
+    let proxy = &env.proxy;
+    if proxy.is_direct() {
+        note_skipped("injected budgets (direct mode has none)");
+        return;
+    }
+    let c = proxy.client().await;
+    let t = Instant::now();
+    let e = within(
+        STEP,
+        "SHOW first",
+        c.batch_execute("SHOW work_mem; SELECT pg_sleep(6)"),
+    )
+    .await
+    .expect_err("SHOW work_mem; SELECT pg_sleep(6) must time out");
+    assert_eq!(sqlstate(&e), "57014", "{e:?}");
+    assert!(
+        t.elapsed() < Duration::from_secs(4),
+        "took {:?}",
+        t.elapsed()
+    );
+    // A lone SHOW still reports the client's own setting, not the injected budget.
+    assert_eq!(scalar(&c, "SHOW statement_timeout").await, "0");
+
+    let c = proxy.client().await;
+    within(
+        STEP,
+        "declare",
+        c.batch_execute(
+            "BEGIN; SET LOCAL statement_timeout = 0; \
+             DECLARE held CURSOR WITH HOLD FOR SELECT pg_sleep(6)",
+        ),
+    )
+    .await
+    .expect("BEGIN .. DECLARE");
+    let t = Instant::now();
+    let r = within(STEP, "COMMIT", c.batch_execute("COMMIT")).await;
+    let e = r.expect_err("the COMMIT that runs the cursor's query must be cancelled");
+    assert_eq!(sqlstate(&e), "57014", "{e:?}");
+    assert!(
+        t.elapsed() < Duration::from_secs(4),
+        "took {:?}",
+        t.elapsed()
+    );
+}
