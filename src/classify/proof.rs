@@ -99,34 +99,9 @@ pub fn prove(sql: &str, utf8: bool) -> Proof {
         return Proof::unproven(DOES_NOT_PARSE);
     };
     let catalog_change = !stmts.iter().all(|s| {
-        matches!(
-            s,
-            Statement::Query(_)
-                | Statement::Insert(_)
-                | Statement::Update(_)
-                | Statement::Delete(_)
-                | Statement::Merge(_)
-                | Statement::Copy { .. }
-                | Statement::StartTransaction { .. }
-                | Statement::Commit { .. }
-                | Statement::Rollback { .. }
-                | Statement::Savepoint { .. }
-                | Statement::ReleaseSavepoint { .. }
-                | Statement::Set(_)
-                | Statement::Reset(_)
-                | Statement::ShowVariable { .. }
-                | Statement::LISTEN { .. }
-                | Statement::UNLISTEN { .. }
-                | Statement::NOTIFY { .. }
-                | Statement::Declare { .. }
-                | Statement::Fetch { .. }
-                | Statement::Close { .. }
-                | Statement::Prepare { .. }
-                | Statement::Execute { .. }
-                | Statement::Deallocate { .. }
-                | Statement::Discard { .. }
-                | Statement::Explain { .. }
-        )
+        reads_or_writes(s)
+            || session_or_control(s)
+            || matches!(s, Statement::Set(_) | Statement::Execute { .. })
     });
     if !utf8 {
         return Proof {
@@ -223,6 +198,45 @@ struct Walk {
     names: Vec<Box<str>>,
     /// A `set_config` call with a literal name was proven: its name is read per text.
     set_config: bool,
+}
+
+/// Queries and writes: statements that change no catalog.
+fn reads_or_writes(s: &Statement) -> bool {
+    matches!(
+        s,
+        Statement::Query(_)
+            | Statement::Insert(_)
+            | Statement::Update(_)
+            | Statement::Delete(_)
+            | Statement::Merge(_)
+            | Statement::Copy { .. }
+    )
+}
+
+/// Transaction control, `RESET`, `SHOW`, `LISTEN`/`UNLISTEN`/`NOTIFY`, cursor statements,
+/// SQL `PREPARE`/`DEALLOCATE`, `DISCARD` and `EXPLAIN` (of a statement walked on its own):
+/// statements whose session effects the token walk reports.
+fn session_or_control(s: &Statement) -> bool {
+    matches!(
+        s,
+        Statement::StartTransaction { .. }
+            | Statement::Commit { .. }
+            | Statement::Rollback { .. }
+            | Statement::Savepoint { .. }
+            | Statement::ReleaseSavepoint { .. }
+            | Statement::Reset(_)
+            | Statement::ShowVariable { .. }
+            | Statement::LISTEN { .. }
+            | Statement::UNLISTEN { .. }
+            | Statement::NOTIFY { .. }
+            | Statement::Declare { .. }
+            | Statement::Fetch { .. }
+            | Statement::Close { .. }
+            | Statement::Prepare { .. }
+            | Statement::Deallocate { .. }
+            | Statement::Discard { .. }
+            | Statement::Explain { .. }
+    )
 }
 
 /// Unproven when `o` names a setting of [`READING_SETTINGS`].
@@ -368,28 +382,8 @@ impl Visitor for Walk {
                 }
                 _ => ControlFlow::Continue(()),
             },
-            Statement::StartTransaction { .. }
-            | Statement::Commit { .. }
-            | Statement::Rollback { .. }
-            | Statement::Savepoint { .. }
-            | Statement::ReleaseSavepoint { .. }
-            | Statement::Reset(_)
-            | Statement::ShowVariable { .. }
-            | Statement::LISTEN { .. }
-            | Statement::UNLISTEN { .. }
-            | Statement::NOTIFY { .. }
-            | Statement::Declare { .. }
-            | Statement::Fetch { .. }
-            | Statement::Close { .. }
-            | Statement::Prepare { .. }
-            | Statement::Deallocate { .. }
-            | Statement::Discard { .. }
-            | Statement::Explain { .. } => ControlFlow::Continue(()),
-            Statement::Insert(_)
-            | Statement::Update(_)
-            | Statement::Delete(_)
-            | Statement::Merge(_)
-            | Statement::Copy { .. } => {
+            s if session_or_control(s) => ControlFlow::Continue(()),
+            s if reads_or_writes(s) => {
                 ControlFlow::Break("writes (triggers, defaults and rules are not in the text)")
             }
             _ => ControlFlow::Break("a statement the parse does not prove"),

@@ -1157,20 +1157,9 @@ impl Pooled {
             now = Instant::now();
         }
         if let Some(claim) = self.pool.catalog.claim(now) {
-            let mut names = Vec::new();
-            let read = tokio::time::timeout(
-                RESET_TIMEOUT,
-                conn.simple_query(catalog::CATALOG_SQL, |tag, body| {
-                    if tag == b'D'
-                        && let Some(n) = one_text(body)
-                    {
-                        names.push(n);
-                    }
-                }),
-            )
-            .await;
-            let ok = matches!(read, Ok(Ok(b'I')));
-            self.pool.catalog.finish(claim, ok.then_some(names), now);
+            let names = rows(&mut conn, catalog::CATALOG_SQL, one_text).await;
+            let ok = names.is_some();
+            self.pool.catalog.finish(claim, names, now);
             if !ok {
                 self.pool.close(conn);
                 return;
@@ -1184,6 +1173,31 @@ impl Pooled {
     /// refresh), so the caller may let it finish off its own path.
     pub fn release_has_work(&self, now: Instant) -> bool {
         self.conn.as_ref().is_some_and(|c| c.dirty.any()) || self.pool.catalog.claimable(now)
+    }
+
+    /// Counts and logs a session check that found state the text did not show (`found`), or
+    /// that failed (`None`: the connection is then closed), naming the statement's
+    /// fingerprint.
+    fn report(&self, conn: &BackendConn, found: Option<&verify::Found>) {
+        self.pool
+            .stats
+            .verify_differences
+            .fetch_add(1, Ordering::Relaxed);
+        let fingerprint = crate::classify::fingerprint_hex(conn.unproven_fingerprint);
+        match found {
+            None => tracing::warn!(
+                pool = %self.pool.name,
+                %fingerprint,
+                "the session check failed; the server connection is closed"
+            ),
+            Some(f) => tracing::warn!(
+                pool = %self.pool.name,
+                %fingerprint,
+                found = %f.shown.join(", "),
+                differences = f.count,
+                "a statement left session state the proxy could not see in its text; reset"
+            ),
+        }
     }
 
     /// Undoes what the client left on `conn` (`conn.dirty`): the targeted resets, `DISCARD
@@ -1223,7 +1237,6 @@ impl Pooled {
                 .stats
                 .verifications
                 .fetch_add(1, Ordering::Relaxed);
-            let mut rows = Vec::new();
             let mut sql = verify::verify_sql(seed());
             // RESET ALL also undid the client startup parameters the proxy applied: put them
             // back in the same request, so the backend still carries `conn.applied`.
@@ -1231,42 +1244,13 @@ impl Pooled {
                 sql.push(';');
                 sql.push_str(&again);
             }
-            let read = tokio::time::timeout(
-                RESET_TIMEOUT,
-                conn.simple_query(&sql, |tag, body| {
-                    if tag == b'D'
-                        && let Some(r) = verify::row(body)
-                    {
-                        rows.push(r);
-                    }
-                }),
-            )
-            .await;
-            if !matches!(read, Ok(Ok(b'I'))) {
-                self.pool
-                    .stats
-                    .verify_differences
-                    .fetch_add(1, Ordering::Relaxed);
-                tracing::warn!(
-                    pool = %self.pool.name,
-                    fingerprint = %crate::classify::fingerprint_hex(conn.unproven_fingerprint),
-                    "the session check failed; the server connection is closed"
-                );
+            let Some(rows) = rows(conn, &sql, verify::row).await else {
+                self.report(conn, None);
                 return false;
-            }
+            };
             let found = verify::judge(&rows, &conn.applied);
             if found.any() {
-                self.pool
-                    .stats
-                    .verify_differences
-                    .fetch_add(1, Ordering::Relaxed);
-                tracing::warn!(
-                    pool = %self.pool.name,
-                    fingerprint = %crate::classify::fingerprint_hex(conn.unproven_fingerprint),
-                    found = %found.shown.join(", "),
-                    differences = found.count,
-                    "a statement left session state the proxy could not see in its text; reset"
-                );
+                self.report(conn, Some(&found));
                 if found.beyond_settings && !run(conn, "DISCARD ALL").await {
                     return false;
                 }
@@ -1307,6 +1291,28 @@ async fn run(conn: &mut BackendConn, sql: &str) -> bool {
         tokio::time::timeout(RESET_TIMEOUT, conn.simple(sql)).await,
         Ok(Ok(b'I'))
     )
+}
+
+/// The DataRows of `sql` read by `parse` (rows it does not read are skipped); `None` when it
+/// failed, or did not end idle within [`RESET_TIMEOUT`].
+async fn rows<T>(
+    conn: &mut BackendConn,
+    sql: &str,
+    parse: fn(&[u8]) -> Option<T>,
+) -> Option<Vec<T>> {
+    let mut out = Vec::new();
+    let read = tokio::time::timeout(
+        RESET_TIMEOUT,
+        conn.simple_query(sql, |tag, body| {
+            if tag == b'D'
+                && let Some(r) = parse(body)
+            {
+                out.push(r);
+            }
+        }),
+    )
+    .await;
+    matches!(read, Ok(Ok(b'I'))).then_some(out)
 }
 
 /// The one text column of a DataRow (NULL and other shapes: `None`).

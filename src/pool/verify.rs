@@ -23,6 +23,14 @@
 //!   when it is more than settings (which the resets above already undid) the backend gets
 //!   `DISCARD ALL` too. An error closes the backend.
 
+/// The condition on `pg_settings` rows that the session set (`source` is `session`), other
+/// than the transaction's own characteristics and the proxy's `pgsluice.*` bookkeeping:
+/// shared by the check and the track mode's read-back (`session::state::capture_sql`).
+pub const SESSION_SETTINGS: &str = "source OPERATOR(pg_catalog.=) 'session' \
+     AND name OPERATOR(pg_catalog.<>) ALL ('{transaction_isolation, \
+     transaction_read_only, transaction_deferrable}'::pg_catalog.text[]) \
+     AND NOT name OPERATOR(pg_catalog.~~) 'pgsluice.%'";
+
 /// The check and the resets (see the module doc). Every name is schema-qualified: it runs
 /// under whatever `search_path` the session was left with.
 pub fn verify_sql(seed: f64) -> String {
@@ -30,10 +38,7 @@ pub fn verify_sql(seed: f64) -> String {
     format!(
         "SELECT k, v FROM (\
          SELECT 'setting' AS k, name AS v FROM pg_catalog.pg_settings \
-         WHERE source OPERATOR(pg_catalog.=) 'session' \
-         AND name OPERATOR(pg_catalog.<>) ALL ('{{transaction_isolation, \
-         transaction_read_only, transaction_deferrable}}'::pg_catalog.text[]) \
-         AND NOT name OPERATOR(pg_catalog.~~) 'pgsluice.%' \
+         WHERE {SESSION_SETTINGS} \
          UNION ALL SELECT 'role', pg_catalog.current_setting('role') \
          WHERE pg_catalog.current_setting('role') OPERATOR(pg_catalog.<>) 'none' \
          UNION ALL SELECT 'session_authorization', session_user::pg_catalog.text \

@@ -47,14 +47,12 @@ pub fn capture_sql(login_user: &str, custom: &[String]) -> String {
     }
     format!(
         "SELECT name, pg_catalog.current_setting(name) FROM pg_catalog.pg_settings \
-         WHERE source OPERATOR(pg_catalog.=) 'session' \
-         AND name OPERATOR(pg_catalog.<>) ALL ('{{transaction_isolation, \
-         transaction_read_only, transaction_deferrable}}'::pg_catalog.text[]) \
-         AND NOT name OPERATOR(pg_catalog.~~) 'pgsluice.%' \
+         WHERE {} \
          UNION ALL SELECT 'role', pg_catalog.current_setting('role') \
          WHERE pg_catalog.current_setting('role') OPERATOR(pg_catalog.<>) 'none' \
          UNION ALL SELECT 'session_authorization', session_user::pg_catalog.text \
-         WHERE session_user::pg_catalog.text OPERATOR(pg_catalog.<>) {user}{extra}"
+         WHERE session_user::pg_catalog.text OPERATOR(pg_catalog.<>) {user}{extra}",
+        crate::pool::verify::SESSION_SETTINGS
     )
 }
 
@@ -286,27 +284,7 @@ pub fn protocol_name_in_sql(verb: &str, name: &[u8]) -> PgError {
 
 /// Parses one DataRow of the capture query: (name, value).
 pub fn capture_row(body: &[u8]) -> Option<(String, String)> {
-    let cols = i16::from_be_bytes([*body.first()?, *body.get(1)?]);
-    if cols != 2 {
-        return None;
-    }
-    let mut rest = &body[2..];
-    let mut out = Vec::with_capacity(2);
-    for _ in 0..2 {
-        if rest.len() < 4 {
-            return None;
-        }
-        let n = i32::from_be_bytes([rest[0], rest[1], rest[2], rest[3]]);
-        rest = &rest[4..];
-        if n < 0 || rest.len() < n as usize {
-            return None;
-        }
-        out.push(String::from_utf8_lossy(&rest[..n as usize]).into_owned());
-        rest = &rest[n as usize..];
-    }
-    let value = out.pop()?;
-    let name = out.pop()?;
-    Some((name, value))
+    crate::pool::verify::row(body)
 }
 
 #[cfg(test)]

@@ -38,7 +38,7 @@ use tokio_util::sync::CancellationToken;
 
 use crate::support::faults::{Fault, FaultProxy};
 use crate::support::pg::{APP_DB, APP_USER, Cluster};
-use crate::support::proxy::{ADMIN_READ_TOKEN, Proxy, ProxyOptions};
+use crate::support::proxy::{Proxy, ProxyOptions};
 use crate::support::sql::{STEP, eventually, join, scalar, simple_values, sqlstate};
 use crate::support::{direct_mode, note_skipped, within};
 
@@ -84,19 +84,7 @@ pub(super) fn proxy(
 
 /// The `appdb/app` entry of `GET /v1/pools` (`Null` while that pool does not exist).
 pub(super) async fn pool_stats(proxy: &Proxy) -> serde_json::Value {
-    let (status, body) = proxy
-        .admin_request("GET", "/v1/pools", ADMIN_READ_TOKEN, None)
-        .await;
-    assert_eq!(status, 200, "GET /v1/pools: {body}");
-    let reply: serde_json::Value = serde_json::from_str(&body).expect("/v1/pools is JSON");
-    let name = format!("{APP_DB}/{APP_USER}");
-    reply["pools"]
-        .as_array()
-        .unwrap_or_else(|| panic!("GET /v1/pools: no array of pools in {reply}"))
-        .iter()
-        .find(|p| p["name"] == name.as_str())
-        .cloned()
-        .unwrap_or(serde_json::Value::Null)
+    proxy.app_pool().await
 }
 
 fn counter(stats: &serde_json::Value, name: &str) -> u64 {

@@ -21,28 +21,6 @@ fn setup(c: &Cluster) {
     user_code(c);
 }
 
-/// The `appdb/app` entry of `GET /v1/pools`.
-async fn pool_stats(proxy: &crate::support::proxy::Proxy) -> serde_json::Value {
-    let (status, body) = proxy
-        .admin_request(
-            "GET",
-            "/v1/pools",
-            crate::support::proxy::ADMIN_READ_TOKEN,
-            None,
-        )
-        .await;
-    assert_eq!(status, 200, "GET /v1/pools: {body}");
-    let reply: serde_json::Value = serde_json::from_str(&body).expect("/v1/pools is JSON");
-    let name = format!("{APP_DB}/{APP_USER}");
-    reply["pools"]
-        .as_array()
-        .expect("pools")
-        .iter()
-        .find(|p| p["name"] == name.as_str())
-        .cloned()
-        .unwrap_or(serde_json::Value::Null)
-}
-
 /// Each of these leaves (or, without the proxy's check, would leave) `app.tenant_id = 'a'`
 /// and more on the backend, without a visible `SET` or a literal setting name.
 const ATTACKS: &[&str] = &[
@@ -115,7 +93,7 @@ async fn spellings_a_token_scan_missed_leave_nothing_for_the_next_client() {
     assert_clean(proxy, "a call under standard_conforming_strings = off").await;
     drop(a);
 
-    let stats = pool_stats(proxy).await;
+    let stats = proxy.app_pool().await;
     let checks = stats["session_checks"].as_u64().expect("session_checks");
     let found = stats["session_check_differences"]
         .as_u64()
@@ -195,7 +173,7 @@ async fn the_strict_mode_resets_what_it_cannot_prove() {
             .unwrap_or_else(|e| panic!("{sql}: {e:?}"));
         assert_clean(proxy, sql).await;
     }
-    let stats = pool_stats(proxy).await;
+    let stats = proxy.app_pool().await;
     assert_eq!(stats["session_checks"], 0, "{stats}");
     proxy.assert_healthy().await;
 }

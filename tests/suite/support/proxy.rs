@@ -452,6 +452,23 @@ impl Proxy {
         );
     }
 
+    /// The `appdb/app` entry of `GET /v1/pools` (`Null` while that pool does not exist).
+    pub async fn app_pool(&self) -> serde_json::Value {
+        let (status, body) = self
+            .admin_request("GET", "/v1/pools", ADMIN_READ_TOKEN, None)
+            .await;
+        assert_eq!(status, 200, "GET /v1/pools: {body}");
+        let reply: serde_json::Value = serde_json::from_str(&body).expect("/v1/pools is JSON");
+        let name = format!("{APP_DB}/{APP_USER}");
+        reply["pools"]
+            .as_array()
+            .unwrap_or_else(|| panic!("GET /v1/pools: no array of pools in {reply}"))
+            .iter()
+            .find(|p| p["name"] == name.as_str())
+            .cloned()
+            .unwrap_or(serde_json::Value::Null)
+    }
+
     /// One HTTP/1.0 request to the admin API with `Authorization: Bearer token` (and a JSON
     /// body, if any); (status, body). Panics if the admin port does not answer in 15 s.
     pub async fn admin_request(
