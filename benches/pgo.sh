@@ -13,7 +13,7 @@
 # Needs rustc's own llvm-profdata (`rustup component add llvm-tools`). Two release builds,
 # in target/pgo-gen and target/pgo, and 16 s of training: about 15 minutes on 2 cores from
 # cold (the second build starts over each time: its flags name a new profile). The default
-# build does not use PGO (docs/BENCHMARKS.md, session 33: −18 % instructions per simple
+# build does not use PGO (docs/BENCHMARKS.md, PGO: −18 % instructions per simple
 # select; in three wall-clock A/Bs, a proxy CPU change only at -c 512 extended, −5 to −8 %).
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/ab-lib.sh"
