@@ -195,6 +195,13 @@ pub struct Admission {
 }
 
 impl Admission {
+    /// Only the caller's concurrency permit, the rest (a rule's slot, the breaker's
+    /// in-flight count) given back: what a client that keeps its backend between units
+    /// (pinned) holds while it idles.
+    pub fn into_caller_permit(self) -> CallerPermit {
+        self._permit
+    }
+
     /// Admitted as a half-open trial of the breaker.
     pub fn is_breaker_trial(&self) -> bool {
         self.ticket.is_probe()

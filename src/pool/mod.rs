@@ -1293,22 +1293,26 @@ async fn run(conn: &mut BackendConn, sql: &str) -> bool {
     )
 }
 
-/// The DataRows of `sql` read by `parse` (rows it does not read are skipped); `None` when it
-/// failed, or did not end idle within [`RESET_TIMEOUT`].
+/// The DataRows of the first statement of `sql` read by `parse` (rows it does not read, and
+/// the rows of later statements, are skipped); `None` when it failed, or did not end idle
+/// within [`RESET_TIMEOUT`].
 async fn rows<T>(
     conn: &mut BackendConn,
     sql: &str,
     parse: fn(&[u8]) -> Option<T>,
 ) -> Option<Vec<T>> {
     let mut out = Vec::new();
+    let mut first = true;
     let read = tokio::time::timeout(
         RESET_TIMEOUT,
-        conn.simple_query(sql, |tag, body| {
-            if tag == b'D'
-                && let Some(r) = parse(body)
-            {
-                out.push(r);
+        conn.simple_query(sql, |tag, body| match tag {
+            b'D' if first => {
+                if let Some(r) = parse(body) {
+                    out.push(r);
+                }
             }
+            b'C' => first = false,
+            _ => {}
         }),
     )
     .await;

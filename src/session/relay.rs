@@ -165,6 +165,10 @@ pub struct Relay {
     peer_ip: Option<std::net::IpAddr>,
     /// Admission of the current unit (caller permit held while the backend is).
     admission: Option<Admission>,
+    /// A pinned client's caller permit from its last unit, held between its units: the
+    /// backend it keeps counts against its caller's `max_concurrency` while it idles (given
+    /// up when its next unit is admitted, which takes a permit of its own).
+    pinned_hold: Option<crate::policy::limiter::CallerPermit>,
     /// The runtime snapshot of the current unit (loaded when its first statement is
     /// admitted): caller ids, limits, series and timeouts all come from it.
     rt: Arc<Runtime>,
@@ -316,6 +320,7 @@ impl Relay {
             classify_on,
             memo: Default::default(),
             admission: None,
+            pinned_hold: None,
             rt,
             stmt_admissions: Vec::new(),
             unit_caller: 0,

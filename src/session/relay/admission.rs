@@ -5,7 +5,8 @@
 //! transaction mode, one request batch in session mode). The first statement of a unit goes
 //! through full admission (rules, caller rate and concurrency with its queue, breaker), whose
 //! RAII permit is held until the unit ends — so a caller's concurrency is the number of
-//! backends it holds. Later statements of the unit are checked against the fingerprint rules.
+//! backends it holds (a client pinned to its backend keeps its last unit's permit between
+//! units). Later statements of the unit are checked against the fingerprint rules.
 
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
@@ -137,6 +138,8 @@ impl Relay {
         };
         let policy = &self.app.policy;
         let decided = if self.admission.is_none() {
+            // A pinned client's next unit competes for a permit like any other.
+            self.pinned_hold = None;
             policy
                 .admit_now(&self.rt.limits, &req)
                 .map(|r| r.map(Decided::Unit))
@@ -426,6 +429,12 @@ impl Relay {
         self.backstop = None;
         self.unanswered = None;
         self.opened_by_parse = None;
+        if self.pinned
+            && let Some(a) = self.admission.take()
+        {
+            // The backend stays with the client: so does the caller's permit for it.
+            self.pinned_hold = Some(a.into_caller_permit());
+        }
         self.admission = None;
         self.stmt_admissions.clear();
         self.hold_cursor = false;

@@ -309,3 +309,86 @@ async fn two_tenants_on_one_backend_never_see_each_others_rows() {
     drop(a_clients);
     proxy.assert_healthy().await;
 }
+
+/// A client pinned to its backend (LISTEN) holds that backend between its transactions, so
+/// it counts against its caller's `max_concurrency` then too: two listeners fill a caller of
+/// two, a third client of that caller is refused until one listener leaves.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pinned_clients_count_against_their_callers_concurrency() {
+    let yaml = "pool: { session_state: track }\n\
+                global_defaults: { max_concurrency: 2, queue_depth: 0, queue_timeout_ms: 0 }\n";
+    let env = start(4, yaml, |_| {});
+    let proxy = &env.proxy;
+    if proxy.is_direct() {
+        note_skipped("caller limits (direct mode has none)");
+        return;
+    }
+    let a = proxy.client().await;
+    a.batch_execute("LISTEN one").await.expect("A: LISTEN");
+    let b = proxy.client().await;
+    b.batch_execute("LISTEN two").await.expect("B: LISTEN");
+    // Idle listeners, each on its own backend: the caller is full.
+    let c = proxy.client().await;
+    let e = c
+        .batch_execute("SELECT 1")
+        .await
+        .expect_err("a third client of a caller of two, beside two pinned listeners");
+    assert_eq!(crate::support::sql::sqlstate(&e), "53300", "{e:?}");
+    assert!(
+        format!("{e:?}").contains("ERR_CALLER_LIMIT_EXCEEDED"),
+        "{e:?}"
+    );
+    // A listener's own next statement is admitted (its permit is its own).
+    assert_eq!(scalar(&a, "SELECT 2").await, "2");
+    drop(a);
+    crate::support::sql::eventually(STEP, "a place once a listener left", || async {
+        c.batch_execute("SELECT 1").await.is_ok()
+    })
+    .await;
+    drop(b);
+    proxy.assert_healthy().await;
+}
+
+/// What the check reads is only what a fresh session would not have: an unproven write of a
+/// client with startup settings of its own (put back with the check) is checked and found
+/// clean, again and again — no difference counted, nothing reset beyond the check.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_clean_unproven_unit_is_checked_and_found_clean() {
+    let env = start(1, "pool: { session_state: track }\n", |c| {
+        c.psql_on(
+            APP_DB,
+            &format!(
+                "CREATE TABLE public.plain (id int); GRANT INSERT ON public.plain TO {APP_USER};"
+            ),
+        );
+    });
+    let proxy = &env.proxy;
+    if proxy.is_direct() {
+        note_skipped("session checks (direct mode has none)");
+        return;
+    }
+    // Two settings (client_encoding, work_mem), then four: the statement that puts them
+    // back answers one row of as many columns, which the check must not read as its own.
+    let mut config = proxy.app_config();
+    config.options("-c work_mem=8MB");
+    let (two, _task) = proxy.client_with(&config).await;
+    config.application_name("writer");
+    config.options("-c work_mem=8MB -c search_path=public");
+    let (four, _task) = proxy.client_with(&config).await;
+    for i in 0..5 {
+        for w in [&two, &four] {
+            w.batch_execute(&format!("INSERT INTO plain VALUES ({i})"))
+                .await
+                .expect("insert");
+            assert_eq!(scalar(w, "SHOW work_mem").await, "8MB");
+        }
+        assert_eq!(scalar(&four, "SHOW application_name").await, "writer");
+    }
+    let stats = proxy.app_pool().await;
+    assert!(
+        stats["session_checks"].as_u64() >= Some(10),
+        "every write checked: {stats}"
+    );
+    assert_eq!(stats["session_check_differences"], 0, "{stats}");
+    assert_eq!(fresh_state(proxy).await, CLEAN);
+}
