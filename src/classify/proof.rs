@@ -13,11 +13,11 @@
 //!   setting that changes how Postgres reads the rest of it (`standard_conforming_strings`,
 //!   `backslash_quote`, `search_path`, which decides what an unqualified name means) or that
 //!   seeds `random()` (`seed`).
-//! - Every statement is a query (`SELECT`, `VALUES`, set operations), transaction control,
+//! - Every statement is a query (`SELECT`, `VALUES`, set operations), an `INSERT`, `UPDATE`
+//!   or `DELETE` of a named table (data-modifying CTEs included), transaction control,
 //!   `SET`/`RESET`/`SHOW`, `LISTEN`/`UNLISTEN`/`NOTIFY`, a cursor statement, SQL `PREPARE` /
-//!   `DEALLOCATE`, `DISCARD` or `EXPLAIN` of one of these. Writes are never proven: a
-//!   trigger, a column default, a rule or a row-security policy runs code the text does not
-//!   show. Neither is DDL, `EXECUTE`, `CALL`, `DO`, `COPY` or anything else.
+//!   `DEALLOCATE`, `DISCARD` or `EXPLAIN` of one of these. `MERGE`, `COPY`, DDL, `EXECUTE`,
+//!   `CALL`, `DO` and anything else are not.
 //! - Every function call is a built-in known to leave the session alone (unqualified or
 //!   `pg_catalog.`), or `set_config` with a plain literal name (read as Postgres reads it:
 //!   no escape string, no concatenation) and a literal `is_local`, or a session advisory lock
@@ -27,7 +27,8 @@
 //! A proven text still reads relations, applies operators and casts, and may name a function
 //! in attribute notation (`t.f`): a view, a row-security policy, a rule, a user-defined
 //! operator, a domain's check or a user function reached that way runs code the text does
-//! not show. Those names are returned in [`Proof::names`]; the pool checks them against the
+//! not show; and a write runs the target table's triggers, rules, defaults, checks and index
+//! expressions (its name comes with [`WRITE_PREFIX`]). Those names are returned in [`Proof::names`]; the pool checks them against the
 //! database's own catalog (`pool::catalog`) and treats the text as unproven when one of them
 //! is user code there.
 
@@ -54,6 +55,10 @@ pub const READING_SETTINGS: &[&str] = &[
     "client_encoding",
     "seed",
 ];
+
+/// The prefix of a write target's name in [`Proof::names`] (`write pgbench_history`): a
+/// space, which no unquoted name has.
+pub const WRITE_PREFIX: &str = "write ";
 
 /// [`Proof::unproven`]'s reason for a text sqlparser cannot parse.
 pub const DOES_NOT_PARSE: &str = "does not parse";
@@ -265,6 +270,34 @@ impl Walk {
         ControlFlow::Continue(())
     }
 
+    /// The table a write goes to: its write name (`write <name>`), which the pool's snapshot
+    /// lists when a write to it runs user code (a trigger, a rule, a default, a check, an
+    /// index expression, a cascade into such a table).
+    fn write_target(&mut self, o: &ObjectName) -> ControlFlow<&'static str> {
+        match o.0.last() {
+            // The system's writable views (`pg_settings`: its rule calls `set_config`).
+            Some(ObjectNamePart::Identifier(i))
+                if i.value
+                    .get(..3)
+                    .is_some_and(|p| p.eq_ignore_ascii_case("pg_")) =>
+            {
+                ControlFlow::Break("writes to a system relation")
+            }
+            Some(ObjectNamePart::Identifier(i)) => self.name(&format!("{WRITE_PREFIX}{}", i.value)),
+            _ => ControlFlow::Break("unfamiliar name"),
+        }
+    }
+
+    /// The target of an UPDATE or DELETE (its read name comes from the table walk).
+    fn write_factor(&mut self, t: &TableFactor) -> ControlFlow<&'static str> {
+        match t {
+            TableFactor::Table {
+                name, args: None, ..
+            } => self.write_target(name),
+            _ => ControlFlow::Break("writes to an unfamiliar target"),
+        }
+    }
+
     /// An operator symbol (user operators are symbols; `AND`, `OR`, `NOT` are syntax).
     fn operator(&mut self, op: &str) -> ControlFlow<&'static str> {
         if op.bytes().any(|b| b.is_ascii_alphabetic()) {
@@ -383,9 +416,25 @@ impl Visitor for Walk {
                 _ => ControlFlow::Continue(()),
             },
             s if session_or_control(s) => ControlFlow::Continue(()),
-            s if reads_or_writes(s) => {
-                ControlFlow::Break("writes (triggers, defaults and rules are not in the text)")
+            Statement::Insert(i) => match &i.table {
+                sqlparser::ast::TableObject::TableName(o) => {
+                    // Row security applies to the target too (a read name), and its
+                    // triggers, defaults, rules and checks to the write (a write name).
+                    self.last_part(o)?;
+                    self.write_target(o)
+                }
+                _ => ControlFlow::Break("writes through a table function"),
+            },
+            Statement::Update(u) => self.write_factor(&u.table.relation),
+            Statement::Delete(d) => {
+                if !d.tables.is_empty() {
+                    return ControlFlow::Break("a multi-table DELETE");
+                }
+                let (sqlparser::ast::FromTable::WithFromKeyword(from)
+                | sqlparser::ast::FromTable::WithoutKeyword(from)) = &d.from;
+                from.iter().try_for_each(|t| self.write_factor(&t.relation))
             }
+            s if reads_or_writes(s) => ControlFlow::Break("MERGE and COPY are not proven"),
             _ => ControlFlow::Break("a statement the parse does not prove"),
         }
     }
@@ -572,9 +621,8 @@ mod tests {
             "SET LOCAL standard_conforming_strings = off",
             "SELECT setseed(0.5)",
             // Catalog views that write, and writes in general.
+            "MERGE INTO t USING u ON t.a = u.a WHEN MATCHED THEN DELETE",
             "UPDATE pg_settings SET setting = 'x' WHERE name = 'search_path'",
-            "INSERT INTO t VALUES (1)",
-            "WITH d AS (DELETE FROM t RETURNING *) SELECT * FROM d",
             "SELECT * INTO newt FROM t",
             "COPY t FROM STDIN",
             // Everything else.
@@ -595,6 +643,10 @@ mod tests {
     fn what_may_change_the_catalog_is_marked() {
         for (sql, change) in [
             ("SELECT 1", false),
+            (
+                "MERGE INTO t USING u ON t.a = u.a WHEN MATCHED THEN DELETE",
+                false,
+            ),
             ("INSERT INTO t VALUES (1)", false),
             ("BEGIN; UPDATE t SET a = 1; COMMIT", false),
             ("CREATE VIEW v AS SELECT 1", true),
@@ -608,6 +660,27 @@ mod tests {
         ] {
             assert_eq!(prove(sql, true).catalog_change, change, "{sql}");
         }
+    }
+
+    /// A write is proven with its target's write name (what the pool checks for triggers,
+    /// rules, defaults).
+    #[test]
+    fn writes_name_their_target() {
+        assert_eq!(
+            names("INSERT INTO t (a) VALUES ($1) ON CONFLICT (a) DO UPDATE SET a = excluded.a"),
+            ["a", "t", "write t"]
+        );
+        assert_eq!(
+            names("UPDATE pgbench_accounts SET abalance = abalance + $1 WHERE aid = $2"),
+            ["+", "=", "pgbench_accounts", "write pgbench_accounts"]
+        );
+        assert_eq!(
+            names("WITH d AS (DELETE FROM s.t WHERE a = 1 RETURNING *) SELECT * FROM d"),
+            ["=", "d", "t", "write t"]
+        );
+        // A system view's rule calls set_config: never proven.
+        unproven("UPDATE pg_settings SET setting = 'x' WHERE name = 'search_path'");
+        unproven("UPDATE pg_catalog.pg_settings SET setting = 'x' WHERE name = 'search_path'");
     }
 
     #[test]

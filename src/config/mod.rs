@@ -392,7 +392,8 @@ pub enum SessionStateMode {
 }
 
 /// What a transaction-mode pool does after a unit whose statements the parse could not prove
-/// harmless (a write, a user function, `DO`, …) before another client gets the backend.
+/// harmless (a user function, a write that fires a trigger, `DO`, …) before another client
+/// gets the backend.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Default)]
 #[serde(rename_all = "lowercase")]
 pub enum UnprovenMode {

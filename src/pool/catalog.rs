@@ -1,7 +1,8 @@
 //! What a pool knows of its database's user code: the names a parse-proven statement may
 //! still reach user code through (views, foreign tables, row-security tables whose policies
-//! call user code, user functions and operators, domains with checks), read from Postgres's
-//! own catalog.
+//! call user code, user functions and operators, domains with checks; for writes, tables with
+//! user-code triggers, rules, defaults, checks or index expressions, or whose writes cascade
+//! into or are routed to such a table), read from Postgres's own catalog.
 //!
 //! Owns [`Catalog`]: the last snapshot of those names, its age and generation, and the claim
 //! on its refresh. The snapshot is read by [`CATALOG_SQL`] on a backend the pool is about to
@@ -30,14 +31,47 @@ use tokio::time::Instant;
 /// A snapshot older than this is read again before it is trusted.
 pub const CATALOG_TTL: Duration = Duration::from_secs(10);
 
-/// Reads the names of user code a proven statement could reach. It runs on a backend a
-/// client just used, under that client's settings: every name is schema-qualified.
+/// Reads the names of user code a proven statement could reach: relations whose reads may
+/// run it, function, operator and domain names, and (prefixed `write `) tables whose writes
+/// may run it. It runs on a backend a client just used, under that client's settings: every
+/// name is schema-qualified.
 pub const CATALOG_SQL: &str = "\
-WITH sys AS (SELECT pg_catalog.array_agg(oid) AS o FROM pg_catalog.pg_namespace \
+WITH RECURSIVE sys AS (SELECT pg_catalog.array_agg(oid) AS o FROM pg_catalog.pg_namespace \
  WHERE nspname OPERATOR(pg_catalog.=) ANY ('{pg_catalog,information_schema}'::pg_catalog.text[])), \
 userfn AS (SELECT p.oid, p.proname FROM pg_catalog.pg_proc p, sys \
  WHERE p.prolang OPERATOR(pg_catalog.<>) ALL ('{12,13}'::pg_catalog.oid[]) \
- AND p.pronamespace OPERATOR(pg_catalog.<>) ALL (sys.o)) \
+ AND p.pronamespace OPERATOR(pg_catalog.<>) ALL (sys.o)), \
+calls AS (SELECT d.classid, d.objid FROM pg_catalog.pg_depend d \
+ WHERE d.refclassid OPERATOR(pg_catalog.=) 'pg_catalog.pg_proc'::pg_catalog.regclass \
+ AND d.refobjid OPERATOR(pg_catalog.=) ANY (SELECT oid FROM userfn)), \
+hooked AS (\
+ SELECT t.tgrelid AS rel FROM pg_catalog.pg_trigger t \
+  WHERE t.tgfoid OPERATOR(pg_catalog.=) ANY (SELECT oid FROM userfn) \
+ UNION SELECT r.ev_class FROM pg_catalog.pg_rewrite r \
+  WHERE r.rulename OPERATOR(pg_catalog.<>) '_RETURN' \
+ UNION SELECT a.adrelid FROM pg_catalog.pg_attrdef a, calls \
+  WHERE calls.classid OPERATOR(pg_catalog.=) 'pg_catalog.pg_attrdef'::pg_catalog.regclass \
+  AND calls.objid OPERATOR(pg_catalog.=) a.oid \
+ UNION SELECT k.conrelid FROM pg_catalog.pg_constraint k, calls \
+  WHERE calls.classid OPERATOR(pg_catalog.=) 'pg_catalog.pg_constraint'::pg_catalog.regclass \
+  AND calls.objid OPERATOR(pg_catalog.=) k.oid AND k.conrelid OPERATOR(pg_catalog.<>) 0 \
+ UNION SELECT i.indrelid FROM pg_catalog.pg_index i, calls \
+  WHERE calls.classid OPERATOR(pg_catalog.=) 'pg_catalog.pg_class'::pg_catalog.regclass \
+  AND calls.objid OPERATOR(pg_catalog.=) i.indexrelid \
+ UNION SELECT a.attrelid FROM pg_catalog.pg_attribute a \
+  JOIN pg_catalog.pg_type t ON t.oid OPERATOR(pg_catalog.=) a.atttypid \
+  WHERE t.typtype OPERATOR(pg_catalog.=) 'd' AND a.attnum OPERATOR(pg_catalog.>) 0 \
+  AND EXISTS (SELECT FROM pg_catalog.pg_constraint k WHERE k.contypid OPERATOR(pg_catalog.=) t.oid) \
+ UNION SELECT c.oid FROM pg_catalog.pg_class c \
+  WHERE c.relkind OPERATOR(pg_catalog.=) ANY ('{v,f}'::pg_catalog.\"char\"[])), \
+closure(rel) AS (SELECT rel FROM hooked \
+ UNION SELECT x.up FROM closure, LATERAL (\
+  SELECT h.inhparent AS up FROM pg_catalog.pg_inherits h \
+   WHERE h.inhrelid OPERATOR(pg_catalog.=) closure.rel \
+  UNION ALL SELECT f.confrelid FROM pg_catalog.pg_constraint f \
+   WHERE f.conrelid OPERATOR(pg_catalog.=) closure.rel AND f.contype OPERATOR(pg_catalog.=) 'f' \
+   AND (f.confupdtype OPERATOR(pg_catalog.<>) ALL ('{a,r}'::pg_catalog.\"char\"[]) \
+    OR f.confdeltype OPERATOR(pg_catalog.<>) ALL ('{a,r}'::pg_catalog.\"char\"[]))) x) \
 SELECT c.relname::pg_catalog.text FROM pg_catalog.pg_class c, sys \
  WHERE c.relnamespace OPERATOR(pg_catalog.<>) ALL (sys.o) \
  AND (c.relkind OPERATOR(pg_catalog.=) ANY ('{v,f}'::pg_catalog.\"char\"[]) \
@@ -54,7 +88,9 @@ UNION SELECT o.oprname::pg_catalog.text FROM pg_catalog.pg_operator o \
  WHERE o.oprcode::pg_catalog.oid OPERATOR(pg_catalog.=) ANY (SELECT oid FROM userfn) \
 UNION SELECT t.typname::pg_catalog.text FROM pg_catalog.pg_type t, sys \
  WHERE t.typtype OPERATOR(pg_catalog.=) 'd' AND t.typnamespace OPERATOR(pg_catalog.<>) ALL (sys.o) \
- AND EXISTS (SELECT FROM pg_catalog.pg_constraint k WHERE k.contypid OPERATOR(pg_catalog.=) t.oid)";
+ AND EXISTS (SELECT FROM pg_catalog.pg_constraint k WHERE k.contypid OPERATOR(pg_catalog.=) t.oid) \
+UNION SELECT 'write ' OPERATOR(pg_catalog.||) c.relname::pg_catalog.text FROM pg_catalog.pg_class c \
+ WHERE c.oid OPERATOR(pg_catalog.=) ANY (SELECT rel FROM closure)";
 
 struct Snapshot {
     names: HashSet<Box<str>>,

@@ -1237,7 +1237,8 @@ impl Pooled {
                 .stats
                 .verifications
                 .fetch_add(1, Ordering::Relaxed);
-            let mut sql = verify::verify_sql(seed());
+            let login = crate::session::params::literal(&self.pool.login_user());
+            let mut sql = verify::verify_sql(seed(), &login);
             // RESET ALL also undid the client startup parameters the proxy applied: put them
             // back in the same request, so the backend still carries `conn.applied`.
             if let Some(again) = crate::session::params::apply_sql(&[], &conn.applied) {

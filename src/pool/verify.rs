@@ -8,8 +8,7 @@
 //!
 //! What it reads, as Postgres reports it, and what it then does:
 //! - settings whose source is the session, other than the ones the proxy applied for the
-//!   client; `role`, and `session_user` against the user the connection logged in as
-//!   (`pg_stat_activity.usename`, which `SET SESSION AUTHORIZATION` does not change);
+//!   client; `role`, and `session_user` against the user the connection logged in as;
 //! - listening channels, session advisory locks held, open (holdable) cursors, SQL-level
 //!   prepared statements, and objects in the session's temporary schema.
 //! - Then, unconditionally: `RESET SESSION AUTHORIZATION`, `RESET ROLE`, `RESET ALL` (custom
@@ -33,7 +32,7 @@ pub const SESSION_SETTINGS: &str = "source OPERATOR(pg_catalog.=) 'session' \
 
 /// The check and the resets (see the module doc). Every name is schema-qualified: it runs
 /// under whatever `search_path` the session was left with.
-pub fn verify_sql(seed: f64) -> String {
+pub fn verify_sql(seed: f64, login_user_literal: &str) -> String {
     let seed = seed.clamp(-1.0, 1.0);
     format!(
         "SELECT k, v FROM (\
@@ -42,9 +41,7 @@ pub fn verify_sql(seed: f64) -> String {
          UNION ALL SELECT 'role', pg_catalog.current_setting('role') \
          WHERE pg_catalog.current_setting('role') OPERATOR(pg_catalog.<>) 'none' \
          UNION ALL SELECT 'session_authorization', session_user::pg_catalog.text \
-         WHERE session_user OPERATOR(pg_catalog.<>) (SELECT a.usename FROM \
-         pg_catalog.pg_stat_activity a WHERE a.pid OPERATOR(pg_catalog.=) \
-         pg_catalog.pg_backend_pid()) \
+         WHERE session_user::pg_catalog.text OPERATOR(pg_catalog.<>) {login_user_literal} \
          UNION ALL SELECT 'listen', c FROM pg_catalog.pg_listening_channels() AS c \
          UNION ALL SELECT 'advisory lock', l.objid::pg_catalog.text FROM pg_catalog.pg_locks l \
          WHERE l.locktype OPERATOR(pg_catalog.=) 'advisory' \
@@ -53,7 +50,8 @@ pub fn verify_sql(seed: f64) -> String {
          UNION ALL SELECT 'prepared statement', name FROM pg_catalog.pg_prepared_statements \
          WHERE from_sql \
          UNION ALL SELECT 'temporary object', relname::pg_catalog.text FROM pg_catalog.pg_class \
-         WHERE relnamespace OPERATOR(pg_catalog.=) pg_catalog.pg_my_temp_schema()) AS d;\
+         WHERE pg_catalog.pg_my_temp_schema() OPERATOR(pg_catalog.<>) 0 \
+         AND relnamespace OPERATOR(pg_catalog.=) pg_catalog.pg_my_temp_schema()) AS d;\
          RESET SESSION AUTHORIZATION;RESET ROLE;RESET ALL;DISCARD SEQUENCES;\
          SELECT pg_catalog.setseed({seed:.17})"
     )
@@ -161,7 +159,8 @@ mod tests {
         assert_eq!(row(&b), Some(kv("listen", "jobs")));
         assert_eq!(row(&b[..7]), None);
         assert_eq!(row(&[0, 1, 0, 0, 0, 0]), None);
-        let sql = verify_sql(7.0);
+        let sql = verify_sql(7.0, "$u$app$u$");
+        assert!(sql.contains("<>) $u$app$u$"), "{sql}");
         assert!(sql.ends_with("setseed(1.00000000000000000)"), "{sql}");
     }
 }

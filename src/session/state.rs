@@ -10,9 +10,9 @@
 //!   backend is marked for the matching cleanup before reuse.
 //! - `session_state: pin` pins on any effect; `reject` refuses them with 0A000.
 //! - What the classifier cannot prove harmless (`SessionEffect::Unknown`: whatever the parse
-//!   does not prove — a write, a user function, `DO`, `CALL`, a FunctionCall message, a text
-//!   too long to read whole — and, decided by the relay, a read of a name that is user code
-//!   in the database) is never refused — that would refuse every stored-function call — but
+//!   does not prove — a user function, `DO`, `CALL`, a FunctionCall message, a text too long
+//!   to read whole — and, decided by the relay, a statement naming what is user code in the
+//!   database: a view, a table whose writes fire a trigger, …) is never refused — that would refuse every stored-function call — but
 //!   before the next client the backend is checked against Postgres and reset
 //!   (`pool.unproven: verify`, `pool::verify`) or gets `DISCARD ALL` (`reset`), in every
 //!   mode; in track mode the client's settings are read back first.
