@@ -150,6 +150,8 @@ pub struct Pool {
     pub stats: PoolStats,
     /// What this pool knows of its database's user code (`catalog.rs`).
     pub catalog: catalog::Catalog,
+    /// Statements whose session check has read the settings once (`verify.rs`).
+    pub checked: verify::Seen,
     /// How fast checkouts are served (the retry hints of its waiters).
     drain: crate::policy::drain::DrainRate,
     /// The adaptive concurrency limit, when `adaptive` is on.
@@ -258,6 +260,7 @@ impl Pool {
             greetings: Mutex::new(HashMap::new()),
             stats: PoolStats::default(),
             catalog: catalog::Catalog::default(),
+            checked: verify::Seen::default(),
             drain: crate::policy::drain::DrainRate::new(),
             adaptive,
             paused: AtomicBool::new(false),
@@ -1238,7 +1241,8 @@ impl Pooled {
                 .verifications
                 .fetch_add(1, Ordering::Relaxed);
             let login = crate::session::params::literal(&self.pool.login_user());
-            let mut sql = verify::verify_sql(seed(), &login);
+            let settings = self.pool.checked.first(conn.unproven_fingerprint);
+            let mut sql = verify::verify_sql(seed(), &login, settings);
             // RESET ALL also undid the client startup parameters the proxy applied: put them
             // back in the same request, so the backend still carries `conn.applied`.
             if let Some(again) = crate::session::params::apply_sql(&[], &conn.applied) {

@@ -8,7 +8,8 @@
 //!
 //! What it reads, as Postgres reports it, and what it then does:
 //! - settings whose source is the session, other than the ones the proxy applied for the
-//!   client; `role`, and `session_user` against the user the connection logged in as;
+//!   client (on a statement's first check in the pool: [`verify_sql`]); `role`, and
+//!   `session_user` against the user the connection logged in as;
 //! - listening channels, session advisory locks held, open (holdable) cursors, SQL-level
 //!   prepared statements, and objects in the session's temporary schema.
 //! - Then, unconditionally: `RESET SESSION AUTHORIZATION`, `RESET ROLE`, `RESET ALL` (custom
@@ -32,13 +33,24 @@ pub const SESSION_SETTINGS: &str = "source OPERATOR(pg_catalog.=) 'session' \
 
 /// The check and the resets (see the module doc). Every name is schema-qualified: it runs
 /// under whatever `search_path` the session was left with.
-pub fn verify_sql(seed: f64, login_user_literal: &str) -> String {
+///
+/// `settings`: compare the session's settings too. Reading `pg_settings` costs Postgres about
+/// a millisecond (it renders every setting), several times the rest of the check; the resets
+/// below undo settings whether or not they are read, so the comparison only names what was
+/// changed — done on a statement's first check in a pool ([`Seen`]).
+pub fn verify_sql(seed: f64, login_user_literal: &str, settings: bool) -> String {
     let seed = seed.clamp(-1.0, 1.0);
+    let settings = if settings {
+        format!(
+            "SELECT 'setting' AS k, name AS v FROM pg_catalog.pg_settings \
+             WHERE {SESSION_SETTINGS} UNION ALL "
+        )
+    } else {
+        String::new()
+    };
     format!(
-        "SELECT k, v FROM (\
-         SELECT 'setting' AS k, name AS v FROM pg_catalog.pg_settings \
-         WHERE {SESSION_SETTINGS} \
-         UNION ALL SELECT 'role', pg_catalog.current_setting('role') \
+        "SELECT k, v FROM ({settings}\
+         SELECT 'role' AS k, pg_catalog.current_setting('role') AS v \
          WHERE pg_catalog.current_setting('role') OPERATOR(pg_catalog.<>) 'none' \
          UNION ALL SELECT 'session_authorization', session_user::pg_catalog.text \
          WHERE session_user::pg_catalog.text OPERATOR(pg_catalog.<>) {login_user_literal} \
@@ -55,6 +67,25 @@ pub fn verify_sql(seed: f64, login_user_literal: &str) -> String {
          RESET SESSION AUTHORIZATION;RESET ROLE;RESET ALL;DISCARD SEQUENCES;\
          SELECT pg_catalog.setseed({seed:.17})"
     )
+}
+
+/// The statements (fingerprints) whose first check in a pool has been done, bounded: forgotten
+/// all at once when full, so each is compared in full again now and then.
+#[derive(Default)]
+pub struct Seen(parking_lot::Mutex<foldhash::HashSet<u64>>);
+
+/// Fingerprints [`Seen`] keeps before it starts over.
+const SEEN_MAX: usize = 4096;
+
+impl Seen {
+    /// Whether `fingerprint`'s check is its first (since the set last started over).
+    pub fn first(&self, fingerprint: u64) -> bool {
+        let mut set = self.0.lock();
+        if set.len() >= SEEN_MAX {
+            set.clear();
+        }
+        set.insert(fingerprint)
+    }
 }
 
 /// The differences the check found.
@@ -159,8 +190,14 @@ mod tests {
         assert_eq!(row(&b), Some(kv("listen", "jobs")));
         assert_eq!(row(&b[..7]), None);
         assert_eq!(row(&[0, 1, 0, 0, 0, 0]), None);
-        let sql = verify_sql(7.0, "$u$app$u$");
-        assert!(sql.contains("<>) $u$app$u$"), "{sql}");
+        let sql = verify_sql(7.0, "$u$app$u$", true);
+        assert!(
+            sql.contains("<>) $u$app$u$") && sql.contains("pg_settings"),
+            "{sql}"
+        );
+        assert!(!verify_sql(0.5, "$u$app$u$", false).contains("pg_settings"));
+        let seen = Seen::default();
+        assert!(seen.first(7) && !seen.first(7) && seen.first(8));
         assert!(sql.ends_with("setseed(1.00000000000000000)"), "{sql}");
     }
 }
