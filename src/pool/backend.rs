@@ -687,16 +687,34 @@ impl BackendConn {
     pub async fn simple_query(
         &mut self,
         sql: &str,
-        mut each: impl FnMut(u8, &[u8]),
+        each: impl FnMut(u8, &[u8]),
     ) -> Result<u8, ConnectError> {
         let mut out = BytesMut::new();
         crate::protocol::messages::query(&mut out, sql);
-        self.stream.write_all(&out).await?;
+        self.request(&out, 1, each).await
+    }
+
+    /// [`BackendConn::simple_query`] for requests the caller framed itself (`out`, one write)
+    /// that end in `readies` ReadyForQuery messages (a Sync or a Query each): every message
+    /// up to the last goes to `each`; the status of the last, or the first error once all
+    /// have come.
+    pub async fn request(
+        &mut self,
+        out: &[u8],
+        mut readies: usize,
+        mut each: impl FnMut(u8, &[u8]),
+    ) -> Result<u8, ConnectError> {
+        self.stream.write_all(out).await?;
         let mut buf = BytesMut::new();
         let mut err = None;
         loop {
             let (tag, body) = read_message(&mut self.stream, &mut buf).await?;
             if tag == backend::READY_FOR_QUERY {
+                readies = readies.saturating_sub(1);
+                if readies > 0 {
+                    each(tag, &body);
+                    continue;
+                }
                 return err.map_or(Ok(body.first().copied().unwrap_or(status::IDLE)), Err);
             }
             each(tag, &body);

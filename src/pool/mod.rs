@@ -29,8 +29,11 @@ use parking_lot::Mutex;
 use tokio::sync::Semaphore;
 use tokio::time::Instant;
 
+use bytes::BytesMut;
+
 use crate::config::{PoolConfig, PoolMode};
 use crate::protocol::PgError;
+use crate::protocol::messages;
 
 pub use backend::{BackendConn, ConnectError, ConnectParams, Dirt, Endpoint};
 
@@ -1160,7 +1163,9 @@ impl Pooled {
             now = Instant::now();
         }
         if let Some(claim) = self.pool.catalog.claim(now) {
-            let names = rows(&mut conn, catalog::CATALOG_SQL, one_text).await;
+            let mut out = BytesMut::new();
+            messages::query(&mut out, catalog::CATALOG_SQL);
+            let names = rows(&mut conn, &out, 1, one_text).await;
             let ok = names.is_some();
             self.pool.catalog.finish(claim, names, now);
             if !ok {
@@ -1242,14 +1247,24 @@ impl Pooled {
                 .fetch_add(1, Ordering::Relaxed);
             let login = crate::session::params::literal(&self.pool.login_user());
             let settings = self.pool.checked.first(conn.unproven_fingerprint);
-            let mut sql = verify::verify_sql(seed(), &login, settings);
+            let mut resets = verify::resets_sql(seed());
             // RESET ALL also undid the client startup parameters the proxy applied: put them
             // back in the same request, so the backend still carries `conn.applied`.
             if let Some(again) = crate::session::params::apply_sql(&[], &conn.applied) {
-                sql.push(';');
-                sql.push_str(&again);
+                resets.push(';');
+                resets.push_str(&again);
             }
-            let Some(rows) = rows(conn, &sql, verify::row).await else {
+            let check = verify::check_sql(&login, settings);
+            let mut out = BytesMut::new();
+            let readies = if settings {
+                messages::query(&mut out, &format!("{check};{resets}"));
+                1
+            } else {
+                prepared_check(conn, &check, &mut out);
+                messages::query(&mut out, &resets);
+                2
+            };
+            let Some(rows) = rows(conn, &out, readies, verify::row).await else {
                 self.report(conn, None);
                 return false;
             };
@@ -1298,22 +1313,24 @@ async fn run(conn: &mut BackendConn, sql: &str) -> bool {
     )
 }
 
-/// The DataRows of the first statement of `sql` read by `parse` (rows it does not read, and
-/// the rows of later statements, are skipped); `None` when it failed, or did not end idle
-/// within [`RESET_TIMEOUT`].
+/// The DataRows of the first statement of the request `out` (ending in `readies`
+/// ReadyForQuery messages) read by `parse` (rows it does not read, and the rows of later
+/// statements, are skipped); `None` when it failed, or did not end idle within
+/// [`RESET_TIMEOUT`].
 async fn rows<T>(
     conn: &mut BackendConn,
-    sql: &str,
+    out: &[u8],
+    readies: usize,
     parse: fn(&[u8]) -> Option<T>,
 ) -> Option<Vec<T>> {
-    let mut out = Vec::new();
+    let mut rows = Vec::new();
     let mut first = true;
     let read = tokio::time::timeout(
         RESET_TIMEOUT,
-        conn.simple_query(sql, |tag, body| match tag {
+        conn.request(out, readies, |tag, body| match tag {
             b'D' if first => {
                 if let Some(r) = parse(body) {
-                    out.push(r);
+                    rows.push(r);
                 }
             }
             b'C' => first = false,
@@ -1321,8 +1338,35 @@ async fn rows<T>(
         }),
     )
     .await;
-    matches!(read, Ok(Ok(b'I'))).then_some(out)
+    matches!(read, Ok(Ok(b'I'))).then_some(rows)
 }
+
+/// Frames the check `sql` (no parameters) as Bind, Execute and Sync of a statement prepared
+/// on `conn` once (a Parse first when its cache lacks it, after closing what that evicts).
+fn prepared_check(conn: &mut BackendConn, sql: &str, out: &mut BytesMut) {
+    const NO_TYPES: &[u8] = b"\0\0";
+    let hash = xxhash_rust::xxh3::xxh3_64_with_seed(sql.as_bytes(), CHECK_SEED);
+    let name = prepared::server_name(hash);
+    let lookup = conn.prepared.touch(hash, sql.as_bytes(), NO_TYPES);
+    if lookup == prepared::Lookup::Collision {
+        // Another text under this name: closed before this one is prepared.
+        messages::target(out, b'C', b'S', &name);
+    }
+    if lookup != prepared::Lookup::Hit {
+        for old in conn.prepared.insert(hash, sql.as_bytes(), NO_TYPES) {
+            messages::target(out, b'C', b'S', &prepared::server_name(old));
+        }
+        messages::parse_named(out, &name, sql.as_bytes(), NO_TYPES);
+    }
+    // No parameters, text results.
+    messages::bind_renamed(out, b"", &name, b"\0\0\0\0\0\0");
+    messages::raw(out, b'E', &[b"\0", &0i32.to_be_bytes()]);
+    messages::raw(out, b'S', &[]);
+}
+
+/// Seeds the hash that names the check's prepared statement (apart from the clients', which
+/// are seeded per process).
+const CHECK_SEED: u64 = 0x05e5_510c_4ec4;
 
 /// The one text column of a DataRow (NULL and other shapes: `None`).
 fn one_text(body: &[u8]) -> Option<String> {

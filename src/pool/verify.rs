@@ -10,7 +10,8 @@
 //! - settings whose source is the session, other than the ones the proxy applied for the
 //!   client (on a statement's first check in the pool: [`verify_sql`]); `role`, and
 //!   `session_user` against the user the connection logged in as;
-//! - listening channels, session advisory locks held, open (holdable) cursors, SQL-level
+//! - listening channels, session advisory locks held, holdable cursors (the check's own
+//!   portal is listed too, and is not one), SQL-level
 //!   prepared statements, and objects in the session's temporary schema.
 //! - Then, unconditionally: `RESET SESSION AUTHORIZATION`, `RESET ROLE`, `RESET ALL` (custom
 //!   placeholder settings such as `app.tenant` are invisible to any catalog view, so they
@@ -31,15 +32,16 @@ pub const SESSION_SETTINGS: &str = "source OPERATOR(pg_catalog.=) 'session' \
      transaction_read_only, transaction_deferrable}'::pg_catalog.text[]) \
      AND NOT name OPERATOR(pg_catalog.~~) 'pgsluice.%'";
 
-/// The check and the resets (see the module doc). Every name is schema-qualified: it runs
-/// under whatever `search_path` the session was left with.
+/// The check (see the module doc): one statement of `(kind, value)` rows. Every name is
+/// schema-qualified: it runs under whatever `search_path` the session was left with.
 ///
 /// `settings`: compare the session's settings too. Reading `pg_settings` costs Postgres about
 /// a millisecond (it renders every setting), several times the rest of the check; the resets
-/// below undo settings whether or not they are read, so the comparison only names what was
-/// changed — done on a statement's first check in a pool ([`Seen`]).
-pub fn verify_sql(seed: f64, login_user_literal: &str, settings: bool) -> String {
-    let seed = seed.clamp(-1.0, 1.0);
+/// undo settings whether or not they are read, so the comparison only names what was changed
+/// — done on a statement's first check in a pool ([`Seen`]). Without it the text depends on
+/// the login user alone, and the pool prepares it once per connection (planning it costs
+/// Postgres more than running it).
+pub fn check_sql(login_user_literal: &str, settings: bool) -> String {
     let settings = if settings {
         format!(
             "SELECT 'setting' AS k, name AS v FROM pg_catalog.pg_settings \
@@ -58,13 +60,20 @@ pub fn verify_sql(seed: f64, login_user_literal: &str, settings: bool) -> String
          UNION ALL SELECT 'advisory lock', l.objid::pg_catalog.text FROM pg_catalog.pg_locks l \
          WHERE l.locktype OPERATOR(pg_catalog.=) 'advisory' \
          AND l.pid OPERATOR(pg_catalog.=) pg_catalog.pg_backend_pid() \
-         UNION ALL SELECT 'cursor', name FROM pg_catalog.pg_cursors \
+         UNION ALL SELECT 'cursor', name FROM pg_catalog.pg_cursors WHERE is_holdable \
          UNION ALL SELECT 'prepared statement', name FROM pg_catalog.pg_prepared_statements \
          WHERE from_sql \
          UNION ALL SELECT 'temporary object', relname::pg_catalog.text FROM pg_catalog.pg_class \
          WHERE pg_catalog.pg_my_temp_schema() OPERATOR(pg_catalog.<>) 0 \
-         AND relnamespace OPERATOR(pg_catalog.=) pg_catalog.pg_my_temp_schema()) AS d;\
-         RESET SESSION AUTHORIZATION;RESET ROLE;RESET ALL;DISCARD SEQUENCES;\
+         AND relnamespace OPERATOR(pg_catalog.=) pg_catalog.pg_my_temp_schema()) AS d"
+    )
+}
+
+/// The resets that follow every check (see the module doc), with a new random seed.
+pub fn resets_sql(seed: f64) -> String {
+    let seed = seed.clamp(-1.0, 1.0);
+    format!(
+        "RESET SESSION AUTHORIZATION;RESET ROLE;RESET ALL;DISCARD SEQUENCES;\
          SELECT pg_catalog.setseed({seed:.17})"
     )
 }
@@ -190,12 +199,13 @@ mod tests {
         assert_eq!(row(&b), Some(kv("listen", "jobs")));
         assert_eq!(row(&b[..7]), None);
         assert_eq!(row(&[0, 1, 0, 0, 0, 0]), None);
-        let sql = verify_sql(7.0, "$u$app$u$", true);
+        let sql = check_sql("$u$app$u$", true);
         assert!(
             sql.contains("<>) $u$app$u$") && sql.contains("pg_settings"),
             "{sql}"
         );
-        assert!(!verify_sql(0.5, "$u$app$u$", false).contains("pg_settings"));
+        assert!(!check_sql("$u$app$u$", false).contains("pg_settings"));
+        assert!(resets_sql(7.0).ends_with("setseed(1.00000000000000000)"));
         let seen = Seen::default();
         assert!(seen.first(7) && !seen.first(7) && seen.first(8));
         assert!(sql.ends_with("setseed(1.00000000000000000)"), "{sql}");
