@@ -583,6 +583,11 @@ mod tests {
             ["count", "id", "lower", "name", "users"]
         );
         assert_eq!(names("BEGIN; SELECT now(); COMMIT"), ["now"]);
+        // The SQL-standard value functions (no parentheses) are built-ins too.
+        assert_eq!(
+            names("INSERT INTO h (a, t, u) VALUES (1, CURRENT_TIMESTAMP, current_user)"),
+            ["current_timestamp", "current_user", "h", "write h"]
+        );
         assert_eq!(names("SELECT x::my_domain FROM t"), ["my_domain", "t"]);
         for ok in [
             "SET statement_timeout = 5",

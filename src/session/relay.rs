@@ -1027,9 +1027,11 @@ impl Relay {
             }
         };
         if doubt {
-            // As for `SessionEffect::Unknown` (`state::assess`).
+            // Checked or reset as for `SessionEffect::Unknown` (`state::assess`), but not read
+            // back for the client: what a trigger, a view or a default changes in the session
+            // is not the client's to keep (reading settings back costs Postgres a render of
+            // `pg_settings` per unit), and the check undoes it.
             a.dirt.merge(state::unproven_dirt(cfg.unproven));
-            a.capture |= cfg.session_state == crate::config::SessionStateMode::Track && !a.pin;
         }
         if let Some(e) = a.reject {
             return Err(e);
