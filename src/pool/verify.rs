@@ -208,6 +208,5 @@ mod tests {
         assert!(resets_sql(7.0).ends_with("setseed(1.00000000000000000)"));
         let seen = Seen::default();
         assert!(seen.first(7) && !seen.first(7) && seen.first(8));
-        assert!(sql.ends_with("setseed(1.00000000000000000)"), "{sql}");
     }
 }
