@@ -697,7 +697,7 @@ impl Default for LimitsConfig {
             max_client_conn: 10_000,
             handshake_timeout_ms: 10_000,
             max_handshakes: 512,
-            max_handshakes_per_address: 256,
+            max_handshakes_per_address: 64,
             max_cancels_per_address: 32,
             shutdown_timeout_ms: 30_000,
             client_write_timeout_ms: 30_000,

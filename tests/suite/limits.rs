@@ -296,6 +296,40 @@ async fn prepared_statement_bytes_are_bounded_per_client_and_per_backend() {
 
 const OTHER: Ipv4Addr = Ipv4Addr::new(127, 0, 0, 2);
 
+/// With the default limits, two addresses of silent sockets (a slowloris from two hosts) hold
+/// only their two shares of the handshake slots: a third address logs in at once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_addresses_cannot_fill_the_handshake_cap() {
+    if direct_mode() {
+        note_skipped("per-address handshake limits of pgsluice");
+        return;
+    }
+    let env = common::start(2, "limits:\n  handshake_timeout_ms: 30000\n", |_| {});
+    let proxy = &env.proxy;
+    let addr = proxy.addr();
+    let mut silent = Vec::new();
+    for from in [Ipv4Addr::LOCALHOST, OTHER] {
+        // The default share (64), and more that wait for it: two addresses' worth of
+        // sockets that would fill all 512 slots if a share were half of them.
+        for _ in 0..260 {
+            let mut s = connect_from(from, addr).await;
+            s.write_all(&[0, 0]).await.expect("a first byte");
+            silent.push(s);
+        }
+    }
+    eventually(
+        Duration::from_secs(10),
+        "two shares in progress",
+        || async { metric(proxy, "pgsluice_client_handshakes").await == Some(128.0) },
+    )
+    .await;
+    let t = Instant::now();
+    select_one_over(proxy, connect_from(Ipv4Addr::new(127, 0, 0, 3), addr).await).await;
+    assert!(t.elapsed() < Duration::from_secs(5), "{:?}", t.elapsed());
+    drop(silent);
+    proxy.assert_healthy().await;
+}
+
 /// A TCP connection to `addr` from the local address `from`.
 async fn connect_from(from: Ipv4Addr, addr: SocketAddr) -> TcpStream {
     let socket = TcpSocket::new_v4().expect("socket");
@@ -392,16 +426,16 @@ async fn item12_one_address_holds_only_its_share_of_handshakes() {
     tokio::time::sleep(Duration::from_millis(500)).await;
     assert!(!fifth.is_finished(), "the fifth waits, it is not refused");
     assert_eq!(metric(proxy, "pgsluice_client_handshakes").await, Some(4.0));
-    // ... and so do 15 more, up to 4 × the share waiting; beyond, refused at once, naming
-    // the per-address limit.
+    // ... and so do more, up to WAITING_PER_SHARE × the share waiting; beyond, refused at
+    // once, naming the per-address limit.
     let mut waiting = Vec::new();
-    for _ in 0..15 {
+    for _ in 0..4 * pgsluice::session::WAITING_PER_SHARE - 1 {
         waiting.push(connect_from(Ipv4Addr::LOCALHOST, addr).await);
     }
     tokio::time::sleep(Duration::from_millis(300)).await;
     let t = Instant::now();
     let err = match proxy.try_client_with(&proxy.app_config()).await {
-        Ok(_) => panic!("a 21st connection from 127.0.0.1 was accepted"),
+        Ok(_) => panic!("a connection beyond the waiting share of 127.0.0.1 was accepted"),
         Err(e) => e,
     };
     assert!(t.elapsed() < Duration::from_secs(2), "{:?}", t.elapsed());
