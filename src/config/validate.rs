@@ -842,7 +842,7 @@ mod tests {
                 c.limits.max_handshakes_per_address,
                 c.limits.max_cancels_per_address
             ),
-            (256, 32)
+            (64, 32)
         );
         let errs = Config::from_yaml(
             "limits:\n  max_handshakes_per_address: 0\n  max_cancels_per_address: 0\n",
