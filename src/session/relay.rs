@@ -29,9 +29,9 @@
 //! socket takes whole (one `poll_write` under a no-op waker, [`write_now`]), and the whole
 //! of a backend read that needs nothing else ([`Relay::on_backend_now`]); requests are
 //! dispatched in [`Relay::on_client_data`] itself. Together −14 to −15 % instructions per
-//! simple select (docs/BENCHMARKS.md, "What was tried and what it gave"). The client side was tried the
-//! same way (a Query admitted and sent without a future) and measured slower; it stays
-//! async.
+//! simple select (docs/BENCHMARKS.md, "What was tried and what it gave"). The client side
+//! was tried the same way (a Query admitted and sent without a future) and measured slower;
+//! it stays async.
 
 use std::future::Future;
 use std::pin::Pin;

@@ -21,6 +21,17 @@ fn setup(c: &Cluster) {
     user_code(c);
 }
 
+/// A cluster with [`user_code`] and a proxy of one backend configured by `yaml`; `None` (and
+/// a note) when the suite runs straight at Postgres, where no backend is shared.
+fn one_backend(yaml: &str) -> Option<crate::support::env::Env> {
+    let env = start(1, yaml, setup);
+    if env.proxy.is_direct() {
+        note_skipped("backend sharing (direct mode has none)");
+        return None;
+    }
+    Some(env)
+}
+
 /// Each of these leaves (or, without the proxy's check, would leave) `app.tenant_id = 'a'`
 /// and more on the backend, without a visible `SET` or a literal setting name.
 const ATTACKS: &[&str] = &[
@@ -59,12 +70,10 @@ async fn assert_clean(proxy: &crate::support::proxy::Proxy, after: &str) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn spellings_a_token_scan_missed_leave_nothing_for_the_next_client() {
-    let env = start(1, "pool: { session_state: track }\n", setup);
-    let proxy = &env.proxy;
-    if proxy.is_direct() {
-        note_skipped("backend sharing (direct mode has none)");
+    let Some(env) = one_backend("pool: { session_state: track }\n") else {
         return;
-    }
+    };
+    let proxy = &env.proxy;
     for sql in ATTACKS {
         // The simple protocol, and the extended one (tokio-postgres prepares a statement).
         let a = proxy.client().await;
@@ -156,16 +165,10 @@ async fn a_chosen_random_seed_does_not_reach_the_next_client() {
 /// `pool.unproven: reset` resets without asking; the next client is as clean.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_strict_mode_resets_what_it_cannot_prove() {
-    let env = start(
-        1,
-        "pool: { session_state: track, unproven: reset }\n",
-        setup,
-    );
-    let proxy = &env.proxy;
-    if proxy.is_direct() {
-        note_skipped("backend sharing (direct mode has none)");
+    let Some(env) = one_backend("pool: { session_state: track, unproven: reset }\n") else {
         return;
-    }
+    };
+    let proxy = &env.proxy;
     for sql in ATTACKS {
         let a = proxy.client().await;
         within(STEP, sql, a.batch_execute(sql))
@@ -183,12 +186,10 @@ async fn the_strict_mode_resets_what_it_cannot_prove() {
 /// unnamed statement was parsed on an earlier backend has it parsed again.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_unnamed_statement_never_outlives_its_client() {
-    let env = start(1, "pool: { session_state: track }\n", setup);
-    let proxy = &env.proxy;
-    if proxy.is_direct() {
-        note_skipped("backend sharing (direct mode has none)");
+    let Some(env) = one_backend("pool: { session_state: track }\n") else {
         return;
-    }
+    };
+    let proxy = &env.proxy;
     let mut a = wire(proxy).await;
     a.parse(
         "",
@@ -239,12 +240,10 @@ async fn an_unnamed_statement_never_outlives_its_client() {
 /// nothing or their own tenant inside a transaction. B never reads a row of A.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn two_tenants_on_one_backend_never_see_each_others_rows() {
-    let env = start(1, "pool: { session_state: track }\n", setup);
-    let proxy = &env.proxy;
-    if proxy.is_direct() {
-        note_skipped("backend sharing (direct mode has none)");
+    let Some(env) = one_backend("pool: { session_state: track }\n") else {
         return;
-    }
+    };
+    let proxy = &env.proxy;
     let a_ways: Vec<String> = ATTACKS
         .iter()
         .filter(|s| !s.contains("pg_settings"))
