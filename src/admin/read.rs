@@ -15,6 +15,7 @@ use serde::Serialize;
 
 use super::AdminState;
 use super::error::{ApiError, NoQuery, truncate};
+use crate::observe::arrival_series::ArrivalSample;
 use crate::observe::metrics::{
     BREAKER_CLOSED, BREAKER_HALF_OPEN, BREAKER_OPEN, CallerSample, FleetSample, PoolSample, Scrape,
 };
@@ -147,8 +148,24 @@ fn scrape(st: &AdminState) -> Scrape {
     let app = &st.app;
     let breaker = app.policy.breaker();
     let u = |n: usize| u64::try_from(n).unwrap_or(u64::MAX);
+    let pools = pool_snapshots(st);
+    let callers = app.policy.callers();
+    let arrivals = pools
+        .iter()
+        .map(|p| ArrivalSample {
+            queue: "pool",
+            name: p.name.clone(),
+            stats: p.arrival,
+        })
+        .chain(callers.iter().map(|c| ArrivalSample {
+            queue: "caller",
+            name: c.name.clone(),
+            stats: c.arrival,
+        }))
+        .collect();
     Scrape {
-        pools: pool_snapshots(st)
+        arrivals,
+        pools: pools
             .into_iter()
             .map(|p| PoolSample {
                 size: u(p.size),
@@ -177,9 +194,7 @@ fn scrape(st: &AdminState) -> Scrape {
                 name: p.name,
             })
             .collect(),
-        callers: app
-            .policy
-            .callers()
+        callers: callers
             .into_iter()
             .map(|c| CallerSample {
                 in_flight: c.in_flight.into(),

@@ -32,6 +32,7 @@ use prometheus::{
     Registry, TextEncoder,
 };
 
+use super::arrival_series::{ArrivalSample, ArrivalSeries};
 pub use super::pool_series::{MAX_POOL_SERIES, PoolSample};
 use super::pool_series::{PoolSeries, reg};
 
@@ -108,6 +109,8 @@ pub struct CallerSample {
 pub struct Scrape {
     pub pools: Vec<PoolSample>,
     pub callers: Vec<CallerSample>,
+    /// The arrival decisions of the pools' and callers' queues.
+    pub arrivals: Vec<ArrivalSample>,
     pub client_connections: u64,
     pub client_connections_accepted: u64,
     pub handshakes_in_progress: u64,
@@ -322,6 +325,7 @@ struct CallerHandles {
 
 struct ScrapeSeries {
     pools: PoolSeries,
+    arrivals: ArrivalSeries,
     clients: IntGauge,
     clients_accepted: IntCounter,
     handshakes: IntGauge,
@@ -646,6 +650,7 @@ impl ScrapeSeries {
         let counter = |name: &str, help: &str| reg(r, IntCounter::new(name, help));
         ScrapeSeries {
             pools: PoolSeries::register(r),
+            arrivals: ArrivalSeries::register(r),
             clients: gauge(
                 "pgsluice_client_connections",
                 "Client connections currently open.",
@@ -733,6 +738,7 @@ impl ScrapeSeries {
 
     fn set(&self, s: &Scrape) {
         self.pools.set(&s.pools);
+        self.arrivals.set(&s.arrivals);
         self.clients.set(gauge_value(s.client_connections));
         set_counter(&self.clients_accepted, s.client_connections_accepted);
         self.handshakes.set(gauge_value(s.handshakes_in_progress));

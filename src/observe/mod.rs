@@ -3,6 +3,7 @@
 //! connection and refusal log lines. Imports nothing else of ours.
 
 pub mod anomaly;
+pub mod arrival_series;
 pub mod log_limit;
 pub mod metrics;
 pub mod pool_series;

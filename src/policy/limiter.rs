@@ -17,6 +17,10 @@
 //!   (client gone, outer timeout) the guard removes it from the queue, or — if a slot was
 //!   handed to it in the same instant — passes that slot on. No slot can leak.
 //!
+//! A newcomer that finds every slot taken is decided at arrival ([`Arrival`]): it queues when
+//! its expected wait fits its deadline, else it is refused at once with its place in line as
+//! the retry hint, instead of after waiting the whole deadline.
+//!
 //! The mutex is a `parking_lot` one held for a few instructions and never across `.await`.
 
 use std::collections::VecDeque;
@@ -28,6 +32,8 @@ use serde::Serialize;
 use tokio::sync::oneshot;
 use tokio::time::Instant;
 
+use super::arrival::{Arrival, ArrivalStats, Decision};
+
 /// The limits a caller's limiter enforces. Changed at runtime with [`Limiter::set_limits`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
 pub struct Limits {
@@ -38,6 +44,7 @@ pub struct Limits {
 }
 
 /// Why `acquire` gave no permit.
+/// `place`: when the refused client's turn would have come, if the drain rate is known.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum LimitRefusal {
     /// All slots taken and the queue full (or `queue_depth` 0).
@@ -46,10 +53,31 @@ pub enum LimitRefusal {
         limits: Limits,
         in_flight: u32,
         queued: u32,
+        place: Option<Duration>,
     },
     /// Queued, but no slot freed before the deadline.
     #[error("no slot within the deadline (waited {} ms)", waited.as_millis())]
-    QueueTimeout { limits: Limits, waited: Duration },
+    QueueTimeout {
+        limits: Limits,
+        waited: Duration,
+        place: Option<Duration>,
+    },
+    /// The expected wait does not fit the deadline (`room`): refused on arrival.
+    #[error("a slot is expected in {} ms, beyond the {} ms the caller may wait", place.as_millis(), room.as_millis())]
+    WouldWait {
+        limits: Limits,
+        place: Duration,
+        room: Duration,
+    },
+}
+
+impl LimitRefusal {
+    pub fn place(&self) -> Option<Duration> {
+        match self {
+            Self::LimitExceeded { place, .. } | Self::QueueTimeout { place, .. } => *place,
+            Self::WouldWait { place, .. } => Some(*place),
+        }
+    }
 }
 
 /// A caller's limiter; clones share the same slots.
@@ -66,6 +94,8 @@ struct State {
     waiters: VecDeque<Waiter>,
     /// Identifies waiters so a dropped one can find and remove itself.
     next_id: u64,
+    /// The arrival decision of newcomers that find every slot taken.
+    arrival: Arrival,
 }
 
 struct Waiter {
@@ -161,6 +191,7 @@ impl Limiter {
                 released: 0,
                 waiters: VecDeque::new(),
                 next_id: 0,
+                arrival: Arrival::default(),
             })),
         }
     }
@@ -197,6 +228,18 @@ impl Limiter {
         )
     }
 
+    /// What the arrival decisions did.
+    pub fn arrival_stats(&self) -> ArrivalStats {
+        self.shared.lock().arrival.stats()
+    }
+
+    /// The periodic look (about once a second): resolves the hint checks.
+    pub fn tick(&self, now: Instant) {
+        let mut st = self.shared.lock();
+        let served = st.released;
+        st.arrival.tick(served, now);
+    }
+
     /// A permit if a slot is free right now (and nobody is queued ahead), else `None`.
     pub fn try_acquire(&self) -> Option<CallerPermit> {
         let mut st = self.shared.lock();
@@ -223,17 +266,31 @@ impl Limiter {
                 return Ok(self.permit());
             }
             let queued = u32::try_from(st.waiters.len()).unwrap_or(u32::MAX);
+            let served = st.released;
             if queued >= st.limits.queue_depth {
+                let place = st.arrival.place(served, u64::from(queued), started);
                 return Err(LimitRefusal::LimitExceeded {
                     limits: st.limits,
                     in_flight: st.in_flight,
                     queued,
+                    place,
                 });
             }
             if deadline <= started {
                 return Err(LimitRefusal::QueueTimeout {
                     limits: st.limits,
                     waited: Duration::ZERO,
+                    place: None,
+                });
+            }
+            let room = deadline.saturating_duration_since(started);
+            if let Decision::Refuse { place } =
+                st.arrival.decide(served, u64::from(queued), room, started)
+            {
+                return Err(LimitRefusal::WouldWait {
+                    limits: st.limits,
+                    place,
+                    room,
                 });
             }
             let (tx, rx) = oneshot::channel();
@@ -259,9 +316,13 @@ impl Limiter {
         if granted {
             Ok(self.permit())
         } else {
+            let now = Instant::now();
+            let mut st = self.shared.lock();
+            let (served, queued) = (st.released, st.waiters.len() as u64);
             Err(LimitRefusal::QueueTimeout {
-                limits: self.limits(),
-                waited: Instant::now().saturating_duration_since(started),
+                limits: st.limits,
+                waited: now.saturating_duration_since(started),
+                place: st.arrival.waited_out(served, queued, now),
             })
         }
     }
@@ -449,6 +510,49 @@ mod tests {
             }
         }
         assert_eq!((l.in_flight(), l.queued()), (0, 0));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn decided_at_arrival_not_after_the_wait() {
+        let l = limiter(2, 1_000);
+        // 2 slots held 20 ms each by 50 looping clients: ~48 queued, 100 served a second.
+        let workers: Vec<_> = (0..50)
+            .map(|_| {
+                let l = l.clone();
+                tokio::spawn(async move {
+                    loop {
+                        let p = l.acquire(far()).await.unwrap();
+                        tokio::time::sleep(Duration::from_millis(20)).await;
+                        drop(p);
+                    }
+                })
+            })
+            .collect();
+        tokio::time::sleep(Duration::from_secs(2)).await;
+        let t = Instant::now();
+        match l.acquire(t + Duration::from_millis(100)).await {
+            Err(LimitRefusal::WouldWait { place, room, .. }) => {
+                assert_eq!(room, Duration::from_millis(100));
+                assert!(
+                    place > Duration::from_millis(300) && place < Duration::from_millis(800),
+                    "{place:?}"
+                );
+            }
+            other => panic!("{other:?}"),
+        }
+        assert_eq!(Instant::now(), t, "refused without waiting");
+        // A deadline the queue fits is waited for and served.
+        let p = l.acquire(Instant::now() + Duration::from_secs(2)).await;
+        assert!(p.is_ok(), "{:?}", p.err());
+        let s = l.arrival_stats();
+        assert_eq!(
+            (s.refused_on_arrival, s.refused_after_wait),
+            (1, 0),
+            "{s:?}"
+        );
+        for w in workers {
+            w.abort();
+        }
     }
 
     /// Poll a future once with a no-op waker.

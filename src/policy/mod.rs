@@ -35,6 +35,7 @@
 //! by name, so their in-flight permits, queues and counters carry over; new limits apply to new
 //! acquisitions. A `max_qps` bucket is kept when its rate and burst are unchanged.
 
+pub mod arrival;
 pub mod breaker;
 pub mod bucket;
 pub mod drain;
@@ -252,6 +253,8 @@ pub struct CallerSnapshot {
     pub queued: u32,
     pub admitted: u64,
     pub refusals: RefusalCounts,
+    /// What the arrival decisions of its queue did.
+    pub arrival: arrival::ArrivalStats,
 }
 
 /// The policy engine shared by all sessions.
@@ -519,7 +522,15 @@ impl Policy {
                     Ok(permit) => permit,
                     Err(refusal) => {
                         let reason = limit_reason(policy, &refusal);
-                        return Err(self.refuse(id, caller, reason, req.fingerprint, now));
+                        let place = refusal.place();
+                        return Err(self.refuse_at(
+                            id,
+                            caller,
+                            reason,
+                            req.fingerprint,
+                            now,
+                            place,
+                        ));
                     }
                 }
             }
@@ -697,6 +708,7 @@ impl Policy {
                     in_flight: c.limiter.in_flight(),
                     queued: c.limiter.queued(),
                     admitted: c.stats.admitted.load(Ordering::Relaxed),
+                    arrival: c.limiter.arrival_stats(),
                     refusals: RefusalCounts {
                         caller_limit: r(RefusalKind::CallerLimitExceeded),
                         queue_timeout: r(RefusalKind::QueueTimeout),
@@ -708,6 +720,14 @@ impl Policy {
                 }
             })
             .collect()
+    }
+
+    /// The periodic look (about once a second): the callers' queues resolve their retry
+    /// hint checks.
+    pub fn tick(&self, now: Instant) {
+        for c in self.callers.read().0.iter() {
+            c.limiter.tick(now);
+        }
     }
 
     /// Breaker state for `GET /v1/breaker` and metrics.
@@ -743,6 +763,15 @@ impl Policy {
         )
     }
 
+    /// The retry hint of a client refused with its `place` in a queue (when its turn would
+    /// come, [`arrival`]): that place as is — the places of one queue's refused clients are
+    /// spread one service apart already — but not below the caller's `retry_floor_ms`.
+    pub fn place_hint_ms(&self, table: &CallerTable, id: u16, place: Duration) -> u64 {
+        let (_, caller) = table.caller(id);
+        let at = place.max(caller.policy.retry.floor);
+        u64::try_from(at.as_millis()).unwrap_or(u64::MAX).max(1)
+    }
+
     /// A retry hint for a connection refused before its caller is known (too many clients
     /// or handshakes, no backend at login): the `default` caller's policy and streak, or the
     /// refusing queue's `expected` wait.
@@ -758,8 +787,25 @@ impl Policy {
         fingerprint: u64,
         now: Instant,
     ) -> Refusal {
+        self.refuse_at(id, caller, reason, fingerprint, now, None)
+    }
+
+    /// [`Policy::refuse`] of a client whose `place` in the caller's queue is known: that
+    /// place is its hint (not below the caller's retry floor nor the limit's own floor).
+    fn refuse_at(
+        &self,
+        id: u16,
+        caller: &CallerState,
+        reason: Reason,
+        fingerprint: u64,
+        now: Instant,
+        place: Option<Duration>,
+    ) -> Refusal {
         caller.stats.refusals[reason.kind.index()].fetch_add(1, Ordering::Relaxed);
-        let retry = if reason.kind.retryable() {
+        let retry = if let Some(place) = place.filter(|_| reason.kind.retryable()) {
+            let at = place.max(caller.policy.retry.floor).max(reason.floor);
+            u64::try_from(at.as_millis()).unwrap_or(u64::MAX).max(1)
+        } else if reason.kind.retryable() {
             // A full queue or a wait that ran out: say when a slot is expected to be free.
             let expected = match reason.kind {
                 RefusalKind::CallerLimitExceeded | RefusalKind::QueueTimeout => {
@@ -871,6 +917,7 @@ fn limit_reason(policy: &CallerPolicy, refusal: &LimitRefusal) -> Reason {
             limits,
             in_flight,
             queued,
+            ..
         } => Reason::new(
             RefusalKind::CallerLimitExceeded,
             format!(
@@ -883,7 +930,27 @@ fn limit_reason(policy: &CallerPolicy, refusal: &LimitRefusal) -> Reason {
             ),
             Duration::ZERO,
         ),
-        LimitRefusal::QueueTimeout { limits, waited } => Reason::new(
+        LimitRefusal::WouldWait {
+            limits,
+            place,
+            room,
+        } => Reason::new(
+            RefusalKind::QueueTimeout,
+            format!(
+                "caller {name} is at max_concurrency={} and a slot is expected in {} ms, \
+                 longer than it may wait; refused now rather than after the wait",
+                limits.max_concurrency,
+                place.as_millis()
+            ),
+            format!(
+                "limit: caller {name} queue_timeout_ms={} ({} ms left), max_concurrency={}",
+                policy.queue_timeout.as_millis(),
+                room.as_millis(),
+                limits.max_concurrency
+            ),
+            Duration::ZERO,
+        ),
+        LimitRefusal::QueueTimeout { limits, waited, .. } => Reason::new(
             RefusalKind::QueueTimeout,
             format!(
                 "caller {name} waited {} ms for one of its max_concurrency={} slots",

@@ -75,12 +75,21 @@ pub const UNREACHABLE_FOR: Duration = Duration::from_secs(10);
 /// Why a checkout failed; each maps to the error the client sees.
 #[derive(Debug)]
 pub enum CheckoutError {
-    /// No slot became free before the deadline.
-    Timeout { waited: Duration, limit: Duration },
+    /// No slot became free before the deadline (`place`: when the turn would have come).
+    Timeout {
+        waited: Duration,
+        limit: Duration,
+        place: Option<Duration>,
+    },
+    /// The expected wait (`place`) did not fit the deadline (`limit`): refused on arrival.
+    WouldWait { place: Duration, limit: Duration },
     /// Connecting failed (or we are backing off after failures).
     Connect(Arc<ConnectError>),
     /// No slot free and `max_waiting` clients already waiting: refused at once.
-    Full { max_waiting: usize },
+    Full {
+        max_waiting: usize,
+        place: Option<Duration>,
+    },
     /// The pool stayed paused for the whole hold limit of its pause.
     Paused { held: Duration },
     /// A limit shared with other pools (`max_db_connections`, `max_user_connections`) stayed
@@ -603,15 +612,21 @@ impl Pool {
             .acquire_at(priority, started, deadline, max_waiting)
             .await
             .map_err(|e| match e {
-                SlotError::Full => {
+                SlotError::Full { place } => {
                     self.stats.waiting_refused.fetch_add(1, Ordering::Relaxed);
-                    CheckoutError::Full { max_waiting }
+                    CheckoutError::Full { max_waiting, place }
                 }
+                SlotError::WouldWait { place } => CheckoutError::WouldWait {
+                    place,
+                    limit: deadline.saturating_duration_since(started),
+                },
                 SlotError::Timeout => {
                     self.stats.checkout_timeouts.fetch_add(1, Ordering::Relaxed);
+                    let now = Instant::now();
                     CheckoutError::Timeout {
-                        waited: started.elapsed(),
+                        waited: now.saturating_duration_since(started),
                         limit: deadline.saturating_duration_since(started),
+                        place: self.slots.waited_out(priority, now),
                     }
                 }
             })?;
@@ -710,6 +725,7 @@ impl Pool {
                     return Err(CheckoutError::Timeout {
                         waited: Duration::ZERO,
                         limit: Duration::ZERO,
+                        place: None,
                     });
                 }
             },
@@ -892,6 +908,7 @@ impl Pool {
         // Parked backends come back once a tick: idle ones then age out and are checked as
         // every idle connection is.
         self.slots.parking.revoke_all();
+        self.slots.tick(Instant::now());
         let idle_timeout = Duration::from_millis(self.cfg.idle_timeout_ms);
         let now = Instant::now();
         let stale: Vec<Box<BackendConn>> = {
@@ -977,6 +994,7 @@ impl Pool {
             priority_caps: self.slots.caps(),
             max_waiting: self.cfg.max_waiting,
             waiting_refused: self.stats.waiting_refused.load(Ordering::Relaxed),
+            arrival: self.slots.arrival_stats(),
             session_checks: self.stats.verifications.load(Ordering::Relaxed),
             session_check_differences: self.stats.verify_differences.load(Ordering::Relaxed),
             paused: self.is_paused(),
@@ -1024,6 +1042,9 @@ pub struct PoolSnapshot {
     pub priority_caps: [usize; slots::PRIORITIES],
     pub max_waiting: usize,
     pub waiting_refused: u64,
+    /// What the arrival decisions of its queues did: refused on arrival, after a wait, and
+    /// how close the retry hints were.
+    pub arrival: crate::policy::arrival::ArrivalStats,
     /// Sessions checked against Postgres after an unproven unit (`verify.rs`).
     pub session_checks: u64,
     /// Checks that found state the proxy could not see (each also reset).
@@ -1049,9 +1070,25 @@ pub struct PoolSnapshot {
 
 impl CheckoutError {
     /// The error the client sees; `retry_after_ms` is its hint (the caller's retry policy).
+    /// When the refused client's turn would have come, if the pool's drain rate knew: its
+    /// retry hint as is (the places of a queue's refused clients are spread already).
+    pub fn place(&self) -> Option<Duration> {
+        match self {
+            CheckoutError::WouldWait { place, .. } => Some(*place),
+            CheckoutError::Timeout { place, .. } | CheckoutError::Full { place, .. } => *place,
+            _ => None,
+        }
+    }
+
     pub fn to_pg(&self, pool: &str, retry_after_ms: u64) -> PgError {
         match self {
-            CheckoutError::Timeout { waited, limit } => PgError::checkout_timeout(
+            CheckoutError::WouldWait { place, limit } => PgError::checkout_would_wait(
+                pool,
+                place.as_millis(),
+                limit.as_micros().div_ceil(1000),
+                retry_after_ms,
+            ),
+            CheckoutError::Timeout { waited, limit, .. } => PgError::checkout_timeout(
                 pool,
                 waited.as_millis(),
                 // The deadline was taken a moment before the wait started: round up.
@@ -1080,7 +1117,7 @@ impl CheckoutError {
                 }
                 other => PgError::backend_unavailable(other, retry_after_ms),
             },
-            CheckoutError::Full { max_waiting } => PgError::error(
+            CheckoutError::Full { max_waiting, .. } => PgError::error(
                 "53300",
                 format!(
                     "pgsluice: ERR_QUEUE_FULL: no backend connection of pool {pool} is free and \

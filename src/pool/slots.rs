@@ -13,6 +13,16 @@
 //! one), so a wait allocates nothing: at 64 clients on 20 backends nearly every checkout
 //! waits, and a channel per wait cost as much as the rest of it.
 //!
+//! A newcomer that finds no slot is decided at arrival ([`Arrival`], one per priority, fed
+//! with the slots granted to that priority and those above it): it waits when its expected
+//! wait fits its deadline, else it is refused at once with its place as the retry hint —
+//! not after it has waited. Critical waiters always wait.
+//!
+//! While a high or normal waiter has queued in the last [`PRESSURE_HOLD`], the priorities
+//! below it take at most a [`YIELD_SHARE`]th of the slots: work that holds a backend for
+//! seconds (a report at low priority) cannot take back the backends a storm's short
+//! transactions need each time the storm's queue empties for a moment.
+//!
 //! Deadlines are kept by one sweeper task per pool while anyone waits, not by a timer per
 //! waiter: at hundreds of clients per backend most checkouts wait, and registering and
 //! removing a timer for each cost more than the rest of the wait. The sweeper sleeps until
@@ -26,15 +36,23 @@ use std::pin::Pin;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::task::{Context, Poll, Waker};
+use std::time::Duration;
 
 use parking_lot::Mutex;
 use tokio::sync::Notify;
 use tokio::time::Instant;
 
 use super::park::Parking;
+use crate::policy::arrival::{Arrival, ArrivalStats, Decision};
 
 /// Number of priority classes (critical, high, normal, low).
 pub const PRIORITIES: usize = 4;
+
+/// How long a high or normal waiter keeps the priorities below it to their yield share.
+pub const PRESSURE_HOLD: Duration = Duration::from_secs(10);
+
+/// Under pressure, a lower priority holds at most `capacity / YIELD_SHARE` slots (at least 1).
+pub const YIELD_SHARE: usize = 4;
 
 pub struct Slots {
     inner: Mutex<Inner>,
@@ -77,6 +95,7 @@ enum Mail {
 }
 
 struct Inner {
+    capacity: usize,
     available: usize,
     /// Free slots only priority 0 may take.
     reserve: usize,
@@ -96,6 +115,12 @@ struct Inner {
     sweep_at: Option<Instant>,
     /// The sweeper task, to start another if its runtime went away under it.
     sweeper: Option<tokio::task::JoinHandle<()>>,
+    /// Waiters of each priority granted a slot since start.
+    served: [u64; PRIORITIES],
+    /// The arrival decision of each priority's newcomers.
+    arrivals: [Arrival; PRIORITIES],
+    /// When a waiter of each priority last queued, while that presses on those below.
+    pressed: [Option<Instant>; PRIORITIES],
 }
 
 /// Wakers to call once the lock is released: one without allocating (a release grants at
@@ -132,10 +157,23 @@ impl Inner {
     }
 
     /// Whether priority `p` may take a free slot now: one is free beyond the reserve (for
-    /// non-critical priorities) and `p` is below its cap.
+    /// non-critical priorities) and `p` is below its cap — its yield share while a more
+    /// urgent (non-critical) priority is under pressure.
     fn may_take(&self, p: usize) -> bool {
         let keep = if p == 0 { 0 } else { self.reserve };
-        self.available > keep && self.held[p] < self.caps[p]
+        let mut cap = self.caps[p];
+        if p > 1 && self.pressed[1..p].iter().any(Option::is_some) {
+            cap = cap.min((self.capacity / YIELD_SHARE).max(1));
+        }
+        self.available > keep && self.held[p] < cap
+    }
+
+    /// Slots granted so far to waiters of `p` and the priorities above it, and the waiters
+    /// queued there now: what a newcomer of `p` waits behind.
+    fn line(&self, p: usize) -> (u64, u64) {
+        let served = self.served[..=p].iter().sum();
+        let ahead = self.waiters[..=p].iter().map(VecDeque::len).sum::<usize>();
+        (served, ahead as u64)
     }
 
     /// Gives free slots to the most urgent live waiters allowed them; their wakers go to
@@ -151,6 +189,7 @@ impl Inner {
                 }
                 self.available -= 1;
                 self.held[p] += 1;
+                self.served[p] += 1;
                 let m = &mut self.mailboxes[w.mailbox];
                 m.state = Mail::Granted(p);
                 wakes.push(m.waker.take());
@@ -204,8 +243,12 @@ impl Drop for SlotPermit {
 pub enum SlotError {
     /// The deadline passed first.
     Timeout,
-    /// No slot free and `max_waiting` already waiting: refused at once (never priority 0).
-    Full,
+    /// No slot free and `max_waiting` already waiting: refused at once (never priority 0),
+    /// with its place in line when the drain rate is known.
+    Full { place: Option<Duration> },
+    /// The expected wait does not fit the deadline: refused at once (never priority 0);
+    /// `place` is when its turn would come.
+    WouldWait { place: Duration },
 }
 
 impl Slots {
@@ -214,6 +257,7 @@ impl Slots {
     pub fn new(capacity: usize, reserve: usize) -> Arc<Slots> {
         Arc::new(Slots {
             inner: Mutex::new(Inner {
+                capacity,
                 available: capacity,
                 reserve: reserve.min(capacity.saturating_sub(1)),
                 held: [0; PRIORITIES],
@@ -224,6 +268,9 @@ impl Slots {
                 free: Vec::new(),
                 sweep_at: None,
                 sweeper: None,
+                served: [0; PRIORITIES],
+                arrivals: Default::default(),
+                pressed: [None; PRIORITIES],
             }),
             sweep: Notify::new(),
             parking: Parking::default(),
@@ -283,11 +330,26 @@ impl Slots {
                 g.waiters = waiters;
                 self.publish(g);
                 if g.queued() >= max_waiting {
-                    return Err(SlotError::Full);
+                    let (served, ahead) = g.line(priority);
+                    let place = g.arrivals[priority].place(served, ahead, now);
+                    return Err(SlotError::Full { place });
                 }
             }
             if deadline <= now {
                 return Err(SlotError::Timeout);
+            }
+            if priority > 0 {
+                // Found no slot: the priorities below yield, whether this one waits or not.
+                if priority < PRIORITIES - 1 {
+                    g.pressed[priority] = Some(now);
+                }
+                let (served, ahead) = g.line(priority);
+                let room = deadline.saturating_duration_since(now);
+                if let Decision::Refuse { place } =
+                    g.arrivals[priority].decide(served, ahead, room, now)
+                {
+                    return Err(SlotError::WouldWait { place });
+                }
             }
             let (mailbox, generation) = g.open_mailbox();
             match g.waiters[priority].back() {
@@ -339,6 +401,50 @@ impl Slots {
             self.publish(&g);
         }
         wakes.wake();
+    }
+
+    /// A `priority` waiter's wait ran out: counted as a wasted wait; its place in line is the
+    /// retry hint, when the drain rate is known.
+    pub fn waited_out(&self, priority: usize, now: Instant) -> Option<Duration> {
+        let priority = priority.min(PRIORITIES - 1);
+        let mut g = self.inner.lock();
+        let (served, ahead) = g.line(priority);
+        g.arrivals[priority].waited_out(served, ahead, now)
+    }
+
+    /// The periodic look (once a second): resolves the arrival decisions' hint checks and
+    /// ends the pressure of priorities that have not queued for [`PRESSURE_HOLD`].
+    pub fn tick(self: &Arc<Self>, now: Instant) {
+        let mut wakes = Wakes::default();
+        {
+            let mut g = self.inner.lock();
+            for p in 0..PRIORITIES {
+                let (served, _) = g.line(p);
+                g.arrivals[p].tick(served, now);
+            }
+            let mut relaxed = false;
+            for at in &mut g.pressed {
+                if at.is_some_and(|t| now.saturating_duration_since(t) >= PRESSURE_HOLD) {
+                    *at = None;
+                    relaxed = true;
+                }
+            }
+            if relaxed {
+                g.grant(&mut wakes);
+                self.publish(&g);
+            }
+        }
+        wakes.wake();
+    }
+
+    /// What the arrival decisions of all priorities did.
+    pub fn arrival_stats(&self) -> ArrivalStats {
+        let g = self.inner.lock();
+        let mut s = ArrivalStats::default();
+        for a in &g.arrivals {
+            s.add(&a.stats());
+        }
+        s
     }
 
     /// A slot for `priority` if one is free now and nobody of equal or higher priority waits.
@@ -668,7 +774,10 @@ mod tests {
         let s2 = s.clone();
         let waiter = tokio::spawn(async move { s2.acquire(2, far, 1).await.map(|_| ()) });
         tokio::task::yield_now().await;
-        assert_eq!(s.acquire(3, far, 1).await.err(), Some(SlotError::Full));
+        assert_eq!(
+            s.acquire(3, far, 1).await.err(),
+            Some(SlotError::Full { place: None })
+        );
         let s3 = s.clone();
         let critical = tokio::spawn(async move { s3.acquire(0, far, 1).await.map(|_| ()) });
         tokio::task::yield_now().await;
@@ -937,5 +1046,98 @@ mod tests {
         let (e, _) = last.await.expect("task");
         assert_eq!(e, None);
         assert_eq!(s.available(), 1);
+    }
+
+    /// `workers` tasks that each take a normal slot, hold it for `hold`, give it back and
+    /// come again: a queue served at `slots / hold` a second.
+    fn busy_queue(
+        s: &Arc<Slots>,
+        workers: usize,
+        hold: Duration,
+    ) -> Vec<tokio::task::JoinHandle<()>> {
+        (0..workers)
+            .map(|_| {
+                let s = Arc::clone(s);
+                tokio::spawn(async move {
+                    loop {
+                        let far = Instant::now() + Duration::from_secs(600);
+                        let p = s.acquire(2, far, usize::MAX).await.expect("far deadline");
+                        tokio::time::sleep(hold).await;
+                        drop(p);
+                    }
+                })
+            })
+            .collect()
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_wait_that_fits_queues_and_one_that_does_not_is_refused_on_arrival() {
+        let s = Slots::new(2, 0);
+        // 2 slots held 20 ms each: 100 grants a second, ~48 waiting.
+        let workers = busy_queue(&s, 50, Duration::from_millis(20));
+        tokio::time::sleep(Duration::from_secs(2)).await;
+
+        // ~0.5 s of queue: 100 ms is not enough, refused at once with its place.
+        let t = Instant::now();
+        match s
+            .acquire(2, t + Duration::from_millis(100), usize::MAX)
+            .await
+        {
+            Err(SlotError::WouldWait { place }) => {
+                assert!(
+                    place > Duration::from_millis(300) && place < Duration::from_millis(800),
+                    "{place:?}"
+                )
+            }
+            other => panic!("{:?}", other.err()),
+        }
+        assert_eq!(Instant::now(), t, "refused without waiting");
+        // 2 s is enough: it waits and gets its slot, never refused.
+        let p = s
+            .acquire(2, Instant::now() + Duration::from_secs(2), usize::MAX)
+            .await
+            .expect("a wait that fits is served");
+        drop(p);
+        // Critical work is never refused on arrival, however short its deadline.
+        let t = Instant::now();
+        let r = s
+            .acquire(0, t + Duration::from_millis(100), usize::MAX)
+            .await;
+        assert!(
+            !matches!(r, Err(SlotError::WouldWait { .. })),
+            "critical waits"
+        );
+        drop(r);
+        let stats = s.arrival_stats();
+        assert_eq!(stats.refused_on_arrival, 1, "{stats:?}");
+        for w in workers {
+            w.abort();
+        }
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn lower_priorities_yield_while_a_higher_one_queues() {
+        let s = Slots::new(8, 0);
+        let far = Instant::now() + Duration::from_secs(60);
+        let mut low = Vec::new();
+        for _ in 0..8 {
+            low.push(s.acquire(3, far, usize::MAX).await.unwrap());
+        }
+        // A normal client finds none: it queues, and low priority is held to 8 / 4 = 2.
+        let normal = {
+            let s = Arc::clone(&s);
+            tokio::spawn(async move { s.acquire(2, far, usize::MAX).await.map(|_| ()) })
+        };
+        tokio::task::yield_now().await;
+        assert_eq!(s.waiting(), 1);
+        drop(low.pop());
+        normal.await.unwrap().unwrap();
+        // Low gives back a slot: it stays free rather than going back to low (7 > 2).
+        drop(low.pop());
+        assert!(s.try_acquire(3).is_none());
+        assert_eq!(s.available(), 2);
+        // Pressure ends PRESSURE_HOLD after the last normal waiter: low may take it again.
+        s.tick(Instant::now() + PRESSURE_HOLD);
+        assert!(s.try_acquire(3).is_some());
     }
 }

@@ -109,6 +109,24 @@ impl PgError {
         .with_hint(format!("retry_after_ms={retry_after_ms}"))
     }
 
+    /// The pool's queue is longer than this client may wait: refused on arrival, not after
+    /// the wait (`place_ms`: when its turn would come, at the rate the pool serves).
+    pub fn checkout_would_wait(
+        pool: &str,
+        place_ms: u128,
+        limit_ms: u128,
+        retry_after_ms: u64,
+    ) -> Self {
+        Self::error(
+            "53300",
+            format!(
+                "pgsluice: ERR_QUEUE_TIMEOUT: a backend connection of pool {pool} is expected in {place_ms} ms, longer than this client may wait; refused now rather than after the wait"
+            ),
+        )
+        .with_detail(format!("limit: pool {pool} checkout wait of {limit_ms} ms (pool.checkout_timeout_ms or the caller's queue_timeout_ms, whichever is shorter)"))
+        .with_hint(format!("retry_after_ms={retry_after_ms}"))
+    }
+
     /// The backend could not be reached or refused the proxy's login.
     pub fn backend_unavailable(reason: impl std::fmt::Display, retry_after_ms: u64) -> Self {
         Self::error(

@@ -527,11 +527,13 @@ async fn login_params(app: &App, pool: &Arc<Pool>, login: &mut Login) -> Result<
     }
     let deadline = Instant::now() + Duration::from_millis(pool.cfg.checkout_timeout_ms);
     let mut b = pool.checkout(2, deadline).await.map_err(|e| {
-        e.to_pg(
-            &pool.name,
-            app.policy.connection_hint_ms(pool.expected_wait()),
-        )
-        .into_fatal()
+        let hint = match e.place() {
+            Some(place) => app
+                .policy
+                .place_hint_ms(&app.policy.table(), u16::MAX, place),
+            None => app.policy.connection_hint_ms(pool.expected_wait()),
+        };
+        e.to_pg(&pool.name, hint).into_fatal()
     })?;
     learn_settings(app, &mut b, pool, login).await?;
     b.release().await;

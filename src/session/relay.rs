@@ -1244,14 +1244,14 @@ impl Relay {
             if matches!(e, crate::pool::CheckoutError::Connect(_)) {
                 self.app.policy.record_backend_result(false);
             }
-            e.to_pg(
-                &pool.name,
-                self.app.policy.retry_hint_ms_in(
-                    &self.rt.limits,
-                    self.unit_caller,
-                    pool.expected_wait(),
-                ),
-            )
+            let policy = &self.app.policy;
+            let hint = match e.place() {
+                Some(place) => policy.place_hint_ms(&self.rt.limits, self.unit_caller, place),
+                None => {
+                    policy.retry_hint_ms_in(&self.rt.limits, self.unit_caller, pool.expected_wait())
+                }
+            };
+            e.to_pg(&pool.name, hint)
         })?;
         // One list (logins with equal settings share the pool's, `Pool::greeting`): equal
         // without a look at the strings, which at hundreds of sessions are cold.
