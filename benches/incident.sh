@@ -11,24 +11,32 @@
 #   priorities  pgsluice with only priorities: billing critical, mobile_sync normal,
 #               analytics low (callers matched by name), pool size 20;
 #   tuned       pgsluice hand-tuned: payment critical (20), analytics 2 with no queue,
-#               mobile_sync 12 with a deep queue (5 000, 30 s).
+#               mobile_sync 12 with a deep queue (5 000, 30 s);
+#   tight       pgsluice with tight limits: payment critical (20), analytics 2 with no
+#               queue, mobile_sync 10 at once with a queue of 200 and 500 ms.
 # Each runs `pgsluice-storm --scenario incident`: payment (20 connections, 400 transactions/s
-# in total, /*service:billing*/), 16 analytics connections running 0.5 s queries, and at
+# in total, /*service:billing*/), 16 analytics connections running queries that hold their
+# backend for --analytics-secs (3 s by default; --analytics-sql replaces the query), and at
 # t = 5 s the storm: N clients (application_name=mobile_sync) within 500 ms, each a new
 # connection with a SCRAM login, BEGIN + 5 INSERTs + COMMIT, disconnect, retrying the whole
 # session on any error (full jitter, base 100 ms, cap 5 s, honouring retry_after_ms), for at
 # most the deadline. Prints a Markdown table per run and where the charts are.
 #
 # Usage: benches/incident.sh [--clients N] [--deadline S] [--calm S] [--ramp-ms MS]
-#          [--analytics-conns N] [--analytics-sql SQL] [--payment-conns N]
+#          [--analytics-conns N] [--analytics-secs S] [--analytics-sql SQL] [--payment-conns N]
 #          [--payment-rate TX_PER_S] [--pool N] [--max-connections N]
-#          [--source-addresses N] [--targets "pgbouncer example priorities tuned"]
+#          [--source-addresses N] [--targets "pgbouncer example priorities tuned tight"]
 #          [--rounds N] [--quick]
 #          [--no-build] [--out DIR] [--port-base P] [--keep]
 # --source-addresses N: the storm clients connect from 127.0.0.2 … 127.0.0.(N+1), as clients
 # on N machines would (default 0: all from 127.0.0.1, which a per-address limit sees as one
 # client machine). The table says which was used.
-# Defaults: the full incident (1 500 clients, 60 s deadline), ~5 minutes on 2 cores.
+# The first table's columns: storm time ÷ PgBouncer's (when PgBouncer ran in the same run),
+# payment's p99 in the storm ÷ calm, and from pgsluice's /metrics: clients refused on arrival
+# (their expected wait did not fit), refused after a wait (wasted waits), and the retry hints'
+# error — |wait the refused client would have had − its hint|, summed over the checked hints
+# and divided by the sum of those hints (and the mean per hint, ms).
+# Defaults: the full incident (1 500 clients, 60 s deadline), ~6 minutes on 2 cores.
 # --quick: 300 clients, 20 s deadline (a couple of minutes). With --rounds N the target
 # order rotates each round (A B C D, B C D A, ...). Needs: PostgreSQL server binaries, psql,
 # pgbouncer, cargo (unless --no-build). As root, Postgres and PgBouncer run as `postgres`.
@@ -40,11 +48,12 @@ CALM=4
 RAMP_MS=500
 ANALYTICS=16
 ANALYTICS_SQL=""
+ANALYTICS_SECS=3
 PAYMENT_CONNS=20
 PAYMENT_RATE=400
 POOL=20
 MAX_CONNECTIONS=100
-TARGETS="pgbouncer example priorities tuned"
+TARGETS="pgbouncer example priorities tuned tight"
 ROUNDS=1
 BUILD=1
 KEEP=0
@@ -61,6 +70,7 @@ while [ $# -gt 0 ]; do
     --ramp-ms) RAMP_MS=$2; shift 2 ;;
     --analytics-conns) ANALYTICS=$2; shift 2 ;;
     --analytics-sql) ANALYTICS_SQL=$2; shift 2 ;;
+    --analytics-secs) ANALYTICS_SECS=$2; shift 2 ;;
     --payment-conns) PAYMENT_CONNS=$2; shift 2 ;;
     --payment-rate) PAYMENT_RATE=$2; shift 2 ;;
     --pool) POOL=$2; shift 2 ;;
@@ -78,8 +88,9 @@ while [ $# -gt 0 ]; do
   esac
 done
 for t in $TARGETS; do
-  case "$t" in pgbouncer|example|priorities|tuned) ;; *) echo "unknown target: $t" >&2; exit 2 ;; esac
+  case "$t" in pgbouncer|example|priorities|tuned|tight) ;; *) echo "unknown target: $t" >&2; exit 2 ;; esac
 done
+[ -n "$ANALYTICS_SQL" ] || ANALYTICS_SQL="SELECT pg_sleep($ANALYTICS_SECS) /* analytics report */"
 
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 log() { printf '[incident %s] %s\n' "$(date +%H:%M:%S)" "$*" >&2; }
@@ -273,7 +284,14 @@ callers:
   - {name: mobile_sync, match: {application_name: mobile_sync}, priority: normal, max_concurrency: 12, queue_depth: 5000, queue_timeout_ms: 30000}
 EOF
 } >"$TMP/tuned.yaml"
-for c in example priorities tuned; do
+{ common_yaml; cat <<EOF
+callers:
+  - {name: payment, match: {tag: {service: billing}}, priority: critical, max_concurrency: 20, queue_depth: 200, queue_timeout_ms: 2000}
+  - {name: analytics, match: {application_name: analytics}, priority: low, max_concurrency: 2, queue_depth: 0, queue_timeout_ms: 0}
+  - {name: mobile_sync, match: {application_name: mobile_sync}, priority: normal, max_concurrency: 10, queue_depth: 200, queue_timeout_ms: 500}
+EOF
+} >"$TMP/tight.yaml"
+for c in example priorities tuned tight; do
   "$SLUICE_BIN" check-config "$TMP/$c.yaml" >"$OUT/check-config-$c.txt" 2>&1 \
     || die "pgsluice rejects the $c config: $(tail -5 "$OUT/check-config-$c.txt")"
   cp "$TMP/$c.yaml" "$OUT/pgsluice-$c.yaml"
@@ -309,7 +327,7 @@ run_target() { # target round
   "$STORM_BIN" --target "postgres://storm:$PASSWORD@127.0.0.1:$PROXY_PORT/bench" \
     --monitor "$STORM_URL_DIRECT" --scenario incident --clients "$CLIENTS" \
     --duration-secs "$DEADLINE" --calm-secs "$CALM" --ramp-ms "$RAMP_MS" \
-    --analytics-conns "$ANALYTICS" ${ANALYTICS_SQL:+--analytics-sql "$ANALYTICS_SQL"} \
+    --analytics-conns "$ANALYTICS" --analytics-sql "$ANALYTICS_SQL" \
     --billing-conns "$PAYMENT_CONNS" --billing-rate "$PAYMENT_RATE" \
     --storm-source-addresses "$SOURCES" \
     --summary "$OUT/$name.txt" --csv "$OUT/$name.csv" --svg "$OUT/$name.svg" \
@@ -349,6 +367,7 @@ label() {
     example) echo "pgsluice, example config" ;;
     priorities) echo "pgsluice, priorities only" ;;
     tuned) echo "pgsluice, hand-tuned" ;;
+    tight) echo "pgsluice, tight limits" ;;
   esac
 }
 # pgsluice's own counters at the end of a run: non-zero refusals by caller/reason, checkout
@@ -369,12 +388,47 @@ proxy_view() { # metrics file
     END { print (out == "" ? "none" : out) }' "$1"
 }
 
+# From pgsluice's /metrics: "on-arrival after-wait error-ratio mean-error-ms" over every queue.
+arrivals() { # metrics file
+  [ -s "$1" ] || { echo "- - - -"; return; }
+  awk '
+    /^#/ {next}
+    /^pgsluice_refused_on_arrival_total/ {a += $NF}
+    /^pgsluice_refused_after_wait_total/ {w += $NF}
+    /^pgsluice_retry_hint_checks_total/ {n += $NF}
+    /^pgsluice_retry_hint_seconds_total/ {h += $NF}
+    /^pgsluice_retry_hint_error_seconds_total/ {e += $NF}
+    END {
+      printf "%d %d %s %s\n", a, w, (h > 0 ? sprintf("%.0f%%", 100 * e / h) : "-"),
+        (n > 0 ? sprintf("%.0f", 1000 * e / n) : "-")
+    }' "$1"
+}
+BOUNCER_SECS=""
+for run in "${RUNS[@]}"; do
+  [ "${run%-r*}" = pgbouncer ] && [ -z "$BOUNCER_SECS" ] && BOUNCER_SECS=$(sv last_session_secs "$OUT/$run.txt")
+done
+
 {
   echo
   echo "### Reconnect storm incident ($(date -u +%Y-%m-%d), $(nproc) cores, PostgreSQL $PG_VERSION max_connections=$MAX_CONNECTIONS, pool $POOL, PgBouncer $BOUNCER_VERSION)"
   echo
   from="all from 127.0.0.1"; [ "$SOURCES" -gt 0 ] && from="from $SOURCES loopback addresses"
-  echo "$CLIENTS storm clients ($from) within $RAMP_MS ms at t = $((CALM + 1)) s, deadline $DEADLINE s; payment $PAYMENT_CONNS connections, $PAYMENT_RATE tx/s; $ANALYTICS analytics connections."
+  echo "$CLIENTS storm clients ($from) within $RAMP_MS ms at t = $((CALM + 1)) s, deadline $DEADLINE s; payment $PAYMENT_CONNS connections, $PAYMENT_RATE tx/s; $ANALYTICS analytics connections running \`$ANALYTICS_SQL\`."
+  echo
+  echo "| target | storm done | storm time, s | ÷ PgBouncer | payment p99 storm / calm | payment errors | refused on arrival | refused after a wait | hint error (÷ hints; mean ms) |"
+  echo "|---|---|---|---|---|---|---|---|---|"
+  for run in "${RUNS[@]}"; do
+    f=$OUT/$run.txt; t=${run%-r*}
+    calm=$(sv caller.payment_calm.p99_ms "$f"); storm=$(sv caller.payment_storm.p99_ms "$f")
+    secs=$(sv last_session_secs "$f")
+    tag=$(label "$t"); [ "$ROUNDS" -gt 1 ] && tag="$tag, round ${run##*-r}"
+    if [ "$t" = pgbouncer ]; then a="- - - -"; else a=$(arrivals "$OUT/$run.metrics"); fi
+    read -r on after err mean <<<"$a"
+    printf '| %s | %s / %s | %s | %s | ×%s | %s | %s | %s | %s; %s |\n' "$tag" \
+      "$(sv sessions_completed "$f")" "$(sv storm_clients "$f")" "$secs" \
+      "$(ratio "$secs" "${BOUNCER_SECS:--}")" "$(ratio "$storm" "$calm")" \
+      "$(sv payment_failures "$f")" "$on" "$after" "$err" "$mean"
+  done
   echo
   echo "| target | payment p99 storm / calm | payment p99 calm → storm, ms | payment errors | storm sessions done | last done at, s | retries | storm errors by kind (step: SQLSTATE reason) |"
   echo "|---|---|---|---|---|---|---|---|"

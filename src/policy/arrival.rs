@@ -9,11 +9,27 @@
 //!
 //! * the queue's **service rate**, measured only while it is busy: two readings count only
 //!   when waiters were ahead at both (a rate read across an idle spell measures arrivals, not
-//!   room, and would refuse the first wave of a storm); a rate not refreshed for
-//!   [`RATE_TTL`] is forgotten. Until a rate is known, everyone queues.
+//!   room); a reading needs [`MIN_SPAN`] and [`MIN_SERVED`] services. The rate used is the
+//!   faster of the last reading and the smoothed one ([`SMOOTHING`]): a queue speeds up
+//!   (logins stop taking the CPU, long work holding backends ends) faster than an average
+//!   follows, and a pessimistic estimate costs more than an optimistic one — the client it
+//!   refuses comes back late, after the queue had room, while one queued on an optimistic
+//!   estimate loses at most its wait. A rate not refreshed for [`RATE_TTL`] is forgotten.
+//! * **a standing queue**: nobody is refused until the queue has been busy for as long as
+//!   the newcomer may wait, and a rate is known; until then everyone queues. The first
+//!   moments of a storm are its slowest, and a refusal on their pace would send away
+//!   clients the queue would have served; a queue still busy after a whole wait is one that
+//!   waiting does not clear.
 //! * the **places promised** to clients refused earlier: the next refused client's place is
 //!   behind the queue *and* behind them, one service interval later, so the refused come back
 //!   spread at the rate the queue drains instead of as a herd that overflows it again.
+//!   At most [`Line::chain`] places are promised beyond the queue's own (its owner passes
+//!   its queue's bound): a client that retries without honouring its hint would otherwise
+//!   push every later place back by a service each time.
+//!   A refused client is told to come back when half of the time it may wait is still ahead
+//!   of its place (`retry = place − room / 2`): it then queues for about that half, so an
+//!   estimate off by up to that much costs it nothing and the queue never runs dry waiting
+//!   for it.
 //! * **hint checks**: a refused client's place is a number of services from now; when the
 //!   count reaches it, the time that took is the wait it would have had, compared with the
 //!   hint it got ([`ArrivalStats`]). The crossing time is interpolated between two readings,
@@ -28,9 +44,11 @@ use serde::Serialize;
 use tokio::time::Instant;
 
 /// Readings closer than this reuse the last rate (a burst of arrivals reads it once).
-const MIN_SPAN: Duration = Duration::from_millis(200);
+pub const MIN_SPAN: Duration = Duration::from_millis(200);
+/// Services a reading needs, unless the queue stalled for [`RATE_TTL`].
+pub const MIN_SERVED: u64 = 4;
 /// Time constant of the rate's smoothing.
-const SMOOTHING: Duration = Duration::from_secs(1);
+pub const SMOOTHING: Duration = Duration::from_millis(500);
 /// A rate not refreshed for this long no longer describes the queue.
 pub const RATE_TTL: Duration = Duration::from_secs(5);
 /// Longest wait or place ever estimated.
@@ -43,8 +61,30 @@ const MAX_CHECKS: usize = 512;
 pub enum Decision {
     /// Wait: its expected wait fits (or is not known yet).
     Queue,
-    /// Refuse now; `place` is when its turn would come, the retry hint.
-    Refuse { place: Duration },
+    /// Refuse now, with its place.
+    Refuse(Placed),
+}
+
+/// Where a newcomer stands, as its queue's owner sees it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Line {
+    /// Waiters the queue has served so far (monotonic).
+    pub served: u64,
+    /// Waiters in front of the newcomer (0: the queue is empty but nothing is free).
+    pub ahead: u64,
+    /// How long the newcomer may wait.
+    pub room: Duration,
+    /// Most places promised beyond the queue's own: its bound (queue depth, `max_waiting`).
+    pub chain: u64,
+}
+
+/// A refused client's place in line.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Placed {
+    /// When its turn would come.
+    pub place: Duration,
+    /// When it should come back (its retry hint): while part of its wait is still ahead.
+    pub retry: Duration,
 }
 
 /// What a queue's arrival decisions did, for the admin API and metrics.
@@ -80,8 +120,12 @@ impl ArrivalStats {
 pub struct Arrival {
     /// The start of the current busy reading: (when, served).
     sample: Option<(Instant, u64)>,
-    /// Services per second, and when it was last refreshed.
+    /// Services per second (smoothed), and when it was last refreshed.
     rate: Option<(f64, Instant)>,
+    /// The last reading's rate alone.
+    latest: f64,
+    /// Since when waiters have been ahead at every reading.
+    busy_since: Option<Instant>,
     /// When the last place promised to a refused client falls due.
     promised: Option<Instant>,
     /// The last (when, served) seen, for interpolating the checks.
@@ -99,36 +143,37 @@ struct Check {
 }
 
 impl Arrival {
-    /// A newcomer with `ahead` waiters in front of it (0: the queue is empty but nothing is
-    /// free) may wait `room`: queue it, or refuse it with its place.
-    pub fn decide(&mut self, served: u64, ahead: u64, room: Duration, now: Instant) -> Decision {
-        let Some(rate) = self.read(served, ahead, now) else {
+    /// Queue the newcomer at `line`, or refuse it with its place.
+    pub fn decide(&mut self, line: Line, now: Instant) -> Decision {
+        let Line { ahead, room, .. } = line;
+        let Some(rate) = self.read(line.served, ahead, now) else {
             return Decision::Queue;
         };
+        let established = self
+            .busy_since
+            .is_some_and(|t| now.saturating_duration_since(t) >= room);
         let wait = secs((ahead + 1) as f64 / rate);
-        if wait <= room {
+        if wait <= room || !established {
             return Decision::Queue;
         }
         self.stats.refused_on_arrival += 1;
-        Decision::Refuse {
-            place: self.promise(served, wait, rate, now),
-        }
+        Decision::Refuse(self.promise(line, wait, rate, now))
     }
 
-    /// A client refused anyway (the queue is full, or its wait ran out) with `ahead` in front
-    /// of it: its place, promised and checked as [`Arrival::decide`]'s are; `None` while the
-    /// rate is unknown.
-    pub fn place(&mut self, served: u64, ahead: u64, now: Instant) -> Option<Duration> {
-        let rate = self.read(served, ahead, now)?;
-        let wait = secs((ahead + 1) as f64 / rate);
-        Some(self.promise(served, wait, rate, now))
+    /// A client at `line` refused anyway (the queue is full, or its wait ran out; `room` is
+    /// what it may wait when it comes back): its place, promised and checked as
+    /// [`Arrival::decide`]'s are; `None` while the rate is unknown.
+    pub fn place(&mut self, line: Line, now: Instant) -> Option<Placed> {
+        let rate = self.read(line.served, line.ahead, now)?;
+        let wait = secs((line.ahead + 1) as f64 / rate);
+        Some(self.promise(line, wait, rate, now))
     }
 
-    /// A queued client's wait ran out with `ahead` still in front of it: counted as a wasted
-    /// wait; its place is the retry hint, as [`Arrival::place`].
-    pub fn waited_out(&mut self, served: u64, ahead: u64, now: Instant) -> Option<Duration> {
+    /// A queued client's wait ran out at `line`: counted as a wasted wait; placed as by
+    /// [`Arrival::place`].
+    pub fn waited_out(&mut self, line: Line, now: Instant) -> Option<Placed> {
         self.stats.refused_after_wait += 1;
-        self.place(served, ahead, now)
+        self.place(line, now)
     }
 
     /// The owner's periodic look (about once a second): resolves the checks whose turn has
@@ -144,17 +189,22 @@ impl Arrival {
     /// The service rate now, if known: reads the count (while busy) and resolves checks.
     fn read(&mut self, served: u64, ahead: u64, now: Instant) -> Option<f64> {
         self.observe(served, now);
+        if ahead == 0 || self.busy_since.is_none() {
+            self.busy_since = Some(now);
+        }
         match self.sample {
             // An empty queue ends the busy reading: the next one starts here.
             _ if ahead == 0 => self.sample = Some((now, served)),
             None => self.sample = Some((now, served)),
             // Too long since: the queue may have been idle meanwhile; start again.
             Some((at, _)) if now.saturating_duration_since(at) > RATE_TTL => {
-                self.sample = Some((now, served))
+                self.sample = Some((now, served));
+                self.busy_since = Some(now);
             }
             Some((at, count)) => {
                 let span = now.saturating_duration_since(at);
-                if span >= MIN_SPAN {
+                let stalled = span >= RATE_TTL / 2;
+                if span >= MIN_SPAN && (served.saturating_sub(count) >= MIN_SERVED || stalled) {
                     let seen = served.saturating_sub(count) as f64 / span.as_secs_f64();
                     let rate = match self.rate {
                         Some((r, _)) => {
@@ -164,6 +214,7 @@ impl Arrival {
                         None => seen,
                     };
                     self.rate = Some((rate, now));
+                    self.latest = seen;
                     self.sample = Some((now, served));
                 }
             }
@@ -171,17 +222,28 @@ impl Arrival {
         match self.rate {
             Some((r, at)) if now.saturating_duration_since(at) <= RATE_TTL => {
                 // A queue that served nothing at all is "much later", not "never".
-                Some(r.max(1.0 / MAX_WAIT.as_secs_f64()))
+                Some(r.max(self.latest).max(1.0 / MAX_WAIT.as_secs_f64()))
             }
             _ => None,
         }
     }
 
-    /// The place of a refused client whose own wait would be `wait`: behind the queue and
-    /// behind every place promised before, one service later.
-    fn promise(&mut self, served: u64, wait: Duration, rate: f64, now: Instant) -> Duration {
+    /// The place of a refused client at `line` whose own wait would be `wait`: behind the
+    /// queue and behind every place promised before (at most `chain` of them), one service
+    /// later.
+    fn promise(&mut self, line: Line, wait: Duration, rate: f64, now: Instant) -> Placed {
+        let Line {
+            served,
+            room,
+            chain,
+            ..
+        } = line;
         let step = secs(1.0 / rate);
-        let behind = self.promised.filter(|p| *p > now).map(|p| p + step);
+        let last = now + wait + secs(chain as f64 / rate);
+        let behind = self
+            .promised
+            .filter(|p| *p > now)
+            .map(|p| (p + step).min(last));
         let at = behind.map_or(now + wait, |b| b.max(now + wait));
         let place = at.saturating_duration_since(now).min(MAX_WAIT);
         self.promised = Some(now + place);
@@ -192,7 +254,10 @@ impl Arrival {
                 hint: place,
             });
         }
-        place
+        Placed {
+            place,
+            retry: place.saturating_sub(room / 2).max(place / 2),
+        }
     }
 
     /// Resolves the checks whose target count has been reached by `served` at `now`.
@@ -242,13 +307,25 @@ mod tests {
 
     const MS: Duration = Duration::from_millis(1);
 
+    fn line(served: u64, ahead: u64, room: Duration) -> Line {
+        Line {
+            served,
+            ahead,
+            room,
+            chain: u64::MAX,
+        }
+    }
+
     /// A queue served at `rate` per second with `ahead` waiting, read every 250 ms for
     /// `reads` readings starting at `t0`; returns the served count and the time after.
     fn warm(a: &mut Arrival, t0: Instant, rate: u64, ahead: u64, reads: u32) -> (u64, Instant) {
         let mut served = 0;
         let mut t = t0;
         for _ in 0..reads {
-            assert_eq!(a.decide(served, ahead, Duration::MAX, t), Decision::Queue);
+            assert_eq!(
+                a.decide(line(served, ahead, Duration::MAX), t),
+                Decision::Queue
+            );
             t += 250 * MS;
             served += rate / 4;
         }
@@ -260,27 +337,37 @@ mod tests {
         let mut a = Arrival::default();
         let t0 = Instant::now();
         // However long the queue, a first look knows no rate: queue.
-        assert_eq!(a.decide(0, 10_000, 10 * MS, t0), Decision::Queue);
+        assert_eq!(a.decide(line(0, 10_000, 10 * MS), t0), Decision::Queue);
         // A reading across an idle spell (nobody ahead) measures nothing either.
-        assert_eq!(a.decide(5, 0, 10 * MS, t0 + 300 * MS), Decision::Queue);
-        assert_eq!(a.decide(5, 10_000, 10 * MS, t0 + 350 * MS), Decision::Queue);
+        assert_eq!(
+            a.decide(line(5, 0, 10 * MS), t0 + 300 * MS),
+            Decision::Queue
+        );
+        assert_eq!(
+            a.decide(line(5, 10_000, 10 * MS), t0 + 350 * MS),
+            Decision::Queue
+        );
     }
 
     #[tokio::test(start_paused = true)]
     async fn a_wait_that_fits_queues_and_one_that_does_not_is_refused_with_its_wait() {
         let mut a = Arrival::default();
-        let (served, t) = warm(&mut a, Instant::now(), 100, 50, 6);
+        let (served, t) = warm(&mut a, Instant::now(), 100, 50, 10);
         // 100 a second: 49 ahead is a 0.5 s wait, fitting 2 s.
         assert_eq!(
-            a.decide(served, 49, Duration::from_secs(2), t),
+            a.decide(line(served, 49, Duration::from_secs(2)), t),
             Decision::Queue
         );
-        // 399 ahead is 4 s: refused at once, told to come back in 4 s.
-        match a.decide(served, 399, Duration::from_secs(2), t) {
-            Decision::Refuse { place } => assert!(
-                place.abs_diff(Duration::from_secs(4)) < 50 * MS,
-                "{place:?}"
-            ),
+        // 399 ahead is 4 s: refused at once; its turn in 4 s, told to come back when 1 s of
+        // its 2 s is still ahead of it.
+        match a.decide(line(served, 399, Duration::from_secs(2)), t) {
+            Decision::Refuse(Placed { place, retry }) => {
+                assert!(
+                    place.abs_diff(Duration::from_secs(4)) < 50 * MS,
+                    "{place:?}"
+                );
+                assert_eq!(retry, place - Duration::from_secs(1));
+            }
             other => panic!("{other:?}"),
         }
         assert_eq!(a.stats().refused_on_arrival, 1);
@@ -291,10 +378,12 @@ mod tests {
         let mut a = Arrival::default();
         let (served, t) = warm(&mut a, Instant::now(), 100, 300, 6);
         let places: Vec<Duration> = (0..5)
-            .map(|_| match a.decide(served, 300, Duration::from_secs(1), t) {
-                Decision::Refuse { place } => place,
-                other => panic!("{other:?}"),
-            })
+            .map(
+                |_| match a.decide(line(served, 300, Duration::from_secs(1)), t) {
+                    Decision::Refuse(Placed { place, .. }) => place,
+                    other => panic!("{other:?}"),
+                },
+            )
             .collect();
         // 301 / 100 s for the first, then 10 ms (one service) apart, not all at once.
         assert!(places[0].abs_diff(Duration::from_millis(3010)) < 20 * MS);
@@ -304,20 +393,39 @@ mod tests {
     }
 
     #[tokio::test(start_paused = true)]
+    async fn nobody_is_refused_before_the_queue_has_been_busy_a_while() {
+        let mut a = Arrival::default();
+        // A fast rate known from a busy spell...
+        let (served, t) = warm(&mut a, Instant::now(), 100, 50, 6);
+        // ...then the queue empties: the next busy spell starts from scratch.
+        let room = Duration::from_secs(2);
+        assert_eq!(a.decide(line(served, 0, room), t), Decision::Queue);
+        // Half a wait into it, 50 s of queue still waits: it may not be standing.
+        let t = t + 500 * MS;
+        assert_eq!(a.decide(line(served + 50, 5_000, room), t), Decision::Queue);
+        // A whole wait into it, the same newcomer is refused.
+        let t = t + 1_600 * MS;
+        assert!(matches!(
+            a.decide(line(served + 210, 5_000, room), t),
+            Decision::Refuse(_)
+        ));
+    }
+
+    #[tokio::test(start_paused = true)]
     async fn a_rate_not_refreshed_is_forgotten() {
         let mut a = Arrival::default();
         let (served, t) = warm(&mut a, Instant::now(), 100, 50, 6);
         let late = t + RATE_TTL + Duration::from_secs(1);
         // The old rate would refuse this; it no longer counts, so the newcomer waits.
-        assert_eq!(a.decide(served, 5_000, MS, late), Decision::Queue);
+        assert_eq!(a.decide(line(served, 5_000, MS), late), Decision::Queue);
     }
 
     #[tokio::test(start_paused = true)]
     async fn hint_checks_compare_the_place_with_when_the_turn_came() {
         let mut a = Arrival::default();
         let (mut served, mut t) = warm(&mut a, Instant::now(), 100, 200, 8);
-        let place = match a.decide(served, 199, Duration::from_millis(500), t) {
-            Decision::Refuse { place } => place,
+        let place = match a.decide(line(served, 199, Duration::from_millis(500)), t) {
+            Decision::Refuse(Placed { place, .. }) => place,
             other => panic!("{other:?}"),
         };
         assert!(
@@ -345,9 +453,13 @@ mod tests {
     async fn a_stalled_queue_places_late_but_not_never() {
         let mut a = Arrival::default();
         let t0 = Instant::now();
-        a.decide(0, 10, MS, t0);
-        // Busy for a second, nothing served.
-        let place = a.place(0, 10, t0 + Duration::from_secs(1)).expect("a rate");
-        assert_eq!(place, MAX_WAIT);
+        a.decide(line(0, 10, MS), t0);
+        // Busy for a second, nothing served: too little to tell.
+        assert_eq!(a.place(line(0, 10, MS), t0 + Duration::from_secs(1)), None);
+        // For three, nothing served: stalled.
+        let placed = a
+            .place(line(0, 10, MS), t0 + Duration::from_secs(3))
+            .expect("a rate");
+        assert_eq!(placed.place, MAX_WAIT);
     }
 }

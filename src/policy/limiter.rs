@@ -32,7 +32,7 @@ use serde::Serialize;
 use tokio::sync::oneshot;
 use tokio::time::Instant;
 
-use super::arrival::{Arrival, ArrivalStats, Decision};
+use super::arrival::{Arrival, ArrivalStats, Decision, Line, Placed};
 
 /// The limits a caller's limiter enforces. Changed at runtime with [`Limiter::set_limits`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
@@ -44,7 +44,7 @@ pub struct Limits {
 }
 
 /// Why `acquire` gave no permit.
-/// `place`: when the refused client's turn would have come, if the drain rate is known.
+/// `place`: the refused client's place in line, if the drain rate is known.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum LimitRefusal {
     /// All slots taken and the queue full (or `queue_depth` 0).
@@ -53,26 +53,26 @@ pub enum LimitRefusal {
         limits: Limits,
         in_flight: u32,
         queued: u32,
-        place: Option<Duration>,
+        place: Option<Placed>,
     },
     /// Queued, but no slot freed before the deadline.
     #[error("no slot within the deadline (waited {} ms)", waited.as_millis())]
     QueueTimeout {
         limits: Limits,
         waited: Duration,
-        place: Option<Duration>,
+        place: Option<Placed>,
     },
     /// The expected wait does not fit the deadline (`room`): refused on arrival.
-    #[error("a slot is expected in {} ms, beyond the {} ms the caller may wait", place.as_millis(), room.as_millis())]
+    #[error("a slot is expected in {} ms, beyond the {} ms the caller may wait", place.place.as_millis(), room.as_millis())]
     WouldWait {
         limits: Limits,
-        place: Duration,
+        place: Placed,
         room: Duration,
     },
 }
 
 impl LimitRefusal {
-    pub fn place(&self) -> Option<Duration> {
+    pub fn place(&self) -> Option<Placed> {
         match self {
             Self::LimitExceeded { place, .. } | Self::QueueTimeout { place, .. } => *place,
             Self::WouldWait { place, .. } => Some(*place),
@@ -104,6 +104,16 @@ struct Waiter {
 }
 
 impl State {
+    /// Where a newcomer with `queued` in front of it stands, for the arrival decision.
+    fn line(&self, queued: u32, room: Duration) -> Line {
+        Line {
+            served: self.released,
+            ahead: u64::from(queued),
+            room,
+            chain: u64::from(self.limits.queue_depth),
+        }
+    }
+
     /// A slot is being given back: pass it to the oldest live waiter if the (possibly lowered)
     /// limit still has room for it, otherwise really free it.
     fn release_one(&mut self) {
@@ -266,9 +276,10 @@ impl Limiter {
                 return Ok(self.permit());
             }
             let queued = u32::try_from(st.waiters.len()).unwrap_or(u32::MAX);
-            let served = st.released;
             if queued >= st.limits.queue_depth {
-                let place = st.arrival.place(served, u64::from(queued), started);
+                let room = deadline.saturating_duration_since(started);
+                let line = st.line(queued, room);
+                let place = st.arrival.place(line, started);
                 return Err(LimitRefusal::LimitExceeded {
                     limits: st.limits,
                     in_flight: st.in_flight,
@@ -284,9 +295,8 @@ impl Limiter {
                 });
             }
             let room = deadline.saturating_duration_since(started);
-            if let Decision::Refuse { place } =
-                st.arrival.decide(served, u64::from(queued), room, started)
-            {
+            let line = st.line(queued, room);
+            if let Decision::Refuse(place) = st.arrival.decide(line, started) {
                 return Err(LimitRefusal::WouldWait {
                     limits: st.limits,
                     place,
@@ -318,11 +328,12 @@ impl Limiter {
         } else {
             let now = Instant::now();
             let mut st = self.shared.lock();
-            let (served, queued) = (st.released, st.waiters.len() as u64);
+            let queued = u32::try_from(st.waiters.len()).unwrap_or(u32::MAX);
+            let line = st.line(queued, deadline - started);
             Err(LimitRefusal::QueueTimeout {
                 limits: st.limits,
                 waited: now.saturating_duration_since(started),
-                place: st.arrival.waited_out(served, queued, now),
+                place: st.arrival.waited_out(line, now),
             })
         }
     }
@@ -533,10 +544,12 @@ mod tests {
         match l.acquire(t + Duration::from_millis(100)).await {
             Err(LimitRefusal::WouldWait { place, room, .. }) => {
                 assert_eq!(room, Duration::from_millis(100));
+                let Placed { place, retry } = place;
                 assert!(
                     place > Duration::from_millis(300) && place < Duration::from_millis(800),
                     "{place:?}"
                 );
+                assert_eq!(retry, place - Duration::from_millis(50));
             }
             other => panic!("{other:?}"),
         }

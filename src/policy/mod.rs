@@ -522,7 +522,7 @@ impl Policy {
                     Ok(permit) => permit,
                     Err(refusal) => {
                         let reason = limit_reason(policy, &refusal);
-                        let place = refusal.place();
+                        let place = refusal.place().map(|p| p.retry);
                         return Err(self.refuse_at(
                             id,
                             caller,
@@ -790,8 +790,9 @@ impl Policy {
         self.refuse_at(id, caller, reason, fingerprint, now, None)
     }
 
-    /// [`Policy::refuse`] of a client whose `place` in the caller's queue is known: that
-    /// place is its hint (not below the caller's retry floor nor the limit's own floor).
+    /// [`Policy::refuse`] of a client whose place in the caller's queue is known: the time to
+    /// come back that place gives (`place`) is its hint, not below the caller's retry floor
+    /// nor the limit's own floor.
     fn refuse_at(
         &self,
         id: u16,
@@ -940,7 +941,7 @@ fn limit_reason(policy: &CallerPolicy, refusal: &LimitRefusal) -> Reason {
                 "caller {name} is at max_concurrency={} and a slot is expected in {} ms, \
                  longer than it may wait; refused now rather than after the wait",
                 limits.max_concurrency,
-                place.as_millis()
+                place.place.as_millis()
             ),
             format!(
                 "limit: caller {name} queue_timeout_ms={} ({} ms left), max_concurrency={}",

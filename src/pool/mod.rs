@@ -61,6 +61,7 @@ impl Route {
         p.client_key = self.client_key.clone();
     }
 }
+use crate::policy::arrival::Placed;
 use slots::{SlotError, SlotPermit, Slots};
 
 /// A server's ParameterStatus values, shared by the logins of a pool.
@@ -75,20 +76,20 @@ pub const UNREACHABLE_FOR: Duration = Duration::from_secs(10);
 /// Why a checkout failed; each maps to the error the client sees.
 #[derive(Debug)]
 pub enum CheckoutError {
-    /// No slot became free before the deadline (`place`: when the turn would have come).
+    /// No slot became free before the deadline (`place`: the place in line it had).
     Timeout {
         waited: Duration,
         limit: Duration,
-        place: Option<Duration>,
+        place: Option<Placed>,
     },
     /// The expected wait (`place`) did not fit the deadline (`limit`): refused on arrival.
-    WouldWait { place: Duration, limit: Duration },
+    WouldWait { place: Placed, limit: Duration },
     /// Connecting failed (or we are backing off after failures).
     Connect(Arc<ConnectError>),
     /// No slot free and `max_waiting` clients already waiting: refused at once.
     Full {
         max_waiting: usize,
-        place: Option<Duration>,
+        place: Option<Placed>,
     },
     /// The pool stayed paused for the whole hold limit of its pause.
     Paused { held: Duration },
@@ -626,7 +627,12 @@ impl Pool {
                     CheckoutError::Timeout {
                         waited: now.saturating_duration_since(started),
                         limit: deadline.saturating_duration_since(started),
-                        place: self.slots.waited_out(priority, now),
+                        place: self.slots.waited_out(
+                            priority,
+                            deadline.saturating_duration_since(started),
+                            max_waiting,
+                            now,
+                        ),
                     }
                 }
             })?;
@@ -1070,12 +1076,14 @@ pub struct PoolSnapshot {
 
 impl CheckoutError {
     /// The error the client sees; `retry_after_ms` is its hint (the caller's retry policy).
-    /// When the refused client's turn would have come, if the pool's drain rate knew: its
-    /// retry hint as is (the places of a queue's refused clients are spread already).
+    /// When the refused client should come back, if the pool's drain rate knew its place in
+    /// line: its retry hint as is (the places of a queue's refused are spread already).
     pub fn place(&self) -> Option<Duration> {
         match self {
-            CheckoutError::WouldWait { place, .. } => Some(*place),
-            CheckoutError::Timeout { place, .. } | CheckoutError::Full { place, .. } => *place,
+            CheckoutError::WouldWait { place, .. } => Some(place.retry),
+            CheckoutError::Timeout { place, .. } | CheckoutError::Full { place, .. } => {
+                place.map(|p| p.retry)
+            }
             _ => None,
         }
     }
@@ -1084,7 +1092,7 @@ impl CheckoutError {
         match self {
             CheckoutError::WouldWait { place, limit } => PgError::checkout_would_wait(
                 pool,
-                place.as_millis(),
+                place.place.as_millis(),
                 limit.as_micros().div_ceil(1000),
                 retry_after_ms,
             ),

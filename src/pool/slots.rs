@@ -43,7 +43,7 @@ use tokio::sync::Notify;
 use tokio::time::Instant;
 
 use super::park::Parking;
-use crate::policy::arrival::{Arrival, ArrivalStats, Decision};
+use crate::policy::arrival::{Arrival, ArrivalStats, Decision, Line, Placed};
 
 /// Number of priority classes (critical, high, normal, low).
 pub const PRIORITIES: usize = 4;
@@ -168,12 +168,16 @@ impl Inner {
         self.available > keep && self.held[p] < cap
     }
 
-    /// Slots granted so far to waiters of `p` and the priorities above it, and the waiters
-    /// queued there now: what a newcomer of `p` waits behind.
-    fn line(&self, p: usize) -> (u64, u64) {
-        let served = self.served[..=p].iter().sum();
+    /// Where a newcomer of `p` that may wait `room` stands: behind the waiters of `p` and the
+    /// priorities above it, served by the slots granted to them; at most `chain` more.
+    fn line(&self, p: usize, room: Duration, chain: usize) -> Line {
         let ahead = self.waiters[..=p].iter().map(VecDeque::len).sum::<usize>();
-        (served, ahead as u64)
+        Line {
+            served: self.served[..=p].iter().sum(),
+            ahead: ahead as u64,
+            room,
+            chain: chain as u64,
+        }
     }
 
     /// Gives free slots to the most urgent live waiters allowed them; their wakers go to
@@ -245,10 +249,9 @@ pub enum SlotError {
     Timeout,
     /// No slot free and `max_waiting` already waiting: refused at once (never priority 0),
     /// with its place in line when the drain rate is known.
-    Full { place: Option<Duration> },
-    /// The expected wait does not fit the deadline: refused at once (never priority 0);
-    /// `place` is when its turn would come.
-    WouldWait { place: Duration },
+    Full { place: Option<Placed> },
+    /// The expected wait does not fit the deadline: refused at once (never priority 0).
+    WouldWait { place: Placed },
 }
 
 impl Slots {
@@ -330,8 +333,8 @@ impl Slots {
                 g.waiters = waiters;
                 self.publish(g);
                 if g.queued() >= max_waiting {
-                    let (served, ahead) = g.line(priority);
-                    let place = g.arrivals[priority].place(served, ahead, now);
+                    let line = g.line(priority, deadline - now, max_waiting);
+                    let place = g.arrivals[priority].place(line, now);
                     return Err(SlotError::Full { place });
                 }
             }
@@ -343,11 +346,8 @@ impl Slots {
                 if priority < PRIORITIES - 1 {
                     g.pressed[priority] = Some(now);
                 }
-                let (served, ahead) = g.line(priority);
-                let room = deadline.saturating_duration_since(now);
-                if let Decision::Refuse { place } =
-                    g.arrivals[priority].decide(served, ahead, room, now)
-                {
+                let line = g.line(priority, deadline - now, max_waiting);
+                if let Decision::Refuse(place) = g.arrivals[priority].decide(line, now) {
                     return Err(SlotError::WouldWait { place });
                 }
             }
@@ -403,13 +403,19 @@ impl Slots {
         wakes.wake();
     }
 
-    /// A `priority` waiter's wait ran out: counted as a wasted wait; its place in line is the
-    /// retry hint, when the drain rate is known.
-    pub fn waited_out(&self, priority: usize, now: Instant) -> Option<Duration> {
+    /// A `priority` waiter that may wait `room` ran out of it (`max_waiting` as it asked):
+    /// counted as a wasted wait; its place in line, when the drain rate is known.
+    pub fn waited_out(
+        &self,
+        priority: usize,
+        room: Duration,
+        max_waiting: usize,
+        now: Instant,
+    ) -> Option<Placed> {
         let priority = priority.min(PRIORITIES - 1);
         let mut g = self.inner.lock();
-        let (served, ahead) = g.line(priority);
-        g.arrivals[priority].waited_out(served, ahead, now)
+        let line = g.line(priority, room, max_waiting);
+        g.arrivals[priority].waited_out(line, now)
     }
 
     /// The periodic look (once a second): resolves the arrival decisions' hint checks and
@@ -419,7 +425,7 @@ impl Slots {
         {
             let mut g = self.inner.lock();
             for p in 0..PRIORITIES {
-                let (served, _) = g.line(p);
+                let served = g.served[..=p].iter().sum();
                 g.arrivals[p].tick(served, now);
             }
             let mut relaxed = false;
@@ -1084,10 +1090,12 @@ mod tests {
             .await
         {
             Err(SlotError::WouldWait { place }) => {
+                let Placed { place, retry } = place;
                 assert!(
                     place > Duration::from_millis(300) && place < Duration::from_millis(800),
                     "{place:?}"
-                )
+                );
+                assert_eq!(retry, place - Duration::from_millis(50));
             }
             other => panic!("{:?}", other.err()),
         }

@@ -14,10 +14,12 @@
 //! * `messages` — issue 15, item 6: a FunctionCall and a Bind of a name the proxy never saw
 //!   prepared go through the fingerprint rules like any statement.
 //! * `hints` — issue 17: a refusal's retry hint is the expected wait of the queue that refused.
+//! * `arrival` — issue 58: a wait that cannot fit is refused at once, one that fits is served.
 //!
 //! The design article's callers YAML is replayed in `seeds`, fleet-wide limits are in `fleet`,
 //! new limits on SIGHUP in `lifecycle`, `pool.max_waiting` in `pooling::settings`.
 
+mod arrival;
 mod hints;
 mod messages;
 

@@ -1,0 +1,122 @@
+//! Decided at arrival (issue 58): a client whose expected wait in the pool's queue does not fit
+//! the time it may wait is refused at once — with the time its turn would come as the retry
+//! hint — instead of after waiting; a client whose wait fits is queued and served, never
+//! refused.
+//!
+//! One backend, kept busy by twelve clients looping on 50 ms statements: a queue of about
+//! eleven, served about twenty times a second, so a newcomer's wait is about half a second.
+//! `hasty` may wait 300 ms (its `queue_timeout_ms`), `patient` 2 s (the pool's checkout
+//! timeout). With `PGSLUICE_TEST_DIRECT=1` this test is skipped.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use super::pool_waiting;
+use crate::support::policy::{admin_get, connect, start};
+use crate::support::sql::sqlstate;
+
+const YAML: &str = "\
+admin: { open_reads: true }
+callers:
+  - name: busy
+    match: { application_name: busy }
+  - name: hasty
+    queue_timeout_ms: 300
+    match: { application_name: hasty }
+  - name: patient
+    match: { application_name: patient }
+";
+
+/// N from a `retry_after_ms=N` HINT.
+fn hint_ms(e: &tokio_postgres::Error) -> u64 {
+    let db = e.as_db_error().expect("an ErrorResponse");
+    db.hint()
+        .and_then(|h| h.strip_prefix("retry_after_ms="))
+        .and_then(|n| n.parse().ok())
+        .unwrap_or_else(|| panic!("a retry hint: {db:?}"))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_wait_that_cannot_fit_is_refused_at_once_and_one_that_fits_is_served() {
+    let Some(env) = start(1, YAML) else {
+        return;
+    };
+    let proxy = &env.proxy;
+    let stop = Instant::now() + Duration::from_secs(8);
+    let mut busy = Vec::new();
+    for _ in 0..12 {
+        let c = Arc::new(connect(proxy, Some("busy")).await);
+        busy.push(tokio::spawn(async move {
+            let mut refused = 0;
+            while Instant::now() < stop {
+                if c.simple_query("SELECT pg_sleep(0.05)").await.is_err() {
+                    refused += 1;
+                }
+            }
+            refused
+        }));
+    }
+    // The queue stands for longer than `hasty` may wait before anyone is refused on arrival.
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    assert!(pool_waiting(proxy).await >= 5, "the backend is contended");
+
+    let hasty = connect(proxy, Some("hasty")).await;
+    let mut refusals = Vec::new();
+    for _ in 0..10 {
+        let t = Instant::now();
+        match hasty.simple_query("SELECT 1").await {
+            Ok(_) => {}
+            Err(e) => {
+                let took = t.elapsed();
+                assert_eq!(sqlstate(&e), "53300", "{e:?}");
+                let msg = e.as_db_error().map(|d| d.message().to_owned());
+                let msg = msg.unwrap_or_default();
+                // Either refused on arrival or — when the estimate was wrong — after its wait;
+                // the second is what this test must not see more than once.
+                refusals.push((took, msg, hint_ms(&e)));
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let at_once: Vec<_> = refusals
+        .iter()
+        .filter(|(_, m, _)| m.contains("refused now rather than after the wait"))
+        .collect();
+    assert!(at_once.len() >= 5, "refused on arrival: {refusals:#?}");
+    for (took, msg, hint) in &at_once {
+        assert!(
+            *took < Duration::from_millis(200),
+            "not at once: {took:?} {msg}"
+        );
+        // Its turn is about half a second away and it may wait 300 ms: told to come back
+        // when 150 ms of its wait is left, i.e. soon — not after a backoff window.
+        assert!((50..=2_000).contains(hint), "hint {hint} ms: {msg}");
+    }
+    assert!(
+        refusals.len() - at_once.len() <= 1,
+        "refused after waiting more than once: {refusals:#?}"
+    );
+
+    // A client that may wait 2 s waits about half a second and is served, every time.
+    let patient = connect(proxy, Some("patient")).await;
+    for _ in 0..5 {
+        let t = Instant::now();
+        let r = patient.simple_query("SELECT 1").await;
+        assert!(r.is_ok(), "a wait that fits is never refused: {r:?}");
+        assert!(t.elapsed() < Duration::from_secs(2));
+    }
+    for b in busy {
+        assert_eq!(
+            b.await.expect("busy client"),
+            0,
+            "the busy callers were served"
+        );
+    }
+    let pools = admin_get(proxy, "/v1/pools").await;
+    let arrival = &pools["pools"][0]["arrival"];
+    assert!(
+        arrival["refused_on_arrival"].as_u64().unwrap_or(0) >= at_once.len() as u64,
+        "{arrival}"
+    );
+    proxy.assert_healthy().await;
+}
