@@ -559,6 +559,11 @@ out=$(timeout 30 "${PGSLUICE_BIN}" check-config config/pgsluice.yaml) ||
 echo "${out}"
 grep -q ': OK$' <<<"${out}" || fail "pgsluice check-config did not report OK"
 ok "pgsluice check-config config/pgsluice.yaml"
+# The demo's plain-pooling row runs this one.
+out=$(timeout 30 "${PGSLUICE_BIN}" check-config config/plain-pooling.yaml) ||
+    fail "pgsluice check-config config/plain-pooling.yaml (exit $?)"
+grep -q ': OK$' <<<"${out}" || fail "pgsluice check-config config/plain-pooling.yaml did not report OK"
+ok "pgsluice check-config config/plain-pooling.yaml"
 help=$(env -u PGSLUICE_BACKEND_URL timeout 30 "${PGSLUICE_BIN}" --help)
 for var in PGSLUICE_CONFIG PGSLUICE_LISTEN PGSLUICE_ADMIN_LISTEN PGSLUICE_BACKEND_URL; do
     grep -qE -- "\[env: ${var}[]=]" <<<"${help}" || fail "pgsluice --help does not list ${var} (used by the compose file and the image)"
