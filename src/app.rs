@@ -653,12 +653,6 @@ fn caller_names(callers: &[CallerPolicy]) -> Vec<String> {
 /// The caller table (config order, `default` last) and breaker settings for the policy.
 pub fn policy_inputs(cfg: &Config) -> (Vec<CallerPolicy>, BreakerConfig) {
     let g = &cfg.global_defaults;
-    let prio = |p: cfgmod::Priority| match p {
-        cfgmod::Priority::Critical => Priority::Critical,
-        cfgmod::Priority::High => Priority::High,
-        cfgmod::Priority::Normal => Priority::Normal,
-        cfgmod::Priority::Low => Priority::Low,
-    };
     let mut callers: Vec<CallerPolicy> = cfg
         .callers
         .iter()
@@ -667,13 +661,10 @@ pub fn policy_inputs(cfg: &Config) -> (Vec<CallerPolicy>, BreakerConfig) {
             max_concurrency: c.max_concurrency.unwrap_or(g.max_concurrency),
             queue_depth: c.queue_depth.unwrap_or(g.queue_depth),
             queue_timeout: Duration::from_millis(c.queue_timeout_ms.unwrap_or(g.queue_timeout_ms)),
-            priority: prio(c.priority),
+            priority: c.priority,
             max_qps: c.max_qps,
             burst: c.burst,
-            scope: match c.scope {
-                cfgmod::Scope::Instance => Scope::Instance,
-                cfgmod::Scope::Fleet => Scope::Fleet,
-            },
+            scope: c.scope,
             idle_transaction_timeout: idle_timeout(
                 c.idle_transaction_timeout_ms
                     .or(g.idle_transaction_timeout_ms),

@@ -711,24 +711,9 @@ impl Default for LimitsConfig {
     }
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Deserialize, Default)]
-#[serde(rename_all = "lowercase")]
-pub enum Priority {
-    Critical,
-    High,
-    #[default]
-    Normal,
-    Low,
-}
-
-/// Whether a caller's limits are this instance's or the fleet's.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Default)]
-#[serde(rename_all = "lowercase")]
-pub enum Scope {
-    #[default]
-    Instance,
-    Fleet,
-}
+/// A caller's priority and whether its limits are this instance's or the fleet's: the
+/// policy's own types, read from the file as they are.
+pub use crate::policy::{Priority, Scope};
 
 #[derive(Debug, Clone, Deserialize, Default)]
 #[serde(deny_unknown_fields)]

@@ -1,7 +1,7 @@
 //! Deciding at arrival (DESIGN §5): a newcomer that finds no room either waits in its queue,
-//! when its expected wait fits the time it may wait, or is refused at once with a hint equal
-//! to that wait — never refused after it has waited, unless the estimate was wrong. A refusal
-//! after a wait throws away the wait *and* the place in line, and the retry costs a new login.
+//! when its expected wait fits the time it may wait, or is refused at once with a hint around
+//! that wait — not refused after it has waited, unless the estimate was wrong. A refusal after
+//! a wait throws away the wait *and* the place in line, and the retry costs a new login.
 //!
 //! Owns [`Arrival`], one per queue (a pool's priority, a caller's FIFO), kept under its
 //! owner's lock and fed by it: a monotonic count of the waiters the queue has served (grants,
@@ -9,33 +9,33 @@
 //!
 //! * the queue's **service rate**, measured only while it is busy: two readings count only
 //!   when waiters were ahead at both (a rate read across an idle spell measures arrivals, not
-//!   room); a reading needs [`MIN_SPAN`] and [`MIN_SERVED`] services. The rate used is the
-//!   faster of the last reading and the smoothed one ([`SMOOTHING`]): a queue speeds up
-//!   (logins stop taking the CPU, long work holding backends ends) faster than an average
-//!   follows, and a pessimistic estimate costs more than an optimistic one — the client it
-//!   refuses comes back late, after the queue had room, while one queued on an optimistic
-//!   estimate loses at most its wait. A rate not refreshed for [`RATE_TTL`] is forgotten.
+//!   room); a reading needs [`MIN_SPAN`] and [`MIN_SERVED`] services, and is smoothed over
+//!   [`SMOOTHING`]. A rate not refreshed for [`RATE_TTL`] is forgotten.
+//! * **two estimates from it.** Whether to queue is judged at the *best* pace the queue has
+//!   shown — the fastest of the smoothed rate, the last reading and the fastest reading of
+//!   the last [`PEAK_TTL`] — because a queue speeds up (logins stop taking the CPU, long
+//!   work holding backends ends) faster than an average follows, and a wrong refusal costs
+//!   more than a wrong wait: the refused client pays a new login and comes back after the
+//!   queue had room, while one queued on an optimistic estimate loses at most its wait. So a
+//!   refusal on arrival means the queue could not serve the newcomer in time even at its
+//!   best. Where a refused client should come back is judged at the *smoothed* pace (a
+//!   hint from the best pace sends it back to a queue still full), spread over half to one
+//!   and a half of that wait, so the refused of one moment come back spread out.
 //! * **a standing queue**: nobody is refused until the queue has been busy for as long as
 //!   the newcomer may wait, and a rate is known; until then everyone queues. The first
 //!   moments of a storm are its slowest, and a refusal on their pace would send away
 //!   clients the queue would have served; a queue still busy after a whole wait is one that
 //!   waiting does not clear.
-//! * the **places promised** to clients refused earlier: the next refused client's place is
-//!   behind the queue *and* behind them, one service interval later, so the refused come back
-//!   spread at the rate the queue drains instead of as a herd that overflows it again.
-//!   At most [`Line::chain`] places are promised beyond the queue's own (its owner passes
-//!   its queue's bound): a client that retries without honouring its hint would otherwise
-//!   push every later place back by a service each time.
-//!   A refused client is told to come back when half of the time it may wait is still ahead
-//!   of its place (`retry = place − room / 2`): it then queues for about that half, so an
-//!   estimate off by up to that much costs it nothing and the queue never runs dry waiting
-//!   for it.
-//! * **hint checks**: a refused client's place is a number of services from now; when the
-//!   count reaches it, the time that took is the wait it would have had, compared with the
-//!   hint it got ([`ArrivalStats`]). The crossing time is interpolated between two readings,
-//!   so a check resolved late (at the next reading) is still accurate.
+//! * **hint checks**: a refused client's expected wait is a number of services from now;
+//!   when the count reaches it, the time that took is the wait it would have had, compared
+//!   with the expected wait its hint was spread around ([`ArrivalStats`]). The crossing time
+//!   is interpolated between two readings, so a check resolved late (at the next reading) is
+//!   still accurate. (The count moves only while someone is there to be served: when most
+//!   of a queue's clients were refused and are away, the check measures how long the queue
+//!   took to serve them after they came back.)
 //!
-//! Pure: time and counts come in; nothing here locks, sleeps or reads a clock.
+//! Pure but for the hint's jitter: time and counts come in; nothing here locks, sleeps or
+//! reads a clock.
 
 use std::collections::VecDeque;
 use std::time::Duration;
@@ -51,6 +51,8 @@ pub const MIN_SERVED: u64 = 4;
 pub const SMOOTHING: Duration = Duration::from_millis(500);
 /// A rate not refreshed for this long no longer describes the queue.
 pub const RATE_TTL: Duration = Duration::from_secs(5);
+/// How long the fastest reading counts as the pace the queue can reach again.
+pub const PEAK_TTL: Duration = Duration::from_secs(30);
 /// Longest wait or place ever estimated.
 pub const MAX_WAIT: Duration = Duration::from_secs(60);
 /// Hint checks kept at once; beyond, refusals go unchecked (the sample stays unbiased).
@@ -74,16 +76,15 @@ pub struct Line {
     pub ahead: u64,
     /// How long the newcomer may wait.
     pub room: Duration,
-    /// Most places promised beyond the queue's own: its bound (queue depth, `max_waiting`).
-    pub chain: u64,
 }
 
 /// A refused client's place in line.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Placed {
-    /// When its turn would come.
+    /// When its turn would come, at the queue's smoothed pace.
     pub place: Duration,
-    /// When it should come back (its retry hint): while part of its wait is still ahead.
+    /// When it should come back (its retry hint): spread over half to one and a half of
+    /// `place`.
     pub retry: Duration,
 }
 
@@ -95,12 +96,12 @@ pub struct ArrivalStats {
     /// Queued and refused when the wait ran out: each a wasted wait (the estimate was wrong,
     /// or there was none yet).
     pub refused_after_wait: u64,
-    /// Refusals whose hint was checked against the wait the client would have had.
+    /// Refusals whose expected wait was checked against the wait the client would have had.
     pub hint_checks: u64,
-    /// Sum of the checked hints, and of |would-have-waited − hint| (ms).
+    /// Sum of the checked expected waits, and of |would-have-waited − expected| (ms).
     pub hint_ms: u64,
     pub hint_error_ms: u64,
-    /// Checked hints shorter than the wait (the client came back before its turn).
+    /// Checked expected waits shorter than the wait would have been.
     pub hints_short: u64,
 }
 
@@ -124,10 +125,10 @@ pub struct Arrival {
     rate: Option<(f64, Instant)>,
     /// The last reading's rate alone.
     latest: f64,
+    /// The fastest reading of the last [`PEAK_TTL`], and when it was read.
+    peak: Option<(f64, Instant)>,
     /// Since when waiters have been ahead at every reading.
     busy_since: Option<Instant>,
-    /// When the last place promised to a refused client falls due.
-    promised: Option<Instant>,
     /// The last (when, served) seen, for interpolating the checks.
     seen: Option<(Instant, u64)>,
     checks: VecDeque<Check>,
@@ -139,34 +140,38 @@ struct Check {
     /// The served count at which the refused client's turn would have come.
     target: u64,
     issued: Instant,
-    hint: Duration,
+    expected: Duration,
+}
+
+/// The queue's pace: the best it has shown, and its smoothed one (services per second).
+#[derive(Debug, Clone, Copy)]
+struct Pace {
+    best: f64,
+    smooth: f64,
 }
 
 impl Arrival {
     /// Queue the newcomer at `line`, or refuse it with its place.
     pub fn decide(&mut self, line: Line, now: Instant) -> Decision {
         let Line { ahead, room, .. } = line;
-        let Some(rate) = self.read(line.served, ahead, now) else {
+        let Some(pace) = self.read(line.served, ahead, now) else {
             return Decision::Queue;
         };
         let established = self
             .busy_since
             .is_some_and(|t| now.saturating_duration_since(t) >= room);
-        let wait = secs((ahead + 1) as f64 / rate);
-        if wait <= room || !established {
+        if secs((ahead + 1) as f64 / pace.best) <= room || !established {
             return Decision::Queue;
         }
         self.stats.refused_on_arrival += 1;
-        Decision::Refuse(self.promise(line, wait, rate, now))
+        Decision::Refuse(self.promise(line, pace, now))
     }
 
-    /// A client at `line` refused anyway (the queue is full, or its wait ran out; `room` is
-    /// what it may wait when it comes back): its place, promised and checked as
-    /// [`Arrival::decide`]'s are; `None` while the rate is unknown.
+    /// A client at `line` refused anyway (the queue is full, or its wait ran out): its place,
+    /// checked as [`Arrival::decide`]'s are; `None` while the rate is unknown.
     pub fn place(&mut self, line: Line, now: Instant) -> Option<Placed> {
-        let rate = self.read(line.served, line.ahead, now)?;
-        let wait = secs((line.ahead + 1) as f64 / rate);
-        Some(self.promise(line, wait, rate, now))
+        let pace = self.read(line.served, line.ahead, now)?;
+        Some(self.promise(line, pace, now))
     }
 
     /// A queued client's wait ran out at `line`: counted as a wasted wait; placed as by
@@ -186,8 +191,8 @@ impl Arrival {
         self.stats
     }
 
-    /// The service rate now, if known: reads the count (while busy) and resolves checks.
-    fn read(&mut self, served: u64, ahead: u64, now: Instant) -> Option<f64> {
+    /// The pace now, if known: reads the count (while busy) and resolves checks.
+    fn read(&mut self, served: u64, ahead: u64, now: Instant) -> Option<Pace> {
         self.observe(served, now);
         if ahead == 0 || self.busy_since.is_none() {
             self.busy_since = Some(now);
@@ -215,48 +220,47 @@ impl Arrival {
                     };
                     self.rate = Some((rate, now));
                     self.latest = seen;
+                    let higher = |&(p, at): &(f64, Instant)| {
+                        p > seen && now.saturating_duration_since(at) < PEAK_TTL
+                    };
+                    if !self.peak.is_some_and(|p| higher(&p)) {
+                        self.peak = Some((seen, now));
+                    }
                     self.sample = Some((now, served));
                 }
             }
         }
-        match self.rate {
-            Some((r, at)) if now.saturating_duration_since(at) <= RATE_TTL => {
-                // A queue that served nothing at all is "much later", not "never".
-                Some(r.max(self.latest).max(1.0 / MAX_WAIT.as_secs_f64()))
-            }
-            _ => None,
+        let (smooth, at) = self.rate?;
+        if now.saturating_duration_since(at) > RATE_TTL {
+            return None;
         }
+        let peak = self
+            .peak
+            .filter(|(_, t)| now.saturating_duration_since(*t) < PEAK_TTL)
+            .map_or(0.0, |(p, _)| p);
+        // A queue that served nothing at all is "much later", not "never".
+        let least = 1.0 / MAX_WAIT.as_secs_f64();
+        Some(Pace {
+            best: smooth.max(self.latest).max(peak).max(least),
+            smooth: smooth.max(least),
+        })
     }
 
-    /// The place of a refused client at `line` whose own wait would be `wait`: behind the
-    /// queue and behind every place promised before (at most `chain` of them), one service
-    /// later.
-    fn promise(&mut self, line: Line, wait: Duration, rate: f64, now: Instant) -> Placed {
-        let Line {
-            served,
-            room,
-            chain,
-            ..
-        } = line;
-        let step = secs(1.0 / rate);
-        let last = now + wait + secs(chain as f64 / rate);
-        let behind = self
-            .promised
-            .filter(|p| *p > now)
-            .map(|p| (p + step).min(last));
-        let at = behind.map_or(now + wait, |b| b.max(now + wait));
-        let place = at.saturating_duration_since(now).min(MAX_WAIT);
-        self.promised = Some(now + place);
+    /// The place of a refused client at `line`: its wait at the smoothed pace, and a retry
+    /// spread around it; checked later against the turn it would have had.
+    fn promise(&mut self, line: Line, pace: Pace, now: Instant) -> Placed {
+        let place = secs((line.ahead + 1) as f64 / pace.smooth);
         if self.checks.len() < MAX_CHECKS {
             self.checks.push_back(Check {
-                target: served + (place.as_secs_f64() * rate).round() as u64,
+                target: line.served + line.ahead + 1,
                 issued: now,
-                hint: place,
+                expected: place,
             });
         }
+        let spread = rand::random_range(0.5..=1.5);
         Placed {
             place,
-            retry: place.saturating_sub(room / 2).max(place / 2),
+            retry: place.mul_f64(spread).min(MAX_WAIT),
         }
     }
 
@@ -264,16 +268,15 @@ impl Arrival {
     fn observe(&mut self, served: u64, now: Instant) {
         let (t0, c0) = self.seen.unwrap_or((now, served));
         self.seen = Some((now, served));
-        while let Some(c) = self.checks.front().copied() {
+        if self.checks.is_empty() {
+            return;
+        }
+        let stats = &mut self.stats;
+        self.checks.retain(|c| {
             if c.target > served {
-                // Nothing moves for a long time: the place is past any estimate; drop it.
-                if now.saturating_duration_since(c.issued) > 2 * MAX_WAIT {
-                    self.checks.pop_front();
-                    continue;
-                }
-                break;
+                // Nothing moves for a long time: past any estimate; dropped unchecked.
+                return now.saturating_duration_since(c.issued) <= 2 * MAX_WAIT;
             }
-            self.checks.pop_front();
             // When the count crossed the target, between the last reading and this one.
             let crossed = if c.target <= c0 || served == c0 {
                 t0
@@ -282,14 +285,14 @@ impl Arrival {
                 t0 + now.saturating_duration_since(t0).mul_f64(f)
             };
             let waited = crossed.saturating_duration_since(c.issued);
-            let s = &mut self.stats;
-            s.hint_checks += 1;
-            s.hint_ms += millis(c.hint);
-            s.hint_error_ms += millis(waited.abs_diff(c.hint));
-            if waited > c.hint {
-                s.hints_short += 1;
+            stats.hint_checks += 1;
+            stats.hint_ms += millis(c.expected);
+            stats.hint_error_ms += millis(waited.abs_diff(c.expected));
+            if waited > c.expected {
+                stats.hints_short += 1;
             }
-        }
+            false
+        });
     }
 }
 
@@ -312,7 +315,6 @@ mod tests {
             served,
             ahead,
             room,
-            chain: u64::MAX,
         }
     }
 
@@ -358,15 +360,14 @@ mod tests {
             a.decide(line(served, 49, Duration::from_secs(2)), t),
             Decision::Queue
         );
-        // 399 ahead is 4 s: refused at once; its turn in 4 s, told to come back when 1 s of
-        // its 2 s is still ahead of it.
+        // 399 ahead is 4 s: refused at once; its turn in 4 s, told to come back around then.
         match a.decide(line(served, 399, Duration::from_secs(2)), t) {
             Decision::Refuse(Placed { place, retry }) => {
                 assert!(
                     place.abs_diff(Duration::from_secs(4)) < 50 * MS,
                     "{place:?}"
                 );
-                assert_eq!(retry, place - Duration::from_secs(1));
+                assert!(retry >= place / 2 && retry <= place * 3 / 2, "{retry:?}");
             }
             other => panic!("{other:?}"),
         }
@@ -374,22 +375,31 @@ mod tests {
     }
 
     #[tokio::test(start_paused = true)]
-    async fn the_refused_are_given_places_one_service_apart() {
+    async fn the_refused_are_told_to_come_back_spread_around_their_turn() {
         let mut a = Arrival::default();
-        let (served, t) = warm(&mut a, Instant::now(), 100, 300, 6);
-        let places: Vec<Duration> = (0..5)
+        let (served, t) = warm(&mut a, Instant::now(), 100, 300, 8);
+        let retries: Vec<Duration> = (0..200)
             .map(
                 |_| match a.decide(line(served, 300, Duration::from_secs(1)), t) {
-                    Decision::Refuse(Placed { place, .. }) => place,
+                    Decision::Refuse(Placed { place, retry }) => {
+                        // 301 ahead at 100 a second.
+                        assert!(place.abs_diff(Duration::from_millis(3010)) < 20 * MS);
+                        assert!(retry >= place / 2 && retry <= place * 3 / 2, "{retry:?}");
+                        retry
+                    }
                     other => panic!("{other:?}"),
                 },
             )
             .collect();
-        // 301 / 100 s for the first, then 10 ms (one service) apart, not all at once.
-        assert!(places[0].abs_diff(Duration::from_millis(3010)) < 20 * MS);
-        for w in places.windows(2) {
-            assert!(w[1].abs_diff(w[0] + 10 * MS) <= MS, "{places:?}");
-        }
+        // Spread over the window, not one instant: a herd would overflow the queue again.
+        let early = retries
+            .iter()
+            .filter(|r| **r < Duration::from_secs(3))
+            .count();
+        assert!(
+            (50..=150).contains(&early),
+            "{early} of 200 before the turn"
+        );
     }
 
     #[tokio::test(start_paused = true)]
@@ -407,6 +417,26 @@ mod tests {
         let t = t + 1_600 * MS;
         assert!(matches!(
             a.decide(line(served + 210, 5_000, room), t),
+            Decision::Refuse(_)
+        ));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_queue_that_was_fast_is_expected_to_be_fast_again() {
+        let mut a = Arrival::default();
+        let room = Duration::from_secs(1);
+        let (mut served, mut t) = warm(&mut a, Instant::now(), 1_000, 500, 6);
+        // Then it slows to 10 a second for two seconds (logins take the CPU, say).
+        for _ in 0..8 {
+            t += 250 * MS;
+            served += 3;
+            assert_eq!(a.decide(line(served, 500, room), t), Decision::Queue);
+        }
+        // 500 ahead is 50 s at the pace now, half a second at the pace it has shown: queued.
+        assert_eq!(a.decide(line(served, 500, room), t), Decision::Queue);
+        // Beyond what even that pace serves in time: refused.
+        assert!(matches!(
+            a.decide(line(served, 5_000, room), t),
             Decision::Refuse(_)
         ));
     }

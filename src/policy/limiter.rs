@@ -110,7 +110,6 @@ impl State {
             served: self.released,
             ahead: u64::from(queued),
             room,
-            chain: u64::from(self.limits.queue_depth),
         }
     }
 
@@ -549,7 +548,7 @@ mod tests {
                     place > Duration::from_millis(300) && place < Duration::from_millis(800),
                     "{place:?}"
                 );
-                assert_eq!(retry, place - Duration::from_millis(50));
+                assert!(retry >= place / 2 && retry <= place * 3 / 2, "{retry:?}");
             }
             other => panic!("{other:?}"),
         }

@@ -630,7 +630,6 @@ impl Pool {
                         place: self.slots.waited_out(
                             priority,
                             deadline.saturating_duration_since(started),
-                            max_waiting,
                             now,
                         ),
                     }

@@ -169,14 +169,13 @@ impl Inner {
     }
 
     /// Where a newcomer of `p` that may wait `room` stands: behind the waiters of `p` and the
-    /// priorities above it, served by the slots granted to them; at most `chain` more.
-    fn line(&self, p: usize, room: Duration, chain: usize) -> Line {
+    /// priorities above it, served by the slots granted to them.
+    fn line(&self, p: usize, room: Duration) -> Line {
         let ahead = self.waiters[..=p].iter().map(VecDeque::len).sum::<usize>();
         Line {
             served: self.served[..=p].iter().sum(),
             ahead: ahead as u64,
             room,
-            chain: chain as u64,
         }
     }
 
@@ -333,7 +332,7 @@ impl Slots {
                 g.waiters = waiters;
                 self.publish(g);
                 if g.queued() >= max_waiting {
-                    let line = g.line(priority, deadline - now, max_waiting);
+                    let line = g.line(priority, deadline - now);
                     let place = g.arrivals[priority].place(line, now);
                     return Err(SlotError::Full { place });
                 }
@@ -346,7 +345,7 @@ impl Slots {
                 if priority < PRIORITIES - 1 {
                     g.pressed[priority] = Some(now);
                 }
-                let line = g.line(priority, deadline - now, max_waiting);
+                let line = g.line(priority, deadline - now);
                 if let Decision::Refuse(place) = g.arrivals[priority].decide(line, now) {
                     return Err(SlotError::WouldWait { place });
                 }
@@ -403,18 +402,12 @@ impl Slots {
         wakes.wake();
     }
 
-    /// A `priority` waiter that may wait `room` ran out of it (`max_waiting` as it asked):
-    /// counted as a wasted wait; its place in line, when the drain rate is known.
-    pub fn waited_out(
-        &self,
-        priority: usize,
-        room: Duration,
-        max_waiting: usize,
-        now: Instant,
-    ) -> Option<Placed> {
+    /// A `priority` waiter that may wait `room` ran out of it: counted as a wasted wait; its
+    /// place in line, when the drain rate is known.
+    pub fn waited_out(&self, priority: usize, room: Duration, now: Instant) -> Option<Placed> {
         let priority = priority.min(PRIORITIES - 1);
         let mut g = self.inner.lock();
-        let line = g.line(priority, room, max_waiting);
+        let line = g.line(priority, room);
         g.arrivals[priority].waited_out(line, now)
     }
 
@@ -1095,7 +1088,7 @@ mod tests {
                     place > Duration::from_millis(300) && place < Duration::from_millis(800),
                     "{place:?}"
                 );
-                assert_eq!(retry, place - Duration::from_millis(50));
+                assert!(retry >= place / 2 && retry <= place * 3 / 2, "{retry:?}");
             }
             other => panic!("{:?}", other.err()),
         }
