@@ -17,8 +17,8 @@
 //!   work holding backends ends) faster than an average follows, and a wrong refusal costs
 //!   more than a wrong wait: the refused client pays a new login and comes back after the
 //!   queue had room, while one queued on an optimistic estimate loses at most its wait. So a
-//!   refusal on arrival means the queue could not serve the newcomer in time even at its
-//!   best. Where a refused client should come back is judged at the *smoothed* pace (a
+//!   refusal on arrival means the queue could not serve the newcomer in [`SLACK`] times the
+//!   time it may wait even at its best. Where a refused client should come back is judged at the *smoothed* pace (a
 //!   hint from the best pace sends it back to a queue still full), spread over half to one
 //!   and a half of that wait, so the refused of one moment come back spread out.
 //! * **a standing queue**: nobody is refused until the queue has been busy for as long as
@@ -53,6 +53,10 @@ pub const SMOOTHING: Duration = Duration::from_millis(500);
 pub const RATE_TTL: Duration = Duration::from_secs(5);
 /// How long the fastest reading counts as the pace the queue can reach again.
 pub const PEAK_TTL: Duration = Duration::from_secs(30);
+/// A newcomer is refused on arrival only when its wait at the best pace is more than this
+/// many times what it may wait: a refusal costs the client a new login and takes away the
+/// natural backoff of a wait, so only the clearly hopeless are sent away at once.
+pub const SLACK: u32 = 2;
 /// Longest wait or place ever estimated.
 pub const MAX_WAIT: Duration = Duration::from_secs(60);
 /// Hint checks kept at once; beyond, refusals go unchecked (the sample stays unbiased).
@@ -160,7 +164,7 @@ impl Arrival {
         let established = self
             .busy_since
             .is_some_and(|t| now.saturating_duration_since(t) >= room);
-        if secs((ahead + 1) as f64 / pace.best) <= room || !established {
+        if secs((ahead + 1) as f64 / pace.best) <= room.saturating_mul(SLACK) || !established {
             return Decision::Queue;
         }
         self.stats.refused_on_arrival += 1;
@@ -360,11 +364,16 @@ mod tests {
             a.decide(line(served, 49, Duration::from_secs(2)), t),
             Decision::Queue
         );
-        // 399 ahead is 4 s: refused at once; its turn in 4 s, told to come back around then.
-        match a.decide(line(served, 399, Duration::from_secs(2)), t) {
+        // 399 ahead is 4 s: more than it may wait, but not hopeless (twice that): queued.
+        assert_eq!(
+            a.decide(line(served, 399, Duration::from_secs(2)), t),
+            Decision::Queue
+        );
+        // 599 ahead is 6 s: refused at once; its turn in 6 s, told to come back around then.
+        match a.decide(line(served, 599, Duration::from_secs(2)), t) {
             Decision::Refuse(Placed { place, retry }) => {
                 assert!(
-                    place.abs_diff(Duration::from_secs(4)) < 50 * MS,
+                    place.abs_diff(Duration::from_secs(6)) < 50 * MS,
                     "{place:?}"
                 );
                 assert!(retry >= place / 2 && retry <= place * 3 / 2, "{retry:?}");

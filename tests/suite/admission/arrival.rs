@@ -5,8 +5,8 @@
 //!
 //! One backend, kept busy by twelve clients looping on 50 ms statements: a queue of about
 //! eleven, served about twenty times a second, so a newcomer's wait is about half a second.
-//! `hasty` may wait 300 ms (its `queue_timeout_ms`), `patient` 2 s (the pool's checkout
-//! timeout). With `PGSLUICE_TEST_DIRECT=1` this test is skipped.
+//! `hasty` may wait 150 ms (its `queue_timeout_ms`: refused on arrival once its wait is more
+//! than twice that), `patient` 2 s (the pool's checkout timeout). With `PGSLUICE_TEST_DIRECT=1` this test is skipped.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -21,7 +21,7 @@ callers:
   - name: busy
     match: { application_name: busy }
   - name: hasty
-    queue_timeout_ms: 300
+    queue_timeout_ms: 150
     match: { application_name: hasty }
   - name: patient
     match: { application_name: patient }
@@ -88,8 +88,8 @@ async fn a_wait_that_cannot_fit_is_refused_at_once_and_one_that_fits_is_served()
             *took < Duration::from_millis(200),
             "not at once: {took:?} {msg}"
         );
-        // Its turn is about half a second away and it may wait 300 ms: told to come back
-        // when 150 ms of its wait is left, i.e. soon — not after a backoff window.
+        // Its turn is about half a second away: told to come back around then (half to one
+        // and a half of it) — not after a backoff window.
         assert!((50..=2_000).contains(hint), "hint {hint} ms: {msg}");
     }
     assert!(
