@@ -21,8 +21,9 @@
 //!   time it may wait even at its best. Where a refused client should come back is judged at the *smoothed* pace (a
 //!   hint from the best pace sends it back to a queue still full), spread over half to one
 //!   and a half of that wait, so the refused of one moment come back spread out.
-//! * **a standing queue**: nobody is refused until the queue has been busy for as long as
-//!   the newcomer may wait, and a rate is known; until then everyone queues. The first
+//! * **a standing queue**: nobody is refused until the queue has been busy for [`SLACK`]
+//!   times as long as the newcomer may wait, and a rate is known; until then everyone
+//!   queues. The first
 //!   moments of a storm are its slowest, and a refusal on their pace would send away
 //!   clients the queue would have served; a queue still busy after a whole wait is one that
 //!   waiting does not clear.
@@ -163,7 +164,7 @@ impl Arrival {
         };
         let established = self
             .busy_since
-            .is_some_and(|t| now.saturating_duration_since(t) >= room);
+            .is_some_and(|t| now.saturating_duration_since(t) >= room.saturating_mul(SLACK));
         if secs((ahead + 1) as f64 / pace.best) <= room.saturating_mul(SLACK) || !established {
             return Decision::Queue;
         }
@@ -358,7 +359,7 @@ mod tests {
     #[tokio::test(start_paused = true)]
     async fn a_wait_that_fits_queues_and_one_that_does_not_is_refused_with_its_wait() {
         let mut a = Arrival::default();
-        let (served, t) = warm(&mut a, Instant::now(), 100, 50, 10);
+        let (served, t) = warm(&mut a, Instant::now(), 100, 50, 20);
         // 100 a second: 49 ahead is a 0.5 s wait, fitting 2 s.
         assert_eq!(
             a.decide(line(served, 49, Duration::from_secs(2)), t),
@@ -419,13 +420,13 @@ mod tests {
         // ...then the queue empties: the next busy spell starts from scratch.
         let room = Duration::from_secs(2);
         assert_eq!(a.decide(line(served, 0, room), t), Decision::Queue);
-        // Half a wait into it, 50 s of queue still waits: it may not be standing.
+        // Half a wait into it, 50 s of queue still waits: it may not be standing yet.
         let t = t + 500 * MS;
         assert_eq!(a.decide(line(served + 50, 5_000, room), t), Decision::Queue);
-        // A whole wait into it, the same newcomer is refused.
-        let t = t + 1_600 * MS;
+        // Twice its wait into it, the same newcomer is refused.
+        let t = t + 3_600 * MS;
         assert!(matches!(
-            a.decide(line(served + 210, 5_000, room), t),
+            a.decide(line(served + 410, 5_000, room), t),
             Decision::Refuse(_)
         ));
     }

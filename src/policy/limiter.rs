@@ -17,9 +17,11 @@
 //!   (client gone, outer timeout) the guard removes it from the queue, or — if a slot was
 //!   handed to it in the same instant — passes that slot on. No slot can leak.
 //!
-//! A newcomer that finds every slot taken is decided at arrival ([`Arrival`]): it queues when
-//! its expected wait fits its deadline, else it is refused at once with its place in line as
-//! the retry hint, instead of after waiting the whole deadline.
+//! Its queue keeps an [`Arrival`] estimate for what its refusals did: those refused when the
+//! queue was full and those refused after waiting, each with the wait it would have had,
+//! checked against when its turn came. A caller's queue is never shortened by an estimate:
+//! its `queue_depth` is what the operator asked for, and an estimate of a queue whose pace
+//! falls as refused clients log in again would refuse more, and so slow it further.
 //!
 //! The mutex is a `parking_lot` one held for a few instructions and never across `.await`.
 
@@ -32,7 +34,7 @@ use serde::Serialize;
 use tokio::sync::oneshot;
 use tokio::time::Instant;
 
-use super::arrival::{Arrival, ArrivalStats, Decision, Line, Placed};
+use super::arrival::{Arrival, ArrivalStats, Line, Placed};
 
 /// The limits a caller's limiter enforces. Changed at runtime with [`Limiter::set_limits`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
@@ -62,20 +64,12 @@ pub enum LimitRefusal {
         waited: Duration,
         place: Option<Placed>,
     },
-    /// The expected wait does not fit the deadline (`room`): refused on arrival.
-    #[error("a slot is expected in {} ms, beyond the {} ms the caller may wait", place.place.as_millis(), room.as_millis())]
-    WouldWait {
-        limits: Limits,
-        place: Placed,
-        room: Duration,
-    },
 }
 
 impl LimitRefusal {
     pub fn place(&self) -> Option<Placed> {
         match self {
             Self::LimitExceeded { place, .. } | Self::QueueTimeout { place, .. } => *place,
-            Self::WouldWait { place, .. } => Some(*place),
         }
     }
 }
@@ -291,15 +285,6 @@ impl Limiter {
                     limits: st.limits,
                     waited: Duration::ZERO,
                     place: None,
-                });
-            }
-            let room = deadline.saturating_duration_since(started);
-            let line = st.line(queued, room);
-            if let Decision::Refuse(place) = st.arrival.decide(line, started) {
-                return Err(LimitRefusal::WouldWait {
-                    limits: st.limits,
-                    place,
-                    room,
                 });
             }
             let (tx, rx) = oneshot::channel();
@@ -523,48 +508,50 @@ mod tests {
     }
 
     #[tokio::test(start_paused = true)]
-    async fn decided_at_arrival_not_after_the_wait() {
-        let l = limiter(2, 1_000);
-        // 2 slots held 20 ms each by 50 looping clients: ~48 queued, 100 served a second.
+    async fn refusals_are_counted_with_the_wait_they_would_have_had() {
+        let l = limiter(2, 20);
+        // 2 slots held 20 ms each by 50 looping clients: the queue of 20 stays full, 100
+        // served a second.
         let workers: Vec<_> = (0..50)
             .map(|_| {
                 let l = l.clone();
                 tokio::spawn(async move {
                     loop {
-                        let p = l.acquire(far()).await.unwrap();
-                        tokio::time::sleep(Duration::from_millis(20)).await;
-                        drop(p);
+                        if let Ok(p) = l.acquire(far()).await {
+                            tokio::time::sleep(Duration::from_millis(20)).await;
+                            drop(p);
+                        } else {
+                            tokio::time::sleep(Duration::from_millis(5)).await;
+                        }
                     }
                 })
             })
             .collect();
         tokio::time::sleep(Duration::from_secs(2)).await;
-        let t = Instant::now();
-        match l.acquire(t + Duration::from_millis(100)).await {
-            Err(LimitRefusal::WouldWait { place, room, .. }) => {
-                assert_eq!(room, Duration::from_millis(100));
-                let Placed { place, retry } = place;
-                assert!(
-                    place > Duration::from_millis(300) && place < Duration::from_millis(800),
-                    "{place:?}"
-                );
-                assert!(retry >= place / 2 && retry <= place * 3 / 2, "{retry:?}");
-            }
+        // The queue is full: refused at once, 21 ahead at 100 a second.
+        match l.acquire(far()).await {
+            Err(LimitRefusal::LimitExceeded {
+                place: Some(Placed { place, .. }),
+                ..
+            }) => assert!(
+                place > Duration::from_millis(100) && place < Duration::from_millis(400),
+                "{place:?}"
+            ),
             other => panic!("{other:?}"),
         }
-        assert_eq!(Instant::now(), t, "refused without waiting");
-        // A deadline the queue fits is waited for and served.
-        let p = l.acquire(Instant::now() + Duration::from_secs(2)).await;
-        assert!(p.is_ok(), "{:?}", p.err());
         let s = l.arrival_stats();
         assert_eq!(
             (s.refused_on_arrival, s.refused_after_wait),
-            (1, 0),
+            (0, 0),
             "{s:?}"
         );
         for w in workers {
             w.abort();
         }
+        // Its turn comes a fifth of a second later: the check resolves at the next look.
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        l.tick(Instant::now());
+        assert!(l.arrival_stats().hint_checks >= 1);
     }
 
     /// Poll a future once with a no-op waker.

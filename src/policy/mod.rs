@@ -522,15 +522,7 @@ impl Policy {
                     Ok(permit) => permit,
                     Err(refusal) => {
                         let reason = limit_reason(policy, &refusal);
-                        let place = refusal.place().map(|p| p.retry);
-                        return Err(self.refuse_at(
-                            id,
-                            caller,
-                            reason,
-                            req.fingerprint,
-                            now,
-                            place,
-                        ));
+                        return Err(self.refuse(id, caller, reason, req.fingerprint, now));
                     }
                 }
             }
@@ -787,26 +779,8 @@ impl Policy {
         fingerprint: u64,
         now: Instant,
     ) -> Refusal {
-        self.refuse_at(id, caller, reason, fingerprint, now, None)
-    }
-
-    /// [`Policy::refuse`] of a client whose place in the caller's queue is known: the time to
-    /// come back that place gives (`place`) is its hint, not below the caller's retry floor
-    /// nor the limit's own floor.
-    fn refuse_at(
-        &self,
-        id: u16,
-        caller: &CallerState,
-        reason: Reason,
-        fingerprint: u64,
-        now: Instant,
-        place: Option<Duration>,
-    ) -> Refusal {
         caller.stats.refusals[reason.kind.index()].fetch_add(1, Ordering::Relaxed);
-        let retry = if let Some(place) = place.filter(|_| reason.kind.retryable()) {
-            let at = place.max(caller.policy.retry.floor).max(reason.floor);
-            u64::try_from(at.as_millis()).unwrap_or(u64::MAX).max(1)
-        } else if reason.kind.retryable() {
+        let retry = if reason.kind.retryable() {
             // A full queue or a wait that ran out: say when a slot is expected to be free.
             let expected = match reason.kind {
                 RefusalKind::CallerLimitExceeded | RefusalKind::QueueTimeout => {
@@ -928,26 +902,6 @@ fn limit_reason(policy: &CallerPolicy, refusal: &LimitRefusal) -> Reason {
             format!(
                 "limit: caller {name} max_concurrency={}, queue_depth={} (in flight {in_flight}, queued {queued})",
                 limits.max_concurrency, limits.queue_depth
-            ),
-            Duration::ZERO,
-        ),
-        LimitRefusal::WouldWait {
-            limits,
-            place,
-            room,
-        } => Reason::new(
-            RefusalKind::QueueTimeout,
-            format!(
-                "caller {name} is at max_concurrency={} and a slot is expected in {} ms, \
-                 longer than it may wait; refused now rather than after the wait",
-                limits.max_concurrency,
-                place.place.as_millis()
-            ),
-            format!(
-                "limit: caller {name} queue_timeout_ms={} ({} ms left), max_concurrency={}",
-                policy.queue_timeout.as_millis(),
-                room.as_millis(),
-                limits.max_concurrency
             ),
             Duration::ZERO,
         ),

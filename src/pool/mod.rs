@@ -1075,14 +1075,11 @@ pub struct PoolSnapshot {
 
 impl CheckoutError {
     /// The error the client sees; `retry_after_ms` is its hint (the caller's retry policy).
-    /// When the refused client should come back, if the pool's drain rate knew its place in
-    /// line: its retry hint as is (the places of a queue's refused are spread already).
+    /// When a client refused on arrival should come back (its retry hint as is). Other
+    /// refusals are hinted from the pool's drain rate ([`Pool::expected_wait`]).
     pub fn place(&self) -> Option<Duration> {
         match self {
             CheckoutError::WouldWait { place, .. } => Some(place.retry),
-            CheckoutError::Timeout { place, .. } | CheckoutError::Full { place, .. } => {
-                place.map(|p| p.retry)
-            }
             _ => None,
         }
     }
