@@ -3,14 +3,15 @@
 //! hint — instead of after waiting; a client whose wait fits is queued and served, never
 //! refused.
 //!
-//! One backend, kept busy by twelve clients looping on 50 ms statements: a queue of about
-//! eleven, served about twenty times a second, so a newcomer's wait is about half a second.
+//! One backend, kept busy by twenty clients looping on 50 ms statements: a queue of about
+//! nineteen, served about twenty times a second, so a newcomer's wait is about a second.
 //! `hasty` may wait 150 ms (its `queue_timeout_ms`: refused on arrival once its wait is more
 //! than twice that), `patient` 2 s (the pool's checkout timeout). With `PGSLUICE_TEST_DIRECT=1` this test is skipped.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use super::hints::hint_ms;
 use super::pool_waiting;
 use crate::support::policy::{admin_get, connect, start};
 use crate::support::sql::sqlstate;
@@ -27,15 +28,6 @@ callers:
     match: { application_name: patient }
 ";
 
-/// N from a `retry_after_ms=N` HINT.
-fn hint_ms(e: &tokio_postgres::Error) -> u64 {
-    let db = e.as_db_error().expect("an ErrorResponse");
-    db.hint()
-        .and_then(|h| h.strip_prefix("retry_after_ms="))
-        .and_then(|n| n.parse().ok())
-        .unwrap_or_else(|| panic!("a retry hint: {db:?}"))
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_wait_that_cannot_fit_is_refused_at_once_and_one_that_fits_is_served() {
     let Some(env) = start(1, YAML) else {
@@ -44,7 +36,7 @@ async fn a_wait_that_cannot_fit_is_refused_at_once_and_one_that_fits_is_served()
     let proxy = &env.proxy;
     let stop = Instant::now() + Duration::from_secs(8);
     let mut busy = Vec::new();
-    for _ in 0..12 {
+    for _ in 0..20 {
         let c = Arc::new(connect(proxy, Some("busy")).await);
         busy.push(tokio::spawn(async move {
             let mut refused = 0;
@@ -88,8 +80,8 @@ async fn a_wait_that_cannot_fit_is_refused_at_once_and_one_that_fits_is_served()
             *took < Duration::from_millis(200),
             "not at once: {took:?} {msg}"
         );
-        // Its turn is about half a second away: told to come back around then (half to one
-        // and a half of it) — not after a backoff window.
+        // Its turn is about a second away: told to come back around then (half to one and a
+        // half of it) — not after a backoff window.
         assert!((50..=2_000).contains(hint), "hint {hint} ms: {msg}");
     }
     assert!(
@@ -97,7 +89,7 @@ async fn a_wait_that_cannot_fit_is_refused_at_once_and_one_that_fits_is_served()
         "refused after waiting more than once: {refusals:#?}"
     );
 
-    // A client that may wait 2 s waits about half a second and is served, every time.
+    // A client that may wait 2 s waits about a second and is served, every time.
     let patient = connect(proxy, Some("patient")).await;
     for _ in 0..5 {
         let t = Instant::now();

@@ -19,7 +19,7 @@ callers:
 ";
 
 /// N from a `retry_after_ms=N` HINT.
-fn hint_ms(e: &tokio_postgres::Error) -> u64 {
+pub(super) fn hint_ms(e: &tokio_postgres::Error) -> u64 {
     let db = e.as_db_error().expect("an ErrorResponse");
     db.hint()
         .and_then(|h| h.strip_prefix("retry_after_ms="))
