@@ -14,7 +14,7 @@
 #   - promtool check config / check rules, and `promtool test rules` with synthetic series
 #     that make every alert fire;
 #   - every metric name in the dashboard, the alerts and docs/OPERATIONS.md is one that
-#     src/observe/metrics.rs and pool_series.rs define, and every defined metric is documented;
+#     src/observe/metrics.rs, pool_series.rs and arrival_series.rs define, and every defined metric is documented;
 #   - every configuration key in src/config/mod.rs and detect.rs is in the docs' configuration
 #     reference;
 #   - `pgsluice check-config config/pgsluice.yaml`, and a smoke start of the proxy with that
@@ -510,7 +510,7 @@ for f in ("config/grafana/dashboards/pgsluice.json", "config/alerts.yml", "docs/
 src = "src/observe/metrics.rs"
 if os.path.exists(src):
     defined = set()
-    for f in (src, "src/observe/pool_series.rs"):
+    for f in (src, "src/observe/pool_series.rs", "src/observe/arrival_series.rs"):
         if os.path.exists(f):
             defined |= set(re.findall(r'"(pgsluice_[a-z0-9_]+)"', open(f).read()))
     defined or die(f"{src} defines no pgsluice_* metric")
