@@ -486,12 +486,19 @@ mod tests {
             let (l, active) = (l.clone(), Arc::clone(&active));
             let task = tokio::spawn(async move {
                 let deadline = Instant::now() + Duration::from_micros(200 + (i % 7) * 300);
-                if let Ok(p) = l.acquire(deadline).await {
+                /// Counts one holder out when dropped — also when the task is aborted while
+                /// it holds its permit (dropped before the permit, declared after it).
+                struct Holding(Arc<AtomicU32>);
+                impl Drop for Holding {
+                    fn drop(&mut self) {
+                        self.0.fetch_sub(1, Ordering::SeqCst);
+                    }
+                }
+                if let Ok(_p) = l.acquire(deadline).await {
                     let n = active.fetch_add(1, Ordering::SeqCst) + 1;
+                    let _holding = Holding(Arc::clone(&active));
                     assert!(n <= 3, "{n} permits out");
                     tokio::time::sleep(Duration::from_micros(100 + (i % 5) * 50)).await;
-                    active.fetch_sub(1, Ordering::SeqCst);
-                    drop(p);
                 }
             });
             if i % 5 == 0 {
