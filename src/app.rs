@@ -452,7 +452,6 @@ impl App {
                 _ = self.life.stopping() => return,
             }
             self.warm_pools();
-            self.policy.tick(tokio::time::Instant::now());
             for p in self.pools.all() {
                 p.maintain().await;
             }

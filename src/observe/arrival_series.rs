@@ -43,8 +43,8 @@ impl ArrivalSeries {
         ArrivalSeries {
             on_arrival: counter(
                 "pgsluice_refused_on_arrival_total",
-                "Clients refused at once because their expected wait in the queue did not fit \
-                 the time they may wait (told to come back when their turn would come).",
+                "Clients refused at once because even at the queue's best pace their wait was \
+                 more than twice what they may wait (hinted to come back around that wait).",
             ),
             after_wait: counter(
                 "pgsluice_refused_after_wait_total",

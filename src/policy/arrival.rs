@@ -172,18 +172,9 @@ impl Arrival {
         Decision::Refuse(self.promise(line, pace, now))
     }
 
-    /// A client at `line` refused anyway (the queue is full, or its wait ran out): its place,
-    /// checked as [`Arrival::decide`]'s are; `None` while the rate is unknown.
-    pub fn place(&mut self, line: Line, now: Instant) -> Option<Placed> {
-        let pace = self.read(line.served, line.ahead, now)?;
-        Some(self.promise(line, pace, now))
-    }
-
-    /// A queued client's wait ran out at `line`: counted as a wasted wait; placed as by
-    /// [`Arrival::place`].
-    pub fn waited_out(&mut self, line: Line, now: Instant) -> Option<Placed> {
+    /// A queued client's wait ran out: a wasted wait.
+    pub fn waited_out(&mut self) {
         self.stats.refused_after_wait += 1;
-        self.place(line, now)
     }
 
     /// The owner's periodic look (about once a second): resolves the checks whose turn has
@@ -494,12 +485,13 @@ mod tests {
         let mut a = Arrival::default();
         let t0 = Instant::now();
         a.decide(line(0, 10, MS), t0);
-        // Busy for a second, nothing served: too little to tell.
-        assert_eq!(a.place(line(0, 10, MS), t0 + Duration::from_secs(1)), None);
-        // For three, nothing served: stalled.
-        let placed = a
-            .place(line(0, 10, MS), t0 + Duration::from_secs(3))
-            .expect("a rate");
-        assert_eq!(placed.place, MAX_WAIT);
+        // Busy for a second, nothing served: too little to tell, so it waits.
+        let t1 = t0 + Duration::from_secs(1);
+        assert_eq!(a.decide(line(0, 10, MS), t1), Decision::Queue);
+        // For three, nothing served: stalled, its turn as far as any estimate goes.
+        match a.decide(line(0, 10, MS), t0 + Duration::from_secs(3)) {
+            Decision::Refuse(placed) => assert_eq!(placed.place, MAX_WAIT),
+            other => panic!("{other:?}"),
+        }
     }
 }

@@ -17,11 +17,10 @@
 //!   (client gone, outer timeout) the guard removes it from the queue, or — if a slot was
 //!   handed to it in the same instant — passes that slot on. No slot can leak.
 //!
-//! Its queue keeps an [`Arrival`] estimate for what its refusals did: those refused when the
-//! queue was full and those refused after waiting, each with the wait it would have had,
-//! checked against when its turn came. A caller's queue is never shortened by an estimate:
-//! its `queue_depth` is what the operator asked for, and an estimate of a queue whose pace
-//! falls as refused clients log in again would refuse more, and so slow it further.
+//! It counts the clients refused after waiting (wasted waits, [`ArrivalStats`]). Unlike a
+//! pool's queue, a caller's queue is never shortened by an estimate of its wait: its
+//! `queue_depth` is what the operator asked for, and an estimate of a queue whose pace falls
+//! as refused clients log in again would refuse more, and so slow it further.
 //!
 //! The mutex is a `parking_lot` one held for a few instructions and never across `.await`.
 
@@ -34,7 +33,7 @@ use serde::Serialize;
 use tokio::sync::oneshot;
 use tokio::time::Instant;
 
-use super::arrival::{Arrival, ArrivalStats, Line, Placed};
+use super::arrival::ArrivalStats;
 
 /// The limits a caller's limiter enforces. Changed at runtime with [`Limiter::set_limits`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
@@ -46,7 +45,6 @@ pub struct Limits {
 }
 
 /// Why `acquire` gave no permit.
-/// `place`: the refused client's place in line, if the drain rate is known.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum LimitRefusal {
     /// All slots taken and the queue full (or `queue_depth` 0).
@@ -55,23 +53,10 @@ pub enum LimitRefusal {
         limits: Limits,
         in_flight: u32,
         queued: u32,
-        place: Option<Placed>,
     },
     /// Queued, but no slot freed before the deadline.
     #[error("no slot within the deadline (waited {} ms)", waited.as_millis())]
-    QueueTimeout {
-        limits: Limits,
-        waited: Duration,
-        place: Option<Placed>,
-    },
-}
-
-impl LimitRefusal {
-    pub fn place(&self) -> Option<Placed> {
-        match self {
-            Self::LimitExceeded { place, .. } | Self::QueueTimeout { place, .. } => *place,
-        }
-    }
+    QueueTimeout { limits: Limits, waited: Duration },
 }
 
 /// A caller's limiter; clones share the same slots.
@@ -88,8 +73,8 @@ struct State {
     waiters: VecDeque<Waiter>,
     /// Identifies waiters so a dropped one can find and remove itself.
     next_id: u64,
-    /// The arrival decision of newcomers that find every slot taken.
-    arrival: Arrival,
+    /// Waiters whose deadline passed before a slot came (each a wasted wait).
+    waited_out: u64,
 }
 
 struct Waiter {
@@ -98,15 +83,6 @@ struct Waiter {
 }
 
 impl State {
-    /// Where a newcomer with `queued` in front of it stands, for the arrival decision.
-    fn line(&self, queued: u32, room: Duration) -> Line {
-        Line {
-            served: self.released,
-            ahead: u64::from(queued),
-            room,
-        }
-    }
-
     /// A slot is being given back: pass it to the oldest live waiter if the (possibly lowered)
     /// limit still has room for it, otherwise really free it.
     fn release_one(&mut self) {
@@ -194,7 +170,7 @@ impl Limiter {
                 released: 0,
                 waiters: VecDeque::new(),
                 next_id: 0,
-                arrival: Arrival::default(),
+                waited_out: 0,
             })),
         }
     }
@@ -231,16 +207,13 @@ impl Limiter {
         )
     }
 
-    /// What the arrival decisions did.
+    /// What its queue's refusals were: a caller's are never decided on arrival, so only
+    /// the waits that ran out count.
     pub fn arrival_stats(&self) -> ArrivalStats {
-        self.shared.lock().arrival.stats()
-    }
-
-    /// The periodic look (about once a second): resolves the hint checks.
-    pub fn tick(&self, now: Instant) {
-        let mut st = self.shared.lock();
-        let served = st.released;
-        st.arrival.tick(served, now);
+        ArrivalStats {
+            refused_after_wait: self.shared.lock().waited_out,
+            ..ArrivalStats::default()
+        }
     }
 
     /// A permit if a slot is free right now (and nobody is queued ahead), else `None`.
@@ -270,21 +243,16 @@ impl Limiter {
             }
             let queued = u32::try_from(st.waiters.len()).unwrap_or(u32::MAX);
             if queued >= st.limits.queue_depth {
-                let room = deadline.saturating_duration_since(started);
-                let line = st.line(queued, room);
-                let place = st.arrival.place(line, started);
                 return Err(LimitRefusal::LimitExceeded {
                     limits: st.limits,
                     in_flight: st.in_flight,
                     queued,
-                    place,
                 });
             }
             if deadline <= started {
                 return Err(LimitRefusal::QueueTimeout {
                     limits: st.limits,
                     waited: Duration::ZERO,
-                    place: None,
                 });
             }
             let (tx, rx) = oneshot::channel();
@@ -310,14 +278,11 @@ impl Limiter {
         if granted {
             Ok(self.permit())
         } else {
-            let now = Instant::now();
             let mut st = self.shared.lock();
-            let queued = u32::try_from(st.waiters.len()).unwrap_or(u32::MAX);
-            let line = st.line(queued, deadline - started);
+            st.waited_out += 1;
             Err(LimitRefusal::QueueTimeout {
                 limits: st.limits,
-                waited: now.saturating_duration_since(started),
-                place: st.arrival.waited_out(line, now),
+                waited: Instant::now().saturating_duration_since(started),
             })
         }
     }
@@ -515,50 +480,28 @@ mod tests {
     }
 
     #[tokio::test(start_paused = true)]
-    async fn refusals_are_counted_with_the_wait_they_would_have_had() {
-        let l = limiter(2, 20);
-        // 2 slots held 20 ms each by 50 looping clients: the queue of 20 stays full, 100
-        // served a second.
-        let workers: Vec<_> = (0..50)
-            .map(|_| {
-                let l = l.clone();
-                tokio::spawn(async move {
-                    loop {
-                        if let Ok(p) = l.acquire(far()).await {
-                            tokio::time::sleep(Duration::from_millis(20)).await;
-                            drop(p);
-                        } else {
-                            tokio::time::sleep(Duration::from_millis(5)).await;
-                        }
-                    }
-                })
-            })
-            .collect();
-        tokio::time::sleep(Duration::from_secs(2)).await;
-        // The queue is full: refused at once, 21 ahead at 100 a second.
-        match l.acquire(far()).await {
-            Err(LimitRefusal::LimitExceeded {
-                place: Some(Placed { place, .. }),
-                ..
-            }) => assert!(
-                place > Duration::from_millis(100) && place < Duration::from_millis(400),
-                "{place:?}"
-            ),
-            other => panic!("{other:?}"),
-        }
-        let s = l.arrival_stats();
-        assert_eq!(
-            (s.refused_on_arrival, s.refused_after_wait),
-            (0, 0),
-            "{s:?}"
-        );
-        for w in workers {
-            w.abort();
-        }
-        // Its turn comes a fifth of a second later: the check resolves at the next look.
-        tokio::time::sleep(Duration::from_secs(1)).await;
-        l.tick(Instant::now());
-        assert!(l.arrival_stats().hint_checks >= 1);
+    async fn a_wait_that_runs_out_is_counted() {
+        let l = limiter(1, 1);
+        let _held = l.acquire(far()).await.unwrap();
+        let soon = || Instant::now() + Duration::from_millis(50);
+        // Queued, and its deadline passes: a wasted wait.
+        assert!(matches!(
+            l.acquire(soon()).await,
+            Err(LimitRefusal::QueueTimeout { .. })
+        ));
+        assert_eq!(l.arrival_stats().refused_after_wait, 1);
+        // A full queue refuses at once: not a wait.
+        let queued = {
+            let l = l.clone();
+            tokio::spawn(async move { l.acquire(far()).await.map(|_| ()) })
+        };
+        tokio::task::yield_now().await;
+        assert!(matches!(
+            l.acquire(soon()).await,
+            Err(LimitRefusal::LimitExceeded { .. })
+        ));
+        assert_eq!(l.arrival_stats().refused_after_wait, 1);
+        queued.abort();
     }
 
     /// Poll a future once with a no-op waker.

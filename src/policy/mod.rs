@@ -714,14 +714,6 @@ impl Policy {
             .collect()
     }
 
-    /// The periodic look (about once a second): the callers' queues resolve their retry
-    /// hint checks.
-    pub fn tick(&self, now: Instant) {
-        for c in self.callers.read().0.iter() {
-            c.limiter.tick(now);
-        }
-    }
-
     /// Breaker state for `GET /v1/breaker` and metrics.
     pub fn breaker(&self) -> BreakerSnapshot {
         self.breaker.snapshot(Instant::now())

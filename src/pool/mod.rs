@@ -76,21 +76,14 @@ pub const UNREACHABLE_FOR: Duration = Duration::from_secs(10);
 /// Why a checkout failed; each maps to the error the client sees.
 #[derive(Debug)]
 pub enum CheckoutError {
-    /// No slot became free before the deadline (`place`: the place in line it had).
-    Timeout {
-        waited: Duration,
-        limit: Duration,
-        place: Option<Placed>,
-    },
+    /// No slot became free before the deadline.
+    Timeout { waited: Duration, limit: Duration },
     /// The expected wait (`place`) did not fit the deadline (`limit`): refused on arrival.
     WouldWait { place: Placed, limit: Duration },
     /// Connecting failed (or we are backing off after failures).
     Connect(Arc<ConnectError>),
     /// No slot free and `max_waiting` clients already waiting: refused at once.
-    Full {
-        max_waiting: usize,
-        place: Option<Placed>,
-    },
+    Full { max_waiting: usize },
     /// The pool stayed paused for the whole hold limit of its pause.
     Paused { held: Duration },
     /// A limit shared with other pools (`max_db_connections`, `max_user_connections`) stayed
@@ -613,9 +606,9 @@ impl Pool {
             .acquire_at(priority, started, deadline, max_waiting)
             .await
             .map_err(|e| match e {
-                SlotError::Full { place } => {
+                SlotError::Full => {
                     self.stats.waiting_refused.fetch_add(1, Ordering::Relaxed);
-                    CheckoutError::Full { max_waiting, place }
+                    CheckoutError::Full { max_waiting }
                 }
                 SlotError::WouldWait { place } => CheckoutError::WouldWait {
                     place,
@@ -623,15 +616,10 @@ impl Pool {
                 },
                 SlotError::Timeout => {
                     self.stats.checkout_timeouts.fetch_add(1, Ordering::Relaxed);
-                    let now = Instant::now();
+                    self.slots.waited_out(priority);
                     CheckoutError::Timeout {
-                        waited: now.saturating_duration_since(started),
+                        waited: started.elapsed(),
                         limit: deadline.saturating_duration_since(started),
-                        place: self.slots.waited_out(
-                            priority,
-                            deadline.saturating_duration_since(started),
-                            now,
-                        ),
                     }
                 }
             })?;
@@ -730,7 +718,6 @@ impl Pool {
                     return Err(CheckoutError::Timeout {
                         waited: Duration::ZERO,
                         limit: Duration::ZERO,
-                        place: None,
                     });
                 }
             },
@@ -1074,16 +1061,16 @@ pub struct PoolSnapshot {
 }
 
 impl CheckoutError {
-    /// The error the client sees; `retry_after_ms` is its hint (the caller's retry policy).
     /// When a client refused on arrival should come back (its retry hint as is). Other
     /// refusals are hinted from the pool's drain rate ([`Pool::expected_wait`]).
-    pub fn place(&self) -> Option<Duration> {
+    pub fn arrival_retry(&self) -> Option<Duration> {
         match self {
             CheckoutError::WouldWait { place, .. } => Some(place.retry),
             _ => None,
         }
     }
 
+    /// The error the client sees; `retry_after_ms` is its hint (the caller's retry policy).
     pub fn to_pg(&self, pool: &str, retry_after_ms: u64) -> PgError {
         match self {
             CheckoutError::WouldWait { place, limit } => PgError::checkout_would_wait(
@@ -1092,7 +1079,7 @@ impl CheckoutError {
                 limit.as_micros().div_ceil(1000),
                 retry_after_ms,
             ),
-            CheckoutError::Timeout { waited, limit, .. } => PgError::checkout_timeout(
+            CheckoutError::Timeout { waited, limit } => PgError::checkout_timeout(
                 pool,
                 waited.as_millis(),
                 // The deadline was taken a moment before the wait started: round up.
@@ -1121,7 +1108,7 @@ impl CheckoutError {
                 }
                 other => PgError::backend_unavailable(other, retry_after_ms),
             },
-            CheckoutError::Full { max_waiting, .. } => PgError::error(
+            CheckoutError::Full { max_waiting } => PgError::error(
                 "53300",
                 format!(
                     "pgsluice: ERR_QUEUE_FULL: no backend connection of pool {pool} is free and \

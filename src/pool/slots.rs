@@ -14,9 +14,10 @@
 //! waits, and a channel per wait cost as much as the rest of it.
 //!
 //! A newcomer that finds no slot is decided at arrival ([`Arrival`], one per priority, fed
-//! with the slots granted to that priority and those above it): it waits when its expected
-//! wait fits its deadline, else it is refused at once with its place as the retry hint —
-//! not after it has waited. Critical waiters always wait.
+//! with the slots granted to that priority and those above it): it waits unless its case is
+//! hopeless — more than twice its deadline even at the best pace shown — when it is refused
+//! at once with a hint around its expected wait, not after it has waited. Critical waiters
+//! always wait.
 //!
 //! While a high or normal waiter has queued in the last [`PRESSURE_HOLD`], the priorities
 //! below it take at most a [`YIELD_SHARE`]th of the slots: work that holds a backend for
@@ -246,9 +247,8 @@ impl Drop for SlotPermit {
 pub enum SlotError {
     /// The deadline passed first.
     Timeout,
-    /// No slot free and `max_waiting` already waiting: refused at once (never priority 0),
-    /// with its place in line when the drain rate is known.
-    Full { place: Option<Placed> },
+    /// No slot free and `max_waiting` already waiting: refused at once (never priority 0).
+    Full,
     /// The expected wait does not fit the deadline: refused at once (never priority 0).
     WouldWait { place: Placed },
 }
@@ -332,9 +332,7 @@ impl Slots {
                 g.waiters = waiters;
                 self.publish(g);
                 if g.queued() >= max_waiting {
-                    let line = g.line(priority, deadline - now);
-                    let place = g.arrivals[priority].place(line, now);
-                    return Err(SlotError::Full { place });
+                    return Err(SlotError::Full);
                 }
             }
             if deadline <= now {
@@ -402,13 +400,9 @@ impl Slots {
         wakes.wake();
     }
 
-    /// A `priority` waiter that may wait `room` ran out of it: counted as a wasted wait; its
-    /// place in line, when the drain rate is known.
-    pub fn waited_out(&self, priority: usize, room: Duration, now: Instant) -> Option<Placed> {
-        let priority = priority.min(PRIORITIES - 1);
-        let mut g = self.inner.lock();
-        let line = g.line(priority, room);
-        g.arrivals[priority].waited_out(line, now)
+    /// A `priority` waiter's deadline passed: counted as a wasted wait.
+    pub fn waited_out(&self, priority: usize) {
+        self.inner.lock().arrivals[priority.min(PRIORITIES - 1)].waited_out();
     }
 
     /// The periodic look (once a second): resolves the arrival decisions' hint checks and
@@ -773,10 +767,7 @@ mod tests {
         let s2 = s.clone();
         let waiter = tokio::spawn(async move { s2.acquire(2, far, 1).await.map(|_| ()) });
         tokio::task::yield_now().await;
-        assert_eq!(
-            s.acquire(3, far, 1).await.err(),
-            Some(SlotError::Full { place: None })
-        );
+        assert_eq!(s.acquire(3, far, 1).await.err(), Some(SlotError::Full));
         let s3 = s.clone();
         let critical = tokio::spawn(async move { s3.acquire(0, far, 1).await.map(|_| ()) });
         tokio::task::yield_now().await;

@@ -99,32 +99,30 @@ impl PgError {
         limit_ms: u128,
         retry_after_ms: u64,
     ) -> Self {
-        Self::error(
-            "53300",
-            format!(
-                "pgsluice: ERR_QUEUE_TIMEOUT: no backend connection of pool {pool} became free within {waited_ms} ms"
-            ),
-        )
-        .with_detail(format!("limit: pool {pool} checkout wait of {limit_ms} ms (pool.checkout_timeout_ms or the caller's queue_timeout_ms, whichever is shorter)"))
-        .with_hint(format!("retry_after_ms={retry_after_ms}"))
+        let what =
+            format!("no backend connection of pool {pool} became free within {waited_ms} ms");
+        Self::checkout_refused(pool, &what, limit_ms, retry_after_ms)
     }
 
-    /// The pool's queue is longer than this client may wait: refused on arrival, not after
-    /// the wait (`place_ms`: when its turn would come, at the rate the pool serves).
+    /// The pool's queue is far longer than this client may wait: refused on arrival, not
+    /// after the wait (`place_ms`: when its turn would come, at the rate the pool serves).
     pub fn checkout_would_wait(
         pool: &str,
         place_ms: u128,
         limit_ms: u128,
         retry_after_ms: u64,
     ) -> Self {
-        Self::error(
-            "53300",
-            format!(
-                "pgsluice: ERR_QUEUE_TIMEOUT: a backend connection of pool {pool} is expected in {place_ms} ms, longer than this client may wait; refused now rather than after the wait"
-            ),
-        )
-        .with_detail(format!("limit: pool {pool} checkout wait of {limit_ms} ms (pool.checkout_timeout_ms or the caller's queue_timeout_ms, whichever is shorter)"))
-        .with_hint(format!("retry_after_ms={retry_after_ms}"))
+        let what = format!(
+            "a backend connection of pool {pool} is expected in {place_ms} ms, far longer than this client may wait; refused now rather than after the wait"
+        );
+        Self::checkout_refused(pool, &what, limit_ms, retry_after_ms)
+    }
+
+    /// `ERR_QUEUE_TIMEOUT` for a pool's checkout: `what` happened, against its wait limit.
+    fn checkout_refused(pool: &str, what: &str, limit_ms: u128, retry_after_ms: u64) -> Self {
+        Self::error("53300", format!("pgsluice: ERR_QUEUE_TIMEOUT: {what}"))
+            .with_detail(format!("limit: pool {pool} checkout wait of {limit_ms} ms (pool.checkout_timeout_ms or the caller's queue_timeout_ms, whichever is shorter)"))
+            .with_hint(format!("retry_after_ms={retry_after_ms}"))
     }
 
     /// The backend could not be reached or refused the proxy's login.

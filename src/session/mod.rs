@@ -527,7 +527,7 @@ async fn login_params(app: &App, pool: &Arc<Pool>, login: &mut Login) -> Result<
     }
     let deadline = Instant::now() + Duration::from_millis(pool.cfg.checkout_timeout_ms);
     let mut b = pool.checkout(2, deadline).await.map_err(|e| {
-        let hint = match e.place() {
+        let hint = match e.arrival_retry() {
             Some(place) => app
                 .policy
                 .place_hint_ms(&app.policy.table(), u16::MAX, place),

@@ -1245,7 +1245,7 @@ impl Relay {
                 self.app.policy.record_backend_result(false);
             }
             let policy = &self.app.policy;
-            let hint = match e.place() {
+            let hint = match e.arrival_retry() {
                 Some(place) => policy.place_hint_ms(&self.rt.limits, self.unit_caller, place),
                 None => {
                     policy.retry_hint_ms_in(&self.rt.limits, self.unit_caller, pool.expected_wait())
