@@ -53,6 +53,20 @@ const ATTACKS: &[&str] = &[
     "INSERT INTO trig VALUES (1)",
 ];
 
+/// A new client that has run `sql` by the simple protocol (an error fails the test, `what`
+/// naming the step).
+async fn ran(
+    proxy: &crate::support::proxy::Proxy,
+    sql: &str,
+    what: &str,
+) -> tokio_postgres::Client {
+    let a = proxy.client().await;
+    within(STEP, sql, a.batch_execute(sql))
+        .await
+        .unwrap_or_else(|e| panic!("{what}{sql}: {e:?}"));
+    a
+}
+
 /// What a client sees of tenant rows and of its session: clean, and no row of tenant `a`.
 async fn assert_clean(proxy: &crate::support::proxy::Proxy, after: &str) {
     assert_eq!(
@@ -76,11 +90,7 @@ async fn spellings_a_token_scan_missed_leave_nothing_for_the_next_client() {
     let proxy = &env.proxy;
     for sql in ATTACKS {
         // The simple protocol, and the extended one (tokio-postgres prepares a statement).
-        let a = proxy.client().await;
-        within(STEP, sql, a.batch_execute(sql))
-            .await
-            .unwrap_or_else(|e| panic!("{sql}: {e:?}"));
-        drop(a);
+        drop(ran(proxy, sql, "").await);
         assert_clean(proxy, sql).await;
         let a = proxy.client().await;
         within(STEP, sql, a.query(*sql, &[]))
@@ -170,10 +180,7 @@ async fn the_strict_mode_resets_what_it_cannot_prove() {
     };
     let proxy = &env.proxy;
     for sql in ATTACKS {
-        let a = proxy.client().await;
-        within(STEP, sql, a.batch_execute(sql))
-            .await
-            .unwrap_or_else(|e| panic!("{sql}: {e:?}"));
+        let _a = ran(proxy, sql, "").await;
         assert_clean(proxy, sql).await;
     }
     let stats = proxy.app_pool().await;
@@ -262,11 +269,8 @@ async fn two_tenants_on_one_backend_never_see_each_others_rows() {
     for i in 0..sessions {
         if rng.random_bool(0.5) {
             // Tenant A: a new client, or one that stays (idle, its backend given back).
-            let a = proxy.client().await;
             let sql = &a_ways[rng.random_range(0..a_ways.len())];
-            within(STEP, sql, a.batch_execute(sql))
-                .await
-                .unwrap_or_else(|e| panic!("session {i}: {sql}: {e:?}"));
+            let a = ran(proxy, sql, &format!("session {i}: ")).await;
             if rng.random_bool(0.3) {
                 a_clients.push(a);
             }
