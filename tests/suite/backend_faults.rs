@@ -200,7 +200,13 @@ async fn d1_fast_restart_mid_query_then_recovery() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn d2_smart_shutdown_lets_the_transaction_finish() {
     let mut cluster = Cluster::start();
-    let proxy = Proxy::start(&cluster, ProxyOptions::pool(3));
+    // Idle connections close quickly, so the only backend left open is the one in the
+    // transaction and the next client needs a new server connection. (The backend released
+    // after the CREATE TABLE is checked against Postgres off the client's path, so the BEGIN
+    // may open a second one, which a smart shutdown would still let serve a client.)
+    let dir = tempfile::tempdir().expect("tempdir");
+    let cfg = write(dir.path(), "c.yaml", "pool:\n  idle_timeout_ms: 100\n");
+    let proxy = Proxy::start(&cluster, ProxyOptions::pool(3).config_file(cfg));
     let a = proxy.client().await;
     a.batch_execute("CREATE TABLE smart (v int)")
         .await
@@ -208,6 +214,15 @@ async fn d2_smart_shutdown_lets_the_transaction_finish() {
     a.batch_execute("BEGIN; INSERT INTO smart VALUES (1)")
         .await
         .expect("begin");
+    eventually(
+        Duration::from_secs(10),
+        "only the backend in the transaction stays open",
+        || async {
+            let p = proxy.app_pool().await;
+            p["open"].as_u64() == Some(1) && p["active"].as_u64() == Some(1)
+        },
+    )
+    .await;
     let pidfile = cluster.socket_dir().join("data/postmaster.pid");
     let pid = std::fs::read_to_string(pidfile).expect("postmaster.pid");
     let pid = pid.lines().next().expect("pid line").trim().to_string();
