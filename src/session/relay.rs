@@ -64,6 +64,7 @@ use super::{End, Login, params, set_cancel_target, spare};
 use admission::Admit;
 
 mod admission;
+mod deadlines;
 #[cfg(any(test, fuzzing))]
 pub mod oracle;
 mod release;
@@ -73,6 +74,7 @@ mod retry;
 mod statements;
 
 use admission::Timeouts;
+use deadlines::{Deadline, Deadlines, Idle};
 use statements::{Server, Statements};
 
 pub struct Relay {
@@ -116,35 +118,22 @@ pub struct Relay {
     hold_cursor: bool,
     /// A batch kept for one replay after 0A000 "cached plan must not change result type".
     retry: Option<retry::Retry>,
-    /// The proxy's own deadline for the running statement (its statement_timeout + grace).
-    backstop: Option<Instant>,
+    /// The backstop, unanswered-cancel, shutdown and idle deadlines (pure; `timer` sleeps
+    /// until their earliest).
+    deadlines: Deadlines,
     /// A cancel the backstop is delivering: nothing more is sent to the backend until it has
     /// arrived, so it can only stop the statement it was meant for.
     backstop_cancel: Option<tokio::task::JoinHandle<()>>,
     /// Session-level budgets were set around the current request (`inject_timeouts`): the
     /// statement that puts the client's settings back, sent after the request.
     restore_after: Option<String>,
-    /// Armed when the backstop sent a cancel: if the server sends nothing at all by then
-    /// (`pool.cancel_grace_ms`), it is unreachable and its connection is given up.
-    unanswered: Option<Instant>,
     /// Graceful shutdown: leave at the next point between transactions.
     draining: bool,
     /// `cancel::Entry::requested` when a 57014 was last seen.
     cancels_seen: u64,
-    /// Set when shutdown finds the session between transactions: it leaves at this moment
-    /// unless the client starts something first. A client that just logged in (its first
-    /// query already on the wire) is served rather than told 57P01, which is what makes a
-    /// rolling restart lose no new connection.
-    idle_grace: Option<Instant>,
-    /// Armed while the client sits idle inside a transaction (its caller's
-    /// `idle_transaction_timeout_ms`): the session ends with 25P03 when it passes.
-    idle_txn: Option<Instant>,
-    /// Armed while the client sits idle between transactions (`limits.client_idle_timeout_ms`):
-    /// the session ends with 57P05 when it passes.
-    idle_client: Option<Instant>,
-    /// The one timer behind `backstop`, `unanswered`, `idle_grace`, `idle_txn` and `idle_client` (the
-    /// earliest of them), kept across loop turns and moved only when that deadline changes: a sleep
-    /// made per turn would enter and leave the timer wheel for every message.
+    /// The one timer behind `deadlines` (the earliest of them), kept across loop turns and
+    /// moved only when that deadline changes: a sleep made per turn would enter and leave the
+    /// timer wheel for every message.
     timer: Option<Pin<Box<tokio::time::Sleep>>>,
     /// Which of client and backend the event loop looks at first (they take turns).
     backend_first: bool,
@@ -220,18 +209,10 @@ pub struct Relay {
 enum Event {
     Client(std::io::Result<usize>),
     Backend(std::io::Result<usize>),
-    /// The proxy's own deadline for a statement passed: cancel it on the server.
-    Backstop,
-    /// The server answered nothing, not even the cancel, within the grace period.
-    Unanswered,
+    /// One of the session's deadlines passed.
+    Deadline(Deadline),
     /// Graceful shutdown began: finish the current transaction, then leave.
     Shutdown,
-    /// The moment after shutdown given to a client between transactions is over.
-    IdleGrace,
-    /// The client stayed idle inside a transaction past its caller's limit.
-    IdleTransaction,
-    /// The client stayed idle between transactions past `limits.client_idle_timeout_ms`.
-    IdleClient,
     /// The shutdown grace period is over: cancel what runs and leave now.
     Force,
     /// An operator ended this session (`DELETE /v1/clients/{id}`).
@@ -303,15 +284,11 @@ impl Relay {
             hold_cursor: false,
             custom_gucs: Vec::new(),
             retry: None,
-            backstop: None,
+            deadlines: Deadlines::default(),
             backstop_cancel: None,
             restore_after: None,
-            unanswered: None,
             draining: false,
             cancels_seen: 0,
-            idle_grace: None,
-            idle_txn: None,
-            idle_client: None,
             timer: None,
             backend_first: false,
             client_wait: Waiting::default(),
@@ -369,14 +346,13 @@ impl Relay {
                 Event::Client(Ok(0)) | Event::Client(Err(_)) => return End::ClientClosed,
                 Event::Client(Ok(n)) => {
                     self.bytes_in += n as u64;
-                    self.idle_txn = None;
-                    self.idle_client = None;
+                    self.deadlines.client_spoke();
                     self.on_client_data(client).await
                 }
                 Event::Backend(Ok(0)) | Event::Backend(Err(_)) => return self.backend_gone(),
                 Event::Backend(Ok(n)) if self.deferred => {
                     self.bytes_out += n as u64;
-                    self.unanswered = None;
+                    self.deadlines.server_spoke();
                     match self.on_backend_data(client).await {
                         Ok(()) if !self.replica_held() => {
                             // The replica's read is done and its backend back: now the rest.
@@ -389,7 +365,7 @@ impl Relay {
                 Event::Backend(Ok(n)) => {
                     self.bytes_out += n as u64;
                     // The server is alive: whatever the cancel does, it will be answered.
-                    self.unanswered = None;
+                    self.deadlines.server_spoke();
                     // Not through `on_backend_data`: no future unless something waits.
                     match self.on_backend_now(client) {
                         Ok(None) => Ok(()),
@@ -397,7 +373,7 @@ impl Relay {
                         Err(end) => Err(end),
                     }
                 }
-                Event::Backstop => {
+                Event::Deadline(Deadline::Backstop) => {
                     self.on_backstop();
                     Ok(())
                 }
@@ -405,19 +381,24 @@ impl Relay {
                     self.give_back_parked().await;
                     Ok(())
                 }
-                Event::Unanswered => return self.backend_unresponsive(),
+                Event::Deadline(Deadline::Unanswered) => return self.backend_unresponsive(),
                 Event::Shutdown => {
                     self.draining = true;
-                    // Between transactions: give a request already on its way a moment.
-                    self.idle_grace = Some(Instant::now() + DRAIN_IDLE_GRACE);
+                    // Between transactions: give a request already on its way a moment. A
+                    // client that just logged in (its first query already on the wire) is
+                    // served rather than told 57P01, which is what makes a rolling restart
+                    // lose no new connection.
+                    self.deadlines.drain_at(Instant::now() + DRAIN_IDLE_GRACE);
                     Ok(())
                 }
-                Event::IdleGrace => {
-                    self.idle_grace = None;
+                Event::Deadline(Deadline::IdleGrace) => {
+                    self.deadlines.clear(Deadline::IdleGrace);
                     self.maybe_release().await
                 }
-                Event::IdleTransaction => return self.idle_transaction_over(),
-                Event::IdleClient => return self.client_idle_over(),
+                Event::Deadline(Deadline::IdleTransaction) => {
+                    return self.idle_transaction_over();
+                }
+                Event::Deadline(Deadline::IdleClient) => return self.client_idle_over(),
                 Event::Terminate => {
                     tracing::info!(
                         client = self.cancel.client.id,
@@ -450,29 +431,27 @@ impl Relay {
         use crate::clients::ClientState;
         let waiting_for_client = !self.out.t.in_flight() && self.out.is_empty();
         let in_txn = self.backend.is_some() && self.out.t.txn != b'I';
-        self.cancel
-            .client
-            .set_state(match (waiting_for_client, in_txn) {
-                (false, _) => ClientState::Active,
-                (true, true) => ClientState::IdleInTransaction,
-                (true, false) => ClientState::Idle,
-            });
-        if !waiting_for_client || in_txn {
-            self.idle_client = None;
-        } else if self.idle_client.is_none() {
-            // The session's snapshot, refreshed at each unit's admission: no shared load here.
-            let limit = self.rt.config.limits.client_idle_timeout_ms;
-            if limit > 0 {
-                self.idle_client = Some(Instant::now() + Duration::from_millis(limit));
-            }
-        }
-        if !(waiting_for_client && in_txn) {
-            self.idle_txn = None;
-        } else if self.idle_txn.is_none()
-            && let Some(limit) = self.rt.limits.idle_transaction_timeout(self.unit_caller)
-        {
-            self.idle_txn = Some(Instant::now() + limit);
-        }
+        let idle = match (waiting_for_client, in_txn) {
+            (false, _) => Idle::No,
+            (true, true) => Idle::InTransaction,
+            (true, false) => Idle::Between,
+        };
+        self.cancel.client.set_state(match idle {
+            Idle::No => ClientState::Active,
+            Idle::InTransaction => ClientState::IdleInTransaction,
+            Idle::Between => ClientState::Idle,
+        });
+        // The session's snapshot, refreshed at each unit's admission: no shared load here.
+        let (rt, caller) = (&self.rt, self.unit_caller);
+        self.deadlines.arm_idle(
+            idle,
+            Instant::now,
+            || match rt.config.limits.client_idle_timeout_ms {
+                0 => None,
+                ms => Some(Duration::from_millis(ms)),
+            },
+            || rt.limits.idle_transaction_timeout(caller),
+        );
     }
 
     /// The client sat idle inside its transaction past its caller's limit: end the session
@@ -582,25 +561,11 @@ impl Relay {
         poll_read_buf(Pin::new(&mut b.conn().stream), cx, buf)
     }
 
-    /// Fires at the earliest of `unanswered`, `backstop`, `idle_grace`, `idle_txn` and `idle_client` (each handler clears
-    /// or moves the deadline it served).
+    /// Fires at the earliest of the session's deadlines (each handler clears or moves the
+    /// deadline it served).
     #[inline(always)]
     fn poll_timer(&mut self, cx: &mut Context<'_>) -> Poll<Event> {
-        let next = [
-            self.unanswered,
-            self.backstop,
-            self.idle_grace,
-            self.idle_txn,
-            self.idle_client,
-        ]
-        .into_iter()
-        // A fold, not `flatten().min()`: this runs twice per transaction, and the
-        // iterator adapters did not melt away.
-        .fold(None, |m: Option<Instant>, d| match (m, d) {
-            (Some(a), Some(b)) => Some(a.min(b)),
-            (a, b) => a.or(b),
-        });
-        let Some(at) = next else {
+        let Some(at) = self.deadlines.next() else {
             self.timer = None;
             return Poll::Pending;
         };
@@ -616,17 +581,7 @@ impl Relay {
         if timer.as_mut().poll(cx).is_pending() {
             return Poll::Pending;
         }
-        Poll::Ready(if self.unanswered == Some(at) {
-            Event::Unanswered
-        } else if self.backstop == Some(at) {
-            Event::Backstop
-        } else if self.idle_grace == Some(at) {
-            Event::IdleGrace
-        } else if self.idle_txn == Some(at) {
-            Event::IdleTransaction
-        } else {
-            Event::IdleClient
-        })
+        Poll::Ready(Event::Deadline(self.deadlines.due(at)))
     }
 
     // ---------------------------------------------------------------- client → backend
@@ -1439,7 +1394,7 @@ impl Relay {
             // The statements the backstop was armed for are answered. Left armed, it would
             // cancel whatever the client runs next in the same transaction (and, if that one
             // were silent, give up its connection); a later statement arms its own.
-            self.backstop = None;
+            self.deadlines.answered();
         }
         if !self.cout.is_empty() && !self.write_client_now(client)? {
             return Ok(Some(BackendRest::Tail));
@@ -1740,13 +1695,15 @@ impl Relay {
     /// The statement outran its timeout and the backstop: cancel it, and give the server
     /// `pool.cancel_grace_ms` to answer anything at all.
     fn on_backstop(&mut self) {
-        self.backstop = None;
+        self.deadlines.answered();
         if let Some(h) =
             self.cancel_backend_query("statement ran past its timeout and the proxy's backstop")
         {
             self.backstop_cancel = Some(h);
+            // If the server sends nothing at all by then, it is unreachable and its
+            // connection is given up.
             let grace = Duration::from_millis(self.pool.cfg.cancel_grace_ms);
-            self.unanswered = Some(Instant::now() + grace);
+            self.deadlines.cancel_sent(Instant::now() + grace);
         }
     }
 
@@ -1754,7 +1711,7 @@ impl Relay {
     /// is unreachable (a partition, a hung host). Its connection is closed, never pooled, and
     /// the client is told, instead of both waiting forever on a socket no one will answer.
     fn backend_unresponsive(&mut self) -> End {
-        self.unanswered = None;
+        self.deadlines.server_spoke();
         let grace_ms = self.pool.cfg.cancel_grace_ms;
         if let Some(mut b) = self.backend.take() {
             let pid = b.conn().pid;

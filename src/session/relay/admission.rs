@@ -419,15 +419,14 @@ impl Relay {
         if let Some(d) = t.statement {
             // A fresh reading, not the wake-up's: a backend write that blocked since then
             // must not bring the backstop forward (only statements with a timeout get here).
-            let at = Instant::now() + d + Duration::from_secs(1);
-            self.backstop = Some(self.backstop.map_or(at, |b| b.max(at)));
+            self.deadlines
+                .arm_backstop(Instant::now() + d + Duration::from_secs(1));
         }
     }
 
     /// The unit is over (backend idle): give back the caller's permit and rule slots.
     pub(super) fn end_unit(&mut self) {
-        self.backstop = None;
-        self.unanswered = None;
+        self.deadlines.unit_over();
         self.opened_by_parse = None;
         if self.pinned
             && let Some(a) = self.admission.take()
