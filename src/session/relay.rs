@@ -724,6 +724,63 @@ impl Relay {
         self.out.send_with(e, write);
     }
 
+    /// The one pipeline every statement (Query, Parse, Bind, FunctionCall) goes through
+    /// before it is written: admitted by the policy (or refused), routed (a Query may go to a
+    /// replica), given a backend (its parked one back, else a checkout watching the client),
+    /// and its session effects applied (pin, capture, cleanup marks, or refusal).
+    /// `Some(timeouts)`: write it with them; `None`: it was refused and answered, in
+    /// protocol order, and the handler stops.
+    async fn statement_pipeline<S: AsyncRead + Unpin>(
+        &mut self,
+        step: Step<'_>,
+        class: &Arc<Classified>,
+        client: &mut S,
+    ) -> Result<Option<Timeouts>, End> {
+        let tag = step.tag;
+        let admitted = match step.admit {
+            AdmitStep::Done(t) => Ok(t),
+            // A batch that starts with a Parse is admitted there, with that statement; a
+            // Parse inside a unit is judged at its Bind.
+            AdmitStep::IfOpening if self.admission.is_some() || self.backend.is_some() => {
+                Ok(Timeouts::default())
+            }
+            AdmitStep::IfOpening | AdmitStep::Now => {
+                let admitted = match self.admit_now(class) {
+                    Admit::Done(r) => r,
+                    Admit::Wait(req) => self.admit_wait(class, req, client).await,
+                };
+                if step.admit == AdmitStep::IfOpening
+                    && let Ok(t) = admitted
+                {
+                    self.opened_by_parse = Some((class.fingerprint, t));
+                }
+                admitted
+            }
+        };
+        let timeouts = match admitted {
+            Ok(t) => t,
+            Err(e) => return self.refuse_statement(tag, e).map(|()| None),
+        };
+        if step.route
+            && self.replica_possible
+            && let Err(e) = self.choose_replica(class)
+        {
+            return self.refuse_statement(tag, e).map(|()| None);
+        }
+        if self.backend.is_none()
+            && !self.unpark_now()
+            && let Err(e) = self.ensure_backend(client).await
+        {
+            return self.refuse(tag, e).map(|()| None);
+        }
+        if let Effects::Apply(text) = step.effects
+            && let Err(e) = self.apply_effects(class, text)
+        {
+            return self.refuse_statement(tag, e).map(|()| None);
+        }
+        Ok(Some(timeouts))
+    }
+
     async fn on_query<S: AsyncRead + AsyncWrite + Unpin>(
         &mut self,
         frame: &[u8],
@@ -750,28 +807,15 @@ impl Relay {
             let e = state::protocol_name_in_sql(verb, &name);
             return self.refuse_statement(b'Q', e);
         }
-        let admitted = match self.admit_now(&class) {
-            Admit::Done(r) => r,
-            Admit::Wait(req) => self.admit_wait(&class, req, client).await,
+        let step = Step {
+            tag: b'Q',
+            admit: AdmitStep::Now,
+            route: true,
+            effects: Effects::Apply(Some(sql)),
         };
-        let timeouts = match admitted {
-            Ok(t) => t,
-            Err(e) => return self.refuse_statement(b'Q', e),
+        let Some(timeouts) = self.statement_pipeline(step, &class, client).await? else {
+            return Ok(());
         };
-        if self.replica_possible
-            && let Err(e) = self.choose_replica(&class)
-        {
-            return self.refuse_statement(b'Q', e);
-        }
-        if self.backend.is_none()
-            && !self.unpark_now()
-            && let Err(e) = self.ensure_backend(client).await
-        {
-            return self.refuse(b'Q', e);
-        }
-        if let Err(e) = self.apply_effects(&class, Some(sql)) {
-            return self.refuse_statement(b'Q', e);
-        }
         let prefix = self.inject_timeouts(timeouts, &class, true);
         let mut e = Expect::new(Kind::Query, Mode::Forward);
         match prefix {
@@ -799,23 +843,15 @@ impl Relay {
         client: &mut S,
     ) -> Result<(), End> {
         let class = self.app.function_call.clone();
-        let admitted = match self.admit_now(&class) {
-            Admit::Done(r) => r,
-            Admit::Wait(req) => self.admit_wait(&class, req, client).await,
+        let step = Step {
+            tag: b'F',
+            admit: AdmitStep::Now,
+            route: false,
+            effects: Effects::Apply(None),
         };
-        let timeouts = match admitted {
-            Ok(t) => t,
-            Err(e) => return self.refuse_statement(b'F', e),
+        let Some(timeouts) = self.statement_pipeline(step, &class, client).await? else {
+            return Ok(());
         };
-        if self.backend.is_none()
-            && !self.unpark_now()
-            && let Err(e) = self.ensure_backend(client).await
-        {
-            return self.refuse(b'F', e);
-        }
-        if let Err(e) = self.apply_effects(&class, None) {
-            return self.refuse_statement(b'F', e);
-        }
         self.inject_timeouts(timeouts, &class, true);
         self.send_ready(Expect::new(Kind::FunctionCall, Mode::Forward), frame);
         self.restore_timeouts();
@@ -834,22 +870,19 @@ impl Relay {
             return self.refuse_statement(b'P', e);
         }
         let class = self.classify(p.query);
-        if self.admission.is_none() && self.backend.is_none() {
-            // A batch that starts with a Parse is admitted here, with that statement.
-            let admitted = match self.admit_now(&class) {
-                Admit::Done(r) => r,
-                Admit::Wait(req) => self.admit_wait(&class, req, client).await,
-            };
-            match admitted {
-                Ok(t) => self.opened_by_parse = Some((class.fingerprint, t)),
-                Err(e) => return self.refuse_statement(b'P', e),
-            }
-        }
-        if self.backend.is_none()
-            && !self.unpark_now()
-            && let Err(e) = self.ensure_backend(client).await
+        // Its session effects are applied at its Bind, with the parameters' statement.
+        let step = Step {
+            tag: b'P',
+            admit: AdmitStep::IfOpening,
+            route: false,
+            effects: Effects::AtBind,
+        };
+        if self
+            .statement_pipeline(step, &class, client)
+            .await?
+            .is_none()
         {
-            return self.refuse(b'P', e);
+            return Ok(());
         }
         if class.own_transaction
             && let Some((fp, t)) = self.opened_by_parse
@@ -881,24 +914,11 @@ impl Relay {
         // A name the proxy never saw prepared (an SQL `PREPARE`, a guessed name): Postgres
         // may still know it, so it is admitted and judged like anything unreadable.
         let class = known.unwrap_or_else(|| self.app.unknown_statement.clone());
-        let admitted = match self.opened_by_parse.take() {
+        let admit = match self.opened_by_parse.take() {
             // Already admitted at the Parse that opened this batch.
-            Some((fp, t)) if fp == class.fingerprint => Ok(t),
-            _ => match self.admit_now(&class) {
-                Admit::Done(r) => r,
-                Admit::Wait(req) => self.admit_wait(&class, req, client).await,
-            },
+            Some((fp, t)) if fp == class.fingerprint => AdmitStep::Done(t),
+            _ => AdmitStep::Now,
         };
-        let timeouts = match admitted {
-            Ok(t) => t,
-            Err(e) => return self.refuse_statement(b'B', e),
-        };
-        if self.backend.is_none()
-            && !self.unpark_now()
-            && let Err(e) = self.ensure_backend(client).await
-        {
-            return self.refuse(b'B', e);
-        }
         // The text is only read for `set_config` names; other statements skip the lookup.
         let text = if class.proof.set_config
             || class
@@ -909,9 +929,15 @@ impl Relay {
         } else {
             None
         };
-        if let Err(e) = self.apply_effects(&class, text.as_deref()) {
-            return self.refuse_statement(b'B', e);
-        }
+        let step = Step {
+            tag: b'B',
+            admit,
+            route: false,
+            effects: Effects::Apply(text.as_deref()),
+        };
+        let Some(timeouts) = self.statement_pipeline(step, &class, client).await? else {
+            return Ok(());
+        };
         self.inject_timeouts(timeouts, &class, false);
         self.track_statement(class, self.ready_sent + 1);
         if let Some(hash) = hash {
@@ -1966,4 +1992,34 @@ fn write_now<S: AsyncWrite + Unpin>(stream: &mut S, buf: &[u8]) -> std::io::Resu
         Poll::Ready(r) => r,
         Poll::Pending => Ok(0),
     }
+}
+
+/// A statement on its way through [`Relay::statement_pipeline`].
+struct Step<'a> {
+    /// The request it came in (`Q`, `P`, `B`, `F`): how a refusal is answered.
+    tag: u8,
+    admit: AdmitStep,
+    /// Whether it may be routed to a replica (a simple-protocol read).
+    route: bool,
+    effects: Effects<'a>,
+}
+
+/// How a statement is admitted.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum AdmitStep {
+    /// By the policy, now (waiting in its queue if it must).
+    Now,
+    /// A Parse: only when it opens a batch (no unit, no backend yet).
+    IfOpening,
+    /// Already, at the Parse that opened its batch: with these timeouts.
+    Done(Timeouts),
+}
+
+/// What happens to a statement's session effects.
+#[derive(Clone, Copy)]
+enum Effects<'a> {
+    /// Applied now; the text is the statement's where the proxy has it (`set_config` names).
+    Apply(Option<&'a [u8]>),
+    /// A Parse: at its Bind.
+    AtBind,
 }
