@@ -72,10 +72,12 @@ mod replies;
 mod requests;
 mod retry;
 mod statements;
+mod tally;
 
 use admission::Timeouts;
 use deadlines::{Deadline, Deadlines, Idle};
 use statements::{Server, Statements};
+use tally::{Tally, micros};
 
 pub struct Relay {
     app: Arc<App>,
@@ -169,30 +171,10 @@ pub struct Relay {
     session_caller: Option<u16>,
     /// Caller of the statement admitted last (statistics attribution).
     last_caller: u16,
-    /// The current request hit a backend fault (connection error, timeout): the breaker
-    /// hears about it with the request's statements.
-    fault: bool,
     /// The batch was admitted at its first Parse: (fingerprint, timeouts) for its Bind.
     opened_by_parse: Option<(u64, Timeouts)>,
-    /// Statements awaiting completion, for statistics.
-    pending: Vec<admission::StmtRecord>,
-    /// Client ReadyForQuery-bearing requests sent / replies seen.
-    ready_sent: u64,
-    ready_seen: u64,
-    /// The current request got an ErrorResponse (its rows come with its ReadyForQuery).
-    errored: bool,
-    /// How the current request's error is counted in the per-fingerprint statistics.
-    failure: crate::observe::stats::Outcome,
-    /// Bytes read from the client and from the server since they were last added to the
-    /// pool's counters (at each ReadyForQuery and at the end). `bytes_in` starts with what
-    /// the client sent right behind its login, already in the buffer.
-    bytes_in: u64,
-    bytes_out: u64,
-    /// When the current transaction's first statement was sent (set once a ReadyForQuery
-    /// completes it; see `transaction_done`).
-    txn_start: Option<Instant>,
-    /// When the statement being admitted arrived (its client-observed time starts there).
-    arrived: Option<Instant>,
+    /// Statements sent and the replies that complete them, errors, bytes (no I/O).
+    tally: Tally,
     /// The database has replicas (`databases[].replicas`), read at login.
     replica_possible: bool,
     /// The pool of those replicas, made at the first read routed there.
@@ -303,17 +285,8 @@ impl Relay {
             unit_caller: 0,
             session_caller: None,
             last_caller: 0,
-            fault: false,
             opened_by_parse: None,
-            pending: Vec::new(),
-            ready_sent: 0,
-            ready_seen: 0,
-            errored: false,
-            failure: crate::observe::stats::Outcome::Error,
-            bytes_in,
-            bytes_out: 0,
-            txn_start: None,
-            arrived: None,
+            tally: Tally::new(bytes_in),
             replica_possible,
             replica: None,
             unit_pool: None,
@@ -345,13 +318,13 @@ impl Relay {
             let r = match ev {
                 Event::Client(Ok(0)) | Event::Client(Err(_)) => return End::ClientClosed,
                 Event::Client(Ok(n)) => {
-                    self.bytes_in += n as u64;
+                    self.tally.received(n as u64);
                     self.deadlines.client_spoke();
                     self.on_client_data(client).await
                 }
                 Event::Backend(Ok(0)) | Event::Backend(Err(_)) => return self.backend_gone(),
                 Event::Backend(Ok(n)) if self.deferred => {
-                    self.bytes_out += n as u64;
+                    self.tally.sent(n as u64);
                     self.deadlines.server_spoke();
                     match self.on_backend_data(client).await {
                         Ok(()) if !self.replica_held() => {
@@ -363,7 +336,7 @@ impl Relay {
                     }
                 }
                 Event::Backend(Ok(n)) => {
-                    self.bytes_out += n as u64;
+                    self.tally.sent(n as u64);
                     // The server is alive: whatever the cancel does, it will be answered.
                     self.deadlines.server_spoke();
                     // Not through `on_backend_data`: no future unless something waits.
@@ -720,7 +693,7 @@ impl Relay {
 
     /// [`Relay::send_ready`] for a request written in place.
     fn send_ready_with(&mut self, e: Expect, write: impl FnOnce(&mut BytesMut)) {
-        self.ready_sent += 1;
+        self.tally.ready_requested();
         self.out.send_with(e, write);
     }
 
@@ -830,7 +803,7 @@ impl Relay {
             None => self.send_ready(e, frame),
         }
         self.restore_timeouts();
-        self.track_statement(class, self.ready_sent);
+        self.track_statement(class, self.tally.last_ready());
         Ok(())
     }
 
@@ -855,7 +828,7 @@ impl Relay {
         self.inject_timeouts(timeouts, &class, true);
         self.send_ready(Expect::new(Kind::FunctionCall, Mode::Forward), frame);
         self.restore_timeouts();
-        self.track_statement(class, self.ready_sent);
+        self.track_statement(class, self.tally.last_ready());
         Ok(())
     }
 
@@ -939,7 +912,7 @@ impl Relay {
             return Ok(());
         };
         self.inject_timeouts(timeouts, &class, false);
-        self.track_statement(class, self.ready_sent + 1);
+        self.track_statement(class, self.tally.last_ready() + 1);
         if let Some(hash) = hash {
             self.retry_start(hash, frame);
         }
@@ -1513,13 +1486,11 @@ impl Relay {
             self.injected_failed(&msg);
         }
         if seen.errored {
-            self.errored = true;
             let code = seen.code();
             let asked = code == Some("57014") && self.client_cancelled();
-            if code.is_some_and(admission::is_backend_fault) && !asked {
-                self.fault = true;
-            }
-            self.failure = crate::observe::stats::Outcome::of_error(code, asked);
+            let fault = code.is_some_and(admission::is_backend_fault) && !asked;
+            let failure = crate::observe::stats::Outcome::of_error(code, asked);
+            self.tally.errored(failure, fault);
         }
         if seen.captured {
             let captured: params::Shared = self.replies.take_settings().into();
@@ -1964,13 +1935,6 @@ fn raise_sql(e: &PgError) -> String {
     // The outer tag differs from every inner one: those are `$q…$`, this one `$pgsl…$`.
     let tag = params::dollar_tag(&body, "pgsl");
     format!("DO {tag}{body}{tag}")
-}
-
-/// Whole microseconds of `d` (saturating).
-fn micros(d: Duration) -> u64 {
-    d.as_secs()
-        .saturating_mul(1_000_000)
-        .saturating_add(u64::from(d.subsec_micros()))
 }
 
 /// What [`Relay::on_backend_now`] left for a future: the client's buffer to write before the

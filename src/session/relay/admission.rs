@@ -34,18 +34,6 @@ fn counted<'a>(backend: &'a Option<Pooled>, pool: &'a Arc<Pool>) -> &'a PoolStat
     &backend.as_ref().map_or(pool, Pooled::pool).stats
 }
 
-/// A statement waiting for its completion, for per-fingerprint statistics.
-pub(super) struct StmtRecord {
-    class: Arc<Classified>,
-    caller: u16,
-    /// Arrived from the client (before admission and checkout).
-    arrived: Instant,
-    /// Sent to the backend.
-    start: Instant,
-    /// Completed by the client ReadyForQuery with this sequence number.
-    ready_seq: u64,
-}
-
 /// Timeouts a statement must run with.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub(super) struct Timeouts {
@@ -118,7 +106,7 @@ impl Relay {
     #[inline(always)]
     pub(super) fn admit_now(&mut self, class: &Arc<Classified>) -> Admit {
         let arrived = self.now();
-        self.arrived = Some(arrived);
+        self.tally.arrived(arrived);
         if self.admission.is_none() {
             // A new unit: it runs under the configuration in force now, all of it (caller
             // matching, limits, series, timeouts) from one snapshot, whatever a reload does
@@ -262,87 +250,47 @@ impl Relay {
 
     /// Remembers a statement sent to the backend, to time it when its ReadyForQuery comes
     /// (attributed to the caller its admission resolved).
+    #[inline(always)]
     pub(super) fn track_statement(&mut self, class: Arc<Classified>, ready_seq: u64) {
-        if self.pending.len() < 4096 {
-            let start = self.now();
-            self.pending.push(StmtRecord {
-                caller: self.last_caller,
-                class,
-                arrived: self.arrived.take().unwrap_or(start),
-                start,
-                ready_seq,
-            });
-        }
+        let start = self.now();
+        self.tally.track(class, self.last_caller, start, ready_seq);
     }
 
-    /// A client ReadyForQuery arrived: records the statements it completes, the last of them
-    /// with the `rows` its CommandCompletes counted.
+    /// A client ReadyForQuery arrived: records the statements it completes (caller metrics,
+    /// the breaker, per-fingerprint statistics), the transaction it ends and the bytes
+    /// relayed, in the counters of the pool whose backend sent it.
     pub(super) fn statements_done(&mut self, rows: u64) {
-        self.ready_seen += 1;
-        let seen = self.ready_seen;
-        let done = self
-            .pending
-            .iter()
-            .take_while(|r| r.ready_seq <= seen)
-            .count();
-        if done == 0 {
-            self.transaction_done(None);
-            self.flush_counters();
-            self.errored = false;
-            self.failure = Outcome::Error;
-            self.fault = false;
-            return;
-        }
         let now = self.now();
-        let rt = Arc::clone(&self.rt);
-        let names = &rt.callers;
-        let n = done;
-        let mut backend_us = 0u64;
-        // One subtraction per distinct instant: a statement sent as it arrived, alone in its
-        // transaction (the common case), has one duration for all three figures.
-        let first = self.pending[0].start;
-        let first_elapsed = now.saturating_duration_since(first);
-        self.transaction_done(Some((first, first_elapsed)));
-        for (i, r) in self.pending.drain(..done).enumerate() {
-            let elapsed = if r.start == first {
-                first_elapsed
-            } else {
-                now.saturating_duration_since(r.start)
-            };
-            backend_us = backend_us.saturating_add(super::micros(elapsed));
-            let total = if r.arrived == r.start {
-                elapsed
-            } else {
-                now.saturating_duration_since(r.arrived)
-            };
+        let idle = self.out.t.txn == b'I';
+        let (rt, app) = (&self.rt, &self.app);
+        let ready = self.tally.ready(now, rows, idle, |f| {
             rt.caller_metrics
-                .query(r.caller, total, elapsed, !self.errored);
+                .query(f.caller, f.total, f.elapsed, f.succeeded);
             // Every statement that reached the backend tells the breaker how it went.
-            self.app.policy.record_backend_result_at(!self.fault, now);
-            let outcome = if self.errored {
-                self.failure
-            } else {
-                // Rows go to the last statement of the group (CommandComplete counts).
-                Outcome::Ok {
-                    rows: if i + 1 == n { rows } else { 0 },
-                }
-            };
-            self.app.fp_stats.record(
-                r.class.fingerprint,
-                &r.class.normalized,
-                r.class.kind.as_str(),
-                names.name_arc(r.caller),
-                elapsed,
-                outcome,
+            app.policy.record_backend_result_at(f.backend_ok, now);
+            app.fp_stats.record(
+                f.class.fingerprint,
+                &f.class.normalized,
+                f.class.kind.as_str(),
+                rt.callers.name_arc(f.caller),
+                f.elapsed,
+                f.outcome,
             );
-        }
+        });
         let stats = counted(&self.backend, &self.pool);
-        stats.queries.fetch_add(n as u64, Ordering::Relaxed);
-        stats.query_us.fetch_add(backend_us, Ordering::Relaxed);
+        if let Some(took) = ready.transaction {
+            stats.transactions.fetch_add(1, Ordering::Relaxed);
+            stats
+                .transaction_us
+                .fetch_add(super::micros(took), Ordering::Relaxed);
+        }
+        if ready.statements > 0 {
+            stats.queries.fetch_add(ready.statements, Ordering::Relaxed);
+            stats
+                .query_us
+                .fetch_add(ready.backend_us, Ordering::Relaxed);
+        }
         self.flush_counters();
-        self.errored = false;
-        self.failure = Outcome::Error;
-        self.fault = false;
     }
 
     /// Waits for `fut` while watching the client ([`unless_client_leaves`]), and counts what
@@ -369,47 +317,20 @@ impl Relay {
         let before = buf.len();
         let r = unless_client_leaves(fut, client, buf, &self.cancel, why).await;
         self.tick = None;
-        self.bytes_in += self.requests.buf_mut().len().saturating_sub(before) as u64;
+        let read = self.requests.buf_mut().len().saturating_sub(before);
+        self.tally.received(read as u64);
         r
-    }
-
-    /// At a client ReadyForQuery whose statements were sent from `first_sent` on (`None`:
-    /// it completes none): counts the transaction it ends, if it says idle. A transaction
-    /// starts with the first statement a ReadyForQuery completes, not the first one sent:
-    /// a pipelining client's later statements, sent before this reply, belong to the next.
-    /// `first_sent` comes with the time since it, to spare the subtraction when the
-    /// transaction started there.
-    fn transaction_done(&mut self, first_sent: Option<(Instant, Duration)>) {
-        if self.txn_start.is_none() {
-            self.txn_start = first_sent.map(|(at, _)| at);
-        }
-        if self.out.t.txn == b'I'
-            && let Some(started) = self.txn_start.take()
-        {
-            let took = match first_sent {
-                Some((at, since)) if at == started => since,
-                _ => self.now().saturating_duration_since(started),
-            };
-            let stats = counted(&self.backend, &self.pool);
-            stats.transactions.fetch_add(1, Ordering::Relaxed);
-            stats
-                .transaction_us
-                .fetch_add(super::micros(took), Ordering::Relaxed);
-        }
     }
 
     /// Adds the bytes the session relayed since the last call to its pool's counters.
     pub(super) fn flush_counters(&mut self) {
         let stats = counted(&self.backend, &self.pool);
-        if self.bytes_in > 0 {
-            stats
-                .bytes_received
-                .fetch_add(std::mem::take(&mut self.bytes_in), Ordering::Relaxed);
+        let (bytes_in, bytes_out) = self.tally.take_bytes();
+        if bytes_in > 0 {
+            stats.bytes_received.fetch_add(bytes_in, Ordering::Relaxed);
         }
-        if self.bytes_out > 0 {
-            stats
-                .bytes_sent
-                .fetch_add(std::mem::take(&mut self.bytes_out), Ordering::Relaxed);
+        if bytes_out > 0 {
+            stats.bytes_sent.fetch_add(bytes_out, Ordering::Relaxed);
         }
     }
 
