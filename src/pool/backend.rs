@@ -205,7 +205,7 @@ pub struct BackendConn {
     /// ParameterStatus values reported at login.
     pub server_params: Vec<(String, String)>,
     /// Client startup parameters currently `SET` on this connection (sorted by name).
-    pub applied: crate::session::params::Shared,
+    pub applied: crate::protocol::params::Shared,
     /// Protocol-level statements prepared here under proxy-chosen names.
     pub prepared: PreparedCache,
     /// Statements Postgres refused to reuse (result type changed): closed before re-Parse.

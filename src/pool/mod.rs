@@ -152,7 +152,7 @@ pub struct Pool {
     canonical: Mutex<HashMap<String, HashMap<String, String>>>,
     /// A client's startup settings → the ParameterStatus messages it is greeted with, encoded
     /// (built from `server_params` and `canonical`; at most [`GREETINGS`] lists).
-    greetings: Mutex<HashMap<crate::session::params::Shared, bytes::Bytes>>,
+    greetings: Mutex<HashMap<crate::protocol::params::Shared, bytes::Bytes>>,
     pub stats: PoolStats,
     /// What this pool knows of its database's user code (`catalog.rs`).
     pub catalog: catalog::Catalog,
@@ -873,7 +873,7 @@ impl Pool {
     pub fn greeting(
         &self,
         settings: &[(String, String)],
-    ) -> Option<(bytes::Bytes, crate::session::params::Shared)> {
+    ) -> Option<(bytes::Bytes, crate::protocol::params::Shared)> {
         self.greetings
             .lock()
             .get_key_value(settings)
@@ -884,7 +884,7 @@ impl Pool {
     /// beyond [`GREETINGS`] lists: then each such login builds its own).
     pub fn remember_greeting(
         &self,
-        settings: &crate::session::params::Shared,
+        settings: &crate::protocol::params::Shared,
         greeting: bytes::Bytes,
     ) {
         let mut g = self.greetings.lock();
@@ -1273,12 +1273,12 @@ impl Pooled {
                 .stats
                 .verifications
                 .fetch_add(1, Ordering::Relaxed);
-            let login = crate::session::params::literal(&self.pool.login_user());
+            let login = crate::protocol::params::literal(&self.pool.login_user());
             let settings = self.pool.checked.first(conn.unproven_fingerprint);
             let mut resets = verify::resets_sql(seed());
             // RESET ALL also undid the client startup parameters the proxy applied: put them
             // back in the same request, so the backend still carries `conn.applied`.
-            if let Some(again) = crate::session::params::apply_sql(&[], &conn.applied) {
+            if let Some(again) = crate::protocol::params::apply_sql(&[], &conn.applied) {
                 resets.push(';');
                 resets.push_str(&again);
             }
@@ -1565,7 +1565,7 @@ mod tests {
     use super::*;
     use bytes::Bytes;
 
-    fn settings(name: &str, value: &str) -> crate::session::params::Shared {
+    fn settings(name: &str, value: &str) -> crate::protocol::params::Shared {
         Arc::from([(name.to_owned(), value.to_owned())])
     }
 

@@ -1,5 +1,6 @@
 //! Wire protocol: header-only framing, the few message bodies the proxy reads, the messages it
-//! creates, and the SQLSTATE errors it sends.
+//! creates, the SQLSTATE errors it sends, and the client's startup parameters (with the
+//! quoted SQL that gives a server session exactly those).
 //!
 //! Owns byte layouts only; imports nothing else of ours. Client and server bytes are forwarded
 //! untouched — pgwire encodes only what the proxy itself says (errors, auth, ReadyForQuery).
@@ -7,6 +8,7 @@
 pub mod error;
 pub mod framing;
 pub mod messages;
+pub mod params;
 pub mod tag;
 
 pub use error::PgError;

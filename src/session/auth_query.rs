@@ -12,12 +12,12 @@
 
 use std::time::Duration;
 
-use super::params;
 use crate::app::App;
 use crate::auth::{UserAuth, Verifier};
 use crate::config::AuthMethod;
 use crate::pool::{BackendConn, ConnectParams};
 use crate::protocol::PgError;
+use crate::protocol::params;
 
 /// The credentials of `user` from `auth.auth_query`: `Ok(None)` when none is configured or
 /// Postgres has no such user.

@@ -27,7 +27,7 @@ use crate::protocol::messages::{self, NEWEST_MINOR, StartupPacket};
 use crate::protocol::tag::frontend;
 use crate::tls::{ALPN_POSTGRESQL, ClientStream};
 
-use super::params;
+use crate::protocol::params;
 
 /// First byte of a TLS handshake record: a direct-TLS ClientHello.
 const TLS_HANDSHAKE: u8 = 0x16;

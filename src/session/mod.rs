@@ -18,7 +18,6 @@
 
 pub mod auth_query;
 mod handshake;
-pub mod params;
 mod relay;
 mod spare;
 mod state;
@@ -48,6 +47,7 @@ use crate::per_address::AddressGuard;
 use crate::pool::{Pool, Pooled, ServerParams};
 use crate::protocol::PgError;
 use crate::protocol::messages;
+use crate::protocol::params;
 use crate::protocol::tag::backend;
 use crate::rehome::Rehome;
 use crate::tls::ClientStream;

@@ -60,7 +60,8 @@ use crate::runtime::Runtime;
 
 use super::state;
 use super::tracker::{Expect, Kind, Mode, Outbox};
-use super::{End, Login, params, set_cancel_target, spare};
+use super::{End, Login, set_cancel_target, spare};
+use crate::protocol::params;
 use admission::Admit;
 
 mod admission;

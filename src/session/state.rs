@@ -32,10 +32,13 @@ use crate::protocol::PgError;
 /// value is one reset to nothing). It runs under the client's `search_path`, so functions,
 /// relations and operators are schema-qualified.
 pub fn capture_sql(login_user: &str, custom: &[String]) -> String {
-    let user = super::params::literal(login_user);
+    let user = crate::protocol::params::literal(login_user);
     let mut extra = String::new();
     if !custom.is_empty() {
-        let names: Vec<String> = custom.iter().map(|n| super::params::literal(n)).collect();
+        let names: Vec<String> = custom
+            .iter()
+            .map(|n| crate::protocol::params::literal(n))
+            .collect();
         extra = format!(
             " UNION ALL SELECT n, pg_catalog.current_setting(n, true) FROM \
              pg_catalog.unnest(ARRAY[{}]::pg_catalog.text[]) AS n \
