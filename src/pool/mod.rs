@@ -17,6 +17,7 @@ pub mod caps;
 pub mod catalog;
 pub mod park;
 pub mod prepared;
+pub mod reset;
 pub mod slots;
 pub mod verify;
 

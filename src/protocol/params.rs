@@ -303,6 +303,18 @@ fn apply_parts(applied: &[(String, String)], desired: &[(String, String)]) -> Op
     })
 }
 
+/// The SQLSTATE passed on to the client from a setting the server refused (a startup
+/// parameter, a role): the server's own where it is one of these, else 22023.
+pub fn setting_error_code(code: &str) -> &'static str {
+    match code {
+        "42704" => "42704",
+        "22023" => "22023",
+        "42501" => "42501",
+        "3F000" => "3F000",
+        _ => "22023",
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

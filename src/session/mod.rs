@@ -626,7 +626,10 @@ async fn learn_settings(
             let code = crate::protocol::error::sqlstate_of(body).unwrap_or("22023");
             let msg =
                 crate::protocol::error::field_of(body, b'M').unwrap_or("invalid startup parameter");
-            error = Some(PgError::fatal(static_code(code), msg.to_string()));
+            error = Some(PgError::fatal(
+                params::setting_error_code(code),
+                msg.to_string(),
+            ));
         }
         _ => {}
     });
@@ -647,17 +650,6 @@ async fn learn_settings(
         pool.learn_canonical(k, v, &r);
     }
     Ok(())
-}
-
-/// SQLSTATEs we pass through from a failed startup setting.
-fn static_code(code: &str) -> &'static str {
-    match code {
-        "42704" => "42704",
-        "22023" => "22023",
-        "42501" => "42501",
-        "3F000" => "3F000",
-        _ => "22023",
-    }
 }
 
 impl PgError {

@@ -41,7 +41,7 @@ use std::task::{Context, Poll};
 use std::time::Duration;
 
 use bytes::BytesMut;
-use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
+use tokio::io::{AsyncRead, AsyncWrite, AsyncWriteExt};
 use tokio::time::Instant;
 use tokio_util::io::poll_read_buf;
 
@@ -51,7 +51,7 @@ use crate::classify::Classified;
 use crate::config::PoolMode;
 use crate::lifecycle::Phase;
 use crate::policy::{Admission, StatementAdmission};
-use crate::pool::{Pool, Pooled};
+use crate::pool::{Pool, Pooled, reset};
 use crate::protocol::PgError;
 use crate::protocol::framing;
 use crate::protocol::messages;
@@ -1229,7 +1229,7 @@ impl Relay {
             if steps.identity {
                 // Who the client runs as must be certain before its statement goes (one
                 // statement: refused, it changes nothing, and the backend is closed).
-                if let Err(e) = apply_now(conn, &steps.statements, wait).await {
+                if let Err(e) = reset::apply_identity(conn, &steps.statements, wait).await {
                     b.discard();
                     return Err(e);
                 }
@@ -1768,7 +1768,7 @@ impl Relay {
             b.conn().dirty.all = true;
         }
         let (skip, buffered) = self.replies.take_rest();
-        let cleanup = Cleanup {
+        let cleanup = reset::Cleanup {
             pending_ready: self.out.t.pending_ready() + usize::from(self.out.t.sync_pending),
             in_flight: self.out.t.in_flight(),
             copy_in: self.out.t.copy_in,
@@ -1787,79 +1787,6 @@ impl Relay {
     }
 }
 
-/// Returns a backend to a clean, idle state after its client vanished mid-work: cancel what
-/// runs, end COPY, drain owed replies, roll back, and only then pool it (else close it).
-struct Cleanup {
-    pending_ready: usize,
-    in_flight: bool,
-    copy_in: bool,
-    sync_pending: bool,
-    txn: u8,
-    skip: usize,
-    buffered: BytesMut,
-    session_mode: bool,
-}
-
-impl Cleanup {
-    async fn run(self, mut b: Pooled) {
-        let ok = tokio::time::timeout(Duration::from_secs(5), self.drain(&mut b)).await;
-        match ok {
-            Ok(Ok(())) => b.release().await,
-            _ => b.discard(),
-        }
-    }
-
-    async fn drain(&self, b: &mut Pooled) -> Result<(), ()> {
-        let conn = b.conn();
-        if self.in_flight && !self.copy_in {
-            let _ = cancel::send(&conn.cancel_target()).await;
-        }
-        let mut out = BytesMut::new();
-        if self.copy_in {
-            messages::raw(&mut out, b'f', &[b"client disconnected\0"]);
-        }
-        if self.sync_pending {
-            messages::sync(&mut out);
-        }
-        if !out.is_empty() {
-            conn.stream.write_all(&out).await.map_err(|_| ())?;
-        }
-        // Skip the rest of a half-streamed message, then read whole messages.
-        let mut buf = self.buffered.clone();
-        let mut skip = self.skip;
-        while skip > 0 {
-            if buf.is_empty() && conn.stream.read_buf(&mut buf).await.map_err(|_| ())? == 0 {
-                return Err(());
-            }
-            let n = skip.min(buf.len());
-            let _ = buf.split_to(n);
-            skip -= n;
-        }
-        let mut txn = self.txn;
-        let mut owed = self.pending_ready;
-        while owed > 0 {
-            let (tag, body) = crate::pool::backend::read_message(&mut conn.stream, &mut buf)
-                .await
-                .map_err(|_| ())?;
-            if tag == b'Z' {
-                owed -= 1;
-                txn = body.first().copied().unwrap_or(b'I');
-            }
-        }
-        if txn != b'I' && !matches!(conn.simple("ROLLBACK").await, Ok(b'I')) {
-            return Err(());
-        }
-        if self.session_mode {
-            if !matches!(conn.simple("DISCARD ALL").await, Ok(b'I')) {
-                return Err(());
-            }
-            conn.prepared.clear();
-            conn.applied = Default::default();
-        }
-        Ok(())
-    }
-}
-
 /// Postgres's own answer to a Bind or Describe of an unnamed statement that does not exist:
 /// in transaction mode, one this client did not parse on the backend it holds.
 fn no_unnamed_statement() -> PgError {
@@ -1867,40 +1794,6 @@ fn no_unnamed_statement() -> PgError {
         "pgsluice (transaction pooling): send Parse of the unnamed statement in the same \
          transaction or Sync block as its Bind, or use a named statement",
     )
-}
-
-/// Runs a settings re-apply that changes the client's identity and waits for its answer.
-/// Refused by the server (a role the login user may no longer take), the client's statement
-/// does not run as someone else: the session ends, as a login with that setting would be
-/// refused (each statement would otherwise cost a backend). A lost connection is an error
-/// the client may retry.
-async fn apply_now(
-    conn: &mut crate::pool::BackendConn,
-    statements: &[String],
-    wait: Duration,
-) -> Result<(), PgError> {
-    let run = async {
-        for sql in statements {
-            conn.simple(sql).await?;
-        }
-        Ok::<_, crate::pool::ConnectError>(())
-    };
-    const WHAT: &str = "pgsluice: could not apply your session settings on a server connection";
-    let why = match tokio::time::timeout(wait, run).await {
-        Ok(Ok(())) => return Ok(()),
-        Ok(Err(crate::pool::ConnectError::Server { code, message, .. })) => {
-            let hint = "the server refused the role or session authorization this session \
-                        runs as; reconnect";
-            return Err(
-                PgError::error(super::static_code(&code), format!("{WHAT}: {message}"))
-                    .with_hint(hint)
-                    .into_fatal(),
-            );
-        }
-        Ok(Err(e)) => e.to_string(),
-        Err(_) => format!("no answer within {} ms", wait.as_millis()),
-    };
-    Err(PgError::error("08006", format!("{WHAT}: {why}")))
 }
 
 /// The attached backend's statements. Callers run only after `ensure_backend` succeeded.
