@@ -19,7 +19,7 @@ use std::hint::black_box;
 use std::time::Duration;
 
 use criterion::{Criterion, criterion_group, criterion_main};
-use pgsluice::policy::breaker::BreakerConfig;
+use pgsluice::policy::breaker::BreakerSettings;
 use pgsluice::policy::rules::RuleSpec;
 use pgsluice::policy::{AdmitRequest, CallerPolicy, Policy, Priority, RetryPolicy};
 use tokio::runtime::Runtime;
@@ -86,9 +86,9 @@ fn next(state: &mut u64) -> u64 {
 }
 
 fn setup() -> Setup {
-    let breaker = BreakerConfig {
+    let breaker = BreakerSettings {
         max_inflight_threshold: Some(10_000),
-        ..BreakerConfig::default()
+        ..BreakerSettings::default()
     };
     let policy = match Policy::new(callers(), breaker) {
         Ok(p) => p,
@@ -206,7 +206,7 @@ fn admission(c: &mut Criterion) {
     g.finish();
 
     // Same lookups with no rules at all: the one-atomic-load fast path.
-    let empty = match Policy::new(callers(), BreakerConfig::default()) {
+    let empty = match Policy::new(callers(), BreakerSettings::default()) {
         Ok(p) => p,
         Err(e) => panic!("bench policy: {e}"),
     };
@@ -233,7 +233,7 @@ fn detector_tick(c: &mut Criterion) {
         }
     };
     record(0);
-    let settings = pgsluice::admin::anomalies::settings(&Default::default());
+    let settings = pgsluice::config::DetectorConfig::default();
     let mut det = Detector::new(settings);
     let mut now = 1_700_000_000_000u64;
     // Past the warm-up, every fingerprint known, so each tick does the whole work.

@@ -14,7 +14,7 @@ use crate::config::{self as cfgmod, Config, PeerConfig};
 use crate::fleet::Fleet;
 use crate::observe::metrics::Metrics;
 use crate::observe::stats::FingerprintStats;
-use crate::policy::breaker::BreakerConfig;
+use crate::policy::breaker::BreakerSettings;
 use crate::policy::rules::RuleSet;
 use crate::policy::{CallerPolicy, Policy, Priority, RetryPolicy, Scope};
 use crate::pool::{ConnectParams, Pool, Pools};
@@ -650,7 +650,7 @@ fn caller_names(callers: &[CallerPolicy]) -> Vec<String> {
 }
 
 /// The caller table (config order, `default` last) and breaker settings for the policy.
-pub fn policy_inputs(cfg: &Config) -> (Vec<CallerPolicy>, BreakerConfig) {
+pub fn policy_inputs(cfg: &Config) -> (Vec<CallerPolicy>, BreakerSettings) {
     let g = &cfg.global_defaults;
     let mut callers: Vec<CallerPolicy> = cfg
         .callers
@@ -688,12 +688,12 @@ pub fn policy_inputs(cfg: &Config) -> (Vec<CallerPolicy>, BreakerConfig) {
         idle_transaction_timeout: idle_timeout(g.idle_transaction_timeout_ms),
     });
     let b = &g.circuit_breaker;
-    let breaker = BreakerConfig {
+    let breaker = BreakerSettings {
         consecutive_errors: b.consecutive_errors,
         max_inflight_threshold: b.max_inflight_threshold,
         db_cpu_threshold_percent: b.db_cpu_threshold_percent,
         open: Duration::from_millis(b.open_ms),
-        half_open_max_probes: b.half_open_trials,
+        half_open_trials: b.half_open_trials,
         critical_reserve: b.critical_reserve.unwrap_or_else(|| {
             let critical: u32 = cfg
                 .callers
@@ -834,7 +834,7 @@ mod tests {
         assert_eq!(
             (
                 breaker.critical_reserve,
-                breaker.half_open_max_probes,
+                breaker.half_open_trials,
                 breaker.max_inflight_threshold
             ),
             (7, 3, Some(40))

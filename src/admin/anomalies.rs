@@ -30,7 +30,7 @@ use tokio::time::Instant;
 use super::AdminState;
 use super::error::NoQuery;
 use crate::config::{AutoRulesConfig, AutoRulesMode, Config, DetectorConfig, Priority};
-use crate::observe::anomaly::{Anomaly, Detector, Event, Settings, Signal, Subject};
+use crate::observe::anomaly::{Anomaly, Detector, Event, Signal, Subject};
 use crate::observe::stats::unix_ms;
 use crate::policy::rules::{Origin, RuleSpec, fingerprint_hex};
 
@@ -49,32 +49,11 @@ pub struct Board {
 impl Board {
     pub fn new(cfg: &DetectorConfig) -> Board {
         Board {
-            detector: Detector::new(settings(cfg)),
+            detector: Detector::new(cfg.clone()),
             installed: HashMap::new(),
             suppressed: HashSet::new(),
             noted: HashSet::new(),
         }
-    }
-}
-
-/// The detector's settings from the config section.
-pub fn settings(d: &DetectorConfig) -> Settings {
-    Settings {
-        tick_ms: d.tick_ms,
-        window_ms: d.window_ms,
-        share_window_ms: d.share_window_ms,
-        step_factor: d.step_factor,
-        min_qps: d.min_qps,
-        baseline_floor_qps: d.baseline_floor_qps,
-        baseline_half_life_ms: d.baseline_half_life_ms,
-        warmup_ms: d.warmup_ms,
-        clear_after_ms: d.clear_after_ms,
-        confirm_ticks: d.confirm_ticks,
-        time_share: d.time_share,
-        time_floor_ms_per_s: d.time_floor_ms_per_s,
-        error_share: d.error_share,
-        lock_wait_share: d.lock_wait_share,
-        min_calls: d.min_calls,
     }
 }
 
@@ -371,7 +350,7 @@ pub async fn detect_loop(st: Arc<AdminState>) {
         }
         // Off the session threads: a full statistics table takes most of a millisecond.
         let work = {
-            let (st, wanted) = (Arc::clone(&st), settings(&cfg.detector));
+            let (st, wanted) = (Arc::clone(&st), cfg.detector.clone());
             tokio::task::spawn_blocking(move || tick(&st, wanted))
         };
         let Ok((events, active)) = work.await else {
@@ -395,7 +374,7 @@ pub async fn detect_loop(st: Arc<AdminState>) {
 }
 
 /// One detector tick over the statistics' counters: what started or ended, and what is active.
-fn tick(st: &AdminState, wanted: Settings) -> (Vec<Event>, Vec<Anomaly>) {
+fn tick(st: &AdminState, wanted: DetectorConfig) -> (Vec<Event>, Vec<Anomaly>) {
     let snapshot = st.app.fp_stats.counters();
     let mut board = st.anomalies.lock();
     if *board.detector.settings() != wanted {

@@ -48,27 +48,7 @@ use std::sync::Arc;
 use serde::Serialize;
 
 use super::stats::{CounterSnapshot, Counters, FingerprintCounters};
-
-/// The detector's knobs: `detector:` in the config file, whose defaults they take
-/// (`admin::anomalies::settings`).
-#[derive(Debug, Clone, PartialEq)]
-pub struct Settings {
-    pub tick_ms: u64,
-    pub window_ms: u64,
-    pub share_window_ms: u64,
-    pub step_factor: f64,
-    pub min_qps: f64,
-    pub baseline_floor_qps: f64,
-    pub baseline_half_life_ms: u64,
-    pub warmup_ms: u64,
-    pub clear_after_ms: u64,
-    pub confirm_ticks: u32,
-    pub time_share: f64,
-    pub time_floor_ms_per_s: f64,
-    pub error_share: f64,
-    pub lock_wait_share: f64,
-    pub min_calls: u64,
-}
+use crate::config::DetectorConfig;
 
 /// Which test fired.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
@@ -314,7 +294,7 @@ struct Bases {
     share: f64,
 }
 
-impl Settings {
+impl DetectorConfig {
     /// The first signal `r` shows against `bases`: (signal, baseline, current, ratio). With
     /// `hold` (an anomaly is active) the thresholds are halved, so an episode does not flap
     /// while its baseline slowly catches up.
@@ -374,7 +354,7 @@ fn delta(new: &Counters, old: &Counters) -> Option<Counters> {
 /// The detector. Feed it with [`Detector::observe`] on every tick.
 #[derive(Debug)]
 pub struct Detector {
-    settings: Settings,
+    settings: DetectorConfig,
     started_ms: Option<u64>,
     last_ms: u64,
     states: HashMap<Subject, State>,
@@ -383,7 +363,7 @@ pub struct Detector {
 }
 
 impl Detector {
-    pub fn new(settings: Settings) -> Detector {
+    pub fn new(settings: DetectorConfig) -> Detector {
         Detector {
             settings,
             started_ms: None,
@@ -394,11 +374,11 @@ impl Detector {
     }
 
     /// New knobs (a reload); what was learnt stays.
-    pub fn set_settings(&mut self, settings: Settings) {
+    pub fn set_settings(&mut self, settings: DetectorConfig) {
         self.settings = settings;
     }
 
-    pub fn settings(&self) -> &Settings {
+    pub fn settings(&self) -> &DetectorConfig {
         &self.settings
     }
 

@@ -20,9 +20,7 @@ impl Sim {
     fn new() -> Sim {
         let start = 1_700_000_000_000;
         Sim {
-            det: Detector::new(crate::admin::anomalies::settings(
-                &crate::config::DetectorConfig::default(),
-            )),
+            det: Detector::new(crate::config::DetectorConfig::default()),
             now: start,
             start,
             rows: BTreeMap::new(),

@@ -5,7 +5,7 @@ use std::time::Duration;
 
 use tokio::time::Instant;
 
-use super::breaker::{BreakerConfig, BreakerState, TripReason};
+use super::breaker::{BreakerSettings, BreakerState, TripReason};
 use super::rules::RuleSpec;
 use super::*;
 
@@ -55,13 +55,13 @@ fn callers() -> Vec<CallerPolicy> {
     ]
 }
 
-fn breaker_config() -> BreakerConfig {
-    BreakerConfig {
+fn breaker_config() -> BreakerSettings {
+    BreakerSettings {
         consecutive_errors: 5,
         max_inflight_threshold: Some(100),
         db_cpu_threshold_percent: Some(85.0),
         open: Duration::from_millis(5000),
-        half_open_max_probes: 1,
+        half_open_trials: 1,
         critical_reserve: 20,
     }
 }

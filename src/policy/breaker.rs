@@ -5,7 +5,7 @@
 //! (`consecutive_errors`) or on a health-probe value (e.g. DB load %) at or above
 //! `db_cpu_threshold_percent`. While open only `critical` traffic is admitted, up to
 //! `critical_reserve` statements at once; after `open` it goes half-open and lets at most
-//! `half_open_max_probes` non-critical statements run at once as trials: that many successes
+//! `half_open_trials` non-critical statements run at once as trials: that many successes
 //! close it, a failure reopens it.
 //!
 //! In-flight statements above `max_inflight_threshold` do not open it (the design article's
@@ -33,9 +33,10 @@ use tokio::time::Instant;
 
 use super::Priority;
 
-/// Breaker settings (`global_defaults.circuit_breaker` in the config).
+/// Breaker settings as the policy runs them: `global_defaults.circuit_breaker` resolved
+/// (durations, the critical reserve worked out; the same field names).
 #[derive(Debug, Clone, PartialEq, Serialize)]
-pub struct BreakerConfig {
+pub struct BreakerSettings {
     /// Backend errors/timeouts in a row that trip the breaker; 0 disables this trigger.
     pub consecutive_errors: u32,
     /// Shed non-critical statements while more than this are in flight proxy-wide (critical
@@ -48,21 +49,21 @@ pub struct BreakerConfig {
     pub open: Duration,
     /// Non-critical trial statements allowed at once while half-open, and the successes that
     /// close it (at least 1).
-    pub half_open_max_probes: u32,
+    pub half_open_trials: u32,
     /// Critical statements allowed in flight at once while the breaker is not closed: a
     /// reserve, not a bypass. Comment tags are claims a client makes about itself, so
     /// "critical" must not mean "unlimited" on a database that is already in trouble.
     pub critical_reserve: u32,
 }
 
-impl Default for BreakerConfig {
+impl Default for BreakerSettings {
     fn default() -> Self {
         Self {
             consecutive_errors: 5,
             max_inflight_threshold: None,
             db_cpu_threshold_percent: None,
             open: Duration::from_millis(5000),
-            half_open_max_probes: 1,
+            half_open_trials: 1,
             critical_reserve: 20,
         }
     }
@@ -187,7 +188,7 @@ pub struct BreakerSnapshot {
     /// Successful statements since the breaker went half-open.
     pub half_open_successes: u32,
     pub last_probe_value: Option<f64>,
-    pub config: BreakerConfig,
+    pub config: BreakerSettings,
 }
 
 /// The breaker. Cheap to share: clone the `Arc` it lives in, tickets keep their own reference.
@@ -217,7 +218,7 @@ struct Shared {
 }
 
 struct Inner {
-    config: BreakerConfig,
+    config: BreakerSettings,
     state: BreakerState,
     reason: Option<TripReason>,
     since: Instant,
@@ -266,7 +267,7 @@ impl std::fmt::Debug for BreakerTicket {
 }
 
 impl Breaker {
-    pub fn new(config: BreakerConfig, now: Instant) -> Self {
+    pub fn new(config: BreakerSettings, now: Instant) -> Self {
         let shared = Shared {
             state: AtomicU8::new(BreakerState::Closed.to_u8()),
             in_flight: AtomicU32::new(0),
@@ -301,7 +302,7 @@ impl Breaker {
     }
 
     /// Hot reload: new thresholds apply from now on; state, streak and counters are kept.
-    pub fn set_config(&self, config: BreakerConfig) {
+    pub fn set_config(&self, config: BreakerSettings) {
         let mut inner = self.shared.inner.lock();
         self.shared.inflight_threshold.store(
             config.max_inflight_threshold.unwrap_or(0),
@@ -317,7 +318,7 @@ impl Breaker {
     }
 
     /// Current settings.
-    pub fn config(&self) -> BreakerConfig {
+    pub fn config(&self) -> BreakerSettings {
         self.shared.inner.lock().config.clone()
     }
 
@@ -358,8 +359,7 @@ impl Breaker {
             }
             match inner.state {
                 BreakerState::HalfOpen
-                    if s.probes.load(Ordering::Acquire)
-                        < inner.config.half_open_max_probes.max(1) =>
+                    if s.probes.load(Ordering::Acquire) < inner.config.half_open_trials.max(1) =>
                 {
                     s.probes.fetch_add(1, Ordering::AcqRel);
                     s.in_flight.fetch_add(1, Ordering::AcqRel);
@@ -406,7 +406,7 @@ impl Breaker {
         self.locked(now, |inner, _| match inner.state {
             BreakerState::Closed => None,
             BreakerState::HalfOpen
-                if probes.load(Ordering::Acquire) < inner.config.half_open_max_probes.max(1) =>
+                if probes.load(Ordering::Acquire) < inner.config.half_open_trials.max(1) =>
             {
                 None
             }
@@ -428,7 +428,7 @@ impl Breaker {
         self.locked(now, |inner, out| {
             if inner.state == BreakerState::HalfOpen {
                 inner.trial_successes = inner.trial_successes.saturating_add(1);
-                if inner.trial_successes < inner.config.half_open_max_probes.max(1) {
+                if inner.trial_successes < inner.config.half_open_trials.max(1) {
                     return;
                 }
                 self.set_state(
@@ -614,13 +614,13 @@ fn millis(d: Duration) -> u64 {
 mod tests {
     use super::*;
 
-    fn config() -> BreakerConfig {
-        BreakerConfig {
+    fn config() -> BreakerSettings {
+        BreakerSettings {
             consecutive_errors: 3,
             max_inflight_threshold: Some(4),
             db_cpu_threshold_percent: Some(85.0),
             open: Duration::from_secs(5),
-            half_open_max_probes: 2,
+            half_open_trials: 2,
             critical_reserve: 20,
         }
     }
@@ -666,7 +666,7 @@ mod tests {
     #[tokio::test(start_paused = true)]
     async fn critical_traffic_is_bounded_by_the_reserve_while_open() {
         let b = Breaker::new(
-            BreakerConfig {
+            BreakerSettings {
                 critical_reserve: 2,
                 ..config()
             },
@@ -730,7 +730,7 @@ mod tests {
         drop(t1);
         let t3 = b.allow(Priority::Normal, now).unwrap();
         assert!(t3.is_probe());
-        // Two trials succeed (half_open_max_probes = 2): closed, everything flows.
+        // Two trials succeed (half_open_trials = 2): closed, everything flows.
         b.on_success(now);
         assert_eq!(b.state(now), BreakerState::HalfOpen, "one success of two");
         assert_eq!(b.snapshot(now).half_open_successes, 1);
@@ -773,7 +773,7 @@ mod tests {
     #[tokio::test(start_paused = true)]
     async fn inflight_above_threshold_sheds_without_opening() {
         let b = Breaker::new(
-            BreakerConfig {
+            BreakerSettings {
                 critical_reserve: 2,
                 ..config()
             },
@@ -841,11 +841,11 @@ mod tests {
     #[tokio::test(start_paused = true)]
     async fn disabled_triggers_and_reconfigure() {
         let b = Breaker::new(
-            BreakerConfig {
+            BreakerSettings {
                 consecutive_errors: 0,
                 max_inflight_threshold: None,
                 db_cpu_threshold_percent: None,
-                ..BreakerConfig::default()
+                ..BreakerSettings::default()
             },
             Instant::now(),
         );
@@ -858,9 +858,9 @@ mod tests {
             .map(|_| b.allow(Priority::Low, now).unwrap())
             .collect();
         assert_eq!(b.state(now), BreakerState::Closed);
-        b.set_config(BreakerConfig {
+        b.set_config(BreakerSettings {
             consecutive_errors: 2,
-            ..BreakerConfig::default()
+            ..BreakerSettings::default()
         });
         b.on_failure(now);
         b.on_failure(now);

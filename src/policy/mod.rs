@@ -61,7 +61,7 @@ use serde::{Deserialize, Serialize, Serializer};
 use tokio::time::Instant;
 
 use self::breaker::{
-    Breaker, BreakerConfig, BreakerRefusal, BreakerSnapshot, BreakerState, BreakerTicket,
+    Breaker, BreakerRefusal, BreakerSettings, BreakerSnapshot, BreakerState, BreakerTicket,
     TransitionObserver,
 };
 use self::bucket::{MAX_RATE, TokenBucket};
@@ -323,14 +323,14 @@ struct CallerStats {
 impl Policy {
     /// Build from the caller table (index = caller id, last = `default`) and breaker config,
     /// with an empty rule set.
-    pub fn new(callers: Vec<CallerPolicy>, breaker: BreakerConfig) -> Result<Self, PolicyError> {
+    pub fn new(callers: Vec<CallerPolicy>, breaker: BreakerSettings) -> Result<Self, PolicyError> {
         Self::with_rules(callers, breaker, Arc::new(RuleSet::new()))
     }
 
     /// As [`Policy::new`], sharing a rule set (e.g. one loaded from the rules file).
     pub fn with_rules(
         callers: Vec<CallerPolicy>,
-        breaker: BreakerConfig,
+        breaker: BreakerSettings,
         rules: Arc<RuleSet>,
     ) -> Result<Self, PolicyError> {
         let now = Instant::now();
@@ -349,7 +349,7 @@ impl Policy {
     pub fn reconfigure(
         &self,
         callers: Vec<CallerPolicy>,
-        breaker: BreakerConfig,
+        breaker: BreakerSettings,
     ) -> Result<CallerTable, PolicyError> {
         let old = self.table();
         let table = CallerTable(build_table(
