@@ -50,7 +50,6 @@ use crate::cancel;
 use crate::classify::Classified;
 use crate::config::PoolMode;
 use crate::lifecycle::Phase;
-use crate::policy::{Admission, StatementAdmission};
 use crate::pool::{Pool, Pooled, reset};
 use crate::protocol::PgError;
 use crate::protocol::framing;
@@ -66,6 +65,7 @@ use admission::Admit;
 
 mod admission;
 mod deadlines;
+mod lease;
 #[cfg(any(test, fuzzing))]
 pub mod oracle;
 mod release;
@@ -74,11 +74,14 @@ mod requests;
 mod retry;
 mod statements;
 mod tally;
+mod unit;
 
 use admission::Timeouts;
 use deadlines::{Deadline, Deadlines, Idle};
+use lease::Lease;
 use statements::{Server, Statements};
 use tally::{Tally, micros};
+use unit::Unit;
 
 pub struct Relay {
     app: Arc<App>,
@@ -92,17 +95,6 @@ pub struct Relay {
     replies: replies::Replies,
     /// Pending writes to the client / the backend.
     cout: BytesMut,
-    backend: Option<Pooled>,
-    /// Transaction mode: the backend kept while the client is idle between transactions
-    /// and nobody waits for one ([`crate::pool::park`]). `backend` is `None` meanwhile, so
-    /// the rest of the relay sees a client without one; the next statement's checkout takes
-    /// this one back first, when the pool has not revoked it.
-    parked: Option<Pooled>,
-    /// This session's place on its pool's parking list (made when it first parks).
-    ticket: Option<Arc<crate::pool::park::Ticket>>,
-    /// A backend was released at least once: parking starts from the client's second
-    /// transaction ([`Relay::park_backend`]).
-    released_before: bool,
     /// Bytes for the backend and the replies they are owed, written together.
     out: Outbox,
     /// The client's prepared statements and their proxy names (no I/O).
@@ -116,9 +108,6 @@ pub struct Relay {
     /// The client's settings leave texts read as Postgres reads them
     /// ([`params::reading_trusted`]); when not, no text of its is proven harmless.
     reading_trusted: bool,
-    /// The unit declared a WITH HOLD cursor: its COMMIT runs the cursor's query (to
-    /// materialize it), so it runs under the proxy's deadline like any statement.
-    hold_cursor: bool,
     /// A batch kept for one replay after 0A000 "cached plan must not change result type".
     retry: Option<retry::Retry>,
     /// The backstop, unanswered-cancel, shutdown and idle deadlines (pure; `timer` sleeps
@@ -127,9 +116,6 @@ pub struct Relay {
     /// A cancel the backstop is delivering: nothing more is sent to the backend until it has
     /// arrived, so it can only stop the statement it was meant for.
     backstop_cancel: Option<tokio::task::JoinHandle<()>>,
-    /// Session-level budgets were set around the current request (`inject_timeouts`): the
-    /// statement that puts the client's settings back, sent after the request.
-    restore_after: Option<String>,
     /// Graceful shutdown: leave at the next point between transactions.
     draining: bool,
     /// `cancel::Entry::requested` when a 57014 was last seen.
@@ -155,37 +141,17 @@ pub struct Relay {
     memo: crate::classify::Memo,
     /// Client address, for caller matching by CIDR (none over the Unix socket).
     peer_ip: Option<std::net::IpAddr>,
-    /// Admission of the current unit (caller permit held while the backend is).
-    admission: Option<Admission>,
-    /// A pinned client's caller permit from its last unit, held between its units: the
-    /// backend it keeps counts against its caller's `max_concurrency` while it idles (given
-    /// up when its next unit is admitted, which takes a permit of its own).
-    pinned_hold: Option<crate::policy::limiter::CallerPermit>,
     /// The runtime snapshot of the current unit (loaded when its first statement is
     /// admitted): caller ids, limits, series and timeouts all come from it.
     rt: Arc<Runtime>,
-    /// Rule admissions of later statements in the unit (CONCURRENCY slots).
-    stmt_admissions: Vec<StatementAdmission>,
-    unit_caller: u16,
-    /// The caller of a statement without comment tags, resolved under `rt` and the current
-    /// settings (`application_name`); cleared when either changes.
-    session_caller: Option<u16>,
-    /// Caller of the statement admitted last (statistics attribution).
-    last_caller: u16,
-    /// The batch was admitted at its first Parse: (fingerprint, timeouts) for its Bind.
-    opened_by_parse: Option<(u64, Timeouts)>,
+    /// The backends held: attached, parked, a replica's.
+    lease: Lease,
+    /// The current unit as admission left it.
+    unit: Unit,
     /// Statements sent and the replies that complete them, errors, bytes (no I/O).
     tally: Tally,
-    /// The database has replicas (`databases[].replicas`), read at login.
-    replica_possible: bool,
-    /// The pool of those replicas, made at the first read routed there.
-    replica: Option<Arc<Pool>>,
-    /// The pool the current unit borrows from when it is not `pool` (a replica).
-    unit_pool: Option<Arc<Pool>>,
-    /// A ROUTE rule's word on the statement being admitted (`Some(true)`: replicas).
-    rule_route: Option<bool>,
     /// Client frames wait in `requests` while a replica runs the read before them (see
-    /// [`Relay::replica_held`]).
+    /// [`Lease::replica_held`]).
     deferred: bool,
 }
 
@@ -254,22 +220,16 @@ impl Relay {
             // Buffers grow on first use: an idle client costs little more than its socket.
             replies: replies::Replies::default(),
             cout: BytesMut::new(),
-            backend: None,
-            parked: None,
-            ticket: None,
-            released_before: false,
             out: Outbox::default(),
             statements,
             backend_fatal: false,
             pinned: false,
             capture_needed: false,
             reading_trusted,
-            hold_cursor: false,
             custom_gucs: Vec::new(),
             retry: None,
             deadlines: Deadlines::default(),
             backstop_cancel: None,
-            restore_after: None,
             draining: false,
             cancels_seen: 0,
             timer: None,
@@ -279,19 +239,13 @@ impl Relay {
             peer_ip: peer.ip(),
             classify_on,
             memo: Default::default(),
-            admission: None,
-            pinned_hold: None,
             rt,
-            stmt_admissions: Vec::new(),
-            unit_caller: 0,
-            session_caller: None,
-            last_caller: 0,
-            opened_by_parse: None,
             tally: Tally::new(bytes_in),
-            replica_possible,
-            replica: None,
-            unit_pool: None,
-            rule_route: None,
+            lease: Lease {
+                replica_possible,
+                ..Lease::default()
+            },
+            unit: Unit::default(),
             deferred: false,
         }
     }
@@ -328,7 +282,7 @@ impl Relay {
                     self.tally.sent(n as u64);
                     self.deadlines.server_spoke();
                     match self.on_backend_data(client).await {
-                        Ok(()) if !self.replica_held() => {
+                        Ok(()) if !self.lease.replica_held() => {
                             // The replica's read is done and its backend back: now the rest.
                             self.deferred = false;
                             self.on_client_data(client).await
@@ -404,7 +358,7 @@ impl Relay {
     fn arm_idle_timers(&mut self) {
         use crate::clients::ClientState;
         let waiting_for_client = !self.out.t.in_flight() && self.out.is_empty();
-        let in_txn = self.backend.is_some() && self.out.t.txn != b'I';
+        let in_txn = self.lease.attached() && self.out.t.txn != b'I';
         let idle = match (waiting_for_client, in_txn) {
             (false, _) => Idle::No,
             (true, true) => Idle::InTransaction,
@@ -416,7 +370,7 @@ impl Relay {
             Idle::Between => ClientState::Idle,
         });
         // The session's snapshot, refreshed at each unit's admission: no shared load here.
-        let (rt, caller) = (&self.rt, self.unit_caller);
+        let (rt, caller) = (&self.rt, self.unit.caller);
         self.deadlines.arm_idle(
             idle,
             Instant::now,
@@ -435,9 +389,9 @@ impl Relay {
         let limit = self
             .rt
             .limits
-            .idle_transaction_timeout(self.unit_caller)
+            .idle_transaction_timeout(self.unit.caller)
             .unwrap_or_default();
-        let caller = self.rt.callers.name(self.unit_caller);
+        let caller = self.rt.callers.name(self.unit.caller);
         tracing::info!(caller = %caller, limit_ms = limit.as_millis(), "idle-in-transaction timeout");
         End::Error(
             PgError::fatal(
@@ -482,7 +436,7 @@ impl Relay {
             return Poll::Ready(Event::Backend(r));
         }
         // Not while a replica runs a read: what follows it waits (`on_client_data`).
-        if !self.replica_held()
+        if !self.lease.replica_held()
             && let Poll::Ready(r) = self
                 .client_wait
                 .poll_read(cx, client, self.requests.buf_mut())
@@ -497,8 +451,8 @@ impl Relay {
         if let Poll::Ready(ev) = self.poll_timer(cx) {
             return Poll::Ready(ev);
         }
-        if self.parked.is_some()
-            && let Some(t) = &self.ticket
+        if self.lease.parked.is_some()
+            && let Some(t) = &self.lease.ticket
             && t.revoked(cx)
         {
             return Poll::Ready(Event::Revoked);
@@ -525,7 +479,7 @@ impl Relay {
     /// Reads from the borrowed backend; pending forever when there is none.
     #[inline(always)]
     fn poll_backend(&mut self, cx: &mut Context<'_>) -> Poll<std::io::Result<usize>> {
-        let Some(b) = &mut self.backend else {
+        let Some(b) = &mut self.lease.backend else {
             return Poll::Pending;
         };
         let buf = self.replies.buf_mut();
@@ -565,13 +519,13 @@ impl Relay {
         client: &mut S,
     ) -> Result<(), End> {
         loop {
-            if self.replica_held() {
+            if self.lease.replica_held() {
                 // What the client sent after a read routed to a replica waits for that read
                 // to finish: it may write, and the replica's backend must not see it.
                 self.deferred = self.requests.has_buffered();
                 break;
             }
-            let attached = self.backend.is_some();
+            let attached = self.lease.attached();
             let next = self
                 .requests
                 .next(attached, self.out.t.txn, &mut self.out, &mut self.cout);
@@ -585,7 +539,7 @@ impl Relay {
                     // Dispatched here, not through a frame of its own: one future less
                     // to build and poll per request.
                     let r = if !admitted(tag) {
-                        if self.backend.is_some() || self.unpark_now() {
+                        if self.lease.attached() || self.unpark_now() {
                             self.on_attached_frame(tag, frame)
                         } else {
                             self.on_detached_frame(tag, frame, client).await
@@ -715,7 +669,7 @@ impl Relay {
             AdmitStep::Done(t) => Ok(t),
             // A batch that starts with a Parse is admitted there, with that statement; a
             // Parse inside a unit is judged at its Bind.
-            AdmitStep::IfOpening if self.admission.is_some() || self.backend.is_some() => {
+            AdmitStep::IfOpening if self.unit.is_open() || self.lease.attached() => {
                 Ok(Timeouts::default())
             }
             AdmitStep::IfOpening | AdmitStep::Now => {
@@ -726,7 +680,7 @@ impl Relay {
                 if step.admit == AdmitStep::IfOpening
                     && let Ok(t) = admitted
                 {
-                    self.opened_by_parse = Some((class.fingerprint, t));
+                    self.unit.opened_by_parse = Some((class.fingerprint, t));
                 }
                 admitted
             }
@@ -736,12 +690,12 @@ impl Relay {
             Err(e) => return self.refuse_statement(tag, e).map(|()| None),
         };
         if step.route
-            && self.replica_possible
+            && self.lease.replica_possible
             && let Err(e) = self.choose_replica(class)
         {
             return self.refuse_statement(tag, e).map(|()| None);
         }
-        if self.backend.is_none()
+        if !self.lease.attached()
             && !self.unpark_now()
             && let Err(e) = self.ensure_backend(client).await
         {
@@ -859,13 +813,13 @@ impl Relay {
             return Ok(());
         }
         if class.own_transaction
-            && let Some((fp, t)) = self.opened_by_parse
+            && let Some((fp, t)) = self.unit.opened_by_parse
             && fp == class.fingerprint
         {
             // Its budget must be set before the batch starts (see `inject_timeouts`).
             self.inject_timeouts(t, &class, false);
         }
-        let srv = server(&mut self.backend, &self.pool);
+        let srv = server(&mut self.lease.backend, &self.pool);
         self.statements
             .parse(frame, body, p, class, srv, &mut self.out);
         Ok(())
@@ -888,7 +842,7 @@ impl Relay {
         // A name the proxy never saw prepared (an SQL `PREPARE`, a guessed name): Postgres
         // may still know it, so it is admitted and judged like anything unreadable.
         let class = known.unwrap_or_else(|| self.app.unknown_statement.clone());
-        let admit = match self.opened_by_parse.take() {
+        let admit = match self.unit.opened_by_parse.take() {
             // Already admitted at the Parse that opened this batch.
             Some((fp, t)) if fp == class.fingerprint => AdmitStep::Done(t),
             _ => AdmitStep::Now,
@@ -918,7 +872,7 @@ impl Relay {
             self.retry_start(hash, frame);
         }
         self.statements.ensure_unnamed(stmt, &mut self.out);
-        let srv = server(&mut self.backend, &self.pool);
+        let srv = server(&mut self.lease.backend, &self.pool);
         self.statements.bind(frame, bind, srv, &mut self.out);
         Ok(())
     }
@@ -937,7 +891,7 @@ impl Relay {
         {
             self.statements.ensure_unnamed(name, &mut self.out);
         }
-        let srv = server(&mut self.backend, &self.pool);
+        let srv = server(&mut self.lease.backend, &self.pool);
         self.statements
             .describe_or_close(tag, frame, target, srv, &mut self.out);
         Ok(())
@@ -968,7 +922,7 @@ impl Relay {
         if c.effects.is_empty() && !doubt {
             return Ok(());
         }
-        self.hold_cursor |= c
+        self.unit.hold_cursor |= c
             .effects
             .contains(&crate::classify::SessionEffect::DeclareWithHold);
         let cfg = &self.pool.cfg;
@@ -996,7 +950,7 @@ impl Relay {
             self.pool.catalog.invalidate();
             a.dirt.catalog = true;
         }
-        let conn = self.backend_conn();
+        let conn = self.lease.conn();
         if a.dirt.verify || a.dirt.all {
             conn.unproven_fingerprint = c.fingerprint;
         }
@@ -1015,7 +969,8 @@ impl Relay {
         if a.capture && !self.remember_custom_gucs(c, sql) {
             // A custom setting whose name we cannot tell would escape the read-back: what
             // the check finds (or a full reset) undoes it.
-            self.backend_conn()
+            self.lease
+                .conn()
                 .dirty
                 .merge(state::unproven_dirt(unproven));
         }
@@ -1085,7 +1040,7 @@ impl Relay {
     /// (an injected `DO … RAISE`), so the transaction aborts exactly as for any error there;
     /// otherwise it is answered by the proxy and nothing reaches the database.
     fn refuse_statement(&mut self, tag: u8, e: PgError) -> Result<(), End> {
-        if self.backend.is_none() || (self.out.t.txn == b'I' && !self.out.t.in_flight()) {
+        if !self.lease.attached() || (self.out.t.txn == b'I' && !self.out.t.in_flight()) {
             return self.refuse(tag, e);
         }
         let sql = raise_sql(&e);
@@ -1108,31 +1063,24 @@ impl Relay {
         Ok(())
     }
 
-    fn backend_conn(&mut self) -> &mut crate::pool::BackendConn {
-        // Callers run only after `ensure_backend` succeeded.
-        self.backend
-            .as_mut()
-            .expect("backend attached before statement handling")
-            .conn()
-    }
-
     /// The backend parked with this client back, if its pool still lets it have it: `true`
     /// when one is attached now. Nothing here waits, so the common checkout (the client's
     /// own parked backend) makes no future; [`Relay::ensure_backend`] does the rest.
     #[inline(always)]
     fn unpark_now(&mut self) -> bool {
-        if self.backend.is_some() {
+        if self.lease.attached() {
             return true;
         }
         // A read routed to a replica does not use it, but the pool may still want it.
-        if self.unit_pool.is_some() {
+        if self.lease.unit_pool.is_some() {
             return false;
         }
         let now = self.now();
-        let Some(b) = self.parked.as_mut() else {
+        let Some(b) = self.lease.parked.as_mut() else {
             return false;
         };
         let ticket = self
+            .lease
             .ticket
             .as_ref()
             .expect("a parked backend has its ticket");
@@ -1143,8 +1091,8 @@ impl Relay {
         // A checkout that waited for nothing, counted as one.
         self.rt
             .caller_metrics
-            .checkout_wait(self.unit_caller, Duration::ZERO);
-        self.backend = self.parked.take();
+            .checkout_wait(self.unit.caller, Duration::ZERO);
+        self.lease.backend = self.lease.parked.take();
         self.lend_buffers();
         true
     }
@@ -1157,18 +1105,22 @@ impl Relay {
         client: &mut S,
     ) -> Result<(), PgError> {
         // Callers skip the call (an async frame built and polled) when one is attached.
-        if self.backend.is_some() {
+        if self.lease.attached() {
             return Ok(());
         }
-        if self.parked.is_some() {
+        if self.lease.parked.is_some() {
             self.give_back_parked().await;
         }
-        let pool = self.unit_pool.clone().unwrap_or_else(|| self.pool.clone());
+        let pool = self
+            .lease
+            .unit_pool
+            .clone()
+            .unwrap_or_else(|| self.pool.clone());
         // Each waiter has its own deadline: the pool's checkout timeout, or the caller's queue
         // timeout when that is shorter.
         let wait = Duration::from_millis(pool.cfg.checkout_timeout_ms)
-            .min(self.rt.limits.queue_timeout(self.unit_caller));
-        let priority = self.rt.limits.priority(self.unit_caller) as usize;
+            .min(self.rt.limits.queue_timeout(self.unit.caller));
+        let priority = self.rt.limits.priority(self.unit.caller) as usize;
         // Taken at once: no clock reads for a wait that did not happen.
         let asked = self.now();
         let (res, waited) = match pool.try_checkout_now(priority, asked) {
@@ -1179,21 +1131,21 @@ impl Relay {
                 let res = self
                     .unless_client_leaves(checkout, client, why)
                     .await
-                    .inspect_err(|_| self.unit_pool = None)?;
+                    .inspect_err(|_| self.lease.unit_pool = None)?;
                 // A wait reads the clock afresh (`unless_client_leaves` cleared the tick).
                 (res, self.now().saturating_duration_since(asked))
             }
         };
         if res.is_err() {
             // Whatever comes next chooses its pool afresh.
-            self.unit_pool = None;
+            self.lease.unit_pool = None;
         }
         pool.stats
             .wait_us
             .fetch_add(micros(waited), Ordering::Relaxed);
         self.rt
             .caller_metrics
-            .checkout_wait(self.unit_caller, waited);
+            .checkout_wait(self.unit.caller, waited);
         let mut b = res.map_err(|e| {
             // A database that cannot be reached is a backend fault: it feeds the breaker.
             if matches!(e, crate::pool::CheckoutError::Connect(_)) {
@@ -1201,9 +1153,9 @@ impl Relay {
             }
             let policy = &self.app.policy;
             let hint = match e.arrival_retry() {
-                Some(place) => policy.place_hint_ms(&self.rt.limits, self.unit_caller, place),
+                Some(place) => policy.place_hint_ms(&self.rt.limits, self.unit.caller, place),
                 None => {
-                    policy.retry_hint_ms_in(&self.rt.limits, self.unit_caller, pool.expected_wait())
+                    policy.retry_hint_ms_in(&self.rt.limits, self.unit.caller, pool.expected_wait())
                 }
             };
             e.to_pg(&pool.name, hint)
@@ -1215,7 +1167,7 @@ impl Relay {
             b = self.apply_settings(b, wait).await?;
         }
         set_cancel_target(&self.cancel, Some(&mut b)).await;
-        self.backend = Some(b);
+        self.lease.backend = Some(b);
         self.lend_buffers();
         Ok(())
     }
@@ -1263,11 +1215,6 @@ impl Relay {
         self.out.return_buffer();
     }
 
-    /// A replica's backend is held for a routed read (until its ReadyForQuery releases it).
-    fn replica_held(&self) -> bool {
-        self.unit_pool.is_some() && self.backend.is_some()
-    }
-
     /// Before a simple-protocol statement borrows a backend: a read of a `route: replica`
     /// caller, outside an explicit transaction, with nothing else in the unit, goes to the
     /// database's replicas when one is reachable and within `max_replica_lag_ms`; otherwise
@@ -1276,9 +1223,9 @@ impl Relay {
     /// classifier cannot see into) stays on the primary.
     fn choose_replica(&mut self, class: &Classified) -> Result<(), PgError> {
         use crate::config::{ReadRoute, ReplicaFallback};
-        self.unit_pool = None;
-        let rule_route = self.rule_route.take();
-        let eligible = self.backend.is_none()
+        self.lease.unit_pool = None;
+        let rule_route = self.unit.rule_route.take();
+        let eligible = !self.lease.attached()
             && self.out.t.txn == b'I'
             && !self.out.t.in_flight()
             && self.out.is_empty()
@@ -1299,20 +1246,20 @@ impl Relay {
         // A ROUTE rule on the pattern wins over the caller's `route`.
         let wants = rule_route.unwrap_or_else(|| {
             cfg.callers
-                .get(usize::from(self.last_caller))
+                .get(usize::from(self.unit.last_caller))
                 .is_some_and(|c| c.route == ReadRoute::Replica)
         });
         let Some(entry) = cfg.database_entry(&self.login.database).filter(|_| wants) else {
             return Ok(());
         };
-        if self.replica.is_none() {
-            self.replica = self
+        if self.lease.replica.is_none() {
+            self.lease.replica = self
                 .app
                 .replica_pool_for(&self.login.database, &self.login.user);
         }
-        match &self.replica {
+        match &self.lease.replica {
             Some(r) if r.replica_usable(entry.max_replica_lag_ms) => {
-                self.unit_pool = Some(Arc::clone(r));
+                self.lease.unit_pool = Some(Arc::clone(r));
                 Ok(())
             }
             _ if entry.replica_fallback == ReplicaFallback::Refuse => Err(PgError::error(
@@ -1328,7 +1275,7 @@ impl Relay {
                 "retry_after_ms={}",
                 self.app
                     .policy
-                    .retry_hint_ms_in(&self.rt.limits, self.last_caller, None)
+                    .retry_hint_ms_in(&self.rt.limits, self.unit.last_caller, None)
             ))),
             _ => Ok(()),
         }
@@ -1451,7 +1398,7 @@ impl Relay {
         if self.backstop_cancel.is_some() {
             return Ok(false);
         }
-        let Some(b) = self.backend.as_mut() else {
+        let Some(b) = self.lease.backend.as_mut() else {
             return Ok(false);
         };
         match write_now(&mut b.conn().stream, self.out.pending()) {
@@ -1469,7 +1416,7 @@ impl Relay {
     #[inline(always)]
     fn on_seen(&mut self, seen: replies::Seen) -> bool {
         if let Some(hash) = seen.stale {
-            server(&mut self.backend, &self.pool).forget_stale(hash);
+            server(&mut self.lease.backend, &self.pool).forget_stale(hash);
         }
         if seen.replay {
             return true;
@@ -1477,7 +1424,7 @@ impl Relay {
         self.backend_fatal |= seen.fatal;
         if seen.not_prepared {
             let hashes = self.replies.take_not_prepared();
-            let conn = self.backend_conn();
+            let conn = self.lease.conn();
             for hash in hashes {
                 conn.prepared.remove(hash);
             }
@@ -1495,10 +1442,10 @@ impl Relay {
         }
         if seen.captured {
             let captured: params::Shared = self.replies.take_settings().into();
-            self.backend_conn().applied = Arc::clone(&captured);
+            self.lease.conn().applied = Arc::clone(&captured);
             self.reading_trusted = params::reading_trusted(&captured);
             self.login.settings = captured;
-            self.session_caller = None;
+            self.unit.session_caller = None;
         }
         if seen.ready {
             self.statements_done(seen.rows);
@@ -1516,7 +1463,7 @@ impl Relay {
             ),
         )
         .encode_notice(&mut self.cout);
-        self.backend_conn().dirty.unresettable = true;
+        self.lease.conn().dirty.unresettable = true;
     }
 
     async fn flush_client<S: AsyncWrite + Unpin>(&mut self, client: &mut S) -> Result<(), End> {
@@ -1536,7 +1483,7 @@ impl Relay {
             // Its cancel must not reach the backend after our next request does.
             let _ = h.await;
         }
-        let Some(b) = self.backend.as_mut() else {
+        let Some(b) = self.lease.backend.as_mut() else {
             self.out.clear();
             return Ok(());
         };
@@ -1564,7 +1511,7 @@ impl Relay {
             replies_done: self.replies.quiet(),
             nothing_unsent: self.out.is_empty(),
             skipping: self.requests.skipping(),
-            attached: self.backend.is_some(),
+            attached: self.lease.attached(),
             pooled: self.mode == PoolMode::Transaction && !self.pinned,
             capture_needed: self.capture_needed,
         };
@@ -1597,7 +1544,7 @@ impl Relay {
         }
         set_cancel_target(&self.cancel, None).await;
         self.statements.unnamed_left();
-        if let Some(b) = self.backend.take() {
+        if let Some(b) = self.lease.backend.take() {
             let now = self.now();
             if b.release_has_work(now) {
                 // A reset, a session check or a catalog read: the client has its answer, and
@@ -1609,7 +1556,7 @@ impl Relay {
             }
         }
         self.return_buffers();
-        self.unit_pool = None;
+        self.lease.unit_pool = None;
         self.leave_if_draining()
     }
 
@@ -1624,32 +1571,36 @@ impl Relay {
     /// Parked until its Terminate, each such backend would sit out the next logins, and they
     /// would spread over more Postgres processes.
     fn park_backend(&mut self) -> bool {
-        let first_release = !std::mem::replace(&mut self.released_before, true);
-        if first_release || self.unit_pool.is_some() || self.replica_possible || self.draining {
+        let first_release = !std::mem::replace(&mut self.lease.released_before, true);
+        if first_release
+            || self.lease.unit_pool.is_some()
+            || self.lease.replica_possible
+            || self.draining
+        {
             return false;
         }
         let now = self.now();
-        let Some(b) = self.backend.as_mut() else {
+        let Some(b) = self.lease.backend.as_mut() else {
             return false;
         };
         let (pool, conn) = b.parts();
         if !pool.may_park(conn, now) {
             return false;
         }
-        let ticket = self.ticket.get_or_insert_with(Default::default);
+        let ticket = self.lease.ticket.get_or_insert_with(Default::default);
         pool.park(ticket, conn, now);
-        self.parked = self.backend.take();
+        self.lease.parked = self.lease.backend.take();
         true
     }
 
     /// Returns the parked backend to its pool (revoked, no longer usable, or the client
     /// leaves).
     async fn give_back_parked(&mut self) {
-        let Some(b) = self.parked.take() else {
+        let Some(b) = self.lease.parked.take() else {
             return;
         };
         self.statements.unnamed_left();
-        if let Some(t) = &self.ticket {
+        if let Some(t) = &self.lease.ticket {
             b.pool().leave_parking(t);
         }
         set_cancel_target(&self.cancel, None).await;
@@ -1674,7 +1625,7 @@ impl Relay {
         if !self.out.t.in_flight() {
             return None;
         }
-        let b = self.backend.as_mut()?;
+        let b = self.lease.backend.as_mut()?;
         let pid = b.conn().pid;
         tracing::warn!(pool = %self.pool.name, pid, why, "cancelling the server query");
         Some(self.cancel.cancel_current(pid))
@@ -1711,7 +1662,7 @@ impl Relay {
     fn backend_unresponsive(&mut self) -> End {
         self.deadlines.server_spoke();
         let grace_ms = self.pool.cfg.cancel_grace_ms;
-        if let Some(mut b) = self.backend.take() {
+        if let Some(mut b) = self.lease.backend.take() {
             let pid = b.conn().pid;
             tracing::warn!(pool = %self.pool.name, pid, grace_ms, "the server answered nothing after the statement timeout and a cancel; closing its connection");
             b.discard();
@@ -1723,7 +1674,7 @@ impl Relay {
 
     /// The backend closed or failed under us.
     fn backend_gone(&mut self) -> End {
-        if let Some(b) = self.backend.take() {
+        if let Some(b) = self.lease.backend.take() {
             b.discard();
         }
         if self.out.t.in_flight() {
@@ -1750,7 +1701,7 @@ impl Relay {
                 .fetch_sub(1, Ordering::Relaxed);
         }
         self.give_back_parked().await;
-        let Some(mut b) = self.backend.take() else {
+        let Some(mut b) = self.lease.backend.take() else {
             return;
         };
         if matches!(end, End::BackendLost) {
@@ -1762,7 +1713,7 @@ impl Relay {
         // replies still owed. Assume the worst: DISCARD ALL before anyone else gets it.
         if self.capture_needed
             || self.out.t.capturing()
-            || self.restore_after.is_some()
+            || self.unit.restore_after.is_some()
             || !self.out.t.idle()
         {
             b.conn().dirty.all = true;

@@ -93,7 +93,7 @@ impl Relay {
             )
         };
         if class.tags.is_empty() {
-            *self.session_caller.get_or_insert_with(|| resolve(&[]))
+            *self.unit.session_caller.get_or_insert_with(|| resolve(&[]))
         } else {
             resolve(&class.tags)
         }
@@ -107,17 +107,17 @@ impl Relay {
     pub(super) fn admit_now(&mut self, class: &Arc<Classified>) -> Admit {
         let arrived = self.now();
         self.tally.arrived(arrived);
-        if self.admission.is_none() {
+        if !self.unit.is_open() {
             // A new unit: it runs under the configuration in force now, all of it (caller
             // matching, limits, series, timeouts) from one snapshot, whatever a reload does
             // meanwhile.
             if let Some(current) = self.app.newer_runtime(&self.rt) {
                 self.rt = current;
-                self.session_caller = None;
+                self.unit.session_caller = None;
             }
         }
         let caller = self.resolve_caller(class);
-        self.last_caller = caller;
+        self.unit.last_caller = caller;
         self.cancel.client.set_statement(caller, class.fingerprint);
         let req = AdmitRequest {
             caller,
@@ -125,9 +125,9 @@ impl Relay {
             now: arrived,
         };
         let policy = &self.app.policy;
-        let decided = if self.admission.is_none() {
+        let decided = if !self.unit.is_open() {
             // A pinned client's next unit competes for a permit like any other.
-            self.pinned_hold = None;
+            self.unit.pinned_hold = None;
             policy
                 .admit_now(&self.rt.limits, &req)
                 .map(|r| r.map(Decided::Unit))
@@ -152,7 +152,7 @@ impl Relay {
     ) -> Result<Timeouts, PgError> {
         let rt = Arc::clone(&self.rt);
         let app = self.app.clone();
-        let decided = if self.admission.is_none() {
+        let decided = if !self.unit.is_open() {
             let why = "client disconnected while queued";
             let admit = std::pin::pin!(app.policy.admit_in(&rt.limits, &req));
             self.unless_client_leaves(admit, client, why)
@@ -179,23 +179,23 @@ impl Relay {
             Ok(Decided::Unit(mut a)) => {
                 let w = std::mem::take(&mut a.warnings);
                 let o = (a.statement_timeout_override, a.lock_timeout_override);
-                self.rule_route = a.route_replica;
+                self.unit.rule_route = a.route_replica;
                 self.rt.caller_metrics.queue_wait(caller, a.queue_wait);
                 if let Some(action) = a.rule_action {
                     self.app.metrics.rule_hit(action, false);
                 }
-                self.unit_caller = caller;
-                self.admission = Some(a);
+                self.unit.caller = caller;
+                self.unit.admission = Some(a);
                 (o.0, o.1, w)
             }
             Ok(Decided::Statement(mut a)) => {
                 let w = std::mem::take(&mut a.warnings);
                 let o = (a.statement_timeout_override, a.lock_timeout_override);
-                self.rule_route = a.route_replica;
+                self.unit.rule_route = a.route_replica;
                 if let Some(action) = a.rule_action {
                     self.app.metrics.rule_hit(action, false);
                 }
-                self.stmt_admissions.push(a);
+                self.unit.stmt_admissions.push(a);
                 (o.0, o.1, w)
             }
             Err(r) => return Err(self.refused(class, caller, &r)),
@@ -253,7 +253,8 @@ impl Relay {
     #[inline(always)]
     pub(super) fn track_statement(&mut self, class: Arc<Classified>, ready_seq: u64) {
         let start = self.now();
-        self.tally.track(class, self.last_caller, start, ready_seq);
+        self.tally
+            .track(class, self.unit.last_caller, start, ready_seq);
     }
 
     /// A client ReadyForQuery arrived: records the statements it completes (caller metrics,
@@ -277,7 +278,7 @@ impl Relay {
                 f.outcome,
             );
         });
-        let stats = counted(&self.backend, &self.pool);
+        let stats = counted(&self.lease.backend, &self.pool);
         if let Some(took) = ready.transaction {
             stats.transactions.fetch_add(1, Ordering::Relaxed);
             stats
@@ -324,7 +325,7 @@ impl Relay {
 
     /// Adds the bytes the session relayed since the last call to its pool's counters.
     pub(super) fn flush_counters(&mut self) {
-        let stats = counted(&self.backend, &self.pool);
+        let stats = counted(&self.lease.backend, &self.pool);
         let (bytes_in, bytes_out) = self.tally.take_bytes();
         if bytes_in > 0 {
             stats.bytes_received.fetch_add(bytes_in, Ordering::Relaxed);
@@ -348,16 +349,8 @@ impl Relay {
     /// The unit is over (backend idle): give back the caller's permit and rule slots.
     pub(super) fn end_unit(&mut self) {
         self.deadlines.unit_over();
-        self.opened_by_parse = None;
-        if self.pinned
-            && let Some(a) = self.admission.take()
-        {
-            // The backend stays with the client: so does the caller's permit for it.
-            self.pinned_hold = Some(a.into_caller_permit());
-        }
-        self.admission = None;
-        self.stmt_admissions.clear();
-        self.hold_cursor = false;
+        // A pinned client's backend stays with it: so does the caller's permit for it.
+        self.unit.end(self.pinned);
     }
 
     /// Injects `timeouts` for the next statement so they apply inside its transaction.
@@ -374,7 +367,7 @@ impl Relay {
         class: &Classified,
         simple: bool,
     ) -> Option<String> {
-        if class.kind == StmtKind::Transaction && self.hold_cursor {
+        if class.kind == StmtKind::Transaction && self.unit.hold_cursor {
             // A COMMIT after a DECLARE ... WITH HOLD runs the cursor's query to materialize
             // it: user-visible work, so the proxy's deadline holds (nothing is injected: a
             // budget set now would not bind the COMMIT's own work).
@@ -405,11 +398,11 @@ impl Relay {
             // share their transaction. The budget is set for the session in a request of its
             // own before theirs and put back after it (`restore_timeouts`). That needs a gap
             // between requests: in the middle of an extended batch only the backstop holds.
-            if self.out.t.sync_pending || self.restore_after.is_some() {
+            if self.out.t.sync_pending || self.unit.restore_after.is_some() {
                 return None;
             }
             self.out.query(Mode::Swallow, &session_timeout_sql(t));
-            self.restore_after = Some(restore_timeout_sql(t));
+            self.unit.restore_after = Some(restore_timeout_sql(t));
             return None;
         }
         let sql = timeout_sql(t);
@@ -424,7 +417,7 @@ impl Relay {
         let name = crate::pool::prepared::server_name(hash);
         const PORTAL: &[u8] = b"_pgsl_timeouts";
         const NO_TYPES: &[u8] = b"\0\0";
-        super::server(&mut self.backend, &self.pool).ensure(
+        super::server(&mut self.lease.backend, &self.pool).ensure(
             &mut self.out,
             hash,
             sql.as_bytes(),
@@ -450,7 +443,7 @@ impl Relay {
     /// After the request that `inject_timeouts` set session-level budgets for: put the
     /// client's settings back, in a request of its own.
     pub(super) fn restore_timeouts(&mut self) {
-        if let Some(sql) = self.restore_after.take() {
+        if let Some(sql) = self.unit.restore_after.take() {
             self.out.query(Mode::Swallow, &sql);
         }
     }

@@ -146,7 +146,7 @@ impl Relay {
         let Some(r) = self.retry.take() else { return };
         tracing::debug!(statement = %format_args!("{:016x}", r.hash), "re-preparing after a result type change");
         // The stale plan's reply already forgot the statement; make sure, then re-prepare below.
-        let mut srv = super::server(&mut self.backend, &self.pool);
+        let mut srv = super::server(&mut self.lease.backend, &self.pool);
         srv.forget_stale(r.hash);
         for f in r.frames() {
             let tag = f[0];

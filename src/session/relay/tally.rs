@@ -271,13 +271,16 @@ mod tests {
         Duration::from_millis(n)
     }
 
-    /// Runs `ready` and collects (caller, total, elapsed, outcome) of each statement.
+    /// (caller, total, elapsed, outcome, backend_ok) of one finished statement.
+    type Seen = (u16, Duration, Duration, Outcome, bool);
+
+    /// Runs `ready` and collects what it says of each statement.
     fn ready(
         t: &mut Tally,
         now: Instant,
         rows: u64,
         idle: bool,
-    ) -> (Ready, Vec<(u16, Duration, Duration, Outcome, bool)>) {
+    ) -> (Ready, Vec<Seen>) {
         let mut seen = Vec::new();
         let r = t.ready(now, rows, idle, |f| {
             seen.push((f.caller, f.total, f.elapsed, f.outcome, f.backend_ok))
