@@ -18,6 +18,7 @@
 
 pub mod auth_query;
 mod handshake;
+mod machine;
 mod relay;
 mod spare;
 mod state;
@@ -25,7 +26,7 @@ mod tracker;
 
 /// The relay core's isolation oracle, for the `relay_oracle` fuzz target.
 #[cfg(fuzzing)]
-pub use relay::oracle as relay_oracle;
+pub use machine::oracle as relay_oracle;
 
 use std::io;
 use std::net::IpAddr;

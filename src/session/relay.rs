@@ -1,17 +1,19 @@
-//! The per-client forwarding loop after login: the driver around two I/O-free cores.
+//! The per-client forwarding loop after login: the driver around [`SessionCore`], the
+//! session's state without sockets (`super::machine`).
 //!
-//! Client → backend: [`requests`] frames the client's bytes (size limit, COPY streaming,
-//! skip to Sync after a refusal) and hands whole requests here, where Query/Parse/Bind/
-//! Describe/Close bodies are read to rename named statements to shared proxy names
-//! (`_pgsl_<hash>`, prepared lazily on whichever backend runs them), admitted (`admission`)
-//! and written through the [`Outbox`] with the reply each is owed.
-//! Backend → client: [`replies`] frames the backend's bytes, streams DataRow and CopyData
-//! without buffering them whole, and with the tracker decides what is forwarded, swallowed or
-//! answered by us; what a reply means (a request ended, an error, a statement gone stale, a
-//! replay due — `retry`) comes back here ([`Relay::on_seen`]). [`statements`] renames
-//! prepared statements, [`release`] decides when the backend may go back to the pool, and
-//! `oracle` checks the cores against a simulated Postgres. Writes are batched: one write per
-//! read on each side.
+//! The driver owns what waits or touches the world: the client socket and the borrowed
+//! backend's (`Lease`), the one timer behind the core's deadlines, admission by the policy
+//! (`admission`, with the unit it opens: `Unit`), checkouts and parking, and the statistics
+//! sinks. Client → backend: the core's `requests` frames the client's bytes and hands whole
+//! requests here; every statement (Query, Parse, Bind, FunctionCall) goes through one
+//! pipeline ([`Relay::statement_pipeline`]: admit, route, attach a backend, apply its session
+//! effects), and is written through the core's outbox with the reply it is owed, its named
+//! statements renamed to shared proxy names (`_pgsl_<hash>`, prepared lazily on whichever
+//! backend runs them). Backend → client: the core's `replies` frames the backend's bytes,
+//! streams DataRow and CopyData without buffering them whole, and decides what is forwarded,
+//! swallowed or answered by us; what a reply means (a request ended, an error, a statement
+//! gone stale, a replay due) comes back here ([`Relay::on_seen`]). Writes are batched: one
+//! write per read on each side.
 //!
 //! Per-transaction cost is the point of this file (see docs/BENCHMARKS.md): the event loop
 //! polls the two sockets directly, in turns, rather than through a `select!` of futures
@@ -58,29 +60,21 @@ use crate::rehome::{Rehome, Waiting};
 use crate::runtime::Runtime;
 
 use super::state;
-use super::tracker::{Expect, Kind, Mode, Outbox};
+use super::tracker::{Expect, Kind, Mode};
 use super::{End, Login, set_cancel_target, spare};
 use crate::protocol::params;
 use admission::Admit;
 
 mod admission;
-mod deadlines;
 mod lease;
-#[cfg(any(test, fuzzing))]
-pub mod oracle;
-mod release;
-mod replies;
-mod requests;
-mod retry;
-mod statements;
-mod tally;
 mod unit;
 
+use super::machine::deadlines::{Deadline, Idle};
+use super::machine::statements::{Server, Statements};
+use super::machine::tally::micros;
+use super::machine::{CoreLimits, SessionCore, release, replies, requests};
 use admission::Timeouts;
-use deadlines::{Deadline, Deadlines, Idle};
 use lease::Lease;
-use statements::{Server, Statements};
-use tally::{Tally, micros};
 use unit::Unit;
 
 pub struct Relay {
@@ -88,36 +82,12 @@ pub struct Relay {
     pool: Arc<Pool>,
     login: Login,
     cancel: Arc<cancel::Entry>,
-    mode: PoolMode,
-    /// Client → backend: framing, size limit, COPY streaming, skip-to-Sync (no I/O).
-    requests: requests::Requests,
-    /// Backend → client: framing, streaming and what each reply means (no I/O).
-    replies: replies::Replies,
-    /// Pending writes to the client / the backend.
-    cout: BytesMut,
-    /// Bytes for the backend and the replies they are owed, written together.
-    out: Outbox,
-    /// The client's prepared statements and their proxy names (no I/O).
-    statements: Statements,
-    /// The backend sent a FATAL error; it is about to close.
-    backend_fatal: bool,
-    /// Session state we cannot track keeps this client on its backend until it leaves.
-    pinned: bool,
-    /// Re-read the backend's session settings once the current transaction ends.
-    capture_needed: bool,
-    /// The client's settings leave texts read as Postgres reads them
-    /// ([`params::reading_trusted`]); when not, no text of its is proven harmless.
-    reading_trusted: bool,
-    /// A batch kept for one replay after 0A000 "cached plan must not change result type".
-    retry: Option<retry::Retry>,
-    /// The backstop, unanswered-cancel, shutdown and idle deadlines (pure; `timer` sleeps
-    /// until their earliest).
-    deadlines: Deadlines,
+    /// The session's state without sockets: the cores, the deadlines, the tally and what
+    /// the proxy knows of the client's server session.
+    core: SessionCore,
     /// A cancel the backstop is delivering: nothing more is sent to the backend until it has
     /// arrived, so it can only stop the statement it was meant for.
     backstop_cancel: Option<tokio::task::JoinHandle<()>>,
-    /// Graceful shutdown: leave at the next point between transactions.
-    draining: bool,
     /// `cancel::Entry::requested` when a 57014 was last seen.
     cancels_seen: u64,
     /// The one timer behind `deadlines` (the earliest of them), kept across loop turns and
@@ -132,13 +102,6 @@ pub struct Relay {
     /// The clock read once per wake-up ([`Relay::now`]); cleared when an event arrives and
     /// after any wait.
     tick: Option<Instant>,
-    /// Custom (dotted) settings this client set: Postgres lists no placeholder setting in
-    /// `pg_settings`, so the read-back asks for these by name.
-    custom_gucs: Vec<String>,
-    /// `classify.enabled` when the session started.
-    classify_on: bool,
-    /// The last statement's classification, for the next text of the same shape.
-    memo: crate::classify::Memo,
     /// Client address, for caller matching by CIDR (none over the Unix socket).
     peer_ip: Option<std::net::IpAddr>,
     /// The runtime snapshot of the current unit (loaded when its first statement is
@@ -148,11 +111,6 @@ pub struct Relay {
     lease: Lease,
     /// The current unit as admission left it.
     unit: Unit,
-    /// Statements sent and the replies that complete them, errors, bytes (no I/O).
-    tally: Tally,
-    /// Client frames wait in `requests` while a replica runs the read before them (see
-    /// [`Lease::replica_held`]).
-    deferred: bool,
 }
 
 enum Event {
@@ -203,7 +161,6 @@ impl Relay {
         );
         drop(cfg);
         let reading_trusted = params::reading_trusted(&login.settings);
-        let bytes_in = cbuf.len() as u64;
         let statements = Statements::new(
             mode == PoolMode::Transaction,
             app.statement_seed,
@@ -215,38 +172,27 @@ impl Relay {
             pool,
             login,
             cancel,
-            mode,
-            requests: requests::Requests::new(cbuf, max_message),
-            // Buffers grow on first use: an idle client costs little more than its socket.
-            replies: replies::Replies::default(),
-            cout: BytesMut::new(),
-            out: Outbox::default(),
-            statements,
-            backend_fatal: false,
-            pinned: false,
-            capture_needed: false,
-            reading_trusted,
-            custom_gucs: Vec::new(),
-            retry: None,
-            deadlines: Deadlines::default(),
+            core: SessionCore::new(
+                mode,
+                cbuf,
+                CoreLimits { max_message },
+                statements,
+                reading_trusted,
+                classify_on,
+            ),
             backstop_cancel: None,
-            draining: false,
             cancels_seen: 0,
             timer: None,
             backend_first: false,
             client_wait: Waiting::default(),
             tick: None,
             peer_ip: peer.ip(),
-            classify_on,
-            memo: Default::default(),
             rt,
-            tally: Tally::new(bytes_in),
             lease: Lease {
                 replica_possible,
                 ..Lease::default()
             },
             unit: Unit::default(),
-            deferred: false,
         }
     }
 
@@ -273,27 +219,27 @@ impl Relay {
             let r = match ev {
                 Event::Client(Ok(0)) | Event::Client(Err(_)) => return End::ClientClosed,
                 Event::Client(Ok(n)) => {
-                    self.tally.received(n as u64);
-                    self.deadlines.client_spoke();
+                    self.core.tally.received(n as u64);
+                    self.core.deadlines.client_spoke();
                     self.on_client_data(client).await
                 }
                 Event::Backend(Ok(0)) | Event::Backend(Err(_)) => return self.backend_gone(),
-                Event::Backend(Ok(n)) if self.deferred => {
-                    self.tally.sent(n as u64);
-                    self.deadlines.server_spoke();
+                Event::Backend(Ok(n)) if self.core.deferred => {
+                    self.core.tally.sent(n as u64);
+                    self.core.deadlines.server_spoke();
                     match self.on_backend_data(client).await {
                         Ok(()) if !self.lease.replica_held() => {
                             // The replica's read is done and its backend back: now the rest.
-                            self.deferred = false;
+                            self.core.deferred = false;
                             self.on_client_data(client).await
                         }
                         r => r,
                     }
                 }
                 Event::Backend(Ok(n)) => {
-                    self.tally.sent(n as u64);
+                    self.core.tally.sent(n as u64);
                     // The server is alive: whatever the cancel does, it will be answered.
-                    self.deadlines.server_spoke();
+                    self.core.deadlines.server_spoke();
                     // Not through `on_backend_data`: no future unless something waits.
                     match self.on_backend_now(client) {
                         Ok(None) => Ok(()),
@@ -311,16 +257,18 @@ impl Relay {
                 }
                 Event::Deadline(Deadline::Unanswered) => return self.backend_unresponsive(),
                 Event::Shutdown => {
-                    self.draining = true;
+                    self.core.draining = true;
                     // Between transactions: give a request already on its way a moment. A
                     // client that just logged in (its first query already on the wire) is
                     // served rather than told 57P01, which is what makes a rolling restart
                     // lose no new connection.
-                    self.deadlines.drain_at(Instant::now() + DRAIN_IDLE_GRACE);
+                    self.core
+                        .deadlines
+                        .drain_at(Instant::now() + DRAIN_IDLE_GRACE);
                     Ok(())
                 }
                 Event::Deadline(Deadline::IdleGrace) => {
-                    self.deadlines.clear(Deadline::IdleGrace);
+                    self.core.deadlines.clear(Deadline::IdleGrace);
                     self.maybe_release().await
                 }
                 Event::Deadline(Deadline::IdleTransaction) => {
@@ -357,13 +305,7 @@ impl Relay {
     #[inline(always)]
     fn arm_idle_timers(&mut self) {
         use crate::clients::ClientState;
-        let waiting_for_client = !self.out.t.in_flight() && self.out.is_empty();
-        let in_txn = self.lease.attached() && self.out.t.txn != b'I';
-        let idle = match (waiting_for_client, in_txn) {
-            (false, _) => Idle::No,
-            (true, true) => Idle::InTransaction,
-            (true, false) => Idle::Between,
-        };
+        let idle = self.core.idle(self.lease.attached());
         self.cancel.client.set_state(match idle {
             Idle::No => ClientState::Active,
             Idle::InTransaction => ClientState::IdleInTransaction,
@@ -371,7 +313,7 @@ impl Relay {
         });
         // The session's snapshot, refreshed at each unit's admission: no shared load here.
         let (rt, caller) = (&self.rt, self.unit.caller);
-        self.deadlines.arm_idle(
+        self.core.deadlines.arm_idle(
             idle,
             Instant::now,
             || match rt.config.limits.client_idle_timeout_ms {
@@ -437,9 +379,9 @@ impl Relay {
         }
         // Not while a replica runs a read: what follows it waits (`on_client_data`).
         if !self.lease.replica_held()
-            && let Poll::Ready(r) = self
-                .client_wait
-                .poll_read(cx, client, self.requests.buf_mut())
+            && let Poll::Ready(r) =
+                self.client_wait
+                    .poll_read(cx, client, self.core.requests.buf_mut())
         {
             return Poll::Ready(Event::Client(r));
         }
@@ -462,7 +404,7 @@ impl Relay {
             return Poll::Ready(Event::Terminate);
         }
         match self.app.life.phase() {
-            Phase::Draining | Phase::Forcing if !self.draining => Poll::Ready(Event::Shutdown),
+            Phase::Draining | Phase::Forcing if !self.core.draining => Poll::Ready(Event::Shutdown),
             Phase::Forcing => Poll::Ready(Event::Force),
             _ => Poll::Pending,
         }
@@ -482,7 +424,7 @@ impl Relay {
         let Some(b) = &mut self.lease.backend else {
             return Poll::Pending;
         };
-        let buf = self.replies.buf_mut();
+        let buf = self.core.replies.buf_mut();
         if buf.capacity() - buf.len() < 4096 {
             buf.reserve(16 * 1024);
         }
@@ -493,7 +435,7 @@ impl Relay {
     /// deadline it served).
     #[inline(always)]
     fn poll_timer(&mut self, cx: &mut Context<'_>) -> Poll<Event> {
-        let Some(at) = self.deadlines.next() else {
+        let Some(at) = self.core.deadlines.next() else {
             self.timer = None;
             return Poll::Pending;
         };
@@ -509,7 +451,7 @@ impl Relay {
         if timer.as_mut().poll(cx).is_pending() {
             return Poll::Pending;
         }
-        Poll::Ready(Event::Deadline(self.deadlines.due(at)))
+        Poll::Ready(Event::Deadline(self.core.deadlines.due(at)))
     }
 
     // ---------------------------------------------------------------- client → backend
@@ -522,19 +464,22 @@ impl Relay {
             if self.lease.replica_held() {
                 // What the client sent after a read routed to a replica waits for that read
                 // to finish: it may write, and the replica's backend must not see it.
-                self.deferred = self.requests.has_buffered();
+                self.core.deferred = self.core.requests.has_buffered();
                 break;
             }
             let attached = self.lease.attached();
-            let next = self
-                .requests
-                .next(attached, self.out.t.txn, &mut self.out, &mut self.cout);
+            let next = self.core.requests.next(
+                attached,
+                self.core.out.t.txn,
+                &mut self.core.out,
+                &mut self.core.cout,
+            );
             match next {
                 Ok(requests::Request::Read) => break,
                 Ok(requests::Request::Frame { tag, len }) => {
                     // Handled where it arrived: the buffer is held here meanwhile, and given
                     // back without the frame on every path (an error ends the session anyway).
-                    let held = self.requests.hold();
+                    let held = self.core.requests.hold();
                     let frame = &held[..len];
                     // Dispatched here, not through a frame of its own: one future less
                     // to build and poll per request.
@@ -546,7 +491,7 @@ impl Relay {
                         }
                     } else {
                         let body = &frame[framing::HEADER_LEN..];
-                        self.retry_record(tag, frame);
+                        self.core.retry_record(tag, frame);
                         match tag {
                             b'Q' => self.on_query(frame, body, client).await,
                             b'P' => self.on_parse(frame, body, client).await,
@@ -554,7 +499,7 @@ impl Relay {
                             _ => self.on_function_call(frame, client).await,
                         }
                     };
-                    self.requests.give_back(held, len);
+                    self.core.requests.give_back(held, len);
                     r?;
                 }
                 Ok(requests::Request::TooLarge { tag, total }) => {
@@ -565,7 +510,7 @@ impl Relay {
                              limits.max_message_bytes ({} bytes)",
                             char::from(tag),
                             total,
-                            self.requests.max_message()
+                            self.core.requests.max_message()
                         ),
                     )
                     .with_hint("send large data with COPY, or raise limits.max_message_bytes");
@@ -580,11 +525,11 @@ impl Relay {
         }
         // The empty cases checked here, not in a future made for nothing; a write the
         // socket takes at once needs none either.
-        if !self.out.is_empty() && !self.write_backend_now()? {
+        if !self.core.out.is_empty() && !self.write_backend_now()? {
             self.flush_backend().await?;
         }
-        self.out.t.answer_synthetic(&mut self.cout);
-        if !self.cout.is_empty() {
+        self.core.out.t.answer_synthetic(&mut self.core.cout);
+        if !self.core.cout.is_empty() {
             self.flush_client(client).await?;
         }
         match self.settle()? {
@@ -602,8 +547,8 @@ impl Relay {
         client: &mut S,
     ) -> Result<(), End> {
         if let Err(e) = self.ensure_backend(client).await {
-            self.retry_record(tag, frame);
-            return self.refuse(tag, e);
+            self.core.retry_record(tag, frame);
+            return self.core.refuse(tag, e);
         }
         self.on_attached_frame(tag, frame)
     }
@@ -612,14 +557,16 @@ impl Relay {
     /// wait for, so no async frame (the event loop calls it directly when it can).
     #[inline(always)]
     fn on_attached_frame(&mut self, tag: u8, frame: &[u8]) -> Result<(), End> {
-        self.retry_record(tag, frame);
+        self.core.retry_record(tag, frame);
         match tag {
             b'S' => {
-                self.send_ready(Expect::new(Kind::Sync, Mode::Forward), frame);
+                self.core
+                    .send_ready(Expect::new(Kind::Sync, Mode::Forward), frame);
                 self.restore_timeouts();
             }
             b'E' => {
-                self.out
+                self.core
+                    .out
                     .send(Expect::new(Kind::Execute, Mode::Forward), frame);
             }
             b'D' | b'C' => {
@@ -633,23 +580,6 @@ impl Relay {
             }
         }
         Ok(())
-    }
-
-    fn malformed(what: &str) -> End {
-        End::Error(PgError::protocol_violation(format!(
-            "malformed {what} message"
-        )))
-    }
-
-    /// A ReadyForQuery-bearing request (Query, Sync, FunctionCall) the client sees answered.
-    fn send_ready(&mut self, e: Expect, frame: &[u8]) {
-        self.send_ready_with(e, |buf| buf.extend_from_slice(frame));
-    }
-
-    /// [`Relay::send_ready`] for a request written in place.
-    fn send_ready_with(&mut self, e: Expect, write: impl FnOnce(&mut BytesMut)) {
-        self.tally.ready_requested();
-        self.out.send_with(e, write);
     }
 
     /// The one pipeline every statement (Query, Parse, Bind, FunctionCall) goes through
@@ -699,7 +629,7 @@ impl Relay {
             && !self.unpark_now()
             && let Err(e) = self.ensure_backend(client).await
         {
-            return self.refuse(tag, e).map(|()| None);
+            return self.core.refuse(tag, e).map(|()| None);
         }
         if let Effects::Apply(text) = step.effects
             && let Err(e) = self.apply_effects(class, text)
@@ -715,12 +645,12 @@ impl Relay {
         body: &[u8],
         client: &mut S,
     ) -> Result<(), End> {
-        let sql = messages::query_body(body).ok_or_else(|| Self::malformed("Query"))?;
+        let sql = messages::query_body(body).ok_or_else(|| SessionCore::malformed("Query"))?;
         let class = self.classify(sql);
         // Only SQL EXECUTE (an Unknown effect) and DEALLOCATE can name a statement, so
         // ordinary queries never pay for reading the name.
-        if self.mode == PoolMode::Transaction
-            && !self.statements.is_empty()
+        if self.core.mode == PoolMode::Transaction
+            && !self.core.statements.is_empty()
             && class.effects.iter().any(|e| {
                 matches!(
                     e,
@@ -729,7 +659,7 @@ impl Relay {
                 )
             })
             && let Some((verb, name)) = state::sql_prepared_target(sql)
-            && self.statements.knows(name.as_slice())
+            && self.core.statements.knows(name.as_slice())
         {
             // On the server it has another name (or none yet): never run something else.
             let e = state::protocol_name_in_sql(verb, &name);
@@ -751,14 +681,14 @@ impl Relay {
                 // One injected statement: its RowDescription, DataRow and CommandComplete.
                 e.skip_complete = 1;
                 e.pos_shift = p.chars().count() as u32;
-                self.send_ready_with(e, |buf| {
+                self.core.send_ready_with(e, |buf| {
                     messages::raw(buf, b'Q', &[p.as_bytes(), sql, b"\0"])
                 });
             }
-            None => self.send_ready(e, frame),
+            None => self.core.send_ready(e, frame),
         }
         self.restore_timeouts();
-        self.track_statement(class, self.tally.last_ready());
+        self.track_statement(class, self.core.tally.last_ready());
         Ok(())
     }
 
@@ -781,9 +711,10 @@ impl Relay {
             return Ok(());
         };
         self.inject_timeouts(timeouts, &class, true);
-        self.send_ready(Expect::new(Kind::FunctionCall, Mode::Forward), frame);
+        self.core
+            .send_ready(Expect::new(Kind::FunctionCall, Mode::Forward), frame);
         self.restore_timeouts();
-        self.track_statement(class, self.tally.last_ready());
+        self.track_statement(class, self.core.tally.last_ready());
         Ok(())
     }
 
@@ -793,8 +724,8 @@ impl Relay {
         body: &[u8],
         client: &mut S,
     ) -> Result<(), End> {
-        let p = messages::Parse::read(body).ok_or_else(|| Self::malformed("Parse"))?;
-        if let Some(e) = self.statements.over_limit(p.name, body.len()) {
+        let p = messages::Parse::read(body).ok_or_else(|| SessionCore::malformed("Parse"))?;
+        if let Some(e) = self.core.statements.over_limit(p.name, body.len()) {
             return self.refuse_statement(b'P', e);
         }
         let class = self.classify(p.query);
@@ -820,8 +751,9 @@ impl Relay {
             self.inject_timeouts(t, &class, false);
         }
         let srv = server(&mut self.lease.backend, &self.pool);
-        self.statements
-            .parse(frame, body, p, class, srv, &mut self.out);
+        self.core
+            .statements
+            .parse(frame, body, p, class, srv, &mut self.core.out);
         Ok(())
     }
 
@@ -831,14 +763,14 @@ impl Relay {
         body: &[u8],
         client: &mut S,
     ) -> Result<(), End> {
-        let bind = messages::Bind::read(body).ok_or_else(|| Self::malformed("Bind"))?;
+        let bind = messages::Bind::read(body).ok_or_else(|| SessionCore::malformed("Bind"))?;
         let stmt = bind.statement;
-        if stmt.is_empty() && !self.own_unnamed() {
+        if stmt.is_empty() && !self.core.own_unnamed() {
             // Never parsed by this client: whatever unnamed statement the backend holds is
             // another client's.
             return self.refuse_statement(b'B', no_unnamed_statement());
         }
-        let (known, hash) = self.statements.class_and_hash(stmt);
+        let (known, hash) = self.core.statements.class_and_hash(stmt);
         // A name the proxy never saw prepared (an SQL `PREPARE`, a guessed name): Postgres
         // may still know it, so it is admitted and judged like anything unreadable.
         let class = known.unwrap_or_else(|| self.app.unknown_statement.clone());
@@ -853,7 +785,7 @@ impl Relay {
                 .effects
                 .contains(&crate::classify::SessionEffect::SetConfigSession)
         {
-            self.statements.text_of(stmt)
+            self.core.statements.text_of(stmt)
         } else {
             None
         };
@@ -867,57 +799,57 @@ impl Relay {
             return Ok(());
         };
         self.inject_timeouts(timeouts, &class, false);
-        self.track_statement(class, self.tally.last_ready() + 1);
+        self.track_statement(class, self.core.tally.last_ready() + 1);
         if let Some(hash) = hash {
-            self.retry_start(hash, frame);
+            self.core.retry_start(hash, frame);
         }
-        self.statements.ensure_unnamed(stmt, &mut self.out);
+        self.core
+            .statements
+            .ensure_unnamed(stmt, &mut self.core.out);
         let srv = server(&mut self.lease.backend, &self.pool);
-        self.statements.bind(frame, bind, srv, &mut self.out);
+        self.core
+            .statements
+            .bind(frame, bind, srv, &mut self.core.out);
         Ok(())
     }
 
     fn on_target(&mut self, tag: u8, frame: &[u8], body: &[u8]) -> Result<(), End> {
         let target =
-            messages::Target::read(body).ok_or_else(|| Self::malformed("Describe/Close"))?;
+            messages::Target::read(body).ok_or_else(|| SessionCore::malformed("Describe/Close"))?;
         if tag == b'D'
             && matches!(target, messages::Target::Statement(name) if name.is_empty())
-            && !self.own_unnamed()
+            && !self.core.own_unnamed()
         {
             return self.refuse_statement(b'D', no_unnamed_statement());
         }
         if tag == b'D'
             && let messages::Target::Statement(name) = target
         {
-            self.statements.ensure_unnamed(name, &mut self.out);
+            self.core
+                .statements
+                .ensure_unnamed(name, &mut self.core.out);
         }
         let srv = server(&mut self.lease.backend, &self.pool);
-        self.statements
-            .describe_or_close(tag, frame, target, srv, &mut self.out);
+        self.core
+            .statements
+            .describe_or_close(tag, frame, target, srv, &mut self.core.out);
         Ok(())
-    }
-
-    /// Whether a Bind or Describe of the unnamed statement may go to the backend: in session
-    /// mode always (the client owns it); in transaction mode only when this client parsed
-    /// one (it is parsed again where the backend holds another's: `ensure_unnamed`).
-    fn own_unnamed(&self) -> bool {
-        self.mode != PoolMode::Transaction || self.statements.has_unnamed()
     }
 
     /// Fingerprint, kind and session effects of a statement text (cached by text).
     fn classify(&mut self, sql: &[u8]) -> Arc<Classified> {
-        if !self.classify_on {
+        if !self.core.classify_on {
             return self.app.unclassified.clone();
         }
         // A non-UTF-8 text (client encoding) is classified as its lossy copy; the bytes sent
         // stay the client's.
-        self.app.classifier.classify_memo(sql, &mut self.memo)
+        self.app.classifier.classify_memo(sql, &mut self.core.memo)
     }
 
     /// Applies a statement's session-state effects: pin, capture, cleanup marks, or refusal.
     /// `sql` is the statement's text, where the proxy has it.
     fn apply_effects(&mut self, c: &Classified, sql: Option<&[u8]>) -> Result<(), PgError> {
-        let transaction = self.mode == PoolMode::Transaction;
+        let transaction = self.core.mode == PoolMode::Transaction;
         let doubt = transaction && self.doubts(c, sql);
         if c.effects.is_empty() && !doubt {
             return Ok(());
@@ -958,8 +890,8 @@ impl Relay {
         if a.forget_prepared {
             conn.prepared.clear();
         }
-        if a.pin && !self.pinned {
-            self.pinned = true;
+        if a.pin && !self.core.pinned {
+            self.core.pinned = true;
             self.pool
                 .stats
                 .pinned_clients
@@ -974,7 +906,7 @@ impl Relay {
                 .dirty
                 .merge(state::unproven_dirt(unproven));
         }
-        self.capture_needed |= a.capture;
+        self.core.capture_needed |= a.capture;
         Ok(())
     }
 
@@ -988,7 +920,7 @@ impl Relay {
             // Already `SessionEffect::Unknown`.
             return false;
         }
-        if !self.reading_trusted {
+        if !self.core.reading_trusted {
             return true;
         }
         if c.proof.set_config {
@@ -1026,11 +958,11 @@ impl Relay {
             }
         }
         for n in names.into_iter().filter(|n| n.contains('.')) {
-            if !self.custom_gucs.contains(&n) {
-                if self.custom_gucs.len() >= MAX_CUSTOM {
+            if !self.core.custom_gucs.contains(&n) {
+                if self.core.custom_gucs.len() >= MAX_CUSTOM {
                     return false;
                 }
-                self.custom_gucs.push(n);
+                self.core.custom_gucs.push(n);
             }
         }
         true
@@ -1040,16 +972,17 @@ impl Relay {
     /// (an injected `DO … RAISE`), so the transaction aborts exactly as for any error there;
     /// otherwise it is answered by the proxy and nothing reaches the database.
     fn refuse_statement(&mut self, tag: u8, e: PgError) -> Result<(), End> {
-        if !self.lease.attached() || (self.out.t.txn == b'I' && !self.out.t.in_flight()) {
-            return self.refuse(tag, e);
+        if !self.lease.attached() || (self.core.out.t.txn == b'I' && !self.core.out.t.in_flight()) {
+            return self.core.refuse(tag, e);
         }
         let sql = raise_sql(&e);
         if tag == b'Q' || tag == b'F' {
-            self.send_ready_with(Expect::new(Kind::Query, Mode::Forward), |buf| {
-                messages::query(buf, &sql)
-            });
+            self.core
+                .send_ready_with(Expect::new(Kind::Query, Mode::Forward), |buf| {
+                    messages::query(buf, &sql)
+                });
         } else {
-            let o = &mut self.out;
+            let o = &mut self.core.out;
             o.send_with(Expect::new(Kind::Parse, Mode::Swallow), |buf| {
                 messages::parse_named(buf, b"", sql.as_bytes(), b"\0\0")
             });
@@ -1191,7 +1124,7 @@ impl Relay {
                 // client then gets a warning and the backend is closed after it
                 // (`injected_failed`).
                 for sql in &steps.statements {
-                    self.out.query(Mode::Swallow, sql);
+                    self.core.out.query(Mode::Swallow, sql);
                 }
             }
         }
@@ -1202,17 +1135,17 @@ impl Relay {
     /// A backend is attached: the reply, client-bound and backend-bound buffers come from
     /// the thread's spares when the session has none.
     fn lend_buffers(&mut self) {
-        spare::lend(self.replies.buf_mut());
-        spare::lend(&mut self.cout);
-        self.out.lend_buffer();
+        spare::lend(self.core.replies.buf_mut());
+        spare::lend(&mut self.core.cout);
+        self.core.out.lend_buffer();
     }
 
     /// The backend went back to its pool: the empty buffers go back to the spares, for the
     /// next session that attaches one (kept while a backend is parked with the client).
     fn return_buffers(&mut self) {
-        spare::give_back(self.replies.buf_mut());
-        spare::give_back(&mut self.cout);
-        self.out.return_buffer();
+        spare::give_back(self.core.replies.buf_mut());
+        spare::give_back(&mut self.core.cout);
+        self.core.out.return_buffer();
     }
 
     /// Before a simple-protocol statement borrows a backend: a read of a `route: replica`
@@ -1226,11 +1159,11 @@ impl Relay {
         self.lease.unit_pool = None;
         let rule_route = self.unit.rule_route.take();
         let eligible = !self.lease.attached()
-            && self.out.t.txn == b'I'
-            && !self.out.t.in_flight()
-            && self.out.is_empty()
-            && !self.pinned
-            && self.mode == PoolMode::Transaction
+            && self.core.out.t.txn == b'I'
+            && !self.core.out.t.in_flight()
+            && self.core.out.is_empty()
+            && !self.core.pinned
+            && self.core.mode == PoolMode::Transaction
             && class.kind == crate::classify::StmtKind::Read
             && class.effects.is_empty()
             && !class.oversized
@@ -1281,20 +1214,6 @@ impl Relay {
         }
     }
 
-    /// Answers a request we could not serve with an ErrorResponse, keeping protocol order.
-    fn refuse(&mut self, tag: u8, e: PgError) -> Result<(), End> {
-        if e.severity == crate::protocol::error::Severity::Fatal {
-            return Err(End::Error(e));
-        }
-        e.encode(&mut self.cout);
-        match tag {
-            b'Q' | b'F' => messages::ready_for_query(&mut self.cout, self.out.t.txn),
-            b'S' => messages::ready_for_query(&mut self.cout, self.out.t.txn),
-            _ => self.requests.skip_until_sync(),
-        }
-        Ok(())
-    }
-
     // ---------------------------------------------------------------- backend → client
 
     /// What the backend sent is handled: [`Relay::on_backend_now`], then whatever of it
@@ -1315,9 +1234,11 @@ impl Relay {
         client: &mut S,
     ) -> Result<Option<BackendRest>, End> {
         loop {
-            let next = self
-                .replies
-                .next(&mut self.out.t, &mut self.retry, &mut self.cout);
+            let next = self.core.replies.next(
+                &mut self.core.out.t,
+                &mut self.core.retry,
+                &mut self.core.cout,
+            );
             match next {
                 Ok(replies::Next::Read) => break,
                 Ok(replies::Next::Flush) => {
@@ -1337,13 +1258,13 @@ impl Relay {
                 }
             }
         }
-        if !self.out.t.in_flight() {
+        if !self.core.out.t.in_flight() {
             // The statements the backstop was armed for are answered. Left armed, it would
             // cancel whatever the client runs next in the same transaction (and, if that one
             // were silent, give up its connection); a later statement arms its own.
-            self.deadlines.answered();
+            self.core.deadlines.answered();
         }
-        if !self.cout.is_empty() && !self.write_client_now(client)? {
+        if !self.core.cout.is_empty() && !self.write_client_now(client)? {
             return Ok(Some(BackendRest::Tail));
         }
         Ok(self.settle()?.map(BackendRest::Settle))
@@ -1360,7 +1281,8 @@ impl Relay {
             match rest {
                 BackendRest::Flush => self.flush_client(client).await?,
                 BackendRest::Replay => {
-                    self.retry_replay();
+                    self.core
+                        .retry_replay(&mut server(&mut self.lease.backend, &self.pool));
                     self.flush_backend().await?;
                 }
                 BackendRest::Tail => {
@@ -1381,10 +1303,10 @@ impl Relay {
     /// ends the session as `flush_client`'s does.
     #[inline(always)]
     fn write_client_now<S: AsyncWrite + Unpin>(&mut self, client: &mut S) -> Result<bool, End> {
-        match write_now(client, &self.cout) {
-            Ok(n) => Ok(spare::consume(&mut self.cout, n)),
+        match write_now(client, &self.core.cout) {
+            Ok(n) => Ok(spare::consume(&mut self.core.cout, n)),
             Err(_) => {
-                self.cout.clear();
+                self.core.cout.clear();
                 Err(End::ClientClosed)
             }
         }
@@ -1401,10 +1323,10 @@ impl Relay {
         let Some(b) = self.lease.backend.as_mut() else {
             return Ok(false);
         };
-        match write_now(&mut b.conn().stream, self.out.pending()) {
-            Ok(n) => Ok(self.out.written(n)),
+        match write_now(&mut b.conn().stream, self.core.out.pending()) {
+            Ok(n) => Ok(self.core.out.written(n)),
             Err(_) => {
-                self.out.clear();
+                self.core.out.clear();
                 Err(self.backend_gone())
             }
         }
@@ -1421,16 +1343,16 @@ impl Relay {
         if seen.replay {
             return true;
         }
-        self.backend_fatal |= seen.fatal;
+        self.core.backend_fatal |= seen.fatal;
         if seen.not_prepared {
-            let hashes = self.replies.take_not_prepared();
+            let hashes = self.core.replies.take_not_prepared();
             let conn = self.lease.conn();
             for hash in hashes {
                 conn.prepared.remove(hash);
             }
         }
         if seen.injected_failed {
-            let msg = self.replies.take_injected_failure();
+            let msg = self.core.replies.take_injected_failure();
             self.injected_failed(&msg);
         }
         if seen.errored {
@@ -1438,12 +1360,12 @@ impl Relay {
             let asked = code == Some("57014") && self.client_cancelled();
             let fault = code.is_some_and(admission::is_backend_fault) && !asked;
             let failure = crate::observe::stats::Outcome::of_error(code, asked);
-            self.tally.errored(failure, fault);
+            self.core.tally.errored(failure, fault);
         }
         if seen.captured {
-            let captured: params::Shared = self.replies.take_settings().into();
+            let captured: params::Shared = self.core.replies.take_settings().into();
             self.lease.conn().applied = Arc::clone(&captured);
-            self.reading_trusted = params::reading_trusted(&captured);
+            self.core.reading_trusted = params::reading_trusted(&captured);
             self.login.settings = captured;
             self.unit.session_caller = None;
         }
@@ -1462,21 +1384,21 @@ impl Relay {
                 "pgsluice: could not re-apply session settings on the server connection: {msg}"
             ),
         )
-        .encode_notice(&mut self.cout);
+        .encode_notice(&mut self.core.cout);
         self.lease.conn().dirty.unresettable = true;
     }
 
     async fn flush_client<S: AsyncWrite + Unpin>(&mut self, client: &mut S) -> Result<(), End> {
-        if self.cout.is_empty() {
+        if self.core.cout.is_empty() {
             return Ok(());
         }
-        let r = client.write_all(&self.cout).await;
-        self.cout.clear();
+        let r = client.write_all(&self.core.cout).await;
+        self.core.cout.clear();
         r.map_err(|_| End::ClientClosed)
     }
 
     async fn flush_backend(&mut self) -> Result<(), End> {
-        if self.out.is_empty() {
+        if self.core.out.is_empty() {
             return Ok(());
         }
         if let Some(h) = self.backstop_cancel.take() {
@@ -1484,11 +1406,11 @@ impl Relay {
             let _ = h.await;
         }
         let Some(b) = self.lease.backend.as_mut() else {
-            self.out.clear();
+            self.core.out.clear();
             return Ok(());
         };
-        let r = b.conn().stream.write_all(self.out.pending()).await;
-        self.out.clear();
+        let r = b.conn().stream.write_all(self.core.out.pending()).await;
+        self.core.out.clear();
         r.map_err(|_| self.backend_gone())
     }
 
@@ -1506,16 +1428,7 @@ impl Relay {
     /// common case: no future is made for it). `Some`: the part that may wait is left.
     #[inline(always)]
     fn settle(&mut self) -> Result<Option<release::Decision>, End> {
-        let quiet = release::Quiet {
-            idle: self.out.t.idle(),
-            replies_done: self.replies.quiet(),
-            nothing_unsent: self.out.is_empty(),
-            skipping: self.requests.skipping(),
-            attached: self.lease.attached(),
-            pooled: self.mode == PoolMode::Transaction && !self.pinned,
-            capture_needed: self.capture_needed,
-        };
-        match release::decide(quiet) {
+        match release::decide(self.core.quiet(self.lease.attached())) {
             release::Decision::Busy => Ok(None),
             release::Decision::EndUnit | release::Decision::Keep => {
                 self.end_unit();
@@ -1536,14 +1449,14 @@ impl Relay {
     /// is over and not parked: the backend goes back to its pool).
     async fn settle_slow(&mut self, d: release::Decision) -> Result<(), End> {
         if d == release::Decision::ReadBack {
-            self.capture_needed = false;
-            self.replies.restart_capture();
-            let sql = state::capture_sql(&self.pool.login_user(), &self.custom_gucs);
-            self.out.query(Mode::Capture, &sql);
+            self.core.capture_needed = false;
+            self.core.replies.restart_capture();
+            let sql = state::capture_sql(&self.pool.login_user(), &self.core.custom_gucs);
+            self.core.out.query(Mode::Capture, &sql);
             return self.flush_backend().await;
         }
         set_cancel_target(&self.cancel, None).await;
-        self.statements.unnamed_left();
+        self.core.statements.unnamed_left();
         if let Some(b) = self.lease.backend.take() {
             let now = self.now();
             if b.release_has_work(now) {
@@ -1575,7 +1488,7 @@ impl Relay {
         if first_release
             || self.lease.unit_pool.is_some()
             || self.lease.replica_possible
-            || self.draining
+            || self.core.draining
         {
             return false;
         }
@@ -1599,7 +1512,7 @@ impl Relay {
         let Some(b) = self.lease.parked.take() else {
             return;
         };
-        self.statements.unnamed_left();
+        self.core.statements.unnamed_left();
         if let Some(t) = &self.lease.ticket {
             b.pool().leave_parking(t);
         }
@@ -1610,7 +1523,7 @@ impl Relay {
 
     /// During a graceful shutdown a client leaves as soon as it is between transactions.
     fn leave_if_draining(&self) -> Result<(), End> {
-        if self.draining {
+        if self.core.draining {
             Err(End::Error(PgError::shutting_down()))
         } else {
             Ok(())
@@ -1622,7 +1535,7 @@ impl Relay {
     /// the backend cannot be released to another client before the cancel has arrived, and
     /// if it was released (or lent again) before the cancel could start, none is sent.
     fn cancel_backend_query(&mut self, why: &'static str) -> Option<tokio::task::JoinHandle<()>> {
-        if !self.out.t.in_flight() {
+        if !self.core.out.t.in_flight() {
             return None;
         }
         let b = self.lease.backend.as_mut()?;
@@ -1644,7 +1557,7 @@ impl Relay {
     /// The statement outran its timeout and the backstop: cancel it, and give the server
     /// `pool.cancel_grace_ms` to answer anything at all.
     fn on_backstop(&mut self) {
-        self.deadlines.answered();
+        self.core.deadlines.answered();
         if let Some(h) =
             self.cancel_backend_query("statement ran past its timeout and the proxy's backstop")
         {
@@ -1652,7 +1565,7 @@ impl Relay {
             // If the server sends nothing at all by then, it is unreachable and its
             // connection is given up.
             let grace = Duration::from_millis(self.pool.cfg.cancel_grace_ms);
-            self.deadlines.cancel_sent(Instant::now() + grace);
+            self.core.deadlines.cancel_sent(Instant::now() + grace);
         }
     }
 
@@ -1660,7 +1573,7 @@ impl Relay {
     /// is unreachable (a partition, a hung host). Its connection is closed, never pooled, and
     /// the client is told, instead of both waiting forever on a socket no one will answer.
     fn backend_unresponsive(&mut self) -> End {
-        self.deadlines.server_spoke();
+        self.core.deadlines.server_spoke();
         let grace_ms = self.pool.cfg.cancel_grace_ms;
         if let Some(mut b) = self.lease.backend.take() {
             let pid = b.conn().pid;
@@ -1677,11 +1590,11 @@ impl Relay {
         if let Some(b) = self.lease.backend.take() {
             b.discard();
         }
-        if self.out.t.in_flight() {
+        if self.core.out.t.in_flight() {
             self.app.policy.record_backend_result(false);
         }
         self.end_unit();
-        if self.backend_fatal {
+        if self.core.backend_fatal {
             // Postgres already told the client why (e.g. 57P01); just close.
             End::BackendLost
         } else {
@@ -1694,7 +1607,7 @@ impl Relay {
     /// Gives the backend back (or closes it) after the client left.
     async fn finish(&mut self, end: &End) {
         self.flush_counters();
-        if self.pinned {
+        if self.core.pinned {
             self.pool
                 .stats
                 .pinned_clients
@@ -1711,23 +1624,24 @@ impl Relay {
         // The client left before the proxy knew what its session looks like: settings not yet
         // read back, a read-back or re-apply still unanswered, budgets not yet put back,
         // replies still owed. Assume the worst: DISCARD ALL before anyone else gets it.
-        if self.capture_needed
-            || self.out.t.capturing()
+        if self.core.capture_needed
+            || self.core.out.t.capturing()
             || self.unit.restore_after.is_some()
-            || !self.out.t.idle()
+            || !self.core.out.t.idle()
         {
             b.conn().dirty.all = true;
         }
-        let (skip, buffered) = self.replies.take_rest();
+        let (skip, buffered) = self.core.replies.take_rest();
         let cleanup = reset::Cleanup {
-            pending_ready: self.out.t.pending_ready() + usize::from(self.out.t.sync_pending),
-            in_flight: self.out.t.in_flight(),
-            copy_in: self.out.t.copy_in,
-            sync_pending: self.out.t.sync_pending,
-            txn: self.out.t.txn,
+            pending_ready: self.core.out.t.pending_ready()
+                + usize::from(self.core.out.t.sync_pending),
+            in_flight: self.core.out.t.in_flight(),
+            copy_in: self.core.out.t.copy_in,
+            sync_pending: self.core.out.t.sync_pending,
+            txn: self.core.out.t.txn,
             skip,
             buffered,
-            session_mode: self.mode == PoolMode::Session,
+            session_mode: self.core.mode == PoolMode::Session,
         };
         let cancel = self.cancel.clone();
         let _ = &self.app;

@@ -106,7 +106,7 @@ impl Relay {
     #[inline(always)]
     pub(super) fn admit_now(&mut self, class: &Arc<Classified>) -> Admit {
         let arrived = self.now();
-        self.tally.arrived(arrived);
+        self.core.tally.arrived(arrived);
         if !self.unit.is_open() {
             // A new unit: it runs under the configuration in force now, all of it (caller
             // matching, limits, series, timeouts) from one snapshot, whatever a reload does
@@ -201,7 +201,7 @@ impl Relay {
             Err(r) => return Err(self.refused(class, caller, &r)),
         };
         for w in warnings {
-            PgError::error("01000", w).encode_notice(&mut self.cout);
+            PgError::error("01000", w).encode_notice(&mut self.core.cout);
         }
         let cfg = &self.rt.config;
         Ok(Timeouts {
@@ -253,7 +253,8 @@ impl Relay {
     #[inline(always)]
     pub(super) fn track_statement(&mut self, class: Arc<Classified>, ready_seq: u64) {
         let start = self.now();
-        self.tally
+        self.core
+            .tally
             .track(class, self.unit.last_caller, start, ready_seq);
     }
 
@@ -262,9 +263,9 @@ impl Relay {
     /// relayed, in the counters of the pool whose backend sent it.
     pub(super) fn statements_done(&mut self, rows: u64) {
         let now = self.now();
-        let idle = self.out.t.txn == b'I';
+        let idle = self.core.out.t.txn == b'I';
         let (rt, app) = (&self.rt, &self.app);
-        let ready = self.tally.ready(now, rows, idle, |f| {
+        let ready = self.core.tally.ready(now, rows, idle, |f| {
             rt.caller_metrics
                 .query(f.caller, f.total, f.elapsed, f.succeeded);
             // Every statement that reached the backend tells the breaker how it went.
@@ -314,19 +315,19 @@ impl Relay {
         }
         // It waits: whatever reads the clock next reads it afresh.
         self.tick = None;
-        let buf = self.requests.buf_mut();
+        let buf = self.core.requests.buf_mut();
         let before = buf.len();
         let r = unless_client_leaves(fut, client, buf, &self.cancel, why).await;
         self.tick = None;
-        let read = self.requests.buf_mut().len().saturating_sub(before);
-        self.tally.received(read as u64);
+        let read = self.core.requests.buf_mut().len().saturating_sub(before);
+        self.core.tally.received(read as u64);
         r
     }
 
     /// Adds the bytes the session relayed since the last call to its pool's counters.
     pub(super) fn flush_counters(&mut self) {
         let stats = counted(&self.lease.backend, &self.pool);
-        let (bytes_in, bytes_out) = self.tally.take_bytes();
+        let (bytes_in, bytes_out) = self.core.tally.take_bytes();
         if bytes_in > 0 {
             stats.bytes_received.fetch_add(bytes_in, Ordering::Relaxed);
         }
@@ -341,16 +342,17 @@ impl Relay {
         if let Some(d) = t.statement {
             // A fresh reading, not the wake-up's: a backend write that blocked since then
             // must not bring the backstop forward (only statements with a timeout get here).
-            self.deadlines
+            self.core
+                .deadlines
                 .arm_backstop(Instant::now() + d + Duration::from_secs(1));
         }
     }
 
     /// The unit is over (backend idle): give back the caller's permit and rule slots.
     pub(super) fn end_unit(&mut self) {
-        self.deadlines.unit_over();
+        self.core.deadlines.unit_over();
         // A pinned client's backend stays with it: so does the caller's permit for it.
-        self.unit.end(self.pinned);
+        self.unit.end(self.core.pinned);
     }
 
     /// Injects `timeouts` for the next statement so they apply inside its transaction.
@@ -386,31 +388,31 @@ impl Relay {
                     .trim_end()
                     .trim_end_matches(';')
                     .contains(';'))
-            || self.out.t.txn == b'E'
+            || self.core.out.t.txn == b'E'
             // An empty query (or only a comment) must still answer EmptyQueryResponse.
             || class.normalized.trim().is_empty()
         {
             return None;
         }
         self.arm_backstop(t);
-        if class.own_transaction && self.out.t.txn == b'I' {
+        if class.own_transaction && self.core.out.t.txn == b'I' {
             // `VACUUM`, `CREATE INDEX CONCURRENTLY`, `CALL`, a FunctionCall: no SET LOCAL can
             // share their transaction. The budget is set for the session in a request of its
             // own before theirs and put back after it (`restore_timeouts`). That needs a gap
             // between requests: in the middle of an extended batch only the backstop holds.
-            if self.out.t.sync_pending || self.unit.restore_after.is_some() {
+            if self.core.out.t.sync_pending || self.unit.restore_after.is_some() {
                 return None;
             }
-            self.out.query(Mode::Swallow, &session_timeout_sql(t));
+            self.core.out.query(Mode::Swallow, &session_timeout_sql(t));
             self.unit.restore_after = Some(restore_timeout_sql(t));
             return None;
         }
         let sql = timeout_sql(t);
         if simple {
-            if self.out.t.txn == b'I' {
+            if self.core.out.t.txn == b'I' {
                 return Some(format!("{sql};"));
             }
-            self.out.query(Mode::Swallow, &sql);
+            self.core.out.query(Mode::Swallow, &sql);
             return None;
         }
         let hash = xxhash_rust::xxh3::xxh3_64_with_seed(sql.as_bytes(), self.app.statement_seed);
@@ -418,14 +420,14 @@ impl Relay {
         const PORTAL: &[u8] = b"_pgsl_timeouts";
         const NO_TYPES: &[u8] = b"\0\0";
         super::server(&mut self.lease.backend, &self.pool).ensure(
-            &mut self.out,
+            &mut self.core.out,
             hash,
             sql.as_bytes(),
             NO_TYPES,
             Mode::Swallow,
         );
         // No parameters, text results.
-        let o = &mut self.out;
+        let o = &mut self.core.out;
         o.send_with(Expect::new(Kind::Bind, Mode::Swallow), |buf| {
             messages::bind_renamed(buf, PORTAL, &name, b"\0\0\0\0\0\0")
         });
@@ -444,7 +446,7 @@ impl Relay {
     /// client's settings back, in a request of its own.
     pub(super) fn restore_timeouts(&mut self) {
         if let Some(sql) = self.unit.restore_after.take() {
-            self.out.query(Mode::Swallow, &sql);
+            self.core.out.query(Mode::Swallow, &sql);
         }
     }
 }

@@ -13,14 +13,15 @@ use crate::protocol::messages;
 use crate::protocol::tag::{backend, frontend, status, target};
 
 use super::super::tracker::{Expect, Kind, Mode};
-use super::Relay;
+use super::SessionCore;
+use super::statements::Server;
 
 /// Most bytes of a batch we keep for a replay.
 const MAX_RETRY_BYTES: usize = 64 * 1024;
 
 /// A batch recorded for one possible replay.
 #[derive(Default)]
-pub(super) struct Retry {
+pub(in crate::session) struct Retry {
     /// Client frames from the Bind through the Sync, one after another as they were sent.
     frames: Vec<u8>,
     /// Recording until the Sync.
@@ -35,7 +36,7 @@ pub(super) struct Retry {
 
 /// What the recorded batch makes of one backend message.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(super) enum Filter {
+pub(in crate::session) enum Filter {
     /// Not for the client: the batch will be replayed.
     Swallow,
     /// Goes to the client as usual; the batch stays replayable.
@@ -46,7 +47,7 @@ pub(super) enum Filter {
 
 impl Retry {
     /// Looks at a backend message of the recorded batch.
-    pub(super) fn filter(&mut self, tag: u8, body: &[u8]) -> Filter {
+    pub(in crate::session) fn filter(&mut self, tag: u8, body: &[u8]) -> Filter {
         if self.armed {
             return Filter::Swallow;
         }
@@ -94,7 +95,7 @@ impl Retry {
     /// A batch recorded whole (Bind through Sync) for statement `hash`, as `retry_start` and
     /// `retry_record` leave it.
     #[cfg(test)]
-    pub(super) fn recorded(hash: u64, frames: Vec<Vec<u8>>) -> Self {
+    pub(in crate::session) fn recorded(hash: u64, frames: Vec<Vec<u8>>) -> Self {
         Retry {
             frames: frames.concat(),
             hash,
@@ -103,9 +104,9 @@ impl Retry {
     }
 }
 
-impl Relay {
+impl SessionCore {
     /// A Bind of a named statement opening a fresh batch: start recording.
-    pub(super) fn retry_start(&mut self, hash: u64, frame: &[u8]) {
+    pub(in crate::session) fn retry_start(&mut self, hash: u64, frame: &[u8]) {
         if self.out.t.txn != status::IDLE || self.out.t.in_flight() {
             self.retry = None;
             return;
@@ -122,7 +123,7 @@ impl Relay {
     }
 
     /// Records a client frame of the batch (only Describe/Execute/Flush/Sync qualify).
-    pub(super) fn retry_record(&mut self, tag: u8, frame: &[u8]) {
+    pub(in crate::session) fn retry_record(&mut self, tag: u8, frame: &[u8]) {
         let Some(r) = self.retry.as_mut() else { return };
         if !r.recording {
             return;
@@ -141,12 +142,12 @@ impl Relay {
         }
     }
 
-    /// The swallowed batch is over: re-prepare the statement and send the batch again.
-    pub(super) fn retry_replay(&mut self) {
+    /// The swallowed batch is over: re-prepare the statement on the backend whose
+    /// statements `srv` holds, and send the batch again.
+    pub(in crate::session) fn retry_replay(&mut self, srv: &mut Server<'_>) {
         let Some(r) = self.retry.take() else { return };
         tracing::debug!(statement = %format_args!("{:016x}", r.hash), "re-preparing after a result type change");
         // The stale plan's reply already forgot the statement; make sure, then re-prepare below.
-        let mut srv = super::server(&mut self.lease.backend, &self.pool);
         srv.forget_stale(r.hash);
         for f in r.frames() {
             let tag = f[0];
@@ -163,7 +164,7 @@ impl Relay {
                     };
                     let server = self
                         .statements
-                        .ensure(stmt, &mut srv, &mut self.out)
+                        .ensure(stmt, srv, &mut self.out)
                         .map(|(_, name)| name);
                     let e = Expect::new(Kind::Bind, Mode::Forward);
                     match server {
@@ -180,7 +181,7 @@ impl Relay {
                     if let messages::Target::Statement(name) = target {
                         let server = self
                             .statements
-                            .ensure(name, &mut srv, &mut self.out)
+                            .ensure(name, srv, &mut self.out)
                             .map(|(_, name)| name);
                         let e = Expect::new(Kind::DescribeStmt, Mode::Forward);
                         match server {

@@ -10,7 +10,7 @@
 
 /// What the relay knows after handling a read.
 #[derive(Debug, Clone, Copy, Default)]
-pub(super) struct Quiet {
+pub(in crate::session) struct Quiet {
     /// The tracker owes nothing and the backend is idle outside a transaction and COPY.
     pub idle: bool,
     /// Every byte the backend sent was handled (none of a message still to stream).
@@ -29,7 +29,7 @@ pub(super) struct Quiet {
 
 /// What to do with the backend.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(super) enum Decision {
+pub(in crate::session) enum Decision {
     /// Work is under way: nothing.
     Busy,
     /// Between transactions without a backend: the unit of work is over.
@@ -42,7 +42,7 @@ pub(super) enum Decision {
     Release,
 }
 
-pub(super) fn decide(q: Quiet) -> Decision {
+pub(in crate::session) fn decide(q: Quiet) -> Decision {
     if !(q.idle && q.replies_done && q.nothing_unsent && !q.skipping) {
         return Decision::Busy;
     }

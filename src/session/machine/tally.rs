@@ -29,7 +29,7 @@ struct StmtRecord {
 }
 
 /// One statement a ReadyForQuery completed.
-pub(super) struct Finished<'a> {
+pub(in crate::session) struct Finished<'a> {
     pub class: &'a Arc<Classified>,
     pub caller: u16,
     /// From its arrival at the proxy to its completion.
@@ -45,7 +45,7 @@ pub(super) struct Finished<'a> {
 
 /// What a ReadyForQuery completed, in sum.
 #[derive(Debug, Default, PartialEq, Eq)]
-pub(super) struct Ready {
+pub(in crate::session) struct Ready {
     pub statements: u64,
     /// Their time on the backend, in microseconds.
     pub backend_us: u64,
@@ -53,7 +53,7 @@ pub(super) struct Ready {
     pub transaction: Option<Duration>,
 }
 
-pub(super) struct Tally {
+pub(in crate::session) struct Tally {
     pending: Vec<StmtRecord>,
     /// Client ReadyForQuery-bearing requests sent / replies seen.
     ready_sent: u64,
@@ -75,7 +75,7 @@ pub(super) struct Tally {
 
 impl Tally {
     /// `bytes_in`: what the client sent right behind its login, already read.
-    pub(super) fn new(bytes_in: u64) -> Tally {
+    pub(in crate::session) fn new(bytes_in: u64) -> Tally {
         Tally {
             pending: Vec::new(),
             ready_sent: 0,
@@ -91,18 +91,18 @@ impl Tally {
     }
 
     #[inline(always)]
-    pub(super) fn received(&mut self, n: u64) {
+    pub(in crate::session) fn received(&mut self, n: u64) {
         self.bytes_in += n;
     }
 
     #[inline(always)]
-    pub(super) fn sent(&mut self, n: u64) {
+    pub(in crate::session) fn sent(&mut self, n: u64) {
         self.bytes_out += n;
     }
 
     /// The bytes in and out since the last call.
     #[inline(always)]
-    pub(super) fn take_bytes(&mut self) -> (u64, u64) {
+    pub(in crate::session) fn take_bytes(&mut self) -> (u64, u64) {
         (
             std::mem::take(&mut self.bytes_in),
             std::mem::take(&mut self.bytes_out),
@@ -111,26 +111,26 @@ impl Tally {
 
     /// The statement being admitted arrived now.
     #[inline(always)]
-    pub(super) fn arrived(&mut self, at: Instant) {
+    pub(in crate::session) fn arrived(&mut self, at: Instant) {
         self.arrived = Some(at);
     }
 
     /// A ReadyForQuery-bearing request (Query, Sync, FunctionCall) goes to the backend.
     #[inline(always)]
-    pub(super) fn ready_requested(&mut self) {
+    pub(in crate::session) fn ready_requested(&mut self) {
         self.ready_sent += 1;
     }
 
     /// The sequence number of the ReadyForQuery the last request sent will bring (a
     /// Query's own); `+ 1` for a statement whose Sync is still to come.
     #[inline(always)]
-    pub(super) fn last_ready(&self) -> u64 {
+    pub(in crate::session) fn last_ready(&self) -> u64 {
         self.ready_sent
     }
 
     /// A statement sent at `start`, completed by ReadyForQuery number `ready_seq`.
     #[inline(always)]
-    pub(super) fn track(
+    pub(in crate::session) fn track(
         &mut self,
         class: Arc<Classified>,
         caller: u16,
@@ -149,7 +149,7 @@ impl Tally {
     }
 
     /// The current request got an error, counted as `failure`; `fault`: the backend's.
-    pub(super) fn errored(&mut self, failure: Outcome, fault: bool) {
+    pub(in crate::session) fn errored(&mut self, failure: Outcome, fault: bool) {
         self.errored = true;
         self.fault |= fault;
         self.failure = failure;
@@ -159,7 +159,7 @@ impl Tally {
     /// transaction block) or not: each statement it completes goes to `each` — the last of
     /// them with the `rows` its CommandCompletes counted — and the sum comes back.
     #[inline(always)]
-    pub(super) fn ready(
+    pub(in crate::session) fn ready(
         &mut self,
         now: Instant,
         rows: u64,
@@ -253,7 +253,7 @@ impl Tally {
 }
 
 /// Whole microseconds of `d` (saturating).
-pub(super) fn micros(d: Duration) -> u64 {
+pub(in crate::session) fn micros(d: Duration) -> u64 {
     d.as_secs()
         .saturating_mul(1_000_000)
         .saturating_add(u64::from(d.subsec_micros()))
@@ -275,12 +275,7 @@ mod tests {
     type Seen = (u16, Duration, Duration, Outcome, bool);
 
     /// Runs `ready` and collects what it says of each statement.
-    fn ready(
-        t: &mut Tally,
-        now: Instant,
-        rows: u64,
-        idle: bool,
-    ) -> (Ready, Vec<Seen>) {
+    fn ready(t: &mut Tally, now: Instant, rows: u64, idle: bool) -> (Ready, Vec<Seen>) {
         let mut seen = Vec::new();
         let r = t.ready(now, rows, idle, |f| {
             seen.push((f.caller, f.total, f.elapsed, f.outcome, f.backend_ok))

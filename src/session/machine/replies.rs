@@ -25,10 +25,10 @@ use super::retry::{Filter, Retry};
 
 /// Client bytes past which the driver is asked to flush before more is read: a long result
 /// never piles up in memory.
-pub(super) const FLUSH_AT: usize = 64 * 1024;
+pub(in crate::session) const FLUSH_AT: usize = 64 * 1024;
 
 #[derive(Debug, Default)]
-pub(super) struct Replies {
+pub(in crate::session) struct Replies {
     /// Backend bytes not yet framed.
     buf: BytesMut,
     /// Body bytes of a DataRow/CopyData still to stream, and whether they go to the client.
@@ -55,7 +55,7 @@ struct Rare {
 /// words: the driver gets one per ReadyForQuery and per error; a rare reply's payload waits
 /// in [`Replies`] until taken (`take_*`).
 #[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
-pub(super) struct Seen {
+pub(in crate::session) struct Seen {
     /// A ReadyForQuery went to the client: the request it ends is over…
     pub ready: bool,
     /// …and the CommandCompletes that went to the client since the previous one counted
@@ -93,7 +93,7 @@ impl Seen {
 
 /// What the driver does next.
 #[derive(Debug, PartialEq, Eq)]
-pub(super) enum Next {
+pub(in crate::session) enum Next {
     /// Everything buffered is handled: read more from the backend.
     Read,
     /// The client's buffer is large: write it out, then call again.

@@ -21,7 +21,7 @@ use crate::session::tracker::Outbox;
 const SPARE_MAX: usize = 64 * 1024;
 
 #[derive(Debug)]
-pub(super) struct Requests {
+pub(in crate::session) struct Requests {
     /// Client bytes not yet framed.
     buf: BytesMut,
     /// What stands in for `buf` while it is held ([`Requests::hold`]), kept between holds so a
@@ -39,7 +39,7 @@ pub(super) struct Requests {
 
 /// What the driver does next.
 #[derive(Debug, PartialEq, Eq)]
-pub(super) enum Request {
+pub(in crate::session) enum Request {
     /// Everything buffered is handled: read more from the client.
     Read,
     /// A request to admit, rename or route: the first `len` bytes of the buffer, left there

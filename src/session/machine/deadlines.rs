@@ -10,7 +10,7 @@ use tokio::time::Instant;
 
 /// Which deadline passed (in the order they win when two fall on the same instant).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(super) enum Deadline {
+pub(in crate::session) enum Deadline {
     /// The server answered nothing, not even the cancel, within the grace period.
     Unanswered,
     /// The proxy's own deadline for a statement passed: cancel it on the server.
@@ -25,7 +25,7 @@ pub(super) enum Deadline {
 
 /// Where the client stands when the session next waits for an event.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(super) enum Idle {
+pub(in crate::session) enum Idle {
     /// Something is in flight or unsent: the client is not the one who owes a move.
     No,
     /// The client owes the next move inside an open transaction.
@@ -35,7 +35,7 @@ pub(super) enum Idle {
 }
 
 #[derive(Debug, Default, Clone, PartialEq, Eq)]
-pub(super) struct Deadlines {
+pub(in crate::session) struct Deadlines {
     backstop: Option<Instant>,
     unanswered: Option<Instant>,
     idle_grace: Option<Instant>,
@@ -46,7 +46,7 @@ pub(super) struct Deadlines {
 impl Deadlines {
     /// The earliest deadline armed.
     #[inline(always)]
-    pub(super) fn next(&self) -> Option<Instant> {
+    pub(in crate::session) fn next(&self) -> Option<Instant> {
         [
             self.unanswered,
             self.backstop,
@@ -64,7 +64,7 @@ impl Deadlines {
     }
 
     /// Which deadline `at` (a value [`Deadlines::next`] returned) is.
-    pub(super) fn due(&self, at: Instant) -> Deadline {
+    pub(in crate::session) fn due(&self, at: Instant) -> Deadline {
         if self.unanswered == Some(at) {
             Deadline::Unanswered
         } else if self.backstop == Some(at) {
@@ -79,7 +79,7 @@ impl Deadlines {
     }
 
     /// Clears one deadline (the event that served it, or what made it moot).
-    pub(super) fn clear(&mut self, d: Deadline) {
+    pub(in crate::session) fn clear(&mut self, d: Deadline) {
         *self.slot(d) = None;
     }
 
@@ -95,52 +95,52 @@ impl Deadlines {
 
     /// The client sent something: it is no longer idle.
     #[inline(always)]
-    pub(super) fn client_spoke(&mut self) {
+    pub(in crate::session) fn client_spoke(&mut self) {
         self.idle_txn = None;
         self.idle_client = None;
     }
 
     /// The server sent something: whatever a cancel does, it will be answered.
     #[inline(always)]
-    pub(super) fn server_spoke(&mut self) {
+    pub(in crate::session) fn server_spoke(&mut self) {
         self.unanswered = None;
     }
 
     /// The proxy's deadline for a statement: the later of the one armed and `at` (a
     /// statement of the same unit never brings an earlier one's forward).
-    pub(super) fn arm_backstop(&mut self, at: Instant) {
+    pub(in crate::session) fn arm_backstop(&mut self, at: Instant) {
         self.backstop = Some(self.backstop.map_or(at, |b| b.max(at)));
     }
 
     /// The statements the backstop was armed for are answered. Left armed, it would cancel
     /// whatever the client runs next in the same transaction.
     #[inline(always)]
-    pub(super) fn answered(&mut self) {
+    pub(in crate::session) fn answered(&mut self) {
         self.backstop = None;
     }
 
     /// The backstop fired and sent a cancel: the server has until `at` to answer anything.
-    pub(super) fn cancel_sent(&mut self, at: Instant) {
+    pub(in crate::session) fn cancel_sent(&mut self, at: Instant) {
         self.backstop = None;
         self.unanswered = Some(at);
     }
 
     /// The unit is over: nothing of its statements is owed any more.
-    pub(super) fn unit_over(&mut self) {
+    pub(in crate::session) fn unit_over(&mut self) {
         self.backstop = None;
         self.unanswered = None;
     }
 
     /// Shutdown found the session between transactions: it leaves at `at` unless the client
     /// starts something first.
-    pub(super) fn drain_at(&mut self, at: Instant) {
+    pub(in crate::session) fn drain_at(&mut self, at: Instant) {
         self.idle_grace = Some(at);
     }
 
     /// Arms the idle limit that applies to where the client stands, once per idle period
     /// (each limit is looked up only when its deadline is armed), and disarms the other.
     #[inline(always)]
-    pub(super) fn arm_idle(
+    pub(in crate::session) fn arm_idle(
         &mut self,
         idle: Idle,
         now: impl FnOnce() -> Instant,

@@ -38,7 +38,7 @@ struct Stmt {
 }
 
 /// What the attached backend holds, borrowed from its pooled connection.
-pub(super) struct Server<'a> {
+pub(in crate::session) struct Server<'a> {
     pub prepared: &'a mut PreparedCache,
     /// Statements to close before they are prepared again.
     pub stale: &'a mut Vec<u64>,
@@ -106,7 +106,7 @@ fn close(out: &mut Outbox, hash: u64) {
     });
 }
 
-pub(super) struct Statements {
+pub(in crate::session) struct Statements {
     named: HashMap<Bytes, Stmt>,
     /// Classification, text and parameter types of the client's unnamed statement.
     unnamed_class: Option<Arc<Classified>>,

@@ -1,0 +1,185 @@
+//! The session's state without sockets: [`SessionCore`] owns the I/O-free cores — client
+//! framing ([`requests`]), reply framing and meaning ([`replies`]), the outbox of backend
+//! writes with the replies they are owed, prepared-statement renaming ([`statements`]), the
+//! replay after a result-type change ([`retry`]), the release decision ([`release`]), the
+//! deadlines ([`deadlines`]) and the statistics tally ([`tally`]) — and what the proxy knows
+//! of the client's server session (pinned, settings to read back, how its texts are read).
+//!
+//! It imports protocol, classify, the pool's prepared-statement cache type and the tracker;
+//! never the app, a pool or a socket. The relay (`super::relay`) drives it: it reads the
+//! sockets, waits for admission and checkouts, and hands bytes and outcomes in. `oracle`
+//! checks the cores against a simulated Postgres (in the tests and under cargo-fuzz).
+
+use bytes::BytesMut;
+
+use crate::classify::Memo;
+use crate::config::PoolMode;
+use crate::protocol::PgError;
+use crate::protocol::messages;
+
+use super::End;
+use super::tracker::{Expect, Outbox};
+
+pub(super) mod deadlines;
+#[cfg(any(test, fuzzing))]
+pub mod oracle;
+pub(super) mod release;
+pub(super) mod replies;
+pub(super) mod requests;
+pub(super) mod retry;
+pub(super) mod statements;
+pub(super) mod tally;
+
+use deadlines::{Deadlines, Idle};
+use statements::Statements;
+use tally::Tally;
+
+/// Limits the core enforces on what a client sends (`limits.*` at login).
+pub(super) struct CoreLimits {
+    pub max_message: usize,
+}
+
+pub(in crate::session) struct SessionCore {
+    pub mode: PoolMode,
+    /// Client → backend: framing, size limit, COPY streaming, skip-to-Sync.
+    pub requests: requests::Requests,
+    /// Backend → client: framing, streaming and what each reply means.
+    pub replies: replies::Replies,
+    /// Pending writes to the client.
+    pub cout: BytesMut,
+    /// Bytes for the backend and the replies they are owed, written together.
+    pub out: Outbox,
+    /// The client's prepared statements and their proxy names.
+    pub statements: Statements,
+    /// A batch kept for one replay after 0A000 "cached plan must not change result type".
+    pub retry: Option<retry::Retry>,
+    /// The backstop, unanswered-cancel, shutdown and idle deadlines.
+    pub deadlines: Deadlines,
+    /// Statements sent and the replies that complete them, errors, bytes.
+    pub tally: Tally,
+    /// The backend sent a FATAL error; it is about to close.
+    pub backend_fatal: bool,
+    /// Session state we cannot track keeps this client on its backend until it leaves.
+    pub pinned: bool,
+    /// Re-read the backend's session settings once the current transaction ends.
+    pub capture_needed: bool,
+    /// The client's settings leave texts read as Postgres reads them
+    /// (`params::reading_trusted`); when not, no text of its is proven harmless.
+    pub reading_trusted: bool,
+    /// Custom (dotted) settings this client set: Postgres lists no placeholder setting in
+    /// `pg_settings`, so the read-back asks for these by name.
+    pub custom_gucs: Vec<String>,
+    /// Graceful shutdown: leave at the next point between transactions.
+    pub draining: bool,
+    /// Client frames wait in `requests` while a replica runs the read before them.
+    pub deferred: bool,
+    /// `classify.enabled` when the session started.
+    pub classify_on: bool,
+    /// The last statement's classification, for the next text of the same shape.
+    pub memo: Memo,
+}
+
+impl SessionCore {
+    /// `cbuf`: what the client sent right behind its login, already read.
+    pub(super) fn new(
+        mode: PoolMode,
+        cbuf: BytesMut,
+        limits: CoreLimits,
+        statements: Statements,
+        reading_trusted: bool,
+        classify_on: bool,
+    ) -> SessionCore {
+        let bytes_in = cbuf.len() as u64;
+        SessionCore {
+            mode,
+            requests: requests::Requests::new(cbuf, limits.max_message),
+            // Buffers grow on first use: an idle client costs little more than its socket.
+            replies: replies::Replies::default(),
+            cout: BytesMut::new(),
+            out: Outbox::default(),
+            statements,
+            retry: None,
+            deadlines: Deadlines::default(),
+            tally: Tally::new(bytes_in),
+            backend_fatal: false,
+            pinned: false,
+            capture_needed: false,
+            reading_trusted,
+            custom_gucs: Vec::new(),
+            draining: false,
+            deferred: false,
+            classify_on,
+            memo: Default::default(),
+        }
+    }
+
+    /// Where the client stands when the session next waits: owing the next move inside a
+    /// transaction, between transactions, or not at all (something in flight or unsent).
+    #[inline(always)]
+    pub(super) fn idle(&self, attached: bool) -> Idle {
+        let waiting_for_client = !self.out.t.in_flight() && self.out.is_empty();
+        let in_txn = attached && self.out.t.txn != b'I';
+        match (waiting_for_client, in_txn) {
+            (false, _) => Idle::No,
+            (true, true) => Idle::InTransaction,
+            (true, false) => Idle::Between,
+        }
+    }
+
+    /// What the release decision reads ([`release::decide`]): `attached` a backend,
+    /// `pooled` it goes back between transactions (transaction mode, not pinned).
+    #[inline(always)]
+    pub(super) fn quiet(&self, attached: bool) -> release::Quiet {
+        release::Quiet {
+            idle: self.out.t.idle(),
+            replies_done: self.replies.quiet(),
+            nothing_unsent: self.out.is_empty(),
+            skipping: self.requests.skipping(),
+            attached,
+            pooled: self.mode == PoolMode::Transaction && !self.pinned,
+            capture_needed: self.capture_needed,
+        }
+    }
+
+    /// A ReadyForQuery-bearing request (Query, Sync, FunctionCall) the client sees answered.
+    #[inline(always)]
+    pub(super) fn send_ready(&mut self, e: Expect, frame: &[u8]) {
+        self.send_ready_with(e, |buf| buf.extend_from_slice(frame));
+    }
+
+    /// [`SessionCore::send_ready`] for a request written in place.
+    #[inline(always)]
+    pub(super) fn send_ready_with(&mut self, e: Expect, write: impl FnOnce(&mut BytesMut)) {
+        self.tally.ready_requested();
+        self.out.send_with(e, write);
+    }
+
+    /// Answers a request the proxy could not serve with an ErrorResponse, keeping protocol
+    /// order: a Query, FunctionCall or Sync gets its ReadyForQuery; anything else skips the
+    /// client's messages up to its Sync. A FATAL error ends the session.
+    pub(super) fn refuse(&mut self, tag: u8, e: PgError) -> Result<(), End> {
+        if e.severity == crate::protocol::error::Severity::Fatal {
+            return Err(End::Error(e));
+        }
+        e.encode(&mut self.cout);
+        match tag {
+            b'Q' | b'F' | b'S' => messages::ready_for_query(&mut self.cout, self.out.t.txn),
+            _ => self.requests.skip_until_sync(),
+        }
+        Ok(())
+    }
+
+    /// Whether a Bind or Describe of the unnamed statement may go to the backend: in session
+    /// mode always (the client owns it); in transaction mode only when this client parsed
+    /// one (it is parsed again where the backend holds another's: `ensure_unnamed`).
+    pub(super) fn own_unnamed(&self) -> bool {
+        self.mode != PoolMode::Transaction || self.statements.has_unnamed()
+    }
+
+    /// A client message that cannot be read.
+    pub(super) fn malformed(what: &str) -> End {
+        End::Error(PgError::protocol_violation(format!(
+            "malformed {what} message"
+        )))
+    }
+}
