@@ -14,8 +14,7 @@ use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
-use bytes::{BufMut, BytesMut};
-use postgres_protocol::authentication::sasl::{ChannelBinding, ScramSha256};
+use postgres_protocol::authentication::sasl::ChannelBinding;
 use rustls_pki_types::CertificateDer;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpListener;
@@ -26,7 +25,7 @@ use crate::support::pg::{APP_DB, APP_PASSWORD, APP_USER, Cluster, server_identit
 use crate::support::pg_tls::MakeRustls;
 use crate::support::proxy::{ADMIN_READ_TOKEN, Proxy, ProxyOptions};
 use crate::support::raw::{
-    Raw, cert, client_tls, field, first_value, frame, gss_request, oracle, pools_at_rest, query,
+    Raw, cert, client_tls, first_value, gss_request, oracle, pools_at_rest, query, sasl_login,
     ssl_request, startup, tls_direct, tls_via_request, write,
 };
 use crate::support::run_with_timeout_async;
@@ -200,54 +199,6 @@ async fn b1_b3_b4_b5_client_tls_negotiation() {
             .is_err()
     );
     oracle(&plain).await;
-}
-
-/// Starts a login as the app user on `c` and answers the SASL request with `mechanism`,
-/// `binding` and `password`: the mechanisms the server offered, and "ok" or the refusal
-/// ("SQLSTATE: message").
-async fn sasl_login(
-    mut c: Raw,
-    mechanism: &str,
-    binding: ChannelBinding,
-    password: &str,
-) -> (Vec<String>, String) {
-    c.send(&startup(0, &[("user", APP_USER), ("database", APP_DB)]))
-        .await
-        .expect("startup");
-    let (tag, body) = c.recv().await.expect("an authentication request");
-    assert_eq!(
-        (tag, &body[..4]),
-        (b'R', &10i32.to_be_bytes()[..]),
-        "AuthenticationSASL"
-    );
-    let offered = body[4..]
-        .split(|&b| b == 0)
-        .take_while(|m| !m.is_empty())
-        .map(|m| String::from_utf8_lossy(m).into_owned())
-        .collect();
-    let mut scram = ScramSha256::new(password.as_bytes(), binding);
-    let outcome = async {
-        let mut b = BytesMut::new();
-        b.put_slice(mechanism.as_bytes());
-        b.put_u8(0);
-        b.put_i32(scram.message().len() as i32);
-        b.put_slice(scram.message());
-        c.send(&frame(b'p', &b)).await.map_err(|e| e.to_string())?;
-        let reply = |(tag, body): (u8, bytes::Bytes)| match tag {
-            b'R' => Ok(body.slice(4..)),
-            b'E' => Err(format!("{}: {}", field(&body, b'C'), field(&body, b'M'))),
-            other => Err(format!("unexpected message {:?}", char::from(other))),
-        };
-        let server_first = reply(c.recv().await?)?;
-        scram.update(&server_first).map_err(|e| e.to_string())?;
-        c.send(&frame(b'p', scram.message()))
-            .await
-            .map_err(|e| e.to_string())?;
-        let server_final = reply(c.recv().await?)?;
-        scram.finish(&server_final).map_err(|e| e.to_string())
-    };
-    let outcome = outcome.await.map_or_else(|e| e, |()| "ok".to_owned());
-    (offered, outcome)
 }
 
 /// SCRAM-SHA-256-PLUS over TLS. The proxy offers it first (SCRAM-SHA-256 alone without TLS),
