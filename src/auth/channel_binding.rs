@@ -348,7 +348,18 @@ mod tests {
                 "{what}: y"
             );
         }
-        let ed25519 = rcgen_cert(&rcgen::PKCS_ED25519);
-        assert!(EndPoint::new(&ed25519).is_err(), "Ed25519 names no hash");
+        // No binding, so no PLUS (docs/OPERATIONS.md, `tls`): Ed25519 names no hash (Postgres
+        // refuses it too); pgwire does not read the hash of RSA-PSS or ecdsa-with-SHA512.
+        let unbound = [
+            ("Ed25519", rcgen_cert(&rcgen::PKCS_ED25519)),
+            ("rsassaPss", pem(include_str!("testdata/rsa-pss.pem"))),
+            (
+                "ecdsa-with-SHA512",
+                pem(include_str!("testdata/ecdsa-sha512.pem")),
+            ),
+        ];
+        for (what, cert) in unbound {
+            assert!(EndPoint::new(&cert).is_err(), "{what}");
+        }
     }
 }
