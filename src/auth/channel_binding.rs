@@ -107,6 +107,15 @@ fn malformed(detail: &str) -> PgError {
     PgError::protocol_violation("malformed SCRAM message").with_detail(detail)
 }
 
+/// A client that could bind, told PLUS was offered, says it was not: someone in between may
+/// have removed it from the list.
+fn downgrade() -> PgError {
+    PgError::fatal("28000", "SCRAM channel binding negotiation error").with_detail(
+        "The client supports SCRAM channel binding but thinks the server does not.  However, \
+         this server does support channel binding.",
+    )
+}
+
 /// Checks the client-first message's flag against the mechanism: `bound` is what
 /// [`select`] returned, `plus` whether PLUS was offered. The refusals and their SQLSTATEs are
 /// Postgres's.
@@ -118,14 +127,7 @@ pub fn check_flag(client_first: &[u8], bound: bool, plus: bool) -> Result<(), Pg
             "The client selected SCRAM-SHA-256-PLUS, but the SCRAM message does not include \
              channel binding data.",
         )),
-        CbindFlag::ClientOnly if plus => {
-            Err(
-                PgError::fatal("28000", "SCRAM channel binding negotiation error").with_detail(
-                    "The client supports SCRAM channel binding but thinks the server does not.  \
-             However, this server does support channel binding.",
-                ),
-            )
-        }
+        CbindFlag::ClientOnly if plus => Err(downgrade()),
         CbindFlag::No | CbindFlag::ClientOnly => Ok(()),
         CbindFlag::Bound(_) if !bound => Err(malformed(
             "The client selected SCRAM-SHA-256 without channel binding, but the SCRAM message \
