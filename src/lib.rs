@@ -12,7 +12,7 @@
 //! protocol  header-only framing, message bodies, SQLSTATE errors
 //! pool      per-(database, user) pools, priority checkout, backend connect/auth/reset
 //! cancel    proxy-issued cancel keys → the backend currently running the client's query
-//! auth      SCRAM/md5 secrets for both sides
+//! auth      SCRAM/md5 secrets for both sides, SCRAM channel binding toward clients
 //! tls       rustls acceptor (clients) and connector (Postgres), reloadable; TLS streams
 //! config    YAML config, validation with field and line
 //! observe   per-fingerprint statistics, the anomaly detector over them, Prometheus metrics

@@ -1,8 +1,9 @@
 //! TLS on both sides, with rustls and the ring provider.
 //!
-//! * Client side: a [`ClientTls`] snapshot (mode + acceptor with ALPN `postgresql`) that
-//!   [`Tls::reload`] swaps atomically on SIGHUP; established sessions keep their own state, so
-//!   a reload never drops anyone. [`ClientStream`] is the client connection, upgraded in place
+//! * Client side: a [`ClientTls`] snapshot (mode + acceptor with ALPN `postgresql`, and the
+//!   SCRAM channel binding of the certificate it presents) that [`Tls::reload`] swaps
+//!   atomically on SIGHUP; established sessions keep their own state, so a reload never drops
+//!   anyone. [`ClientStream`] is the client connection, upgraded in place
 //!   from plaintext to TLS by the handshake.
 //! * Backend side: a [`BackendTls`] snapshot (libpq-style `sslmode`, and the authentication
 //!   methods allowed with it) read by every new server connection, and [`BackendStream`], the
@@ -35,6 +36,7 @@ use tokio_rustls::rustls::{
 };
 use tokio_rustls::{TlsAcceptor, TlsConnector};
 
+use crate::auth::channel_binding::EndPoint;
 use crate::config::{BackendAuthMethod, BackendTlsMode, ClientTlsMode, Config};
 
 /// The ALPN protocol name Postgres 17 defines (required for direct TLS).
@@ -93,6 +95,11 @@ pub struct ClientTls {
     pub mode: ClientTlsMode,
     /// `None` when the mode is `disable`.
     pub acceptor: Option<TlsAcceptor>,
+    /// The `tls-server-end-point` binding of the certificate `acceptor` presents (the first
+    /// of `tls.cert_file`), for SCRAM-SHA-256-PLUS. Kept with the acceptor so that a login
+    /// checks the certificate its own connection was shown. `None` when TLS is off or the
+    /// certificate's signature algorithm names no hash (then PLUS is not offered).
+    pub end_point: Option<EndPoint>,
 }
 
 impl ClientTls {
@@ -102,11 +109,24 @@ impl ClientTls {
             return Ok(ClientTls {
                 mode: t.mode,
                 acceptor: None,
+                end_point: None,
             });
         }
         let cert_path = required("tls.cert_file", &t.cert_file)?;
         let key_path = required("tls.key_file", &t.key_file)?;
         let chain = certs("tls.cert_file", cert_path)?;
+        // `certs` returned at least one: the end-entity certificate comes first.
+        let end_point = chain.first().and_then(|cert| {
+            EndPoint::new(cert)
+                .inspect_err(|e| {
+                    tracing::warn!(
+                        cert_file = cert_path,
+                        "tls.cert_file: no SCRAM channel binding for this certificate ({e}); \
+                         clients are offered SCRAM-SHA-256 without SCRAM-SHA-256-PLUS"
+                    )
+                })
+                .ok()
+        });
         let key = PrivateKeyDer::from_pem_file(key_path).map_err(|source| TlsError::Pem {
             what: "tls.key_file",
             path: key_path.to_string(),
@@ -120,6 +140,7 @@ impl ClientTls {
         Ok(ClientTls {
             mode: t.mode,
             acceptor: Some(TlsAcceptor::from(Arc::new(sc))),
+            end_point,
         })
     }
 }

@@ -13,6 +13,7 @@
 //! so does the mock secret.)
 
 pub mod cache;
+pub mod channel_binding;
 pub mod passthrough;
 
 use std::borrow::Cow;

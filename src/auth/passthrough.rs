@@ -6,7 +6,9 @@
 //! count), as it does when the verifier came from it. PgBouncer does the same.
 //!
 //! Owns the recovery and a minimal SCRAM-SHA-256 client keyed by ClientKey (no channel
-//! binding). The key is never logged or shown.
+//! binding toward Postgres). Recovery reads a client's SCRAM-SHA-256-PLUS exchange as well:
+//! the gs2 header and the client-final's `c=` enter the AuthMessage as the client sent them.
+//! The key is never logged or shown.
 
 use base64::Engine;
 use ring::{digest, hmac};
@@ -222,5 +224,45 @@ mod tests {
             .update(format!("r={nonce}x,s=AAAA,i=4096").as_bytes())
             .unwrap_err();
         assert!(e.contains("another SCRAM verifier"), "{e}");
+    }
+
+    /// SCRAM-SHA-256-PLUS (as pgwire runs it for a TLS client): the client-first message
+    /// starts with `p=tls-server-end-point,,` and the client-final's `c=` carries the
+    /// certificate's hash, and the key recovered is the same one an unbound login proves.
+    #[test]
+    fn the_key_is_recovered_from_a_channel_bound_exchange() {
+        use crate::auth::channel_binding::EndPoint;
+        use postgres_protocol::authentication::sasl::{ChannelBinding, ScramSha256};
+        let key = rcgen::KeyPair::generate().expect("key");
+        let params = rcgen::CertificateParams::new(vec!["localhost".to_owned()]).expect("params");
+        let cert = params.self_signed(&key).expect("cert").der().clone();
+        let end_point = EndPoint::new(&cert).expect("an ECDSA P-256 certificate binds");
+        let hash = digest::digest(&digest::SHA256, cert.as_ref())
+            .as_ref()
+            .to_vec();
+        let verifier = Verifier::from_password("s3cret");
+        let recover = |binding: ChannelBinding| {
+            let mut client = ScramSha256::new(b"s3cret", binding);
+            let client_first = client.message().to_vec();
+            let (server_first, waiting) = end_point
+                .scram()
+                .on_client_first_message_with_secret(&client_first, verifier.secret())
+                .expect("client-first");
+            client
+                .update(server_first.as_bytes())
+                .expect("server-first");
+            let client_final = client.message().to_vec();
+            waiting
+                .on_client_final_message(&client_final)
+                .expect("the proof and the binding check out");
+            let key = ClientKey::recover(&verifier, &client_first, &server_first, &client_final)
+                .expect("the key of a correct proof");
+            (client_first, client_final, key.key)
+        };
+        let (first, last, bound) = recover(ChannelBinding::tls_server_end_point(hash));
+        assert!(first.starts_with(b"p=tls-server-end-point,,n=,r="));
+        assert!(!last.starts_with(b"c=biws,"), "c= carries the binding data");
+        let (_, _, unbound) = recover(ChannelBinding::unsupported());
+        assert_eq!(bound, unbound, "one password, one ClientKey");
     }
 }

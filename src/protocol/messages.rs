@@ -256,8 +256,10 @@ pub fn auth_ok(out: &mut BytesMut) {
     put(out, Authentication::Ok);
 }
 
-pub fn auth_sasl(out: &mut BytesMut) {
-    put(out, Authentication::SASL(vec!["SCRAM-SHA-256".to_string()]));
+/// AuthenticationSASL listing `mechanisms`, in the order given.
+pub fn auth_sasl(out: &mut BytesMut, mechanisms: &[&str]) {
+    let mechanisms = mechanisms.iter().map(|m| m.to_string()).collect();
+    put(out, Authentication::SASL(mechanisms));
 }
 
 pub fn auth_sasl_continue(out: &mut BytesMut, data: &[u8]) {

@@ -1,5 +1,6 @@
 //! Connection start: SSL/GSS negotiation (and direct TLS), the startup packet, protocol
-//! version negotiation, CancelRequest (within the client address's cancel share), and client authentication (SCRAM-SHA-256, md5, trust).
+//! version negotiation, CancelRequest (within the client address's cancel share), and client
+//! authentication (SCRAM-SHA-256, with SCRAM-SHA-256-PLUS also offered over TLS; md5; trust).
 //!
 //! Everything here runs before the client is trusted, under the caller's handshake timeout:
 //! packets are length-checked before they are read, and unknown users walk the same SCRAM
@@ -19,6 +20,7 @@ use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 
 use crate::app::App;
 use crate::auth;
+use crate::auth::channel_binding::{self, EndPoint};
 use crate::cancel;
 use crate::config::{AuthMethod, ClientTlsMode};
 use crate::protocol::PgError;
@@ -303,7 +305,10 @@ pub async fn startup<S: AsyncRead + AsyncWrite + Unpin>(
         0
     };
 
-    authenticate(app, s, buf, &mut out, &user).await?;
+    // Channel binding only over TLS, with the binding of the certificate this connection
+    // was shown (`tls` is the snapshot whose acceptor ran its handshake).
+    let end_point = tls.end_point.as_ref().filter(|_| s.is_tls());
+    authenticate(app, s, buf, &mut out, &user, end_point).await?;
     let login = Login {
         user,
         database,
@@ -314,12 +319,15 @@ pub async fn startup<S: AsyncRead + AsyncWrite + Unpin>(
 }
 
 /// Authenticates `user`; on success `out` ends with AuthenticationOk, not yet written.
+/// `end_point` is the channel binding SCRAM-SHA-256-PLUS checks (a TLS connection whose
+/// certificate has one); without it PLUS is not offered.
 async fn authenticate<S: AsyncRead + AsyncWrite + Unpin>(
     app: &App,
     s: &mut S,
     buf: &mut BytesMut,
     out: &mut BytesMut,
     user: &str,
+    end_point: Option<&EndPoint>,
 ) -> Result<(), PgError> {
     let creds = app.creds();
     let looked_up;
@@ -352,17 +360,13 @@ async fn authenticate<S: AsyncRead + AsyncWrite + Unpin>(
             }
         }
         AuthMethod::ScramSha256 => {
-            messages::auth_sasl(out);
+            let plus = end_point.is_some();
+            messages::auth_sasl(out, channel_binding::mechanisms(plus));
             write(s, out).await?;
             let body = read_auth_message(s, buf).await?;
             let (mech, rest) = messages::cstr(&body)
                 .ok_or_else(|| PgError::protocol_violation("malformed SASLInitialResponse"))?;
-            if mech != b"SCRAM-SHA-256" {
-                return Err(PgError::fatal(
-                    "28000",
-                    "client selected an invalid SASL authentication mechanism",
-                ));
-            }
+            let bound = channel_binding::select(mech, plus)?;
             if rest.len() < 4 {
                 return Err(PgError::protocol_violation("malformed SASLInitialResponse"));
             }
@@ -373,11 +377,15 @@ async fn authenticate<S: AsyncRead + AsyncWrite + Unpin>(
                     "malformed SASLInitialResponse length",
                 ));
             }
+            channel_binding::check_flag(data, bound, plus)?;
             let verifier = match known.and_then(|u| u.verifier.as_ref()) {
                 Some(v) => std::borrow::Cow::Borrowed(v),
                 None => creds.verifier_or_mock(user),
             };
-            let (server_first, waiting) = ScramServerAuth::new()
+            // With PLUS offered, pgwire checks the client-final's `c=` against the
+            // certificate's hash (and refuses `y`), whichever mechanism was selected.
+            let scram = end_point.map_or_else(ScramServerAuth::new, |e| e.scram().clone());
+            let (server_first, waiting) = scram
                 .on_client_first_message_with_secret(data, verifier.secret())
                 .map_err(|_| PgError::auth_failed(user))?;
             messages::auth_sasl_continue(out, server_first.as_bytes());

@@ -1,8 +1,8 @@
 //! The process lifecycle (TESTS.md G): SIGTERM drains the sessions, then forces (G1); a second
 //! SIGTERM exits at once (G2); a SIGHUP reload keeps connected clients, applies new limits and
-//! TLS files and rejects an invalid file, keeping the running configuration (G4, and the caller
-//! limits of issue 5); under systemd the proxy tells the service manager READY, RELOADING and
-//! STOPPING (G5); and the failover steps of the runbook, with the CLI — pause, point the config
+//! TLS files (SCRAM-SHA-256-PLUS then binds to the new certificate) and rejects an invalid
+//! file, keeping the running configuration (G4, and the caller limits of issue 5); under
+//! systemd the proxy tells the service manager READY, RELOADING and STOPPING (G5); and the failover steps of the runbook, with the CLI — pause, point the config
 //! at the new server, reload, reconnect, resume — move clients without an error.
 //!
 //! * `rolling_restart` — G3: one of two instances sharing a SO_REUSEPORT port restarts under
@@ -16,6 +16,7 @@ mod rolling_restart;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use postgres_protocol::authentication::sasl::ChannelBinding;
 use tokio_postgres::Client;
 
 use crate::support::pg::{APP_DB, APP_PASSWORD, APP_USER, Cluster};
@@ -24,7 +25,7 @@ use crate::support::policy::{
 };
 use crate::support::proxy::{ADMIN_READ_TOKEN, Proxy, ProxyOptions};
 use crate::support::raw::{
-    Raw, cert, client_tls, first_value, oracle, query, signal, tls_via_request, write,
+    Raw, cert, client_tls, first_value, oracle, query, sasl_login, signal, tls_via_request, write,
 };
 use crate::support::spawned::{client, spawn};
 use crate::support::sql::scalar;
@@ -253,6 +254,16 @@ async fn g4_sighup_reload_keeps_clients_and_rejects_bad_configs() {
         .login(0, APP_USER, APP_PASSWORD, &[])
         .await
         .expect("login over new TLS");
+    // SCRAM-SHA-256-PLUS binds to the certificate now served, and no longer to the old one.
+    for (root, want) in [(&root2, "ok"), (&root1, "28P01")] {
+        let c = tls_via_request(proxy.addr(), client_tls(&root2, false))
+            .await
+            .expect("TLS with the new certificate");
+        let hash = ring::digest::digest(&ring::digest::SHA256, root.as_ref());
+        let binding = ChannelBinding::tls_server_end_point(hash.as_ref().to_vec());
+        let (_, got) = sasl_login(c, "SCRAM-SHA-256-PLUS", binding, APP_PASSWORD).await;
+        assert!(got.starts_with(want), "{got}");
+    }
     // Invalid configs are rejected and the running one stays.
     for bad in [
         "pool:\n  size: 0\n".to_string(),

@@ -3,6 +3,10 @@
 //! bytes injected before the handshake and a man in the middle answering 'N': B2). With
 //! client TLS on, every login runs on the login thread.
 //!
+//! SCRAM-SHA-256-PLUS (channel binding `tls-server-end-point`) over TLS: what is offered, what
+//! is refused as Postgres refuses it, and logins with tokio-postgres and psql
+//! (`channel_binding=require`), a user known by its verifier (pass-through) included.
+//!
 //! The authentication matrix (B6) is in `auth`, a malicious backend (B8) in `backend_faults`, a
 //! connect storm half over TLS in `overload`, a reload of the TLS files in `lifecycle`.
 
@@ -10,15 +14,19 @@ use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
+use postgres_protocol::authentication::sasl::ChannelBinding;
 use rustls_pki_types::CertificateDer;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpListener;
+use tokio_postgres::config::{ChannelBinding as Binding, SslMode};
 
+use crate::support::note_skipped;
 use crate::support::pg::{APP_DB, APP_PASSWORD, APP_USER, Cluster, server_identity};
+use crate::support::pg_tls::MakeRustls;
 use crate::support::proxy::{ADMIN_READ_TOKEN, Proxy, ProxyOptions};
 use crate::support::raw::{
-    Raw, cert, client_tls, first_value, gss_request, oracle, pools_at_rest, query, ssl_request,
-    startup, tls_direct, tls_via_request, write,
+    Raw, cert, client_tls, first_value, gss_request, oracle, pools_at_rest, query, sasl_login,
+    ssl_request, startup, tls_direct, tls_via_request, write,
 };
 use crate::support::run_with_timeout_async;
 use crate::support::spawned::metric;
@@ -191,6 +199,179 @@ async fn b1_b3_b4_b5_client_tls_negotiation() {
             .is_err()
     );
     oracle(&plain).await;
+}
+
+/// SCRAM-SHA-256-PLUS over TLS. The proxy offers it first (SCRAM-SHA-256 alone without TLS),
+/// binds to SHA-256 of its own certificate (ECDSA P-256), and refuses what Postgres refuses: a
+/// binding to anything else or a wrong password (28P01), PLUS without binding data or without
+/// TLS, binding data under SCRAM-SHA-256 (08P01), and `y` where PLUS was offered (28000, a
+/// downgrade). Real clients: tokio-postgres and psql with `channel_binding=require` (and
+/// `disable`), and a user known only by its verifier, whose key the proxy recovers from the
+/// bound exchange to log in to Postgres (pass-through). Without TLS, libpq's `require` fails
+/// with its own error, and tokio-postgres's too.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn scram_sha_256_plus_binds_logins_to_the_proxy_certificate() {
+    let cluster = Cluster::start();
+    cluster.psql_on(
+        APP_DB,
+        "CREATE ROLE vuser LOGIN PASSWORD 'v-pw'; GRANT CONNECT ON DATABASE appdb TO vuser",
+    );
+    let verifier = cluster
+        .psql_on(
+            "postgres",
+            "SELECT rolpassword FROM pg_authid WHERE rolname = 'vuser'",
+        )
+        .trim()
+        .to_owned();
+    let dir = tempfile::tempdir().expect("tempdir");
+    let (c, k, root) = cert(&["localhost", "127.0.0.1"], false);
+    write(dir.path(), "cert.pem", &c);
+    write(dir.path(), "key.pem", &k);
+    let users = format!("auth:\n  users:\n    - {{ name: vuser, password: \"{verifier}\" }}\n");
+    let cfg = tls_yaml(dir.path(), "allow", &users);
+    let proxy = Proxy::start(&cluster, ProxyOptions::pool(2).config_file(cfg));
+    if proxy.is_direct() {
+        note_skipped("the cluster has no TLS: channel binding is the proxy's");
+        return;
+    }
+    let addr = proxy.addr();
+
+    // The protocol, case by case.
+    let plus = "SCRAM-SHA-256-PLUS";
+    let scram = "SCRAM-SHA-256";
+    let hash = ring::digest::digest(&ring::digest::SHA256, root.as_ref())
+        .as_ref()
+        .to_vec();
+    let bound = || ChannelBinding::tls_server_end_point(hash.clone());
+    let cases = [
+        (
+            "bound to the certificate",
+            plus,
+            bound(),
+            APP_PASSWORD,
+            "ok",
+        ),
+        ("wrong password", plus, bound(), "wrong", "28P01"),
+        (
+            "bound to another hash",
+            plus,
+            ChannelBinding::tls_server_end_point(vec![0; 32]),
+            APP_PASSWORD,
+            "28P01",
+        ),
+        (
+            "PLUS without binding data",
+            plus,
+            ChannelBinding::unsupported(),
+            APP_PASSWORD,
+            "08P01",
+        ),
+        (
+            "binding data under SCRAM-SHA-256",
+            scram,
+            bound(),
+            APP_PASSWORD,
+            "08P01",
+        ),
+        (
+            "y where PLUS was offered",
+            scram,
+            ChannelBinding::unrequested(),
+            APP_PASSWORD,
+            "28000",
+        ),
+        (
+            "n",
+            scram,
+            ChannelBinding::unsupported(),
+            APP_PASSWORD,
+            "ok",
+        ),
+    ];
+    for (what, mechanism, binding, password, want) in cases {
+        let c = tls_via_request(addr, client_tls(&root, false))
+            .await
+            .expect("TLS");
+        let (offered, got) = sasl_login(c, mechanism, binding, password).await;
+        assert_eq!(offered, [plus, scram], "TLS, {what}");
+        assert!(got.starts_with(want), "TLS, {what}: {got}");
+    }
+    let plain_cases = [
+        (
+            "PLUS",
+            plus,
+            bound(),
+            "08P01: client selected an invalid SASL",
+        ),
+        ("y", scram, ChannelBinding::unrequested(), "ok"),
+    ];
+    for (what, mechanism, binding, want) in plain_cases {
+        let (offered, got) =
+            sasl_login(Raw::tcp(addr).await, mechanism, binding, APP_PASSWORD).await;
+        assert_eq!(offered, [scram], "plaintext, {what}");
+        assert!(got.starts_with(want), "plaintext, {what}: {got}");
+    }
+
+    // tokio-postgres, with a connector that reports the binding.
+    let connect = |user: &str, password: &str, binding: Binding| {
+        let mut config = proxy.config(user, password, APP_DB);
+        config.ssl_mode(SslMode::Require).channel_binding(binding);
+        let tls = MakeRustls(client_tls(&root, false));
+        async move {
+            let (client, connection) = config.connect(tls).await?;
+            tokio::spawn(connection);
+            let row = client.query_one("SELECT current_user::text", &[]).await?;
+            Ok::<_, tokio_postgres::Error>(row.get::<_, String>(0))
+        }
+    };
+    for (user, password) in [(APP_USER, APP_PASSWORD), ("vuser", "v-pw")] {
+        for binding in [Binding::Require, Binding::Disable] {
+            let who = connect(user, password, binding)
+                .await
+                .unwrap_or_else(|e| panic!("{user}, {binding:?}: {e:?}"));
+            assert_eq!(who, user, "{binding:?}");
+        }
+    }
+    let e = connect(APP_USER, "wrong", Binding::Require)
+        .await
+        .expect_err("a wrong password");
+    assert_eq!(e.code().map(|c| c.code()), Some("28P01"), "{e:?}");
+    // Without TLS, tokio-postgres's `require` has nothing to bind to.
+    let mut config = proxy.app_config();
+    config.channel_binding(Binding::Require);
+    assert!(proxy.try_client_with(&config).await.is_err());
+
+    // psql (libpq 15).
+    let run = |sslmode: &str, binding: &str, password: &str| {
+        let mut cmd = psql(addr, sslmode, "SELECT current_user");
+        cmd.env("PGCHANNELBINDING", binding)
+            .env("PGPASSWORD", password);
+        run_with_timeout_async(cmd, Duration::from_secs(30))
+    };
+    for binding in ["require", "disable"] {
+        let out = run("require", binding, APP_PASSWORD).await;
+        assert!(
+            out.status.success(),
+            "psql, channel_binding={binding}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        assert_eq!(String::from_utf8_lossy(&out.stdout).trim(), APP_USER);
+    }
+    let out = run("require", "require", "wrong").await;
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert!(
+        stderr.contains("password authentication failed"),
+        "{stderr}"
+    );
+    let out = run("disable", "require", APP_PASSWORD).await;
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert!(
+        stderr.contains("channel binding required, but SSL not in use"),
+        "{stderr}"
+    );
+    oracle(&proxy).await;
 }
 
 /// Turns SSL on in `cluster` with this certificate and key (reload; new connections use it).

@@ -10,7 +10,8 @@
 //!   backend-count sampling, running pgbench and parsing its summary.
 //! * [`wire`] is a deliberately small raw protocol client, for the cases where a driver hides
 //!   what a test must control (statement names, exact message sequences); [`raw`] a byte-level
-//!   one that can send anything (malformed packets, TLS), with the universal oracle.
+//!   one that can send anything (malformed packets, TLS), with the universal oracle;
+//!   [`pg_tls`] a TLS connector for tokio-postgres that reports the channel binding.
 //! * [`env`], [`policy`], [`storm`] and [`isolation`] start a cluster and a proxy with a config
 //!   file the way the tests of a feature family need it (the traffic policy of issue 5, the
 //!   storm controls of issue 17, the isolation tests of issue 15 with their session-state
@@ -26,6 +27,7 @@ pub mod env;
 pub mod faults;
 pub mod isolation;
 pub mod pg;
+pub mod pg_tls;
 pub mod pgbench;
 pub mod policy;
 pub mod proxy;

@@ -329,6 +329,54 @@ pub fn client_tls(root: &CertificateDer<'static>, alpn: bool) -> Arc<ClientConfi
     Arc::new(c)
 }
 
+/// Starts a login as the app user on `c` and answers the SASL request with `mechanism`,
+/// `binding` and `password`: the mechanisms the server offered, and "ok" or the refusal
+/// ("SQLSTATE: message").
+pub async fn sasl_login(
+    mut c: Raw,
+    mechanism: &str,
+    binding: ChannelBinding,
+    password: &str,
+) -> (Vec<String>, String) {
+    c.send(&startup(0, &[("user", APP_USER), ("database", APP_DB)]))
+        .await
+        .expect("startup");
+    let (tag, body) = c.recv().await.expect("an authentication request");
+    assert_eq!(
+        (tag, &body[..4]),
+        (b'R', &10i32.to_be_bytes()[..]),
+        "AuthenticationSASL"
+    );
+    let offered = body[4..]
+        .split(|&b| b == 0)
+        .take_while(|m| !m.is_empty())
+        .map(|m| String::from_utf8_lossy(m).into_owned())
+        .collect();
+    let mut scram = ScramSha256::new(password.as_bytes(), binding);
+    let outcome = async {
+        let mut b = BytesMut::new();
+        b.put_slice(mechanism.as_bytes());
+        b.put_u8(0);
+        b.put_i32(scram.message().len() as i32);
+        b.put_slice(scram.message());
+        c.send(&frame(b'p', &b)).await.map_err(|e| e.to_string())?;
+        let reply = |(tag, body): Msg| match tag {
+            b'R' => Ok(body.slice(4..)),
+            b'E' => Err(format!("{}: {}", field(&body, b'C'), field(&body, b'M'))),
+            other => Err(format!("unexpected message {:?}", char::from(other))),
+        };
+        let server_first = reply(c.recv().await?)?;
+        scram.update(&server_first).map_err(|e| e.to_string())?;
+        c.send(&frame(b'p', scram.message()))
+            .await
+            .map_err(|e| e.to_string())?;
+        let server_final = reply(c.recv().await?)?;
+        scram.finish(&server_final).map_err(|e| e.to_string())
+    };
+    let outcome = outcome.await.map_or_else(|e| e, |()| "ok".to_owned());
+    (offered, outcome)
+}
+
 /// SSLRequest, 'S', TLS handshake: a raw connection over TLS, before the StartupMessage.
 pub async fn tls_via_request(addr: SocketAddr, cfg: Arc<ClientConfig>) -> Result<Raw, String> {
     let mut c = Raw::tcp(addr).await;
