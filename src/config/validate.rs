@@ -231,6 +231,25 @@ impl Config {
             text,
             out: Vec::new(),
         };
+        self.check_sockets(&mut p);
+        self.check_backend_url_and_users(&mut p);
+        self.check_auth_query(&mut p);
+        self.check_databases(&mut p);
+        self.check_backend(&mut p);
+        self.check_admin_and_process(&mut p);
+        self.check_pool(&mut p);
+        self.check_user_names(&mut p);
+        self.check_limits(&mut p);
+        self.check_tls(&mut p);
+        self.check_callers(&mut p);
+        self.check_fleet_and_peers(&mut p);
+        self.check_classify_and_detector(&mut p);
+        self.check_breaker(&mut p);
+        if p.out.is_empty() { Ok(()) } else { Err(p.out) }
+    }
+
+    /// The Unix socket: its mode bits and a directory whose socket path fits.
+    fn check_sockets(&self, p: &mut Problems<'_>) {
         if self.unix_socket_mode_bits().is_none() {
             p.add(
                 "unix_socket_mode".into(),
@@ -254,6 +273,11 @@ impl Config {
                 );
             }
         }
+    }
+
+    /// `backend.url`, and each `auth.users[]` entry's secret: one source, a verifier that
+    /// parses, no md5 with a verifier.
+    fn check_backend_url_and_users(&self, p: &mut Problems<'_>) {
         if let Some(url) = &self.backend.url
             && let Err(e) = BackendUrl::parse(url)
         {
@@ -289,6 +313,10 @@ impl Config {
                 }
             }
         }
+    }
+
+    /// `auth.auth_query`.
+    fn check_auth_query(&self, p: &mut Problems<'_>) {
         if let Some(q) = &self.auth.auth_query {
             if q.user.is_empty() {
                 p.add(
@@ -306,6 +334,10 @@ impl Config {
                 p.add("auth.auth_query.cache_ttl_ms".into(), "must be > 0");
             }
         }
+    }
+
+    /// `databases[]`: unique names, URLs, pool sizes and replicas.
+    fn check_databases(&self, p: &mut Problems<'_>) {
         let mut names = HashSet::new();
         for (i, d) in self.databases.iter().enumerate() {
             let at = |k: &str| format!("databases[{i}].{k}");
@@ -341,6 +373,10 @@ impl Config {
                 }
             }
         }
+    }
+
+    /// `backend.*`: the password file, `require_auth`, the connect and TCP user timeouts.
+    fn check_backend(&self, p: &mut Problems<'_>) {
         if self.backend.password_file.as_deref() == Some("") {
             p.add(
                 "backend.password_file".into(),
@@ -367,6 +403,10 @@ impl Config {
                 format!("must be between 0 (off) and {MAX_TCP_USER_TIMEOUT_MS}"),
             );
         }
+    }
+
+    /// `admin.allowed_hosts`, the log rate and the worker threads.
+    fn check_admin_and_process(&self, p: &mut Problems<'_>) {
         for (i, h) in self.admin.allowed_hosts.iter().enumerate() {
             let name = h.strip_prefix("*.").unwrap_or(h);
             let ok = h == "*"
@@ -396,6 +436,10 @@ impl Config {
                 "must be between 0 (automatic) and 1024",
             );
         }
+    }
+
+    /// `pool.*` and `pools[]` overrides.
+    fn check_pool(&self, p: &mut Problems<'_>) {
         let pool = &self.pool;
         if pool.size == 0 || pool.size > 10_000 {
             p.add("pool.size".into(), "must be between 1 and 10000");
@@ -458,6 +502,10 @@ impl Config {
                 p.add(format!("pools[{i}].size"), "must be > 0");
             }
         }
+    }
+
+    /// `auth.users[]` names: present and unique.
+    fn check_user_names(&self, p: &mut Problems<'_>) {
         let mut users = HashSet::new();
         for (i, u) in self.auth.users.iter().enumerate() {
             if u.name.is_empty() {
@@ -481,6 +529,10 @@ impl Config {
                 );
             }
         }
+    }
+
+    /// `limits.*` and the breaker's critical reserve.
+    fn check_limits(&self, p: &mut Problems<'_>) {
         let l = &self.limits;
         if l.max_client_conn == 0 {
             p.add("limits.max_client_conn".into(), "must be > 0");
@@ -519,6 +571,11 @@ impl Config {
                 "must be > 0 (critical traffic needs some room while the breaker is open)",
             );
         }
+    }
+
+    /// The TLS files each mode needs: `tls.*` toward clients, `backend.root_cert_file` for a
+    /// verifying backend mode.
+    fn check_tls(&self, p: &mut Problems<'_>) {
         if self.tls.mode != super::ClientTlsMode::Disable {
             for (field, v) in [
                 ("tls.cert_file", &self.tls.cert_file),
@@ -543,6 +600,11 @@ impl Config {
                 "required when backend.tls is verify-ca or verify-full",
             );
         }
+    }
+
+    /// `callers[]` (unique names, limits, matches, retry hints) and the global defaults'
+    /// retry hints.
+    fn check_callers(&self, p: &mut Problems<'_>) {
         let mut names = HashSet::new();
         for (i, c) in self.callers.iter().enumerate() {
             if c.name.is_empty() || c.name == "default" {
@@ -575,7 +637,7 @@ impl Config {
             }
             let g = &self.global_defaults;
             check_retry(
-                &mut p,
+                p,
                 &format!("callers[{i}]"),
                 c.retry_base_ms.unwrap_or(g.retry_base_ms),
                 c.retry_cap_ms.unwrap_or(g.retry_cap_ms),
@@ -584,12 +646,16 @@ impl Config {
         }
         let g = &self.global_defaults;
         check_retry(
-            &mut p,
+            p,
             "global_defaults",
             g.retry_base_ms,
             g.retry_cap_ms,
             g.retry_floor_ms,
         );
+    }
+
+    /// `fleet` and `peers[]`.
+    fn check_fleet_and_peers(&self, p: &mut Problems<'_>) {
         if let Some(f) = &self.fleet {
             if let Err(e) = redis::Client::open(f.redis_url.as_str()) {
                 p.add("fleet.redis_url".into(), format!("not a Redis URL: {e}"));
@@ -648,6 +714,10 @@ impl Config {
                 p.add(format!("peers[{i}].addr"), e);
             }
         }
+    }
+
+    /// `classify.*`, `detector` and `auto_rules`.
+    fn check_classify_and_detector(&self, p: &mut Problems<'_>) {
         if self.classify.max_text_bytes == 0 {
             p.add("classify.max_text_bytes".into(), "must be > 0");
         }
@@ -657,6 +727,10 @@ impl Config {
         if self.classify.stats_capacity == 0 {
             p.add("classify.stats_capacity".into(), "must be > 0");
         }
+    }
+
+    /// `global_defaults.circuit_breaker` and `global_defaults.max_concurrency`.
+    fn check_breaker(&self, p: &mut Problems<'_>) {
         let b = &self.global_defaults.circuit_breaker;
         if let Some(t) = b.db_cpu_threshold_percent
             && !(0.0..=100.0).contains(&t)
@@ -690,7 +764,6 @@ impl Config {
         if self.global_defaults.max_concurrency == 0 {
             p.add("global_defaults.max_concurrency".into(), "must be > 0");
         }
-        if p.out.is_empty() { Ok(()) } else { Err(p.out) }
     }
 }
 
