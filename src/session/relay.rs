@@ -586,15 +586,14 @@ impl Relay {
     /// before it is written: admitted by the policy (or refused), routed (a Query may go to a
     /// replica), given a backend (its parked one back, else a checkout watching the client),
     /// and its session effects applied (pin, capture, cleanup marks, or refusal).
-    /// `Some(timeouts)`: write it with them; `None`: it was refused and answered, in
-    /// protocol order, and the handler stops.
-    async fn statement_pipeline<S: AsyncRead + Unpin>(
-        &mut self,
-        step: Step<'_>,
-        class: &Arc<Classified>,
-        client: &mut S,
-    ) -> Result<Option<Timeouts>, End> {
-        let tag = step.tag;
+    ///
+    /// This is the part that never waits, run first and in line (no future is made for the
+    /// usual statement, admitted at once onto the backend it holds or has parked):
+    /// [`Flow::Go`] with the timeouts to write it with, [`Flow::Refused`] when it was refused
+    /// and answered in protocol order, or where it has to wait, which
+    /// [`Relay::statement_wait`] finishes.
+    #[inline(always)]
+    fn statement_now(&mut self, step: &Step<'_>, class: &Arc<Classified>) -> Result<Flow, End> {
         let admitted = match step.admit {
             AdmitStep::Done(t) => Ok(t),
             // A batch that starts with a Parse is admitted there, with that statement; a
@@ -602,41 +601,98 @@ impl Relay {
             AdmitStep::IfOpening if self.unit.is_open() || self.lease.attached() => {
                 Ok(Timeouts::default())
             }
-            AdmitStep::IfOpening | AdmitStep::Now => {
-                let admitted = match self.admit_now(class) {
-                    Admit::Done(r) => r,
-                    Admit::Wait(req) => self.admit_wait(class, req, client).await,
-                };
-                if step.admit == AdmitStep::IfOpening
-                    && let Ok(t) = admitted
-                {
-                    self.unit.opened_by_parse = Some((class.fingerprint, t));
+            AdmitStep::IfOpening | AdmitStep::Now => match self.admit_now(class) {
+                Admit::Done(r) => self.opened(step, class, r),
+                Admit::Wait(req) => return Ok(Flow::Admit(req)),
+            },
+        };
+        match admitted {
+            Ok(t) => self.route_and_attach(step, class, t),
+            Err(e) => self.refuse_statement(step.tag, e).map(|()| Flow::Refused),
+        }
+    }
+
+    /// The pipeline's waits: the policy's queue, a checkout. `Some(timeouts)`: write the
+    /// statement with them; `None`: it was refused and answered.
+    async fn statement_wait<S: AsyncRead + Unpin>(
+        &mut self,
+        mut flow: Flow,
+        step: &Step<'_>,
+        class: &Arc<Classified>,
+        client: &mut S,
+    ) -> Result<Option<Timeouts>, End> {
+        loop {
+            flow = match flow {
+                Flow::Go(t) => return Ok(Some(t)),
+                Flow::Refused => return Ok(None),
+                Flow::Admit(req) => {
+                    let r = self.admit_wait(class, req, client).await;
+                    match self.opened(step, class, r) {
+                        Ok(t) => self.route_and_attach(step, class, t)?,
+                        Err(e) => return self.refuse_statement(step.tag, e).map(|()| None),
+                    }
                 }
-                admitted
+                Flow::Attach(t) => {
+                    if let Err(e) = self.ensure_backend(client).await {
+                        return self.core.refuse(step.tag, e).map(|()| None);
+                    }
+                    self.apply_step_effects(step, class, t)?
+                }
             }
-        };
-        let timeouts = match admitted {
-            Ok(t) => t,
-            Err(e) => return self.refuse_statement(tag, e).map(|()| None),
-        };
+        }
+    }
+
+    /// A Parse that opened its batch keeps what it was admitted with, for its Bind.
+    #[inline(always)]
+    fn opened(
+        &mut self,
+        step: &Step<'_>,
+        class: &Classified,
+        admitted: Result<Timeouts, PgError>,
+    ) -> Result<Timeouts, PgError> {
+        if step.admit == AdmitStep::IfOpening
+            && let Ok(t) = admitted
+        {
+            self.unit.opened_by_parse = Some((class.fingerprint, t));
+        }
+        admitted
+    }
+
+    /// The pipeline after admission: the replica choice, then the backend if one is attached
+    /// or parked (else [`Flow::Attach`]), then the effects.
+    #[inline(always)]
+    fn route_and_attach(
+        &mut self,
+        step: &Step<'_>,
+        class: &Arc<Classified>,
+        t: Timeouts,
+    ) -> Result<Flow, End> {
         if step.route
             && self.lease.replica_possible
             && let Err(e) = self.choose_replica(class)
         {
-            return self.refuse_statement(tag, e).map(|()| None);
+            return self.refuse_statement(step.tag, e).map(|()| Flow::Refused);
         }
-        if !self.lease.attached()
-            && !self.unpark_now()
-            && let Err(e) = self.ensure_backend(client).await
-        {
-            return self.core.refuse(tag, e).map(|()| None);
+        if !self.lease.attached() && !self.unpark_now() {
+            return Ok(Flow::Attach(t));
         }
+        self.apply_step_effects(step, class, t)
+    }
+
+    /// The pipeline's last step: the statement's session effects, with a backend attached.
+    #[inline(always)]
+    fn apply_step_effects(
+        &mut self,
+        step: &Step<'_>,
+        class: &Classified,
+        t: Timeouts,
+    ) -> Result<Flow, End> {
         if let Effects::Apply(text) = step.effects
             && let Err(e) = self.apply_effects(class, text)
         {
-            return self.refuse_statement(tag, e).map(|()| None);
+            return self.refuse_statement(step.tag, e).map(|()| Flow::Refused);
         }
-        Ok(Some(timeouts))
+        Ok(Flow::Go(t))
     }
 
     async fn on_query<S: AsyncRead + AsyncWrite + Unpin>(
@@ -671,8 +727,13 @@ impl Relay {
             route: true,
             effects: Effects::Apply(Some(sql)),
         };
-        let Some(timeouts) = self.statement_pipeline(step, &class, client).await? else {
-            return Ok(());
+        let timeouts = match self.statement_now(&step, &class)? {
+            Flow::Go(t) => t,
+            Flow::Refused => return Ok(()),
+            wait => match self.statement_wait(wait, &step, &class, client).await? {
+                Some(t) => t,
+                None => return Ok(()),
+            },
         };
         let prefix = self.inject_timeouts(timeouts, &class, true);
         let mut e = Expect::new(Kind::Query, Mode::Forward);
@@ -707,8 +768,13 @@ impl Relay {
             route: false,
             effects: Effects::Apply(None),
         };
-        let Some(timeouts) = self.statement_pipeline(step, &class, client).await? else {
-            return Ok(());
+        let timeouts = match self.statement_now(&step, &class)? {
+            Flow::Go(t) => t,
+            Flow::Refused => return Ok(()),
+            wait => match self.statement_wait(wait, &step, &class, client).await? {
+                Some(t) => t,
+                None => return Ok(()),
+            },
         };
         self.inject_timeouts(timeouts, &class, true);
         self.core
@@ -736,11 +802,15 @@ impl Relay {
             route: false,
             effects: Effects::AtBind,
         };
-        if self
-            .statement_pipeline(step, &class, client)
-            .await?
-            .is_none()
-        {
+        let go = match self.statement_now(&step, &class)? {
+            Flow::Go(_) => true,
+            Flow::Refused => false,
+            wait => self
+                .statement_wait(wait, &step, &class, client)
+                .await?
+                .is_some(),
+        };
+        if !go {
             return Ok(());
         }
         if class.own_transaction
@@ -795,8 +865,13 @@ impl Relay {
             route: false,
             effects: Effects::Apply(text.as_deref()),
         };
-        let Some(timeouts) = self.statement_pipeline(step, &class, client).await? else {
-            return Ok(());
+        let timeouts = match self.statement_now(&step, &class)? {
+            Flow::Go(t) => t,
+            Flow::Refused => return Ok(()),
+            wait => match self.statement_wait(wait, &step, &class, client).await? {
+                Some(t) => t,
+                None => return Ok(()),
+            },
         };
         self.inject_timeouts(timeouts, &class, false);
         self.track_statement(class, self.core.tally.last_ready() + 1);
@@ -1717,7 +1792,7 @@ fn write_now<S: AsyncWrite + Unpin>(stream: &mut S, buf: &[u8]) -> std::io::Resu
     }
 }
 
-/// A statement on its way through [`Relay::statement_pipeline`].
+/// A statement on its way through the pipeline ([`Relay::statement_now`]).
 struct Step<'a> {
     /// The request it came in (`Q`, `P`, `B`, `F`): how a refusal is answered.
     tag: u8,
@@ -1725,6 +1800,18 @@ struct Step<'a> {
     /// Whether it may be routed to a replica (a simple-protocol read).
     route: bool,
     effects: Effects<'a>,
+}
+
+/// Where the pipeline stands.
+enum Flow {
+    /// Write the statement, with these timeouts.
+    Go(Timeouts),
+    /// Refused, and answered.
+    Refused,
+    /// The policy may make it wait.
+    Admit(crate::policy::AdmitRequest),
+    /// Admitted with these timeouts; a backend has to be checked out.
+    Attach(Timeouts),
 }
 
 /// How a statement is admitted.
