@@ -753,14 +753,14 @@ pub fn caller_matcher(cfg: &Config) -> CallerMatcher {
 }
 
 /// Statement timeout for a caller and statement kind (`None` = leave the server's setting).
-pub fn statement_timeout(cfg: &Config, caller: u16, kind: &str) -> Option<Duration> {
+pub fn statement_timeout(cfg: &Config, caller: u16, kind: StmtKind) -> Option<Duration> {
     let pick = |t: &cfgmod::KindTimeouts| match t {
         cfgmod::KindTimeouts::All(ms) => Some(*ms),
         cfgmod::KindTimeouts::PerKind(t) => match kind {
-            "read" | "locking_read" => t.read,
-            "write" => t.write,
-            "ddl" => t.ddl,
-            _ => t.other,
+            StmtKind::Read | StmtKind::LockingRead => t.read,
+            StmtKind::Write => t.write,
+            StmtKind::Ddl => t.ddl,
+            StmtKind::Transaction | StmtKind::Session | StmtKind::Other => t.other,
         },
     };
     cfg.callers
@@ -865,14 +865,33 @@ mod tests {
                     match: { user: etl } }\n";
         let cfg = Config::from_yaml(yaml).unwrap();
         let ms = |caller, kind| statement_timeout(&cfg, caller, kind).map(|d| d.as_millis());
-        assert_eq!(ms(0, "read"), Some(800));
-        assert_eq!(ms(0, "ddl"), Some(30_000), "falls back to global_defaults");
-        assert_eq!(ms(0, "other"), Some(5_000));
-        assert_eq!(ms(0, "write"), None, "no write budget anywhere");
-        for kind in ["read", "write", "ddl", "other"] {
-            assert_eq!(ms(1, kind), Some(60_000), "{kind}");
+        assert_eq!(ms(0, StmtKind::Read), Some(800));
+        assert_eq!(
+            ms(0, StmtKind::LockingRead),
+            Some(800),
+            "a locking read is a read"
+        );
+        assert_eq!(
+            ms(0, StmtKind::Ddl),
+            Some(30_000),
+            "falls back to global_defaults"
+        );
+        assert_eq!(ms(0, StmtKind::Other), Some(5_000));
+        assert_eq!(
+            ms(0, StmtKind::Session),
+            Some(5_000),
+            "other kinds are `other`"
+        );
+        assert_eq!(ms(0, StmtKind::Write), None, "no write budget anywhere");
+        for kind in [
+            StmtKind::Read,
+            StmtKind::Write,
+            StmtKind::Ddl,
+            StmtKind::Other,
+        ] {
+            assert_eq!(ms(1, kind), Some(60_000), "{kind:?}");
         }
-        assert_eq!(ms(2, "ddl"), Some(30_000), "the default caller");
+        assert_eq!(ms(2, StmtKind::Ddl), Some(30_000), "the default caller");
         let bad = "global_defaults:\n  statement_timeout_ms: { reads: 800 }\n";
         assert!(
             Config::from_yaml(bad).is_err(),
@@ -909,7 +928,7 @@ mod tests {
             let x = rt.callers.resolve(&[], Some("x"), "u", None);
             assert_eq!(rt.callers.name(x), "x");
             assert_eq!(
-                statement_timeout(&rt.config, x, "read"),
+                statement_timeout(&rt.config, x, StmtKind::Read),
                 Some(Duration::from_millis(111))
             );
         }

@@ -206,7 +206,7 @@ impl Relay {
         let cfg = &self.rt.config;
         Ok(Timeouts {
             statement: statement_override
-                .or_else(|| app::statement_timeout(cfg, caller, class.kind.as_str())),
+                .or_else(|| app::statement_timeout(cfg, caller, class.kind)),
             lock: lock_override.or_else(|| app::lock_timeout(cfg, caller)),
         })
     }
