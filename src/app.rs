@@ -301,30 +301,6 @@ impl App {
         Ok(())
     }
 
-    /// A login refused at the door, before its authentication exchange: the pool of
-    /// (`database`, `user`) exists and its queue for the caller's priority would refuse the
-    /// client's first statement on arrival ([`Pool::door`]). The caller is resolved from
-    /// what a login carries (`application_name`, user, address; comment tags come with
-    /// statements). The same decision as at a checkout, made earlier, so a client refused
-    /// in a storm costs no SCRAM exchange and no session; its hint is its turn in line.
-    pub fn door(
-        &self,
-        database: &str,
-        user: &str,
-        application_name: Option<&str>,
-        addr: Option<std::net::IpAddr>,
-    ) -> Option<PgError> {
-        let pool = self.pools.get(database, user)?;
-        let rt = self.runtime.load();
-        let caller = rt.callers.resolve(&[], application_name, user, addr);
-        let priority = rt.limits.priority(caller) as usize;
-        let now = tokio::time::Instant::now();
-        let refusal = pool.door(priority, rt.limits.queue_timeout(caller), now)?;
-        let place = refusal.arrival_retry()?;
-        let hint = self.policy.place_hint_ms(&rt.limits, caller, place);
-        Some(refusal.to_pg(&pool.name, hint).into_fatal())
-    }
-
     /// Where CancelRequests for other instances' keys go: the configured `peers` and, in a
     /// fleet, the live members that route cancels (configured peers win on the same id).
     pub fn cancel_peers(&self, config: &Config) -> Vec<PeerConfig> {

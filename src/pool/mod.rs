@@ -499,15 +499,6 @@ impl Pool {
         self.slots.set_caps(caps);
     }
 
-    /// The arrival decision at a login ([`Slots::door`]): the refusal a client of
-    /// `priority` that may wait `room` (capped by `pool.checkout_timeout_ms`) would get at
-    /// its first checkout on arrival now, if it would be refused.
-    pub fn door(&self, priority: usize, room: Duration, now: Instant) -> Option<CheckoutError> {
-        let room = room.min(Duration::from_millis(self.cfg.checkout_timeout_ms));
-        let place = self.slots.door(priority, room, now)?;
-        Some(CheckoutError::WouldWait { place, limit: room })
-    }
-
     /// The expected wait for a backend of this pool: the clients waiting, at the rate
     /// checkouts have been served (`None` until that rate is known).
     pub fn expected_wait(&self) -> Option<Duration> {

@@ -307,31 +307,6 @@ impl Slots {
             .await
     }
 
-    /// The arrival decision made at a client's login, before it has asked for anything:
-    /// `Some` when a checkout of `priority` asked now, with `room` to wait, would be refused
-    /// on arrival ([`Slots::acquire_at`]) — no slot it may take is free and its expected
-    /// wait does not fit — so the login is refused before it costs an authentication
-    /// exchange. Critical clients and anyone who would find a slot or fit in line pass.
-    pub fn door(&self, priority: usize, room: Duration, now: Instant) -> Option<Placed> {
-        let priority = priority.min(PRIORITIES - 1);
-        if priority == 0 {
-            return None;
-        }
-        let mut guard = self.inner.lock();
-        let g = &mut *guard;
-        let ahead = g.waiters[..=priority]
-            .iter()
-            .any(|q| q.iter().any(|w| g.live(w)));
-        if !ahead && g.may_take(priority) {
-            return None;
-        }
-        let line = g.line(priority, room);
-        match g.arrivals[priority].decide(line, now) {
-            Decision::Refuse(place) => Some(place),
-            Decision::Queue => None,
-        }
-    }
-
     /// [`Slots::acquire`] asked at `now` (the caller's clock reading of this instant).
     pub async fn acquire_at(
         self: &Arc<Self>,

@@ -186,7 +186,6 @@ pub async fn startup<S: AsyncRead + AsyncWrite + Unpin>(
     s: &mut ClientStream<S>,
     buf: &mut BytesMut,
     peer: std::net::IpAddr,
-    client_ip: Option<std::net::IpAddr>,
 ) -> Result<Start, Fail> {
     // Sized for what a login writes: the authentication request, AuthenticationOk and, in
     // `session::greet`, the ParameterStatus list, BackendKeyData and ReadyForQuery.
@@ -306,15 +305,6 @@ pub async fn startup<S: AsyncRead + AsyncWrite + Unpin>(
         0
     };
 
-    // A client whose first statement would be refused on arrival is refused now, before
-    // its authentication exchange (`App::door`).
-    let application_name = settings
-        .iter()
-        .find(|(k, _)| k == "application_name")
-        .map(|(_, v)| v.as_str());
-    if let Some(e) = app.door(&database, &user, application_name, client_ip) {
-        return Err(e.into());
-    }
     // Channel binding only over TLS, with the binding of the certificate this connection
     // was shown (`tls` is the snapshot whose acceptor ran its handshake).
     let end_point = tls.end_point.as_ref().filter(|_| s.is_tls());
@@ -499,7 +489,7 @@ mod tests {
         let mut s = ClientStream::Plain(server);
         let mut buf = BytesMut::new();
         let ip = std::net::IpAddr::from([127, 0, 0, 1]);
-        let login = startup(&app, &mut s, &mut buf, ip, Some(ip));
+        let login = startup(&app, &mut s, &mut buf, ip);
         let talk = async {
             let mut p = BytesMut::new();
             frontend::startup_message(params.iter().copied(), &mut p).unwrap();

@@ -206,7 +206,7 @@ pub async fn run<S, G>(
     let deadline = Instant::now() + Duration::from_millis(limits.handshake_timeout_ms);
     let started = tokio::time::timeout_at(
         deadline,
-        handshake::startup(&app, &mut stream, &mut buf, peer.source_ip(), peer.ip()),
+        handshake::startup(&app, &mut stream, &mut buf, peer.source_ip()),
     )
     .await;
     let Authenticated {
