@@ -220,14 +220,7 @@ async fn a_user_known_by_its_scram_verifier_logs_in_through_pass_through() {
          CREATE ROLE euser LOGIN PASSWORD 'e-pw'; \
          GRANT CONNECT ON DATABASE appdb TO vuser, fuser, euser",
     );
-    let verifier = cluster
-        .psql_on(
-            "postgres",
-            "SELECT rolpassword FROM pg_authid WHERE rolname = 'vuser'",
-        )
-        .trim()
-        .to_owned();
-    assert!(verifier.starts_with("SCRAM-SHA-256$"), "{verifier}");
+    let verifier = cluster.scram_verifier("vuser");
     let dir = tempfile::tempdir().expect("tempdir");
     let pwfile = dir.path().join("fuser.pw");
     std::fs::write(&pwfile, "f-pw\n").expect("password file");

@@ -216,13 +216,7 @@ async fn scram_sha_256_plus_binds_logins_to_the_proxy_certificate() {
         APP_DB,
         "CREATE ROLE vuser LOGIN PASSWORD 'v-pw'; GRANT CONNECT ON DATABASE appdb TO vuser",
     );
-    let verifier = cluster
-        .psql_on(
-            "postgres",
-            "SELECT rolpassword FROM pg_authid WHERE rolname = 'vuser'",
-        )
-        .trim()
-        .to_owned();
+    let verifier = cluster.scram_verifier("vuser");
     let dir = tempfile::tempdir().expect("tempdir");
     let (c, k, root) = cert(&["localhost", "127.0.0.1"], false);
     write(dir.path(), "cert.pem", &c);

@@ -491,6 +491,19 @@ impl Cluster {
         must_succeed(cmd, Duration::from_secs(60), &format!("psql -c {sql:?}"))
     }
 
+    /// The SCRAM-SHA-256 verifier Postgres keeps for `role` (`pg_authid.rolpassword`).
+    pub fn scram_verifier(&self, role: &str) -> String {
+        let verifier = self
+            .psql_on(
+                "postgres",
+                &format!("SELECT rolpassword FROM pg_authid WHERE rolname = '{role}'"),
+            )
+            .trim()
+            .to_owned();
+        assert!(verifier.starts_with("SCRAM-SHA-256$"), "{verifier}");
+        verifier
+    }
+
     /// A superuser connection straight to the cluster (never through the proxy).
     pub async fn superuser_client(&self, db: &str) -> Client {
         let (client, conn) = within(
