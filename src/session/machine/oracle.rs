@@ -1,12 +1,14 @@
-//! An isolation oracle for the relay core, without sockets: random pipelines of
-//! client requests, mixed with what the proxy injects (timeout `SET`s, re-Parses, settings
-//! replays, the capture query) and with requests it answers itself (a Parse of a statement
-//! already prepared, a Close it keeps cached), run through the outbox, the tracker and
-//! [`Replies`] (the replies as bytes, cut into reads of random sizes) against a simulated
-//! Postgres. What the
-//! client receives through the proxy must be exactly what it would receive talking to
-//! Postgres directly with its own requests: the same replies in the same order, nothing of
-//! the proxy's own requests, errors skipping to Sync as Postgres does.
+//! An isolation oracle for the session core, without sockets: random pipelines of client
+//! requests, mixed with what the proxy injects (timeout `SET`s, re-Parses, settings replays,
+//! the capture query) and with requests it answers itself (a Parse of a statement already
+//! prepared, a Close it keeps cached), run through a [`SessionCore`] — its outbox and
+//! tracker, its replies (the bytes cut into reads of random sizes), its tally and its release
+//! decision — against a simulated Postgres. What the client receives through the proxy must
+//! be exactly what it would receive talking to Postgres directly with its own requests: the
+//! same replies in the same order, nothing of the proxy's own requests, errors skipping to
+//! Sync as Postgres does; the backend is never released while a reply is owed and always
+//! once none is; every statement counted is completed by a ReadyForQuery. Admission,
+//! checkouts and parking are the driver's and not in play here.
 //!
 //! [`check`] builds a scenario from arbitrary bytes: the unit tests feed it a seeded random
 //! stream, the `relay_oracle` fuzz target whatever libFuzzer finds (compiled for tests and
@@ -14,8 +16,11 @@
 
 use bytes::BytesMut;
 
-use super::replies::{Next, Replies};
-use crate::session::tracker::{Expect, Kind, Mode, Outbox};
+use super::replies::Next;
+use super::statements::Statements;
+use super::{CoreLimits, SessionCore, release};
+use crate::config::PoolMode;
+use crate::session::tracker::{Expect, Kind, Mode};
 
 /// Who a request belongs to.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -122,15 +127,27 @@ fn frames(replies: &[(u8, Option<u8>)]) -> Vec<u8> {
     out
 }
 
-/// What a client sees through the proxy: the outbox, the tracker and `Replies` between it
-/// and `postgres`, the replies arriving in reads of `cuts[round]` bytes.
-/// `steps` are the requests in the order the relay makes them, in rounds: all of a round is
-/// written before the server answers it (pipelining).
+/// What a client sees through the proxy: a [`SessionCore`] (its outbox and tracker, its
+/// `Replies`, its tally and its release decision) between it and `postgres`, the replies
+/// arriving in reads of `cuts[round]` bytes. `steps` are the requests in the order the relay
+/// makes them, in rounds: all of a round is written before the server answers it
+/// (pipelining). Besides the bytes, the core's bookkeeping must hold: while a round is owed
+/// the backend may not be released, once every reply is in it must be; and every statement
+/// the tally was given is completed by a ReadyForQuery the client saw.
 fn through_proxy(rounds: &[Vec<Op>], cuts: &[usize]) -> Vec<u8> {
-    let mut o = Outbox::default();
-    let mut replies = Replies::default();
-    let mut retry = None;
-    let mut client = BytesMut::new();
+    let mut core = SessionCore::new(
+        PoolMode::Transaction,
+        BytesMut::new(),
+        CoreLimits {
+            max_message: 1 << 20,
+        },
+        Statements::new(true, 0, 100),
+        true,
+        false,
+    );
+    let class = std::sync::Arc::new(crate::classify::fingerprint::analyze("SELECT 1", 1 << 20));
+    let now = tokio::time::Instant::now();
+    let (mut tracked, mut completed) = (0u64, 0u64);
     let mut seen = Vec::new();
     for (n, round) in rounds.iter().enumerate() {
         for &op in round {
@@ -138,30 +155,79 @@ fn through_proxy(rounds: &[Vec<Op>], cuts: &[usize]) -> Vec<u8> {
                 Origin::Client => Mode::Forward,
                 Origin::Injected(m) => m,
                 Origin::AnsweredHere => {
-                    o.answer_here(op.kind);
+                    core.out.answer_here(op.kind);
                     continue;
                 }
             };
-            o.send_with(Expect::new(op.kind, mode), |buf| encode(buf, op));
+            let e = Expect::new(op.kind, mode);
+            match (op.origin, op.kind) {
+                // As the relay does: a Query or FunctionCall is completed by its own
+                // ReadyForQuery, a Bind by the one of the Sync still to come.
+                (Origin::Client, Kind::Query | Kind::FunctionCall) => {
+                    core.send_ready_with(e, |buf| encode(buf, op));
+                    let ready = core.tally.last_ready();
+                    core.tally.track(class.clone(), 0, now, ready);
+                    tracked += 1;
+                }
+                (Origin::Client, Kind::Sync) => core.send_ready_with(e, |buf| encode(buf, op)),
+                (Origin::Client, Kind::Bind) => {
+                    let ready = core.tally.last_ready() + 1;
+                    core.tally.track(class.clone(), 0, now, ready);
+                    tracked += 1;
+                    core.out.send_with(e, |buf| encode(buf, op));
+                }
+                _ => core.out.send_with(e, |buf| encode(buf, op)),
+            }
         }
-        o.t.answer_synthetic(&mut client);
-        let bytes = frames(&postgres(o.pending()));
-        o.clear();
+        core.out.t.answer_synthetic(&mut core.cout);
+        let owed = !core.out.t.idle();
+        let bytes = frames(&postgres(core.out.pending()));
+        if owed {
+            assert_eq!(
+                release::decide(core.quiet(true)),
+                release::Decision::Busy,
+                "released while replies are owed"
+            );
+        }
+        core.out.clear();
         for read in bytes.chunks(cuts.get(n).copied().unwrap_or(usize::MAX).max(1)) {
-            replies.buf_mut().extend_from_slice(read);
+            core.replies.buf_mut().extend_from_slice(read);
             loop {
-                match replies.next(&mut o.t, &mut retry, &mut client) {
+                match core
+                    .replies
+                    .next(&mut core.out.t, &mut core.retry, &mut core.cout)
+                {
                     Ok(Next::Read) => break,
+                    Ok(Next::Seen(s)) if s.ready => {
+                        let idle = core.out.t.txn == b'I';
+                        core.tally.ready(now, s.rows, idle, |_| completed += 1);
+                    }
                     Ok(_) => {}
                     Err(e) => panic!("the simulated server's bytes are well formed: {e}"),
                 }
             }
         }
     }
-    assert!(o.t.idle(), "the backend owes nothing at the end: {:?}", o.t);
-    assert!(replies.quiet(), "every byte of the backend was handled");
+    assert!(
+        core.out.t.idle(),
+        "the backend owes nothing at the end: {:?}",
+        core.out.t
+    );
+    assert!(
+        core.replies.quiet(),
+        "every byte of the backend was handled"
+    );
+    assert_eq!(
+        release::decide(core.quiet(true)),
+        release::Decision::Release,
+        "a transaction-mode backend goes back once everything is answered"
+    );
+    assert_eq!(
+        completed, tracked,
+        "every statement completed by a ReadyForQuery"
+    );
     // The client's bytes, whole frames: their types in order.
-    let mut rest = &client[..];
+    let mut rest = &core.cout[..];
     while !rest.is_empty() {
         seen.push(rest[0]);
         let len = i32::from_be_bytes(rest[1..5].try_into().unwrap()) as usize;
