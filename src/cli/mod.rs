@@ -358,6 +358,9 @@ pub struct PutArgs {
     /// ROUTE: send the pattern's plain reads to the replicas, or keep them on the primary.
     #[arg(long, value_enum, ignore_case = true)]
     pub route: Option<RuleRoute>,
+    /// Act as --mode warn for this many milliseconds, then enforce (a confirmation window).
+    #[arg(long, value_name = "MS")]
+    pub warn_first_ms: Option<u64>,
 }
 
 impl PutArgs {
@@ -384,6 +387,7 @@ impl PutArgs {
             scope: self.scope.map(name),
             route: self.route.map(name),
             origin: None,
+            warn_first_ms: self.warn_first_ms,
         };
         Ok(serde_json::to_vec(&spec)?)
     }
@@ -665,6 +669,7 @@ mod tests {
             note: None,
             scope: Some(RuleScope::Fleet),
             route: None,
+            warn_first_ms: None,
         };
         let v: Value = serde_json::from_slice(&args.body().unwrap()).unwrap();
         assert_eq!(
