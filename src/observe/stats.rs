@@ -825,6 +825,17 @@ impl FingerprintStats {
         rows.into_iter().map(|(_, r)| r).collect()
     }
 
+    /// The row of `fingerprint`, if it has one of its own ([`FingerprintStats::contains`]).
+    pub fn get(&self, fingerprint: u64) -> Option<FingerprintSnapshot> {
+        let now_ms = unix_ms();
+        let s = self.shard(fingerprint).lock();
+        let e = s.map.get(&fingerprint)?;
+        Some(
+            e.agg
+                .snapshot(format!("{fingerprint:016x}"), &e.normalized, e.kind, now_ms),
+        )
+    }
+
     /// Whether `fingerprint` has a row of its own: a statement with it ended (or was refused)
     /// since the start or the last reset, and it was not evicted into "other" since.
     pub fn contains(&self, fingerprint: u64) -> bool {
@@ -1297,6 +1308,13 @@ mod tests {
         let rows = st.top(SortKey::Qps, 5, Some("a"));
         assert_eq!(rows.len(), 1);
         assert!(rows[0].qps > 0.0);
+        // Each caller has its own current rate: 20 calls of "b" just now read as 20/s.
+        st.record(2, &t, "read", &"c".into(), Duration::from_micros(10), ok);
+        let row = st.get(2).expect("a tracked row");
+        assert_eq!(row.by_caller["b"].qps, 20.0);
+        assert_eq!(row.by_caller["c"].qps, 1.0);
+        assert_eq!(row.qps, 21.0);
+        assert!(st.get(3).is_none());
     }
 
     #[test]
