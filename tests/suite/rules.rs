@@ -17,10 +17,13 @@
 //! them. With `PGSLUICE_TEST_DIRECT=1` these tests are skipped: they are about the proxy.
 //!
 //! * `api` — the rules and fingerprints endpoints of the admin API, in process.
+//! * `preview` — `POST /v1/rules/preview` in process, and its THROTTLE estimate against the
+//!   refusals measured once the rule is enforced.
 //!
 //! Rules across a fleet are in `fleet`.
 
 mod api;
+mod preview;
 
 use std::process::Command;
 use std::time::Duration;
