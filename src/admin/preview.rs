@@ -513,14 +513,14 @@ pub async fn preview(
     if let Some(w) = super::rules::unseen_warning(&st, fp) {
         warnings.push(format!("nothing to go on: {w}"));
     }
-    if let Some(r) = &row {
-        if r.qps * (RATE_WINDOW_MS as f64 / 1000.0) < FEW_CALLS {
-            warnings.push(format!(
-                "few calls in the last {} s ({:.0}): the estimate is rough",
-                RATE_WINDOW_MS / 1000,
-                r.qps * (RATE_WINDOW_MS as f64 / 1000.0)
-            ));
-        }
+    let window_s = RATE_WINDOW_MS as f64 / 1000.0;
+    if let Some(r) = &row
+        && r.qps * window_s < FEW_CALLS
+    {
+        warnings.push(format!(
+            "few calls in the last {window_s} s ({:.0}): the estimate is rough",
+            r.qps * window_s
+        ));
     }
     for name in def.callers.iter().flatten() {
         let known = name == DEFAULT_CALLER_NAME || cfg.callers.iter().any(|c| &c.name == name);

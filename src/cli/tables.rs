@@ -95,11 +95,16 @@ pub fn preview_text(v: &Value) -> String {
         text(v, "fingerprint"),
         one_line(&text(v, "normalized"), 100)
     );
+    let limit = rule_limit(&rule);
     let _ = writeln!(
         out,
-        "rule         {} {} ({})",
+        "rule         {}{} ({})",
         text(&rule, "action"),
-        rule_limit(&rule),
+        if limit == "-" {
+            String::new()
+        } else {
+            format!(" {limit}")
+        },
         if v.get("enforcing") == Some(&Value::Bool(true)) {
             "enforces at once"
         } else {

@@ -324,9 +324,12 @@ async fn the_preview_of_a_throttle_predicts_its_refusals() {
         "--token",
         ADMIN_READ_TOKEN,
         "--action",
-        "REJECT",
+        "THROTTLE",
+        "--max-qps",
+        "100",
     ]);
     assert!(ok, "pgsluice rules preview: {err}");
+    eprintln!("pgsluice rules preview:\n{out}");
     assert!(out.contains("would refuse"), "{out}");
     assert!(out.contains("SELECT v FROM accounts WHERE id = ?"), "{out}");
     assert!(
