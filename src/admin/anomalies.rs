@@ -6,6 +6,12 @@
 //! and in `warn`/`enforce` mode installs the suggested rule through the same store as `PUT
 //! /v1/rules/...` (rules file and fleet included), marked `origin: auto`, with a TTL.
 //!
+//! With `auto_rules.warn_first_ms` (mode `enforce`), a newly installed rule carries that
+//! `warn_first_ms`: it acts as `warn` for the window and then enforces by itself (the switch
+//! is the rule's own, `policy::rules`, so it survives a restart and holds in a fleet); deleting
+//! it in the window is the operator's veto, remembered for the episode like any deletion. A
+//! rule put back after its TTL in the same episode was confirmed already and enforces at once.
+//!
 //! What an automatic rule never does:
 //! - apply to an exempt priority: it lists the callers it applies to (every configured caller
 //!   and `default` whose priority is not in `auto_rules.exempt_priorities`; no list when none
@@ -199,7 +205,10 @@ struct SuggestedRule {
 struct LiveRule {
     origin: &'static str,
     action: &'static str,
+    /// What it does now (`warn` inside a `warn_first_ms` window).
     mode: &'static str,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    enforces_in_ms: Option<u64>,
     expires_in_ms: Option<u64>,
 }
 
@@ -269,10 +278,8 @@ fn view(st: &AdminState, a: &Anomaly, cfg: &Config, now_ms: u64) -> AnomalyView 
                     Origin::Operator => "operator",
                 },
                 action: def.action.name(),
-                mode: match def.mode {
-                    crate::policy::rules::RuleMode::Enforce => "enforce",
-                    crate::policy::rules::RuleMode::Warn => "warn",
-                },
+                mode: info.effective_mode,
+                enforces_in_ms: info.enforces_in_ms,
                 expires_in_ms: info.expires_in_ms,
             }
         });
@@ -495,7 +502,13 @@ async fn apply(st: &AdminState, a: &Anomaly, fp: u64, cfg: &Config) {
         }
     };
     let mode = cfg.auto_rules.mode.name();
-    let spec = suggest(a, &cfg.auto_rules, &cfg.detector, callers, mode);
+    let mut spec = suggest(a, &cfg.auto_rules, &cfg.detector, callers, mode);
+    if cfg.auto_rules.mode == AutoRulesMode::Enforce
+        && cfg.auto_rules.warn_first_ms > 0
+        && !renewing
+    {
+        spec.warn_first_ms = Some(cfg.auto_rules.warn_first_ms);
+    }
     let body = serde_json::to_string(&spec).unwrap_or_default();
     match super::rules::store(st, fp, spec, None).await {
         Ok(_) => {

@@ -3,7 +3,8 @@
 //!
 //! Access is decided by method, so a new endpoint is protected by default:
 //! * open: `/healthz`, `/readyz`, `/v1/openapi.json` (liveness, readiness, the API document);
-//! * read (`GET`, `HEAD`): the read token or the write token; no token at all when
+//! * read (`GET`, `HEAD`, and the POSTs in [`READ_POSTS`], which compute an answer from a
+//!   body and change nothing): the read token or the write token; no token at all when
 //!   `admin.open_reads: true`;
 //! * write (any other method): the write token only.
 //!
@@ -41,6 +42,10 @@ pub const ENV_READ_TOKEN: &str = "PGSLUICE_ADMIN_READ_TOKEN";
 /// Paths anyone may call.
 const OPEN_PATHS: [&str; 3] = ["/healthz", "/readyz", "/v1/openapi.json"];
 
+/// POSTs that change nothing (the body is a question, not a change): read access. Their
+/// handlers still take only `application/json` bodies (`JsonBody`).
+pub const READ_POSTS: [&str; 1] = ["/v1/rules/preview"];
+
 /// Tokens from the environment, used where the config leaves them unset.
 #[derive(Debug, Clone, Default)]
 pub struct EnvTokens {
@@ -69,7 +74,10 @@ impl Access {
     pub fn of(method: &Method, path: &str) -> Access {
         if OPEN_PATHS.contains(&path) {
             Access::Open
-        } else if method == Method::GET || method == Method::HEAD {
+        } else if method == Method::GET
+            || method == Method::HEAD
+            || (method == Method::POST && READ_POSTS.contains(&path))
+        {
             Access::Read
         } else {
             Access::Write
@@ -237,6 +245,17 @@ mod tests {
             authorize(Access::Read, &none, None),
             Err(ApiError::Forbidden(_))
         ));
+    }
+
+    #[test]
+    fn a_preview_is_a_read_and_other_posts_are_writes() {
+        assert_eq!(Access::of(&Method::POST, "/v1/rules/preview"), Access::Read);
+        assert_eq!(Access::of(&Method::PUT, "/v1/rules/preview"), Access::Write);
+        assert_eq!(
+            Access::of(&Method::POST, "/v1/rules/fingerprint"),
+            Access::Write
+        );
+        assert_eq!(Access::of(&Method::POST, "/v1/reload"), Access::Write);
     }
 
     #[test]

@@ -11,6 +11,7 @@
 //!             /v1/anomalies  /v1/callers  /v1/pools  /v1/breaker  /v1/fleet (fleet mode)
 //! write  PUT|DELETE /v1/rules/fingerprint/{hash}   POST /v1/rules/fingerprint (from SQL)
 //!        POST /v1/reload
+//! read   POST /v1/rules/preview (changes nothing)
 //! read   GET  /v1/clients  /v1/servers
 //! write  DELETE /v1/clients/{id}   POST /v1/clients/{id}/cancel
 //!        POST /v1/pools/{db}/{user}/pause|resume|reconnect   /v1/databases/{db}/disable|enable
@@ -35,6 +36,7 @@ pub mod auth;
 pub mod control;
 pub mod error;
 pub mod host;
+pub mod preview;
 pub mod read;
 pub mod rules;
 
@@ -123,6 +125,7 @@ fn routes(st: Arc<AdminState>) -> Router {
         .route("/metrics", get(read::metrics))
         .route("/v1/rules", get(rules::list))
         .route("/v1/rules/fingerprint", post(rules::post_sql))
+        .route("/v1/rules/preview", post(preview::preview))
         .route(
             "/v1/rules/fingerprint/{hash}",
             get(rules::get).put(rules::put).delete(rules::delete),

@@ -226,6 +226,7 @@ fn scrape(st: &AdminState) -> Scrape {
         cancels_forwarded: app.cancels.forwarded.load(Relaxed),
         cancels_address_limited: app.cancels.address_limited.load(Relaxed),
         rules: u(app.policy.rules().len()),
+        rule_warned: app.policy.rules().warned_by_action().to_vec(),
         fingerprints_tracked: u(app.fp_stats.len()),
         fleet: app.fleet.as_ref().map(|f| FleetSample {
             redis_up: f.redis_up(),

@@ -173,7 +173,7 @@ fn split_sql(bytes: &[u8]) -> Result<(String, RuleSpec), RuleError> {
 
 /// Why a rule for `fp` may match nothing yet, if it may: statements get no fingerprint at
 /// all, or this instance has no statistics row for it.
-fn unseen_warning(st: &AdminState, fp: u64) -> Option<String> {
+pub(super) fn unseen_warning(st: &AdminState, fp: u64) -> Option<String> {
     if !st.app.config().classify.enabled {
         return Some(
             "classify.enabled is false: statements get no fingerprint, so no rule matches \

@@ -23,8 +23,8 @@ use serde_json::Value;
 pub use self::fingerprint::{FingerprintArgs, fingerprint, fingerprint_report};
 use self::http::{Client, Endpoint};
 use self::tables::{
-    anomaly_lines, breaker_text, callers_table, clients_table, num, pools_table, rules_table,
-    servers_table, text, top_table,
+    anomaly_lines, breaker_text, callers_table, clients_table, num, pools_table, preview_text,
+    rules_table, servers_table, text, top_table,
 };
 use crate::config::Config;
 use crate::policy::rules::RuleSpec;
@@ -304,6 +304,8 @@ pub enum RulesCmd {
     Get { hash: String },
     /// Create or replace the rule for a fingerprint (16 hex digits).
     Put(Box<PutArgs>),
+    /// What a rule would match and refuse now, from the proxy's statistics; changes nothing.
+    Preview(Box<PreviewArgs>),
     /// Delete the rule for a fingerprint.
     Delete { hash: String },
 }
@@ -313,6 +315,48 @@ pub enum RulesCmd {
 pub struct PutArgs {
     /// Fingerprint, 16 hex digits (see `pgsluice top`).
     pub hash: String,
+    #[command(flatten)]
+    pub rule: RuleFlags,
+}
+
+/// `pgsluice rules preview`: the rule's target (a fingerprint, or SQL whose fingerprint the
+/// proxy computes) and the rule, as for `put`.
+#[derive(Args, Debug, Clone)]
+#[command(allow_negative_numbers = true)]
+pub struct PreviewArgs {
+    /// Fingerprint, 16 hex digits (see `pgsluice top`).
+    #[arg(required_unless_present = "sql")]
+    pub hash: Option<String>,
+    /// A statement whose fingerprint the rule is for, instead of HASH.
+    #[arg(long, conflicts_with = "hash")]
+    pub sql: Option<String>,
+    /// Print the API's JSON instead of the summary.
+    #[arg(long)]
+    pub raw: bool,
+    #[command(flatten)]
+    pub rule: RuleFlags,
+}
+
+impl PreviewArgs {
+    /// The rule body with its target (`fingerprint` or `sql`) added.
+    fn body(&self) -> anyhow::Result<Vec<u8>> {
+        let mut v: Value = serde_json::from_slice(&self.rule.body()?)
+            .map_err(|e| anyhow!("--json is not a JSON object: {e}"))?;
+        let Some(map) = v.as_object_mut() else {
+            bail!("--json must be a JSON object");
+        };
+        match (&self.hash, &self.sql) {
+            (Some(h), _) => map.insert("fingerprint".into(), Value::String(h.clone())),
+            (None, Some(s)) => map.insert("sql".into(), Value::String(s.clone())),
+            (None, None) => bail!("give a fingerprint (HASH) or --sql"),
+        };
+        Ok(serde_json::to_vec(&v)?)
+    }
+}
+
+/// The rule's fields as flags (`put`, `preview`).
+#[derive(Args, Debug, Clone)]
+pub struct RuleFlags {
     /// The whole rule as a JSON object, instead of the flags below.
     #[arg(long, conflicts_with = "action")]
     pub json: Option<String>,
@@ -358,9 +402,12 @@ pub struct PutArgs {
     /// ROUTE: send the pattern's plain reads to the replicas, or keep them on the primary.
     #[arg(long, value_enum, ignore_case = true)]
     pub route: Option<RuleRoute>,
+    /// Act as --mode warn for this many milliseconds, then enforce (a confirmation window).
+    #[arg(long, value_name = "MS")]
+    pub warn_first_ms: Option<u64>,
 }
 
-impl PutArgs {
+impl RuleFlags {
     fn body(&self) -> anyhow::Result<Vec<u8>> {
         if let Some(j) = &self.json {
             return Ok(j.as_bytes().to_vec());
@@ -384,6 +431,7 @@ impl PutArgs {
             scope: self.scope.map(name),
             route: self.route.map(name),
             origin: None,
+            warn_first_ms: self.warn_first_ms,
         };
         Ok(serde_json::to_vec(&spec)?)
     }
@@ -535,13 +583,23 @@ async fn rules(c: &Client, cmd: RulesCmd) -> anyhow::Result<()> {
         }
         RulesCmd::Get { hash } => emit(&pretty(&c.call("GET", &rule_path(&hash), None).await?)?),
         RulesCmd::Put(args) => {
-            let body = args.body()?;
+            let body = args.rule.body()?;
             let v = c.call("PUT", &rule_path(&args.hash), Some(&body)).await?;
             emit(&pretty(&v)?)?;
             if v.get("persisted") == Some(&Value::Bool(false)) {
                 eprintln!("note: no admin.rules_file configured; the rule is lost on restart");
             }
             Ok(())
+        }
+        RulesCmd::Preview(args) => {
+            let v = c
+                .call("POST", "/v1/rules/preview", Some(&args.body()?))
+                .await?;
+            emit(&if args.raw {
+                pretty(&v)?
+            } else {
+                preview_text(&v)
+            })
         }
         RulesCmd::Delete { hash } => {
             c.call("DELETE", &rule_path(&hash), None).await?;
@@ -648,8 +706,7 @@ mod tests {
 
     #[test]
     fn put_flags_become_a_rule_body() {
-        let args = PutArgs {
-            hash: "00000000000000ff".into(),
+        let args = RuleFlags {
             json: None,
             action: Some(RuleAction::Throttle),
             max_qps: Some(2.0),
@@ -665,6 +722,7 @@ mod tests {
             note: None,
             scope: Some(RuleScope::Fleet),
             route: None,
+            warn_first_ms: None,
         };
         let v: Value = serde_json::from_slice(&args.body().unwrap()).unwrap();
         assert_eq!(
@@ -673,6 +731,56 @@ mod tests {
                 "callers":["app"],"action_on_exceed":"QUEUE","mode":"warn","scope":"fleet"})
         );
         assert_eq!(name(TopSort::TotalTime), "total_time");
+    }
+
+    #[test]
+    fn preview_adds_its_target_to_the_rule_body() {
+        let flags = |json: Option<&str>| RuleFlags {
+            json: json.map(str::to_owned),
+            action: json.is_none().then_some(RuleAction::Reject),
+            max_qps: None,
+            burst: None,
+            action_on_exceed: None,
+            max_inflight: None,
+            statement_timeout_ms: None,
+            lock_timeout_ms: None,
+            error_message: None,
+            ttl_seconds: None,
+            callers: vec![],
+            mode: None,
+            note: None,
+            scope: None,
+            route: None,
+            warn_first_ms: Some(5000),
+        };
+        let args = PreviewArgs {
+            hash: Some("00000000000000ff".into()),
+            sql: None,
+            raw: false,
+            rule: flags(None),
+        };
+        let v: Value = serde_json::from_slice(&args.body().unwrap()).unwrap();
+        assert_eq!(
+            v,
+            serde_json::json!({"action":"REJECT","warn_first_ms":5000,
+                "fingerprint":"00000000000000ff"})
+        );
+        let args = PreviewArgs {
+            hash: None,
+            sql: Some("SELECT 1".into()),
+            raw: true,
+            rule: flags(Some(r#"{"action":"THROTTLE","max_qps":5}"#)),
+        };
+        let v: Value = serde_json::from_slice(&args.body().unwrap()).unwrap();
+        assert_eq!(
+            v,
+            serde_json::json!({"action":"THROTTLE","max_qps":5,"sql":"SELECT 1"})
+        );
+        let args = PreviewArgs {
+            rule: flags(Some("[1]")),
+            ..args
+        };
+        assert!(args.body().is_err());
     }
 
     #[test]

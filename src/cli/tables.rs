@@ -73,6 +73,112 @@ fn rule_limit(r: &Value) -> String {
     }
 }
 
+/// What a rule does now: its mode, or `warn` with the time left before it enforces.
+fn rule_mode(r: &Value) -> String {
+    match r.get("enforces_in_ms").and_then(Value::as_u64) {
+        Some(ms) => format!("warn, enforces in {}s", ms.div_ceil(1000)),
+        None => r
+            .get("effective_mode")
+            .and_then(Value::as_str)
+            .map_or_else(|| text(r, "mode"), str::to_owned),
+    }
+}
+
+/// `pgsluice rules preview`: the answer of `POST /v1/rules/preview` in a few lines, the
+/// matched callers as a table, critical callers and warnings last so they are seen.
+pub fn preview_text(v: &Value) -> String {
+    let mut out = String::new();
+    let rule = v.get("rule").cloned().unwrap_or(Value::Null);
+    let _ = writeln!(
+        out,
+        "fingerprint  {}  {}",
+        text(v, "fingerprint"),
+        one_line(&text(v, "normalized"), 100)
+    );
+    let limit = rule_limit(&rule);
+    let _ = writeln!(
+        out,
+        "rule         {}{} ({})",
+        text(&rule, "action"),
+        if limit == "-" {
+            String::new()
+        } else {
+            format!(" {limit}")
+        },
+        if v.get("enforcing") == Some(&Value::Bool(true)) {
+            "enforces at once"
+        } else {
+            "warns first"
+        }
+    );
+    let basis = v.get("basis").cloned().unwrap_or(Value::Null);
+    let window_s = basis
+        .get("rate_window_ms")
+        .and_then(Value::as_u64)
+        .map_or_else(|| "-".to_owned(), |ms| (ms / 1000).to_string());
+    let m = v.get("matched").cloned().unwrap_or(Value::Null);
+    let _ = writeln!(
+        out,
+        "matched      {} calls/s, {} db ms/s, mean {} ms  (rates over the last {window_s} s)",
+        rate(&m, "calls_per_s"),
+        rate(&m, "db_ms_per_s"),
+        ms(&m, "mean_ms"),
+    );
+    let e = v.get("effect").cloned().unwrap_or(Value::Null);
+    let share = e
+        .get("refused_share")
+        .and_then(Value::as_f64)
+        .map_or_else(|| "-".to_owned(), |s| format!("{:.0} %", s * 100.0));
+    let _ = writeln!(
+        out,
+        "would refuse {}/s ({share}), delay {}/s",
+        rate(&e, "refused_per_s"),
+        rate(&e, "delayed_per_s"),
+    );
+    let _ = writeln!(out, "how          {}", text(&e, "method"));
+    let rows: Vec<Vec<String>> = list(&m, "callers")
+        .iter()
+        .map(|c| {
+            let mut name = text(c, "caller");
+            if c.get("critical") == Some(&Value::Bool(true)) {
+                name.push_str(" (critical)");
+            }
+            vec![
+                name,
+                rate(c, "calls_per_s"),
+                rate(c, "db_ms_per_s"),
+                rate(c, "refused_per_s"),
+                rate(c, "delayed_per_s"),
+            ]
+        })
+        .collect();
+    if !rows.is_empty() {
+        out.push('\n');
+        out.push_str(&table(
+            &["CALLER", "CALLS/S", "DB_MS/S", "REFUSED/S", "DELAYED/S"],
+            &rows,
+        ));
+        if let Some(n) = m.get("callers_omitted").and_then(Value::as_u64)
+            && n > 0
+        {
+            let _ = writeln!(out, "... and {n} more callers");
+        }
+    }
+    let critical = list(v, "critical_callers");
+    let warnings = list(v, "warnings");
+    if !warnings.is_empty() {
+        out.push('\n');
+    }
+    for w in &warnings {
+        let w = w.as_str().unwrap_or_default();
+        let loud = critical
+            .iter()
+            .any(|c| w.contains(&format!("critical caller {} ", text(c, "caller"))));
+        let _ = writeln!(out, "{}: {w}", if loud { "WARNING" } else { "note" });
+    }
+    out
+}
+
 pub fn rules_table(v: &Value) -> String {
     let rules = v
         .get("rules")
@@ -101,7 +207,7 @@ pub fn rules_table(v: &Value) -> String {
             vec![
                 text(r, "fingerprint"),
                 text(r, "action"),
-                text(r, "mode"),
+                rule_mode(r),
                 rule_limit(r),
                 callers,
                 num(r, "hits"),
@@ -491,6 +597,43 @@ mod tests {
         assert_eq!(col("55P03"), "2");
         assert_eq!(col("LOCK_MS"), "401.50");
         assert_eq!(col("TIMEOUTS"), "1");
+    }
+
+    #[test]
+    fn preview_shows_the_estimate_callers_and_critical_warnings() {
+        let v = serde_json::json!({
+            "fingerprint": "00000000000000ff", "normalized": "SELECT ? FROM t",
+            "tracked": true, "enforcing": true,
+            "rule": {"action": "THROTTLE", "max_qps": 50.0, "burst": 50,
+                     "action_on_exceed": "REJECT", "mode": "enforce"},
+            "basis": {"rate_window_ms": 10000},
+            "matched": {"calls_per_s": 150.0, "mean_ms": 2.0, "db_ms_per_s": 300.0,
+                "callers": [
+                    {"caller": "web", "critical": false, "calls_per_s": 100.0,
+                     "db_ms_per_s": 200.0, "refused_per_s": 66.66, "delayed_per_s": 0.0},
+                    {"caller": "pay", "critical": true, "calls_per_s": 50.0,
+                     "db_ms_per_s": 100.0, "refused_per_s": 33.33, "delayed_per_s": 0.0}],
+                "callers_omitted": 2},
+            "effect": {"refused_per_s": 100.0, "delayed_per_s": 0.0,
+                       "refused_share": 0.6667, "method": "THROTTLE admits"},
+            "critical_callers": [{"caller": "pay"}],
+            "warnings": ["critical caller pay sends this pattern (50.0/s): x",
+                         "few calls"]
+        });
+        let t = preview_text(&v);
+        assert!(
+            t.contains("would refuse 100.0/s (67 %), delay 0.0/s"),
+            "{t}"
+        );
+        assert!(t.contains("rates over the last 10 s"), "{t}");
+        assert!(t.contains("pay (critical)  50.0"), "{t}");
+        assert!(t.contains("... and 2 more callers"), "{t}");
+        assert!(t.contains("WARNING: critical caller pay"), "{t}");
+        assert!(t.contains("note: few calls"), "{t}");
+        let r = serde_json::json!({"mode": "enforce", "effective_mode": "warn",
+            "enforces_in_ms": 1500});
+        assert_eq!(rule_mode(&r), "warn, enforces in 2s");
+        assert_eq!(rule_mode(&serde_json::json!({"mode": "warn"})), "warn");
     }
 
     #[test]

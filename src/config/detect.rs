@@ -110,6 +110,11 @@ pub struct AutoRulesConfig {
     /// A THROTTLE allows this many times the pattern's baseline rate (at least
     /// `detector.min_qps`); a CONCURRENCY this many times its baseline concurrency (at least 1).
     pub throttle_multiple: f64,
+    /// With `mode: enforce`: a new automatic rule acts as `warn` for this long (a confirmation
+    /// window: its `warned` counter shows what it would refuse, and an operator may delete
+    /// it), then enforces by itself. 0: enforce at once. A rule put back after its TTL while
+    /// the anomaly holds enforces at once.
+    pub warn_first_ms: u64,
 }
 
 impl Default for AutoRulesConfig {
@@ -120,6 +125,7 @@ impl Default for AutoRulesConfig {
             ttl_seconds: 600,
             exempt_priorities: vec![Priority::Critical],
             throttle_multiple: 2.0,
+            warn_first_ms: 0,
         }
     }
 }
@@ -195,6 +201,17 @@ pub(super) fn problems(d: &DetectorConfig, a: &AutoRulesConfig) -> Vec<(String, 
             "must be between 1 and 1000",
         );
     }
+    // Shorter than the TTL, or the rule would expire before it ever enforced.
+    if a.warn_first_ms > 0 && a.warn_first_ms >= a.ttl_seconds.saturating_mul(1000) {
+        p.add(
+            "auto_rules.warn_first_ms".into(),
+            format!(
+                "must be shorter than auto_rules.ttl_seconds ({} s): the rule would expire \
+                 before it enforced",
+                a.ttl_seconds
+            ),
+        );
+    }
     if !d.enabled && matches!(a.mode, AutoRulesMode::Warn | AutoRulesMode::Enforce) {
         p.add(
             "auto_rules.mode".into(),
@@ -234,6 +251,10 @@ mod tests {
         assert!(cfg.detector.enabled);
         assert_eq!(cfg.auto_rules.mode, AutoRulesMode::Suggest);
         assert_eq!(cfg.auto_rules.exempt_priorities, [Priority::Critical]);
+        assert_eq!(
+            cfg.auto_rules.warn_first_ms, 0,
+            "enforce at once by default"
+        );
         let cfg = Config::from_yaml(
             "auto_rules: { mode: enforce, exempt_priorities: [critical, high], max_rules: 2 }\n\
              detector: { tick_ms: 100, window_ms: 300 }\n",
@@ -267,6 +288,11 @@ mod tests {
             fields("detector: { enabled: false }\nauto_rules: { mode: enforce }\n"),
             ["auto_rules.mode"]
         );
+        assert_eq!(
+            fields("auto_rules: { ttl_seconds: 60, warn_first_ms: 60000 }\n"),
+            ["auto_rules.warn_first_ms"]
+        );
+        assert!(fields("auto_rules: { ttl_seconds: 60, warn_first_ms: 59999 }\n").is_empty());
         let unknown = Config::from_yaml("auto_rules: { mode: always }\n").unwrap_err();
         assert!(
             unknown[0].message.contains("unknown variant `always`"),

@@ -135,6 +135,8 @@ pub struct Scrape {
     /// Dropped: their source address had `limits.max_cancels_per_address` in flight.
     pub cancels_address_limited: u64,
     pub rules: u64,
+    /// Statements rules in warn mode would have refused, by action (bounded `&'static str`).
+    pub rule_warned: Vec<(&'static str, u64)>,
     pub fingerprints_tracked: u64,
     /// Fleet mode only.
     pub fleet: Option<FleetSample>,
@@ -341,6 +343,7 @@ struct ScrapeSeries {
     caller_queued: IntGaugeVec,
     caller_admitted: IntCounterVec,
     rules: IntGauge,
+    rule_warned: IntCounterVec,
     fingerprints_tracked: IntGauge,
 }
 
@@ -729,6 +732,14 @@ impl ScrapeSeries {
                 &["caller"],
             ),
             rules: gauge("pgsluice_rules", "Runtime fingerprint rules installed."),
+            rule_warned: counter_vec(
+                r,
+                "pgsluice_rule_warned_total",
+                "Statements a fingerprint rule in warn mode (or in its warn_first_ms window) \
+                 would have refused, by action; they ran, and are also counted in \
+                 pgsluice_rule_hits_total{outcome=\"admitted\"}. Per rule: GET /v1/rules.",
+                &["action"],
+            ),
             fingerprints_tracked: gauge(
                 "pgsluice_fingerprints_tracked",
                 "Fingerprints with their own statistics (see GET /v1/fingerprints).",
@@ -779,6 +790,9 @@ impl ScrapeSeries {
             set_counter(&self.caller_admitted.with_label_values(&l), c.admitted);
         }
         self.rules.set(gauge_value(s.rules));
+        for (action, n) in &s.rule_warned {
+            set_counter(&self.rule_warned.with_label_values(&[*action]), *n);
+        }
         self.fingerprints_tracked
             .set(gauge_value(s.fingerprints_tracked));
     }
@@ -956,6 +970,7 @@ mod tests {
             cancels_sent: 2,
             cancels_forwarded: 5,
             cancels_address_limited: 4,
+            rule_warned: vec![("THROTTLE", 9), ("REJECT", 0)],
             ..Scrape::default()
         };
         let t = m.render_with(&s);
@@ -989,6 +1004,14 @@ mod tests {
         assert_eq!(
             sample(&t, r#"pgsluice_cancels_total{outcome="address_limit"}"#),
             Some(4.0)
+        );
+        assert_eq!(
+            sample(&t, r#"pgsluice_rule_warned_total{action="THROTTLE"}"#),
+            Some(9.0)
+        );
+        assert_eq!(
+            sample(&t, r#"pgsluice_rule_warned_total{action="REJECT"}"#),
+            Some(0.0)
         );
         s.pools.clear();
         assert!(!m.render_with(&s).contains("db/u"));

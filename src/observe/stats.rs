@@ -33,7 +33,9 @@
 //! weighted by the share of it the sliding window still covers, plus the current one's (the
 //! sliding-window estimate of rate limiters). Recording is O(1): one division and two
 //! additions, with the timestamp the record already takes. An entry younger than the window is
-//! divided by its age, so a pattern that just appeared shows its real rate at once.
+//! divided by its age, so a pattern that just appeared shows its real rate at once. Each
+//! caller of a row keeps its own rate the same way (`by_caller[..].qps`), so what one caller
+//! sends now is known apart from the row's lifetime mix of callers.
 //!
 //! Lock-wait evidence: 55P03 (`lock_not_available`: a `lock_timeout` expired or `NOWAIT` found
 //! the lock taken) and 57014 that the client did not ask for (`statement_timeout`, the proxy's
@@ -142,6 +144,8 @@ impl FromStr for SortKey {
 #[derive(Debug, Clone, Default, PartialEq, serde::Serialize)]
 pub struct CallerBreakdown {
     pub calls: u64,
+    /// This caller's calls per second of the pattern over the last [`RATE_WINDOW_MS`].
+    pub qps: f64,
     pub errors: u64,
     pub refusals: u64,
     pub total_ms: f64,
@@ -198,25 +202,45 @@ fn bucket_floor_us(i: usize) -> f64 {
     (4 + sub) as f64 * 2f64.powi(e as i32) / 4.0
 }
 
-#[derive(Debug, Clone, Default)]
+#[derive(Debug, Clone)]
 struct CallerAgg {
     calls: u64,
+    /// The caller's own current rate, so that a preview of a rule limited to some callers
+    /// (`admin::preview`) sees what those callers send now, not a share of the lifetime mix.
+    rate: Rate,
+    /// When this caller's entry was made (its rate is divided by its age while younger than
+    /// the window, as the row's is).
+    first_ms: u64,
     errors: u64,
     refusals: u64,
     total_ns: u64,
 }
 
 impl CallerAgg {
-    fn add(&mut self, o: &CallerAgg) {
+    fn new(now_ms: u64) -> Self {
+        CallerAgg {
+            calls: 0,
+            rate: Rate::default(),
+            first_ms: now_ms,
+            errors: 0,
+            refusals: 0,
+            total_ns: 0,
+        }
+    }
+
+    fn add(&mut self, o: &CallerAgg, now_ms: u64) {
         self.calls += o.calls;
+        self.rate.merge(&o.rate, now_ms);
+        self.first_ms = self.first_ms.min(o.first_ms);
         self.errors += o.errors;
         self.refusals += o.refusals;
         self.total_ns = self.total_ns.saturating_add(o.total_ns);
     }
 
-    fn breakdown(&self) -> CallerBreakdown {
+    fn breakdown(&self, now_ms: u64) -> CallerBreakdown {
         CallerBreakdown {
             calls: self.calls,
+            qps: self.rate.per_second(now_ms, self.first_ms),
             errors: self.errors,
             refusals: self.refusals,
             total_ms: ns_to_ms(self.total_ns),
@@ -334,7 +358,7 @@ impl Agg {
     /// entry holds a clone of it: while the entry lives that address holds that name, so an
     /// equal address is the same caller without comparing bytes (a name from another
     /// configuration is compared by its bytes).
-    fn caller_mut(&mut self, name: &Arc<str>) -> &mut CallerAgg {
+    fn caller_mut(&mut self, name: &Arc<str>, now_ms: u64) -> &mut CallerAgg {
         let found = match self.callers.iter().position(|(n, _)| Arc::ptr_eq(n, name)) {
             Some(p) => Some(p),
             None => {
@@ -350,13 +374,14 @@ impl Agg {
         let pos = match found {
             Some(p) => p,
             None if self.callers.len() < MAX_CALLERS => {
-                self.callers.push((Arc::clone(name), CallerAgg::default()));
+                self.callers
+                    .push((Arc::clone(name), CallerAgg::new(now_ms)));
                 self.callers.len() - 1
             }
             None => match self.callers.iter().position(|(n, _)| &**n == OTHER) {
                 Some(p) => p,
                 None => {
-                    self.callers.push((OTHER.into(), CallerAgg::default()));
+                    self.callers.push((OTHER.into(), CallerAgg::new(now_ms)));
                     self.callers.len() - 1
                 }
             },
@@ -384,8 +409,9 @@ impl Agg {
         self.hist[bucket(ns / 1000)] += 1;
         self.first_ms = self.first_ms.min(now_ms);
         self.last_ms = self.last_ms.max(now_ms);
-        let c = self.caller_mut(caller);
+        let c = self.caller_mut(caller, now_ms);
         c.calls += 1;
+        c.rate.add(now_ms);
         c.total_ns = c.total_ns.saturating_add(ns);
         match outcome {
             Outcome::Ok { rows } => self.rows = self.rows.saturating_add(rows),
@@ -428,7 +454,7 @@ impl Agg {
         self.first_ms = self.first_ms.min(o.first_ms);
         self.last_ms = self.last_ms.max(o.last_ms);
         for (name, c) in &o.callers {
-            self.caller_mut(name).add(c);
+            self.caller_mut(name, now_ms).add(c, now_ms);
         }
     }
 
@@ -514,7 +540,7 @@ impl Agg {
             by_caller: self
                 .callers
                 .iter()
-                .map(|(n, c)| (n.to_string(), c.breakdown()))
+                .map(|(n, c)| (n.to_string(), c.breakdown(now_ms)))
                 .collect(),
         }
     }
@@ -797,6 +823,17 @@ impl FingerprintStats {
         });
         rows.truncate(limit);
         rows.into_iter().map(|(_, r)| r).collect()
+    }
+
+    /// The row of `fingerprint`, if it has one of its own ([`FingerprintStats::contains`]).
+    pub fn get(&self, fingerprint: u64) -> Option<FingerprintSnapshot> {
+        let now_ms = unix_ms();
+        let s = self.shard(fingerprint).lock();
+        let e = s.map.get(&fingerprint)?;
+        Some(
+            e.agg
+                .snapshot(format!("{fingerprint:016x}"), &e.normalized, e.kind, now_ms),
+        )
     }
 
     /// Whether `fingerprint` has a row of its own: a statement with it ended (or was refused)
@@ -1271,6 +1308,13 @@ mod tests {
         let rows = st.top(SortKey::Qps, 5, Some("a"));
         assert_eq!(rows.len(), 1);
         assert!(rows[0].qps > 0.0);
+        // Each caller has its own current rate: 20 calls of "b" just now read as 20/s.
+        st.record(2, &t, "read", &"c".into(), Duration::from_micros(10), ok);
+        let row = st.get(2).expect("a tracked row");
+        assert_eq!(row.by_caller["b"].qps, 20.0);
+        assert_eq!(row.by_caller["c"].qps, 1.0);
+        assert_eq!(row.qps, 21.0);
+        assert!(st.get(3).is_none());
     }
 
     #[test]

@@ -13,6 +13,12 @@
 //!   known-long report from a caller's default.
 //! * `mode: warn` counts and reports what would have been refused and lets the statement run;
 //!   it is meaningless for TIMEOUT and rejected there.
+//! * `warn_first_ms` makes an enforcing rule act as `warn` for that long after it is created,
+//!   then enforce by itself: a confirmation window in which its `warned` counter shows what it
+//!   is about to refuse and an operator can still delete it. The switch time is the creation
+//!   time plus the window, and the creation time is persisted, so a restart or a fleet member
+//!   that learns the rule later switches at the same moment; nothing has to run to flip it.
+//!   It needs `mode: enforce` and an action that refuses, and must end before the TTL.
 //! * Free text (`error_message`, `note`, caller names) is bounded and NUL-free because it ends
 //!   up in protocol messages; the caller list is bounded ([`MAX_RULE_CALLERS`]) because the hot
 //!   path scans it. Every source of rules (API, rules file, a fleet's Redis) passes through
@@ -77,6 +83,9 @@ pub struct RuleSpec {
     /// `primary` (they stay on the primary, whatever the caller's `route`).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub route: Option<String>,
+    /// Act as `warn` for this long after the rule is created, then enforce.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub warn_first_ms: Option<u64>,
 }
 
 /// A validation error naming the offending field (`body` for the document as a whole).
@@ -164,6 +173,8 @@ pub struct RuleDef {
     pub note: Option<String>,
     pub scope: Scope,
     pub origin: Origin,
+    /// Enforcing, but only once this long has passed since the rule was created (warn before).
+    pub warn_first: Option<Duration>,
 }
 
 /// Who made a rule.
@@ -378,6 +389,7 @@ impl RuleSpec {
                 ));
             }
         };
+        let warn_first = self.validate_warn_first(&action, mode, ttl)?;
         if let Some(callers) = &self.callers {
             if callers.is_empty() {
                 return Err(RuleError::new(
@@ -431,7 +443,59 @@ impl RuleSpec {
             note: self.note.clone(),
             scope,
             origin,
+            warn_first,
         })
+    }
+
+    /// `warn_first_ms`: a window before an enforcing, refusing rule enforces; 0 is none.
+    fn validate_warn_first(
+        &self,
+        action: &RuleAction,
+        mode: RuleMode,
+        ttl: Option<Duration>,
+    ) -> Result<Option<Duration>, RuleError> {
+        const FIELD: &str = "warn_first_ms";
+        let Some(ms) = self.warn_first_ms.filter(|ms| *ms > 0) else {
+            return Ok(None);
+        };
+        if matches!(
+            action,
+            RuleAction::Timeout { .. } | RuleAction::Route { .. }
+        ) {
+            return Err(RuleError::new(
+                FIELD,
+                format!(
+                    "{} refuses nothing, so it has no warn window",
+                    action.name()
+                ),
+            ));
+        }
+        if mode == RuleMode::Warn {
+            return Err(RuleError::new(
+                FIELD,
+                "only valid with mode enforce (a warn rule never enforces)",
+            ));
+        }
+        let window = Duration::from_millis(ms);
+        if window > Duration::from_secs(MAX_TTL_SECONDS) {
+            return Err(RuleError::new(
+                FIELD,
+                format!("must be at most {} (ten years)", MAX_TTL_SECONDS * 1000),
+            ));
+        }
+        if let Some(ttl) = ttl
+            && window >= ttl
+        {
+            return Err(RuleError::new(
+                FIELD,
+                format!(
+                    "must be shorter than ttl_seconds ({} s): the rule would expire before it \
+                     enforces",
+                    ttl.as_secs()
+                ),
+            ));
+        }
+        Ok(Some(window))
     }
 
     fn validate_throttle(&self) -> Result<RuleAction, RuleError> {
@@ -507,6 +571,7 @@ impl RuleDef {
             note: self.note.clone(),
             scope: (self.scope == Scope::Fleet).then(|| "fleet".to_owned()),
             origin: (self.origin == Origin::Auto).then(|| "auto".to_owned()),
+            warn_first_ms: self.warn_first.map(duration_ms),
             ..RuleSpec::default()
         };
         match &self.action {

@@ -15,6 +15,10 @@
 //!   ignored at once and removed lazily (or by [`RuleSet::purge_expired`]).
 //! * Hot path: one relaxed atomic load when there are no rules; otherwise a read lock for a
 //!   hash lookup. Writers (admin API) take the write lock briefly.
+//! * A rule with `warn_first_ms` keeps the moment it starts enforcing the same way as its
+//!   expiry (creation time + window); before it, [`RuleSet::check`] treats it as `warn`.
+//! * Statements that a rule in warn mode would have refused are also counted per action
+//!   ([`RuleSet::warned_by_action`]), monotonic across rule replacements, for `/metrics`.
 
 use foldhash::{HashMap, HashMapExt};
 use std::sync::Arc;
@@ -42,6 +46,8 @@ pub struct Rule {
     created_unix_ms: u64,
     /// (hot-path deadline, the same moment as unix ms for persistence)
     expires: Option<(Instant, u64)>,
+    /// `warn_first_ms`: when the rule starts enforcing (as `expires`); warn mode before.
+    enforce_at: Option<(Instant, u64)>,
     bucket: Option<Rate>,
     in_flight: AtomicU32,
     hits: AtomicU64,
@@ -77,6 +83,11 @@ impl Rule {
         self.expires.is_some_and(|(at, _)| now >= at)
     }
 
+    /// Whether the rule refuses at `now`: `mode: enforce`, past any `warn_first_ms` window.
+    pub fn enforcing(&self, now: Instant) -> bool {
+        self.def.mode == RuleMode::Enforce && self.enforce_at.is_none_or(|(at, _)| now >= at)
+    }
+
     /// Listing entry for the admin API.
     pub fn info(&self, now: Instant) -> RuleInfo {
         RuleInfo {
@@ -86,6 +97,16 @@ impl Rule {
             expires_unix_ms: self.expires.map(|(_, ms)| ms),
             expires_in_ms: self
                 .expires
+                .map(|(at, _)| duration_ms(at.saturating_duration_since(now))),
+            effective_mode: if self.enforcing(now) {
+                "enforce"
+            } else {
+                "warn"
+            },
+            enforce_at_unix_ms: self.enforce_at.map(|(_, ms)| ms),
+            enforces_in_ms: self
+                .enforce_at
+                .filter(|(at, _)| now < *at)
                 .map(|(at, _)| duration_ms(at.saturating_duration_since(now))),
             hits: self.hits(),
             refusals: self.refusals(),
@@ -104,6 +125,13 @@ pub struct RuleInfo {
     pub created_unix_ms: u64,
     pub expires_unix_ms: Option<u64>,
     pub expires_in_ms: Option<u64>,
+    /// What the rule does now: `warn` for a warn rule, and for an enforcing one still inside
+    /// its `warn_first_ms` window; else `enforce`.
+    pub effective_mode: &'static str,
+    /// `warn_first_ms`: when the rule starts (or started) enforcing.
+    pub enforce_at_unix_ms: Option<u64>,
+    /// `warn_first_ms`: time left before it enforces (absent once it does).
+    pub enforces_in_ms: Option<u64>,
     pub hits: u64,
     pub refusals: u64,
     pub warned: u64,
@@ -176,7 +204,12 @@ pub struct RuleSet {
     count: AtomicUsize,
     /// Where `scope: fleet` THROTTLE rules get their tokens.
     gate: Arc<FleetGate>,
+    /// Statements a rule in warn mode would have refused, by action ([`WARN_ACTIONS`] order).
+    warned_by_action: [AtomicU64; WARN_ACTIONS.len()],
 }
+
+/// The actions that refuse, so may warn instead: the labels of [`RuleSet::warned_by_action`].
+pub const WARN_ACTIONS: [&str; 3] = ["REJECT", "THROTTLE", "CONCURRENCY"];
 
 /// Persisted file layout (version 1).
 #[derive(Serialize, Deserialize)]
@@ -217,6 +250,18 @@ impl RuleSet {
         Self::default()
     }
 
+    /// Statements that rules in warn mode (or inside their `warn_first_ms` window) would
+    /// have refused since start, by action: monotonic, unlike a rule's own `warned`, which
+    /// starts again when the rule is replaced.
+    pub fn warned_by_action(&self) -> [(&'static str, u64); WARN_ACTIONS.len()] {
+        std::array::from_fn(|i| {
+            (
+                WARN_ACTIONS[i],
+                self.warned_by_action[i].load(Ordering::Relaxed),
+            )
+        })
+    }
+
     /// The gate `scope: fleet` rules lease their tokens through.
     pub fn gate(&self) -> &Arc<FleetGate> {
         &self.gate
@@ -229,7 +274,9 @@ impl RuleSet {
         let expires = def
             .ttl
             .map(|ttl| (now + ttl, unix_now.saturating_add(duration_ms(ttl))));
-        let rule = Arc::new(build_rule(fp, def, unix_now, expires, now, &self.gate));
+        let rule = Arc::new(build_rule(
+            fp, def, unix_now, expires, now, unix_now, &self.gate,
+        ));
         let mut map = self.rules.write();
         map.insert(fp, Arc::clone(&rule));
         self.count.store(map.len(), Ordering::Release);
@@ -315,7 +362,7 @@ impl RuleSet {
         {
             return RuleCheck::NoRule;
         }
-        let enforce = rule.def.mode == RuleMode::Enforce;
+        let enforce = rule.enforcing(now);
         if may_wait
             && enforce
             && let RuleAction::Throttle { on_exceed, .. } = &rule.def.action
@@ -394,6 +441,12 @@ impl RuleSet {
             }
             Some(violation) => {
                 rule.warned.fetch_add(1, Ordering::Relaxed);
+                if let Some(i) = WARN_ACTIONS
+                    .iter()
+                    .position(|a| *a == rule.def.action.name())
+                {
+                    self.warned_by_action[i].fetch_add(1, Ordering::Relaxed);
+                }
                 admit.would_refuse = Some(violation);
                 RuleCheck::Admit(admit)
             }
@@ -545,6 +598,7 @@ impl RuleSet {
             stored.created_unix_ms,
             expires,
             now,
+            unix_now,
             &self.gate,
         )))
     }
@@ -556,8 +610,17 @@ fn build_rule(
     created_unix_ms: u64,
     expires: Option<(Instant, u64)>,
     now: Instant,
+    unix_now: u64,
     gate: &Arc<FleetGate>,
 ) -> Rule {
+    // The window counts from the creation time, which is persisted: a rule loaded later
+    // (restart, fleet sync) switches at the same moment; one whose window passed enforces.
+    let enforce_at = def.warn_first.map(|w| {
+        let ms = created_unix_ms.saturating_add(duration_ms(w));
+        let left = Duration::from_millis(ms.saturating_sub(unix_now))
+            .min(Duration::from_secs(MAX_TTL_SECONDS));
+        (now + left, ms)
+    });
     let bucket = match &def.action {
         RuleAction::Throttle { max_qps, burst, .. } => Some(match def.scope {
             Scope::Instance => Rate::Local(TokenBucket::new(*max_qps, *burst, now)),
@@ -575,6 +638,7 @@ fn build_rule(
         def,
         created_unix_ms,
         expires,
+        enforce_at,
         bucket,
         in_flight: AtomicU32::new(0),
         hits: AtomicU64::new(0),

@@ -581,3 +581,86 @@ fn a_rule_lists_a_bounded_number_of_callers() {
     let e = RuleSet::from_json_bytes(file.as_bytes()).unwrap_err();
     assert!(e.field.ends_with("callers"), "{e}");
 }
+
+#[tokio::test(start_paused = true)]
+async fn warn_first_warns_for_its_window_then_enforces() {
+    let set = RuleSet::new();
+    set.put(
+        FP,
+        spec(r#"{"action":"REJECT","warn_first_ms":30000,"ttl_seconds":600}"#).unwrap(),
+    )
+    .unwrap();
+    let info = &set.list(Instant::now())[0];
+    assert_eq!(info.effective_mode, "warn");
+    assert_eq!(info.enforces_in_ms, Some(30_000));
+    assert_eq!(info.enforce_at_unix_ms, Some(info.created_unix_ms + 30_000));
+    assert_eq!(info.spec.warn_first_ms, Some(30_000));
+    match set.check(FP, "a", Instant::now(), Duration::ZERO, false) {
+        RuleCheck::Admit(a) => assert_eq!(a.would_refuse, Some(RuleViolation::Blocked)),
+        other => panic!("inside the window: {other:?}"),
+    }
+    // The persisted form keeps the window; loaded now, it switches at the same moment.
+    let reloaded = RuleSet::from_json_bytes(&set.to_json_bytes().unwrap()).unwrap();
+    let r = &reloaded.list(Instant::now())[0];
+    assert_eq!(r.enforce_at_unix_ms, info.enforce_at_unix_ms);
+    assert_eq!(r.effective_mode, "warn");
+
+    tokio::time::advance(Duration::from_millis(29_999)).await;
+    assert!(matches!(
+        set.check(FP, "a", Instant::now(), Duration::ZERO, false),
+        RuleCheck::Admit(_)
+    ));
+    tokio::time::advance(Duration::from_millis(1)).await;
+    assert!(matches!(
+        set.check(FP, "a", Instant::now(), Duration::ZERO, false),
+        RuleCheck::Refuse { .. }
+    ));
+    let info = &set.list(Instant::now())[0];
+    assert_eq!(info.effective_mode, "enforce");
+    assert_eq!(info.enforces_in_ms, None);
+    assert_eq!((info.hits, info.warned, info.refusals), (3, 2, 1));
+    assert_eq!(
+        set.warned_by_action(),
+        [("REJECT", 2), ("THROTTLE", 0), ("CONCURRENCY", 0)]
+    );
+    // Replacing the rule does not take back what was counted per action.
+    set.put(FP, spec(r#"{"action":"REJECT"}"#).unwrap())
+        .unwrap();
+    assert_eq!(set.warned_by_action()[0], ("REJECT", 2));
+}
+
+#[test]
+fn warn_first_needs_an_enforcing_refusing_rule_shorter_than_its_ttl() {
+    for (json, field) in [
+        (
+            r#"{"action":"REJECT","mode":"warn","warn_first_ms":1000}"#,
+            "warn_first_ms",
+        ),
+        (
+            r#"{"action":"TIMEOUT","statement_timeout_ms":5,"warn_first_ms":1000}"#,
+            "warn_first_ms",
+        ),
+        (
+            r#"{"action":"ROUTE","route":"replica","warn_first_ms":1000}"#,
+            "warn_first_ms",
+        ),
+        (
+            r#"{"action":"REJECT","ttl_seconds":10,"warn_first_ms":10000}"#,
+            "warn_first_ms",
+        ),
+        (r#"{"action":"REJECT","warn_first_ms":-1}"#, "warn_first_ms"),
+    ] {
+        assert_eq!(err(json).field, field, "{json}");
+    }
+    let ok = spec(r#"{"action":"THROTTLE","max_qps":5,"ttl_seconds":10,"warn_first_ms":9999}"#)
+        .unwrap()
+        .validate()
+        .unwrap();
+    assert_eq!(ok.warn_first, Some(Duration::from_millis(9999)));
+    // 0 is no window.
+    let none = spec(r#"{"action":"REJECT","warn_first_ms":0}"#)
+        .unwrap()
+        .validate()
+        .unwrap();
+    assert_eq!(none.warn_first, None);
+}

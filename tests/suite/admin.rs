@@ -429,6 +429,7 @@ async fn openapi_document_covers_every_route() {
         ("/v1/rules/fingerprint/{hash}", "get"),
         ("/v1/rules/fingerprint/{hash}", "put"),
         ("/v1/rules/fingerprint/{hash}", "delete"),
+        ("/v1/rules/preview", "post"),
         ("/v1/fingerprints", "get"),
         ("/v1/anomalies", "get"),
         ("/v1/callers", "get"),

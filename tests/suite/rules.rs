@@ -17,10 +17,16 @@
 //! them. With `PGSLUICE_TEST_DIRECT=1` these tests are skipped: they are about the proxy.
 //!
 //! * `api` — the rules and fingerprints endpoints of the admin API, in process.
+//! * `auto_warn` — `auto_rules.warn_first_ms`: an automatic rule warns for its window, then
+//!   enforces, in process.
+//! * `preview` — `POST /v1/rules/preview` in process, and its THROTTLE estimate against the
+//!   refusals measured once the rule is enforced.
 //!
 //! Rules across a fleet are in `fleet`.
 
 mod api;
+mod auto_warn;
+mod preview;
 
 use std::process::Command;
 use std::time::Duration;
