@@ -289,3 +289,126 @@ fn api_error(e: ApiError) -> PgError {
     };
     PgError::error(code, format!("pgsluice console: {message}"))
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::app::App;
+    use crate::config::Config;
+    use crate::policy::rules::RuleSet;
+
+    /// A console over an app with no pools yet (its backend is nowhere: nothing connects).
+    fn console() -> (Arc<App>, super::super::Admin) {
+        let cfg = Config::from_yaml("backend:\n  url: postgres://app:pw@127.0.0.1:1/appdb\n")
+            .expect("config");
+        let app = App::new(cfg, Arc::new(RuleSet::new())).expect("app");
+        let admin = super::super::Admin::new(app.clone(), Default::default());
+        (app, admin)
+    }
+
+    fn who(role: ConsoleRole) -> ConsoleClient {
+        ConsoleClient {
+            user: "u".into(),
+            database: "pgsluice".into(),
+            role,
+        }
+    }
+
+    /// The messages' type bytes, and the SQLSTATE of an ErrorResponse if there is one.
+    fn kinds(out: &[u8]) -> (Vec<u8>, Option<String>) {
+        let (mut tags, mut code, mut at) = (Vec::new(), None, 0);
+        while at + 5 <= out.len() {
+            let len = u32::from_be_bytes([out[at + 1], out[at + 2], out[at + 3], out[at + 4]]);
+            let body = &out[at + 5..at + 1 + len as usize];
+            if out[at] == b'E' {
+                code = crate::protocol::error::sqlstate_of(body).map(str::to_owned);
+            }
+            tags.push(out[at]);
+            at += 1 + len as usize;
+        }
+        (tags, code)
+    }
+
+    #[tokio::test]
+    async fn roles_decide_what_runs() {
+        let (app, _admin) = console();
+        let c = app
+            .console
+            .get()
+            .expect("the admin API set the console")
+            .clone();
+        let stats = who(ConsoleRole::Stats);
+        let (tags, code) = kinds(&c.answer(&stats, "SHOW POOLS;").await);
+        assert_eq!(
+            (tags, code),
+            (b"TC".to_vec(), None),
+            "no pools: a header only"
+        );
+        for cmd in [
+            "PAUSE",
+            "RESUME x",
+            "RECONNECT",
+            "KILL x",
+            "DISABLE x",
+            "ENABLE x",
+            "RELOAD",
+            "SHUTDOWN",
+        ] {
+            let (_, code) = kinds(&c.answer(&stats, cmd).await);
+            assert_eq!(code.as_deref(), Some("42501"), "{cmd}");
+        }
+        assert!(!app.life.is_stopping());
+        let admin = who(ConsoleRole::Admin);
+        let (tags, code) = kinds(&c.answer(&admin, "DISABLE appdb").await);
+        assert_eq!((tags, code), (b"C".to_vec(), None));
+        assert!(app.disabled.read().contains("appdb"));
+        let (_, code) = kinds(&c.answer(&admin, "enable appdb").await);
+        assert_eq!(code, None);
+        assert!(app.disabled.read().is_empty());
+        let (_, code) = kinds(&c.answer(&admin, "PAUSE nosuchdb").await);
+        assert_eq!(code.as_deref(), Some("42704"));
+        let (_, code) = kinds(&c.answer(&admin, "RELOAD").await);
+        assert_eq!(
+            code.as_deref(),
+            Some("55000"),
+            "no configuration source in a test"
+        );
+        let (tags, _) = kinds(&c.answer(&admin, "").await);
+        assert_eq!(tags, b"I", "an empty query");
+        let (tags, code) = kinds(&c.answer(&stats, "SHOW HELP").await);
+        assert_eq!((tags, code), (b"NC".to_vec(), None));
+        let (_, code) = kinds(&c.answer(&admin, "SELECT 1").await);
+        assert_eq!(code.as_deref(), Some("42601"));
+    }
+
+    #[tokio::test]
+    async fn every_show_answers_rows_as_wide_as_its_header() {
+        let (app, _admin) = console();
+        // A pool (it connects on its first checkout, which never comes), so SHOW POOLS,
+        // STATS, DATABASES, USERS have a row; `Table::push` asserts each row's width.
+        app.pool_for("appdb", "app").expect("pool");
+        let st = app.console.get().expect("console").clone();
+        for (name, _) in command::SHOWS {
+            let out = st
+                .answer(&who(ConsoleRole::Stats), &format!("SHOW {name}"))
+                .await;
+            let (tags, code) = kinds(&out);
+            assert_eq!(code, None, "SHOW {name}");
+            assert_eq!(tags.last(), Some(&b'C'), "SHOW {name}");
+            let rows = tags.iter().filter(|t| **t == b'D').count();
+            if [
+                "pools",
+                "stats",
+                "stats_totals",
+                "databases",
+                "users",
+                "lists",
+                "version",
+            ]
+            .contains(&name)
+            {
+                assert!(rows >= 1, "SHOW {name}: {tags:?}");
+            }
+        }
+    }
+}

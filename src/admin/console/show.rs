@@ -81,11 +81,12 @@ pub fn pools(st: &AdminState) -> Table {
             count(waiting),
             count(0),
             count(0),
-            // A backend an idle client keeps (parked) is linked to that client: active.
-            count(p.active + p.parked),
+            count(p.active),
             count(0),
             count(0),
-            count(p.idle),
+            // A backend an idle client keeps (parked) is given up to the first checkout
+            // that needs it: as usable as an idle one.
+            count(p.idle + p.parked),
             count(0),
             count(0),
             count(0),
@@ -353,7 +354,8 @@ pub fn servers(st: &AdminState) -> Table {
     let now = unix_ms();
     let mut t = Table::new(&SOCKET_COLUMNS);
     for s in control::server_rows(st) {
-        let state = if s.client.is_some() { "active" } else { "idle" };
+        // Idle in the pool, or parked with an idle client: usable by the next checkout.
+        let state = if s.state == "idle" { "idle" } else { "active" };
         let at = |ms: Option<u64>| text(ms.map(|ms| timestamp(now - ms)).unwrap_or_default());
         t.push(vec![
             text("S"),
