@@ -92,7 +92,7 @@ impl Console {
                 tracing::warn!(database = ?db, user = %who.user, in_use, "pools paused from the admin console");
                 if in_use > 0 {
                     return Err(PgError::error(
-                        "57014",
+                        "55006",
                         format!(
                             "pgsluice console: paused, but {in_use} backend connections are \
                              still in use after {} ms",
