@@ -7,9 +7,10 @@
 //! the protocol (simple Query only) and hands each query text here through
 //! [`crate::app::Console`]. This module parses it ([`command`]), checks the user's role
 //! (`admin.console.admin_users` run everything, `stats_users` only `SHOW`), and answers:
-//! `SHOW` tables in [`show`] (encoded by [`table`]), the controls here, each calling what the
-//! matching endpoint calls (`control::pause_pools`, `control::disable_database`,
-//! `read::run_reload`, …), so the console and the API cannot drift apart.
+//! PgBouncer's `SHOW` tables in [`show`] and pgsluice's own in [`own`] (encoded by
+//! [`table`]), the controls here, each calling what the matching endpoint calls
+//! (`control::pause_pools`, `control::disable_database`, `read::run_reload`, …), so the
+//! console and the API cannot drift apart.
 //!
 //! Commands by database (`PAUSE db`, `RESUME db`, `RECONNECT db`, `KILL db`) act on every
 //! pool of that database; without a database, `PAUSE`, `RESUME` and `RECONNECT` act on every
@@ -19,6 +20,7 @@
 //! error), or let a stats user change anything.
 
 pub mod command;
+pub mod own;
 pub mod show;
 pub mod table;
 
@@ -161,10 +163,10 @@ impl Console {
             Show::Version => show::version_table(),
             Show::Users => show::users(st),
             Show::State => show::state(st),
-            Show::Callers => show::callers(st),
-            Show::Fingerprints => show::fingerprints(st),
-            Show::Rules => show::rules(st),
-            Show::Anomalies => show::anomalies(st),
+            Show::Callers => own::callers(st),
+            Show::Fingerprints => own::fingerprints(st),
+            Show::Rules => own::rules(st),
+            Show::Anomalies => own::anomalies(st),
         }
     }
 

@@ -4,24 +4,22 @@
 //!
 //! PgBouncer's column names, order and types are kept where pgsluice has the same quantity;
 //! a column pgsluice has no value for is `0` (numbers) or empty (text) — never a guess. Which
-//! is which is listed in docs/OPERATIONS.md ("Admin console"). Two columns PgBouncer 1.7
+//! is which is listed in docs/OPERATIONS.md ("The admin console"). Two columns PgBouncer 1.7
 //! had are appended for the exporters that still read them: `total_requests` (SHOW STATS)
-//! and `reserve_pool` (SHOW DATABASES). The `SHOW CALLERS`, `FINGERPRINTS`, `RULES` and
-//! `ANOMALIES` tables are pgsluice's own: the JSON rows of the matching endpoints, column
-//! by column ([`Table::from_json`]).
+//! and `reserve_pool` (SHOW DATABASES). pgsluice's own tables are in `own.rs`.
 
 use std::collections::{BTreeMap, BTreeSet};
 
 use tokio::time::Instant;
 
 use super::table::{Table, Type, count, int, text, timestamp, whole};
-use crate::admin::{AdminState, anomalies, control, read};
+use crate::admin::{AdminState, control, read};
 use crate::clients::{ClientSnapshot, ClientState};
 use crate::config::{AuthMethod, Config, ConsoleConfig, PoolConfig, PoolMode};
-use crate::observe::stats::{SortKey, unix_ms};
+use crate::observe::stats::unix_ms;
 use crate::pool::PoolSnapshot;
 
-use Type::{Int4 as I4, Int8 as I8, Numeric as N, Text as T};
+use Type::{Int4 as I4, Numeric as N, Text as T};
 
 /// The clients of the proxy's pools: the console's own sessions are not pool clients.
 fn pool_clients(st: &AdminState, console: &ConsoleConfig) -> Vec<ClientSnapshot> {
@@ -693,113 +691,4 @@ fn reloadable(key: &str) -> bool {
         "pool.max_db_connections" | "pool.max_user_connections" => true,
         k => !k.starts_with("pool.") && !k.starts_with("backend."),
     }
-}
-
-/// Serialises `v` and takes the array at `field` (the HTTP answer's list).
-fn json_rows(v: impl serde::Serialize, field: &str) -> Vec<serde_json::Value> {
-    match serde_json::to_value(v) {
-        Ok(serde_json::Value::Object(mut m)) => match m.remove(field) {
-            Some(serde_json::Value::Array(a)) => a,
-            _ => Vec::new(),
-        },
-        Ok(serde_json::Value::Array(a)) => a,
-        _ => Vec::new(),
-    }
-}
-
-/// `SHOW CALLERS` (`GET /v1/callers`).
-pub fn callers(st: &AdminState) -> Table {
-    let rows = json_rows(st.app.policy.callers(), "callers");
-    Table::from_json(
-        &[
-            ("name", T),
-            ("priority", T),
-            ("max_concurrency", I8),
-            ("queue_depth", I8),
-            ("queue_timeout_ms", I8),
-            ("max_qps", N),
-            ("scope", T),
-            ("in_flight", I8),
-            ("queued", I8),
-            ("admitted", I8),
-            ("refusals", T),
-        ],
-        &rows,
-    )
-}
-
-/// `SHOW FINGERPRINTS` (`GET /v1/fingerprints`: the top 50 by total time).
-pub fn fingerprints(st: &AdminState) -> Table {
-    let top = st
-        .app
-        .fp_stats
-        .top(SortKey::TotalTime, read::DEFAULT_LIMIT, None);
-    let rows = json_rows(top, "");
-    Table::from_json(
-        &[
-            ("fingerprint", T),
-            ("kind", T),
-            ("calls", I8),
-            ("qps", N),
-            ("errors", I8),
-            ("refusals", I8),
-            ("rows", I8),
-            ("total_ms", N),
-            ("mean_ms", N),
-            ("p50_ms", N),
-            ("p95_ms", N),
-            ("p99_ms", N),
-            ("normalized", T),
-        ],
-        &rows,
-    )
-}
-
-/// `SHOW RULES` (`GET /v1/rules`).
-pub fn rules(st: &AdminState) -> Table {
-    let rows = json_rows(st.app.policy.rules().list(Instant::now()), "");
-    Table::from_json(
-        &[
-            ("fingerprint", T),
-            ("action", T),
-            ("mode", T),
-            ("max_qps", N),
-            ("burst", I8),
-            ("action_on_exceed", T),
-            ("max_inflight", I8),
-            ("statement_timeout_ms", I8),
-            ("lock_timeout_ms", I8),
-            ("callers", T),
-            ("origin", T),
-            ("expires_in_ms", I8),
-            ("hits", I8),
-            ("refusals", I8),
-            ("warned", I8),
-            ("in_flight", I8),
-            ("error_message", T),
-            ("note", T),
-        ],
-        &rows,
-    )
-}
-
-/// `SHOW ANOMALIES` (`GET /v1/anomalies`).
-pub fn anomalies(st: &AdminState) -> Table {
-    let rows = json_rows(anomalies::anomaly_list(st), "anomalies");
-    Table::from_json(
-        &[
-            ("subject", T),
-            ("fingerprint", T),
-            ("caller", T),
-            ("signal", T),
-            ("since_unix_ms", I8),
-            ("active_for_ms", I8),
-            ("kind", T),
-            ("normalized", T),
-            ("top_callers", T),
-            ("suggested_rule", T),
-            ("rule", T),
-        ],
-        &rows,
-    )
 }
