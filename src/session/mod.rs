@@ -15,7 +15,7 @@
 //! Otherwise it logs in on the login thread and its session is then handed to the session
 //! thread ([`Handover`]); the client socket moves with it from the login thread's event loop
 //! to the session thread's ([`crate::rehome`]), so each thread is woken by its own sockets.
-//! A client of an `admin.console` database leaves after authentication for [`console`],
+//! A client of an `admin.console` database leaves after authentication for `console.rs`,
 //! where the proxy answers it itself, on the task that logged it in.
 
 pub mod auth_query;
