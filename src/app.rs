@@ -69,6 +69,10 @@ pub struct App {
     /// What `POST /v1/reload` runs: main sets it to the same re-read as SIGHUP. Unset in
     /// tests and embedders, where the endpoint answers 503.
     pub reloader: OnceLock<Reloader>,
+    /// What answers a client of an `admin.console` database: main sets it to the admin
+    /// API's console (`admin::console`). Unset in embedders without the admin API, where such
+    /// a login is refused.
+    pub console: OnceLock<Arc<dyn Console>>,
     /// The process's phase, its stop signal and its client tasks ([`App::begin_shutdown`]).
     pub life: crate::lifecycle::Lifecycle,
     /// Client and backend TLS (certificates re-read on reload).
@@ -80,6 +84,29 @@ pub struct App {
 /// Re-reads the configuration source and applies it with [`App::reload`]; `Err` lists the
 /// problems (the running configuration stays).
 pub type Reloader = Arc<dyn Fn() -> Result<(), Vec<String>> + Send + Sync>;
+
+/// The admin console's commands, for a session of an `admin.console` database (the session
+/// owns the socket and the protocol; this answers one simple Query at a time).
+pub trait Console: Send + Sync {
+    /// The messages that answer `sql` from `who` (rows or an error, and CommandComplete;
+    /// never ReadyForQuery).
+    fn answer<'a>(
+        &'a self,
+        who: &'a ConsoleClient,
+        sql: &'a str,
+    ) -> std::pin::Pin<Box<dyn std::future::Future<Output = bytes::BytesMut> + Send + 'a>>;
+}
+
+/// The console's `server_version` and `SHOW VERSION`.
+pub const CONSOLE_VERSION: &str = concat!("pgsluice ", env!("CARGO_PKG_VERSION"));
+
+/// Who is asking the console.
+#[derive(Debug, Clone)]
+pub struct ConsoleClient {
+    pub user: String,
+    pub database: String,
+    pub role: cfgmod::ConsoleRole,
+}
 
 #[derive(Default)]
 pub struct AppStats {
@@ -188,6 +215,7 @@ impl App {
             pass_keys: Default::default(),
             auth_cache: Default::default(),
             reloader: OnceLock::new(),
+            console: OnceLock::new(),
             policy,
             classifier: Classifier::new(
                 config.classify.cache_entries,

@@ -247,7 +247,7 @@ struct CallerCalls {
 }
 
 #[derive(Serialize)]
-struct AnomalyList {
+pub(super) struct AnomalyList {
     enabled: bool,
     auto_rules_mode: &'static str,
     anomalies: Vec<AnomalyView>,
@@ -318,19 +318,24 @@ fn subject_name(s: &Subject) -> &'static str {
 /// `GET /v1/anomalies`: the current anomalies, oldest first, with evidence and the rule
 /// that would stop each.
 pub async fn list(State(st): State<Arc<AdminState>>, _: NoQuery) -> Json<impl Serialize> {
+    Json(anomaly_list(&st))
+}
+
+/// What `GET /v1/anomalies` and the console's `SHOW ANOMALIES` show.
+pub(super) fn anomaly_list(st: &AdminState) -> AnomalyList {
     let cfg = st.app.config();
     let active = st.anomalies.lock().detector.active();
     let now_ms = unix_ms();
     let anomalies = if cfg.detector.enabled {
-        active.iter().map(|a| view(&st, a, &cfg, now_ms)).collect()
+        active.iter().map(|a| view(st, a, &cfg, now_ms)).collect()
     } else {
         Vec::new()
     };
-    Json(AnomalyList {
+    AnomalyList {
         enabled: cfg.detector.enabled,
         auto_rules_mode: cfg.auto_rules.mode.name(),
         anomalies,
-    })
+    }
 }
 
 /// Every `detector.tick_ms` until shutdown: feeds the detector, reports what started and

@@ -48,7 +48,8 @@ pub async fn clients(State(st): State<Arc<AdminState>>, _: NoQuery) -> Json<impl
     })
 }
 
-fn client_rows(st: &AdminState) -> Vec<ClientSnapshot> {
+/// Every logged-in client (console sessions included), in login order.
+pub(super) fn client_rows(st: &AdminState) -> Vec<ClientSnapshot> {
     let rt = st.app.runtime.load();
     let names = &rt.callers;
     let mut rows: Vec<ClientSnapshot> = st
@@ -139,18 +140,24 @@ pub async fn cancel(
     }))
 }
 
+/// One backend connection as `GET /v1/servers` and the console's `SHOW SERVERS` show it.
 #[derive(Serialize)]
-struct Server {
-    pool: String,
-    pid: i32,
+pub(super) struct Server {
+    pub pool: String,
+    pub pid: i32,
     /// `idle`, or the state of the client holding it.
-    state: String,
+    pub state: String,
     #[serde(skip_serializing_if = "Option::is_none")]
-    client: Option<u64>,
+    pub client: Option<u64>,
     #[serde(skip_serializing_if = "Option::is_none")]
-    age_ms: Option<u64>,
+    pub age_ms: Option<u64>,
     #[serde(skip_serializing_if = "Option::is_none")]
-    idle_ms: Option<u64>,
+    pub idle_ms: Option<u64>,
+    /// The pool's database and user (named in `pool`), for the console's columns.
+    #[serde(skip)]
+    pub database: String,
+    #[serde(skip)]
+    pub user: String,
 }
 
 #[derive(Serialize)]
@@ -161,6 +168,14 @@ struct Servers {
 /// `GET /v1/servers`: each backend connection: idle ones from their pool, those in use with
 /// the client that holds them.
 pub async fn servers(State(st): State<Arc<AdminState>>, _: NoQuery) -> Json<impl Serialize> {
+    Json(Servers {
+        servers: server_rows(&st),
+    })
+}
+
+/// Every backend connection: the idle ones of each pool (by pool name), then those in use,
+/// by the client holding them.
+pub(super) fn server_rows(st: &AdminState) -> Vec<Server> {
     let mut servers = Vec::new();
     let mut pools = st.app.pools.all();
     pools.sort_by(|a, b| a.name.cmp(&b.name));
@@ -178,10 +193,12 @@ pub async fn servers(State(st): State<Arc<AdminState>>, _: NoQuery) -> Json<impl
                 client: None,
                 age_ms: Some(age_ms),
                 idle_ms: Some(idle_ms),
+                database: p.database.clone(),
+                user: p.user.clone(),
             });
         }
     }
-    for c in client_rows(&st) {
+    for c in client_rows(st) {
         if let Some(pid) = c.backend_pid {
             let state = serde_json::to_value(c.state)
                 .ok()
@@ -194,10 +211,12 @@ pub async fn servers(State(st): State<Arc<AdminState>>, _: NoQuery) -> Json<impl
                 client: Some(c.id),
                 age_ms: None,
                 idle_ms: None,
+                database: c.database,
+                user: c.user,
             });
         }
     }
-    Json(Servers { servers })
+    servers
 }
 
 fn pool_of(st: &AdminState, db: &str, user: &str) -> Result<Arc<Pool>, ApiError> {
@@ -265,23 +284,39 @@ pub async fn pause(
 ) -> Result<Json<impl Serialize>, ApiError> {
     let b = pause_body(&body)?;
     let pool = pool_of(&st, &db, &user)?;
-    pool.pause(Duration::from_millis(
-        b.hold_ms.unwrap_or(DEFAULT_PAUSE_HOLD_MS),
-    ));
-    let started = Instant::now();
-    let until = started + Duration::from_millis(b.wait_ms.unwrap_or(DEFAULT_PAUSE_WAIT_MS));
-    while pool.in_use() > 0 && Instant::now() < until && pool.is_paused() {
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    let waited = pause_pools(
+        std::slice::from_ref(&pool),
+        Duration::from_millis(b.hold_ms.unwrap_or(DEFAULT_PAUSE_HOLD_MS)),
+        Duration::from_millis(b.wait_ms.unwrap_or(DEFAULT_PAUSE_WAIT_MS)),
+    )
+    .await;
     let in_use = pool.in_use();
     Ok(Json(PoolState {
         pool: pool.name.clone(),
         paused: pool.is_paused(),
         in_use,
         drained: Some(in_use == 0),
-        waited_ms: Some(u64::try_from(started.elapsed().as_millis()).unwrap_or(u64::MAX)),
+        waited_ms: Some(u64::try_from(waited.as_millis()).unwrap_or(u64::MAX)),
         closed: None,
     }))
+}
+
+/// Pauses `pools` (each new checkout waits up to `hold` for the resume), then waits up to
+/// `wait` for their connections in use to come back, or for one of them to be resumed.
+/// Returns how long it waited.
+pub(super) async fn pause_pools(pools: &[Arc<Pool>], hold: Duration, wait: Duration) -> Duration {
+    for pool in pools {
+        pool.pause(hold);
+    }
+    let started = Instant::now();
+    let until = started + wait;
+    while pools.iter().any(|p| p.in_use() > 0)
+        && Instant::now() < until
+        && pools.iter().all(|p| p.is_paused())
+    {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    started.elapsed()
 }
 
 /// `POST /v1/pools/{db}/{user}/resume`.
@@ -345,6 +380,12 @@ pub async fn disable(
     Path(db): Path<String>,
     _: NoQuery,
 ) -> Result<Json<impl Serialize>, ApiError> {
+    disable_database(&st, &db)?;
+    Ok(Json(databases(&st, &db)))
+}
+
+/// Closes `db` to new client logins (what `disable` and the console's `DISABLE` do).
+pub(super) fn disable_database(st: &AdminState, db: &str) -> Result<(), ApiError> {
     if db.is_empty() || db.len() > 63 {
         return Err(ApiError::bad_request(
             "database",
@@ -353,15 +394,15 @@ pub async fn disable(
     }
     {
         let mut d = st.app.disabled.write();
-        if d.len() >= 10_000 && !d.contains(&db) {
+        if d.len() >= 10_000 && !d.contains(db) {
             return Err(ApiError::Conflict(
                 "10000 databases are disabled already".into(),
             ));
         }
-        d.insert(db.clone());
+        d.insert(db.to_owned());
     }
     tracing::warn!(database = %db, "new client connections disabled by an operator");
-    Ok(Json(databases(&st, &db)))
+    Ok(())
 }
 
 /// `POST /v1/databases/{db}/enable`.
@@ -370,10 +411,15 @@ pub async fn enable(
     Path(db): Path<String>,
     _: NoQuery,
 ) -> Result<Json<impl Serialize>, ApiError> {
-    if st.app.disabled.write().remove(&db) {
+    enable_database(&st, &db);
+    Ok(Json(databases(&st, &db)))
+}
+
+/// Opens `db` to new client logins again (`enable`, the console's `ENABLE`).
+pub(super) fn enable_database(st: &AdminState, db: &str) {
+    if st.app.disabled.write().remove(db) {
         tracing::warn!(database = %db, "new client connections enabled by an operator");
     }
-    Ok(Json(databases(&st, &db)))
 }
 
 #[cfg(test)]

@@ -22,7 +22,8 @@
 //! default) and enforces JSON on mutations; [`error`] is the one error type every failure
 //! goes through, plus the extractors that name the bad field; [`rules`] owns rule mutations
 //! (in fleet mode written to Redis first, see `crate::fleet`)
-//! and their persistence; [`anomalies`] the detector's tick, its automatic rules and
+//! and their persistence; [`console`] answers PgBouncer's admin console on the client
+//! listener with the same reads and controls; [`anomalies`] the detector's tick, its automatic rules and
 //! `/v1/anomalies`; [`read`] the stats, `/metrics` and reload; [`control`] the incident
 //! controls (clients, servers, pause, resume, reconnect, disable, enable). Bodies are capped at
 //! [`error::MAX_BODY_BYTES`]; GET handlers refuse query parameters they do not define, so a
@@ -33,6 +34,7 @@
 
 pub mod anomalies;
 pub mod auth;
+pub mod console;
 pub mod control;
 pub mod error;
 pub mod host;
@@ -79,14 +81,18 @@ impl Admin {
     pub fn new(app: Arc<App>, env: EnvTokens) -> Admin {
         let written = app.policy.rules().to_json_bytes().ok();
         let board = anomalies::Board::new(&app.config().detector);
-        Admin {
-            st: Arc::new(AdminState {
-                app,
-                env,
-                rules_file: tokio::sync::Mutex::new(written),
-                anomalies: parking_lot::Mutex::new(board),
-            }),
-        }
+        let st = Arc::new(AdminState {
+            app,
+            env,
+            rules_file: tokio::sync::Mutex::new(written),
+            anomalies: parking_lot::Mutex::new(board),
+        });
+        // The first admin API of an app answers its console (tests may build several).
+        let _ = st
+            .app
+            .console
+            .set(Arc::new(console::Console::new(&st)) as Arc<dyn crate::app::Console>);
+        Admin { st }
     }
 
     /// The expired-rule purge ([`rules::purge_loop`]) and the anomaly detector

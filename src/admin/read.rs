@@ -112,7 +112,8 @@ struct Pools {
     caps: Vec<crate::pool::caps::CapSnapshot>,
 }
 
-fn pool_snapshots(st: &AdminState) -> Vec<PoolSnapshot> {
+/// Every pool's snapshot, by name.
+pub(super) fn pool_snapshots(st: &AdminState) -> Vec<PoolSnapshot> {
     let mut v: Vec<PoolSnapshot> = st.app.pools.all().iter().map(|p| p.snapshot()).collect();
     v.sort_by(|a, b| a.name.cmp(&b.name));
     v
@@ -263,6 +264,13 @@ pub async fn reload(
     State(st): State<Arc<AdminState>>,
     _: NoQuery,
 ) -> Result<Json<impl Serialize>, ApiError> {
+    run_reload(&st, "admin API").await?;
+    Ok(Json(Reloaded { reloaded: true }))
+}
+
+/// Runs the process's reloader (the same re-read as SIGHUP) on the blocking pool; `via`
+/// names who asked, for the log.
+pub(super) async fn run_reload(st: &AdminState, via: &'static str) -> Result<(), ApiError> {
     let Some(reloader) = st.app.reloader.get().cloned() else {
         return Err(ApiError::Unavailable(
             "this process has no configuration source to reload".into(),
@@ -274,11 +282,11 @@ pub async fn reload(
         .map_err(|e| ApiError::Internal(format!("reload task failed: {e}")))?;
     match result {
         Ok(()) => {
-            tracing::info!("configuration reloaded (admin API)");
-            Ok(Json(Reloaded { reloaded: true }))
+            tracing::info!(via, "configuration reloaded");
+            Ok(())
         }
         Err(errs) => {
-            tracing::error!(errors = ?errs, "reload rejected; keeping the running configuration");
+            tracing::error!(via, errors = ?errs, "reload rejected; keeping the running configuration");
             Err(ApiError::InvalidConfig(errs))
         }
     }

@@ -166,6 +166,66 @@ pub struct AdminConfig {
     /// Host names the API answers to besides IP literals and `localhost` (`*.domain` for
     /// subdomains, `*` for any): a browser tricked by DNS rebinding names another host.
     pub allowed_hosts: Vec<String>,
+    /// PgBouncer's admin console over the Postgres protocol, on the client listener.
+    pub console: ConsoleConfig,
+}
+
+/// `admin.console`: virtual databases on the client listener where `SHOW POOLS`, `PAUSE`
+/// and the rest of PgBouncer's console commands are answered by the proxy itself. Off until
+/// some user is named: a console nobody may use is no console, and a config written before
+/// it existed keeps sending a database called `pgsluice` to Postgres.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct ConsoleConfig {
+    /// The database names that reach the console (PgBouncer tools connect to `pgbouncer`).
+    pub databases: Vec<String>,
+    /// Users who may run every console command (PgBouncer's `admin_users`).
+    pub admin_users: Vec<String>,
+    /// Users who may run `SHOW …` only (PgBouncer's `stats_users`).
+    pub stats_users: Vec<String>,
+}
+
+impl Default for ConsoleConfig {
+    fn default() -> Self {
+        ConsoleConfig {
+            databases: vec!["pgsluice".into()],
+            admin_users: Vec::new(),
+            stats_users: Vec::new(),
+        }
+    }
+}
+
+/// What a console user may do.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ConsoleRole {
+    /// `SHOW …` only.
+    Stats,
+    /// Every command.
+    Admin,
+}
+
+impl ConsoleConfig {
+    /// Whether the console is on (some user may use it).
+    pub fn enabled(&self) -> bool {
+        !self.admin_users.is_empty() || !self.stats_users.is_empty()
+    }
+
+    /// Whether a client of `database` reaches the console rather than Postgres.
+    pub fn serves(&self, database: &str) -> bool {
+        self.enabled() && self.databases.iter().any(|d| d == database)
+    }
+
+    /// What `user` may do on the console (`None`: nothing); an admin user listed in both
+    /// lists is an admin.
+    pub fn role(&self, user: &str) -> Option<ConsoleRole> {
+        if self.admin_users.iter().any(|u| u == user) {
+            Some(ConsoleRole::Admin)
+        } else if self.stats_users.iter().any(|u| u == user) {
+            Some(ConsoleRole::Stats)
+        } else {
+            None
+        }
+    }
 }
 
 impl Default for AdminConfig {
@@ -177,6 +237,7 @@ impl Default for AdminConfig {
             open_reads: false,
             rules_file: None,
             allowed_hosts: Vec::new(),
+            console: ConsoleConfig::default(),
         }
     }
 }

@@ -424,6 +424,7 @@ impl Config {
                 );
             }
         }
+        self.check_console(p);
         if self.log.max_lines_per_second > 100_000 {
             p.add(
                 "log.max_lines_per_second".into(),
@@ -439,6 +440,52 @@ impl Config {
     }
 
     /// `pool.*` and `pools[]` overrides.
+    /// `admin.console`: database names that could be a client's, none of them hiding a
+    /// `databases[]` entry, and user names that are names.
+    fn check_console(&self, p: &mut Problems<'_>) {
+        let c = &self.admin.console;
+        if c.enabled() && c.databases.is_empty() {
+            p.add(
+                "admin.console.databases".into(),
+                "must name at least one database when admin.console.admin_users or \
+                 stats_users is set (for example [pgsluice, pgbouncer])",
+            );
+        }
+        let mut seen = HashSet::new();
+        for (i, d) in c.databases.iter().enumerate() {
+            let at = format!("admin.console.databases[{i}]");
+            if d.is_empty() || d.len() > 63 || d == "*" {
+                p.add(
+                    at,
+                    format!("{d:?} is not a database name (1 to 63 bytes, not *)"),
+                );
+            } else if !seen.insert(d.as_str()) {
+                p.add(at, format!("{d:?} is listed twice"));
+            } else if self.databases.iter().any(|e| &e.name == d) {
+                p.add(
+                    at,
+                    format!(
+                        "{d:?} is also a databases[] entry: the console would hide that \
+                         database from its clients; name the console differently"
+                    ),
+                );
+            }
+        }
+        for (list, users) in [
+            ("admin_users", &c.admin_users),
+            ("stats_users", &c.stats_users),
+        ] {
+            for (i, u) in users.iter().enumerate() {
+                if u.is_empty() {
+                    p.add(
+                        format!("admin.console.{list}[{i}]"),
+                        "must be a user name (empty)",
+                    );
+                }
+            }
+        }
+    }
+
     fn check_pool(&self, p: &mut Problems<'_>) {
         let pool = &self.pool;
         if pool.size == 0 || pool.size > 10_000 {
@@ -793,6 +840,58 @@ mod tests {
         assert!(BackendUrl::parse("postgres://h:5432/db").is_err());
         assert!(BackendUrl::parse("postgres://a:b@h:99999/db").is_err());
         assert!(!format!("{u:?}").contains("s@cret"));
+    }
+
+    #[test]
+    fn console_settings_are_checked() {
+        let base = "backend:\n  url: postgres://app:pw@db/appdb\n";
+        let c = Config::from_yaml(base).unwrap();
+        assert!(!c.admin.console.enabled(), "off unless a user is named");
+        assert!(!c.admin.console.serves("pgsluice"));
+        let ok = format!(
+            "{base}admin:\n  console:\n    databases: [pgsluice, pgbouncer]\n    \
+             admin_users: [ops]\n    stats_users: [exporter, ops]\n"
+        );
+        let c = Config::from_yaml(&ok).unwrap().admin.console;
+        assert!(c.serves("pgbouncer") && c.serves("pgsluice") && !c.serves("appdb"));
+        assert_eq!(c.role("ops"), Some(super::super::ConsoleRole::Admin));
+        assert_eq!(c.role("exporter"), Some(super::super::ConsoleRole::Stats));
+        assert_eq!(c.role("app"), None);
+        for (yaml, field, says) in [
+            (
+                "admin:\n  console:\n    databases: []\n    stats_users: [x]\n",
+                "admin.console.databases",
+                "at least one",
+            ),
+            (
+                "admin:\n  console:\n    databases: [a, a]\n    stats_users: [x]\n",
+                "admin.console.databases[1]",
+                "twice",
+            ),
+            (
+                "admin:\n  console:\n    databases: ['*']\n",
+                "admin.console.databases[0]",
+                "not a database name",
+            ),
+            (
+                "admin:\n  console:\n    databases: [appdb]\n    admin_users: [x]\n\
+                 databases:\n  - name: appdb\n    url: postgres://h/appdb\n",
+                "admin.console.databases[0]",
+                "hide that database",
+            ),
+            (
+                "admin:\n  console:\n    admin_users: ['']\n",
+                "admin.console.admin_users[0]",
+                "user name",
+            ),
+        ] {
+            let errs = Config::from_yaml(&format!("{base}{yaml}")).unwrap_err();
+            assert!(
+                errs.iter()
+                    .any(|e| e.field == field && e.message.contains(says)),
+                "{yaml}: {errs:?}"
+            );
+        }
     }
 
     #[test]

@@ -1000,6 +1000,7 @@ impl Pool {
                 .then(|| self.replica_healthy.load(Ordering::Relaxed)),
             database: self.database.clone(),
             user: self.user.clone(),
+            checkouts: self.stats.checkouts.load(Ordering::Relaxed),
             transactions: self.stats.transactions.load(Ordering::Relaxed),
             queries: self.stats.queries.load(Ordering::Relaxed),
             bytes_received: self.stats.bytes_received.load(Ordering::Relaxed),
@@ -1052,6 +1053,8 @@ pub struct PoolSnapshot {
     pub replica_healthy: Option<bool>,
     pub database: String,
     pub user: String,
+    /// Backends handed to clients (PgBouncer's `server_assignment_count`).
+    pub checkouts: u64,
     pub transactions: u64,
     pub queries: u64,
     pub bytes_received: u64,

@@ -15,8 +15,11 @@
 //! Otherwise it logs in on the login thread and its session is then handed to the session
 //! thread ([`Handover`]); the client socket moves with it from the login thread's event loop
 //! to the session thread's ([`crate::rehome`]), so each thread is woken by its own sockets.
+//! A client of an `admin.console` database leaves after authentication for `console.rs`,
+//! where the proxy answers it itself, on the task that logged it in.
 
 pub mod auth_query;
+mod console;
 mod handshake;
 mod machine;
 mod relay;
@@ -220,6 +223,12 @@ pub async fn run<S, G>(
             return startup_failed(&app, &mut stream, peer, BytesMut::new(), r).await;
         }
     };
+    if app.config().admin.console.serves(&login.database) {
+        // The admin console: no pool, no backend; served on this task, holding the slot.
+        drop(slot);
+        let _hold = hold;
+        return console::serve(app, stream, buf, peer, login, owed).await;
+    }
     let moving = handover.0.is_some();
     let mut slot = Some(slot);
     let mut greeted = None;

@@ -8,7 +8,7 @@
 //! * Traffic policy: `admission`, `timeouts`, `breaker`, `limits`, `overload`, `classify`,
 //!   `rules`, `seeds`, `fleet`.
 //! * Faults: `protocol_faults`, `backend_faults`, `disconnects`.
-//! * Operating the proxy: `lifecycle`, `admin`, `cli`, `logging`.
+//! * Operating the proxy: `lifecycle`, `admin`, `console`, `cli`, `logging`.
 //! * Real drivers: `drivers`; the harness itself: `harness`.
 
 mod support;
@@ -22,6 +22,7 @@ mod cancel;
 mod classify;
 mod cli;
 mod connections;
+mod console;
 mod copy;
 mod disconnects;
 mod drivers;
