@@ -237,6 +237,52 @@ impl RuleSpec {
                 )
             })?
             .to_ascii_uppercase();
+        self.check_fields_of(&action_name)?;
+        let action = self.validate_action(&action_name)?;
+        let scope = self.validate_scope(&action_name)?;
+        let mode = self.validate_mode(&action)?;
+        let ttl = match self.ttl_seconds {
+            None => None,
+            Some(s) if (1..=MAX_TTL_SECONDS).contains(&s) => Some(Duration::from_secs(s)),
+            Some(_) => {
+                return Err(RuleError::new(
+                    "ttl_seconds",
+                    format!("must be between 1 and {MAX_TTL_SECONDS}"),
+                ));
+            }
+        };
+        let warn_first = self.validate_warn_first(&action, mode, ttl)?;
+        self.validate_texts()?;
+        let origin = match self
+            .origin
+            .as_deref()
+            .map(str::to_ascii_lowercase)
+            .as_deref()
+        {
+            None | Some("operator") => Origin::Operator,
+            Some("auto") => Origin::Auto,
+            Some(other) => {
+                return Err(RuleError::new(
+                    "origin",
+                    format!("unknown origin {other:?}; expected operator or auto"),
+                ));
+            }
+        };
+        Ok(RuleDef {
+            action,
+            mode,
+            callers: self.callers.clone(),
+            error_message: self.error_message.clone(),
+            ttl,
+            note: self.note.clone(),
+            scope,
+            origin,
+            warn_first,
+        })
+    }
+
+    /// A field that means nothing for the action is an error, not silently ignored.
+    fn check_fields_of(&self, action_name: &str) -> Result<(), RuleError> {
         let only = |field: &str, present: bool, valid_for: &str| {
             if present {
                 Err(RuleError::new(
@@ -270,7 +316,12 @@ impl RuleSpec {
         if action_name != "ROUTE" {
             only("route", self.route.is_some(), "ROUTE")?;
         }
-        let action = match action_name.as_str() {
+        Ok(())
+    }
+
+    /// The action and the fields it needs.
+    fn validate_action(&self, action_name: &str) -> Result<RuleAction, RuleError> {
+        Ok(match action_name {
             "REJECT" => RuleAction::Reject,
             "THROTTLE" => self.validate_throttle()?,
             "CONCURRENCY" => {
@@ -325,28 +376,39 @@ impl RuleSpec {
                     ),
                 ));
             }
-        };
-        let scope = match self
-            .scope
-            .as_deref()
-            .map(str::to_ascii_lowercase)
-            .as_deref()
-        {
-            None | Some("instance") => Scope::Instance,
-            Some("fleet") if action_name == "THROTTLE" => Scope::Fleet,
-            Some("fleet") => {
-                return Err(RuleError::new(
-                    "scope",
-                    "fleet is only valid with action THROTTLE (a fleet-wide rate)",
-                ));
-            }
-            Some(other) => {
-                return Err(RuleError::new(
-                    "scope",
-                    format!("unknown scope {other:?}; expected instance or fleet"),
-                ));
-            }
-        };
+        })
+    }
+
+    /// `scope`: instance, or fleet for a THROTTLE (a fleet-wide rate).
+    fn validate_scope(&self, action_name: &str) -> Result<Scope, RuleError> {
+        Ok(
+            match self
+                .scope
+                .as_deref()
+                .map(str::to_ascii_lowercase)
+                .as_deref()
+            {
+                None | Some("instance") => Scope::Instance,
+                Some("fleet") if action_name == "THROTTLE" => Scope::Fleet,
+                Some("fleet") => {
+                    return Err(RuleError::new(
+                        "scope",
+                        "fleet is only valid with action THROTTLE (a fleet-wide rate)",
+                    ));
+                }
+                Some(other) => {
+                    return Err(RuleError::new(
+                        "scope",
+                        format!("unknown scope {other:?}; expected instance or fleet"),
+                    ));
+                }
+            },
+        )
+    }
+
+    /// `mode`: enforce, or warn for an action that refuses something; and an
+    /// `error_message` only where something is refused.
+    fn validate_mode(&self, action: &RuleAction) -> Result<RuleMode, RuleError> {
         let mode = match self.mode.as_deref().map(str::to_ascii_lowercase).as_deref() {
             None | Some("enforce") => RuleMode::Enforce,
             Some("warn") => RuleMode::Warn,
@@ -379,17 +441,11 @@ impl RuleSpec {
                 ),
             ));
         }
-        let ttl = match self.ttl_seconds {
-            None => None,
-            Some(s) if (1..=MAX_TTL_SECONDS).contains(&s) => Some(Duration::from_secs(s)),
-            Some(_) => {
-                return Err(RuleError::new(
-                    "ttl_seconds",
-                    format!("must be between 1 and {MAX_TTL_SECONDS}"),
-                ));
-            }
-        };
-        let warn_first = self.validate_warn_first(&action, mode, ttl)?;
+        Ok(mode)
+    }
+
+    /// The free texts: the caller list (bounded, no empty name), `error_message`, `note`.
+    fn validate_texts(&self) -> Result<(), RuleError> {
         if let Some(callers) = &self.callers {
             if callers.is_empty() {
                 return Err(RuleError::new(
@@ -419,32 +475,7 @@ impl RuleSpec {
         if let Some(n) = &self.note {
             text_field("note", n)?;
         }
-        let origin = match self
-            .origin
-            .as_deref()
-            .map(str::to_ascii_lowercase)
-            .as_deref()
-        {
-            None | Some("operator") => Origin::Operator,
-            Some("auto") => Origin::Auto,
-            Some(other) => {
-                return Err(RuleError::new(
-                    "origin",
-                    format!("unknown origin {other:?}; expected operator or auto"),
-                ));
-            }
-        };
-        Ok(RuleDef {
-            action,
-            mode,
-            callers: self.callers.clone(),
-            error_message: self.error_message.clone(),
-            ttl,
-            note: self.note.clone(),
-            scope,
-            origin,
-            warn_first,
-        })
+        Ok(())
     }
 
     /// `warn_first_ms`: a window before an enforcing, refusing rule enforces; 0 is none.
