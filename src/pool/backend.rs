@@ -376,7 +376,37 @@ impl BackendConn {
         cache_size: usize,
     ) -> Result<BackendConn, ConnectError> {
         let tls = p.tls.current();
-        let (mut stream, addr) = if crate::addr::is_socket_dir(host) {
+        let (mut stream, addr) = Self::dial(p, host, port, &tls).await?;
+        let mut buf = BytesMut::with_capacity(1024);
+        Self::authenticate(p, &mut stream, &mut buf, &tls).await?;
+        let (server_params, pid, secret) = Self::read_startup(&mut stream, &mut buf).await?;
+        let now = Instant::now();
+        Ok(BackendConn {
+            stream,
+            addr,
+            pid,
+            secret,
+            server_params,
+            applied: Default::default(),
+            prepared: PreparedCache::new(cache_size, usize::MAX),
+            stale: Vec::new(),
+            dirty: Dirt::default(),
+            unproven_fingerprint: 0,
+            created: now,
+            expires: now + Duration::from_secs(3600),
+            idle_since: now,
+        })
+    }
+
+    /// The connection to `host:port` (a TCP address, or a Unix socket directory): TCP with
+    /// no delay, keepalive and the user timeout, then TLS as `backend.tls` asks.
+    async fn dial(
+        p: &ConnectParams,
+        host: &str,
+        port: u16,
+        tls: &crate::tls::BackendTls,
+    ) -> Result<(BackendStream, ServerAddr), ConnectError> {
+        Ok(if crate::addr::is_socket_dir(host) {
             // Postgres speaks no TLS on its Unix sockets (libpq does not ask there either).
             // The config check refuses this already; a backstop, before any connect.
             if tls.connector.is_some() && tls.mode != BackendTlsMode::Prefer {
@@ -407,8 +437,19 @@ impl BackendConn {
                 sock.set_tcp_user_timeout(Some(t))?;
             }
             let addr = ServerAddr::Tcp(tcp.peer_addr()?);
-            (negotiate_tls(tcp, host, &tls).await?, addr)
-        };
+            (negotiate_tls(tcp, host, tls).await?, addr)
+        })
+    }
+
+    /// The startup message and the authentication exchange the server asks for (only the
+    /// methods `backend.require_auth` allows; a SCRAM server must prove it knows the
+    /// secret), up to AuthenticationOk; what the server sent after it stays in `buf`.
+    async fn authenticate(
+        p: &ConnectParams,
+        stream: &mut BackendStream,
+        buf: &mut BytesMut,
+        tls: &crate::tls::BackendTls,
+    ) -> Result<(), ConnectError> {
         let allow = |method: BackendAuthMethod| {
             if tls.require_auth.contains(&method) {
                 return Ok(());
@@ -430,7 +471,6 @@ impl BackendConn {
         stream.write_all(&out).await?;
         out.clear();
 
-        let mut buf = BytesMut::with_capacity(1024);
         let mut scram: Option<ScramSha256> = None;
         let mut keyed: Option<crate::auth::passthrough::KeyedScram<'_>> = None;
         // The method the server asked for, and whether its SCRAM proof was checked.
@@ -443,7 +483,7 @@ impl BackendConn {
         };
         // Authentication.
         loop {
-            let (tag, body) = read_message(&mut stream, &mut buf).await?;
+            let (tag, body) = read_message(stream, buf).await?;
             match tag {
                 backend::AUTHENTICATION => {
                     if body.len() < 4 {
@@ -466,7 +506,7 @@ impl BackendConn {
                                 }
                                 Some(_) => {}
                             }
-                            break;
+                            return Ok(());
                         }
                         3 => {
                             allow(BackendAuthMethod::Password)?;
@@ -568,12 +608,19 @@ impl BackendConn {
                 }
             }
         }
+    }
+
+    /// After authentication: the server's parameters and cancel key, up to ReadyForQuery.
+    async fn read_startup(
+        stream: &mut BackendStream,
+        buf: &mut BytesMut,
+    ) -> Result<(Vec<(String, String)>, i32, Arc<[u8]>), ConnectError> {
         // Startup: parameters and key data until ReadyForQuery.
         let mut server_params = Vec::new();
         let mut pid = 0;
         let mut secret: Arc<[u8]> = Arc::from(&[][..]);
         loop {
-            let (tag, body) = read_message(&mut stream, &mut buf).await?;
+            let (tag, body) = read_message(stream, buf).await?;
             match tag {
                 backend::PARAMETER_STATUS => {
                     let mut parts = body.split(|&b| b == 0);
@@ -611,22 +658,7 @@ impl BackendConn {
                 "unexpected bytes after ReadyForQuery".into(),
             ));
         }
-        let now = Instant::now();
-        Ok(BackendConn {
-            stream,
-            addr,
-            pid,
-            secret,
-            server_params,
-            applied: Default::default(),
-            prepared: PreparedCache::new(cache_size, usize::MAX),
-            stale: Vec::new(),
-            dirty: Dirt::default(),
-            unproven_fingerprint: 0,
-            created: now,
-            expires: now + Duration::from_secs(3600),
-            idle_since: now,
-        })
+        Ok((server_params, pid, secret))
     }
 
     /// True when the server has sent something (or closed) while the connection sat idle:
