@@ -37,6 +37,8 @@ pub const DEFAULT_ADMIN: &str = "127.0.0.1:9930";
 pub struct AdminConn {
     /// Admin API: HOST:PORT or http(s)://HOST[:PORT][/PREFIX] [default: the config file's
     /// admin.listen, else 127.0.0.1:9930].
+    // The brackets are the help text's, not links.
+    #[allow(rustdoc::broken_intra_doc_links)]
     #[arg(long, global = true, value_name = "URL", env = "PGSLUICE_ADMIN_URL")]
     pub admin: Option<String>,
     /// Bearer token (write token for changes; read or write token for listings) [default:

@@ -526,7 +526,7 @@ fn checked_members(members: Vec<Member>) -> (Vec<Member>, Vec<(String, String)>)
     (members, refused)
 }
 
-/// The fleet task: connects, runs [`Fleet::session`], and on failure degrades and retries
+/// The fleet task: connects, runs `Fleet::session`, and on failure degrades and retries
 /// with full-jitter backoff, until shutdown.
 /// It takes what it uses: the fleet, the policy it feeds (rules, member count), this
 /// instance's `peer_id` and the process's stop signal

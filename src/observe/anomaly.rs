@@ -2,7 +2,7 @@
 //! the evidence for it.
 //!
 //! Owns the detector's state machine, fed on a tick (every `tick_ms`, 250 by default) with the
-//! cumulative counters of the statistics table ([`FingerprintStats::counters`]). Recording a
+//! cumulative counters of the statistics table ([`super::stats::FingerprintStats::counters`]). Recording a
 //! statement does no extra work for it: the hot path is untouched, the tick walks at most
 //! `classify.stats_capacity` rows, and memory is bounded by that top-K plus the configured
 //! callers. It does no I/O and reads no clock: the caller passes the time in, so unit tests

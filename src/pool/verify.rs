@@ -1,14 +1,14 @@
 //! Asking Postgres whether a session is clean: the check a backend passes before another
 //! client gets it, after a unit the parse could not prove harmless (`classify::proof`).
 //!
-//! Owns the check's SQL ([`verify_sql`]) and the reading of its rows ([`judge`]). The check
+//! Owns the check's SQL ([`check_sql`]) and the reading of its rows ([`judge`]). The check
 //! is one simple-protocol request of several statements, sent when the backend is released
 //! (`Pooled::release_at`): the client already has its answer, and the backend goes back to
 //! the pool when the check does.
 //!
 //! What it reads, as Postgres reports it, and what it then does:
 //! - settings whose source is the session, other than the ones the proxy applied for the
-//!   client (on a statement's first check in the pool: [`verify_sql`]); `role`, and
+//!   client (on a statement's first check in the pool: [`check_sql`]); `role`, and
 //!   `session_user` against the user the connection logged in as;
 //! - listening channels, session advisory locks held, holdable cursors (the check's own
 //!   portal is listed too, and is not one), SQL-level

@@ -189,7 +189,7 @@ pub struct Steps {
 }
 
 /// When every setting to set is one whose value, once the server accepted it, it accepts
-/// again on any backend ([`REAPPLY_CANNOT_FAIL`]), nothing can be refused: one statement.
+/// again on any backend (`REAPPLY_CANNOT_FAIL`), nothing can be refused: one statement.
 pub fn apply_steps(applied: &[(String, String)], desired: &[(String, String)]) -> Option<Steps> {
     let Parts {
         mut gone,
