@@ -59,7 +59,33 @@ impl Config {
         }
         self.inert(&mut out);
         self.no_idle_transaction_timeout(&mut out);
+        self.console_users_without_login(&mut out);
         out
+    }
+
+    /// A console user the proxy cannot authenticate — not in `auth.users`, not the backend
+    /// URL's user, and no `auth_query` to look it up — can never reach the console.
+    fn console_users_without_login(&self, out: &mut Vec<String>) {
+        if self.auth.auth_query.is_some() || self.auth.method == super::AuthMethod::Trust {
+            return;
+        }
+        let backend_user = self.backend_url().map(|u| u.user);
+        let console = &self.admin.console;
+        for (field, users) in [
+            ("admin_users", &console.admin_users),
+            ("stats_users", &console.stats_users),
+        ] {
+            for u in users {
+                let known = self.auth.users.iter().any(|a| &a.name == u)
+                    || backend_user.as_deref() == Some(u.as_str());
+                if !known {
+                    out.push(format!(
+                        "admin.console.{field} names {u:?}, who cannot log in: add it to \
+                         auth.users (or set auth.auth_query)"
+                    ));
+                }
+            }
+        }
     }
 
     /// Callers (the `default` caller among them) with no idle-in-transaction timeout: a client
@@ -228,6 +254,31 @@ mod notes_tests {
             "{}",
             notes[0]
         );
+    }
+
+    #[test]
+    fn a_console_user_who_cannot_log_in_gets_a_note() {
+        let console = |yaml: &str| -> Vec<String> {
+            Config::from_yaml(yaml)
+                .expect("valid")
+                .notes()
+                .into_iter()
+                .filter(|n| n.starts_with("admin.console."))
+                .collect()
+        };
+        let yaml = "admin:\n  console: { admin_users: [ops], stats_users: [mon] }\n\
+                    auth:\n  users:\n    - { name: ops, password: secret }\n";
+        let notes = console(yaml);
+        assert_eq!(notes.len(), 1, "{notes:?}");
+        assert!(
+            notes[0].contains("stats_users names \"mon\""),
+            "{}",
+            notes[0]
+        );
+        let with_query = format!(
+            "{yaml}  auth_query: {{ user: lookup, query: \"SELECT usename, passwd FROM pg_shadow WHERE usename = $1\" }}\n"
+        );
+        assert!(console(&with_query).is_empty(), "auth_query may know them");
     }
 
     #[test]
