@@ -278,7 +278,7 @@ impl App {
         let names = caller_names(&callers);
         let limits = self
             .policy
-            .reconfigure(callers, breaker)
+            .rebuild(callers)
             .map_err(|e| format!("callers[{}].{}: {}", e.index, e.field, e.message))?;
         let caller_metrics = self.metrics.set_callers(&names);
         let creds = Arc::new(Credentials::from_config(&config));
@@ -301,13 +301,6 @@ impl App {
                 pool.set_route(&r, 0);
             }
         }
-        self.pools.set_cap_limits(|name| {
-            if let Some(db) = name.strip_prefix("database ") {
-                config.pool_for(db, "\0").max_db_connections
-            } else {
-                config.pool.max_user_connections
-            }
-        });
         for note in config.notes() {
             tracing::warn!("{note}");
         }
@@ -319,11 +312,22 @@ impl App {
             endpoint: default_endpoint,
             config: Arc::new(config),
             creds,
-            limits,
+            limits: limits.clone(),
             caller_metrics,
             generation,
         }));
         self.runtime_generation.store(generation, Ordering::Release);
+        // After the swap: the policy's own table (what the next reload builds on and fleet
+        // shares apply to), the breaker and the pools' connection caps follow it.
+        self.policy.install(limits, breaker);
+        let config = self.config();
+        self.pools.set_cap_limits(|name| {
+            if let Some(db) = name.strip_prefix("database ") {
+                config.pool_for(db, "\0").max_db_connections
+            } else {
+                config.pool.max_user_connections
+            }
+        });
         self.auth_cache.clear();
         self.tls.install(tls);
         Ok(())

@@ -101,7 +101,7 @@ struct Callers {
 /// `GET /v1/callers`: limits, in flight, queued, admitted and refusals per caller.
 pub async fn callers(State(st): State<Arc<AdminState>>, _: NoQuery) -> Json<impl Serialize> {
     Json(Callers {
-        callers: st.app.policy.callers(),
+        callers: st.app.policy.callers_in(&st.app.runtime.load().limits),
     })
 }
 
@@ -150,7 +150,7 @@ fn scrape(st: &AdminState) -> Scrape {
     let breaker = app.policy.breaker();
     let u = |n: usize| u64::try_from(n).unwrap_or(u64::MAX);
     let pools = pool_snapshots(st);
-    let callers = app.policy.callers();
+    let callers = app.policy.callers_in(&app.runtime.load().limits);
     let arrivals = pools
         .iter()
         .map(|p| ArrivalSample {

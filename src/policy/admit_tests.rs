@@ -457,7 +457,10 @@ async fn hot_reload_keeps_in_flight_and_counters() {
     let mut c = callers();
     c[1].max_concurrency = 2;
     c[1].max_qps = Some(100.0);
-    p.reconfigure(c.clone(), breaker_config()).unwrap();
+    let table = p.rebuild(c.clone()).unwrap();
+    // Built, not yet installed: the policy's table is still the old one.
+    assert_eq!(p.callers()[1].max_concurrency, 5);
+    p.install(table, breaker_config());
     let snap = &p.callers()[1];
     assert_eq!(
         (
@@ -478,7 +481,7 @@ async fn hot_reload_keeps_in_flight_and_counters() {
     // An invalid table is refused whole; the running one stays.
     let mut bad = c;
     bad[0].max_concurrency = 0;
-    let e = p.reconfigure(bad, breaker_config()).unwrap_err();
+    let e = p.rebuild(bad).unwrap_err();
     assert_eq!(e.to_string(), "callers[0].max_concurrency: must be >= 1");
     assert_eq!(p.callers()[0].max_concurrency, 2);
     assert_eq!(p.caller_id("service_analytics"), Some(ANALYTICS));

@@ -342,25 +342,27 @@ impl Policy {
         })
     }
 
-    /// Hot reload: validate everything first, then swap in one step (never half-applied).
-    /// Callers that keep their name keep their live state (slots, queue, bucket, counters).
-    /// Returns the new table for the runtime snapshot sessions load; the caller serialises
-    /// reloads (each builds on the table installed before it).
-    pub fn reconfigure(
-        &self,
-        callers: Vec<CallerPolicy>,
-        breaker: BreakerSettings,
-    ) -> Result<CallerTable, PolicyError> {
+    /// Hot reload, first half: the caller table for `callers`, validated whole (an error
+    /// changes nothing). Callers that keep their name keep their live state (slots, queue,
+    /// bucket, counters) from the table installed last. Nothing is installed: the table goes
+    /// into the runtime snapshot sessions and readers load, and then to [`Policy::install`];
+    /// the caller serialises reloads (each builds on the table installed before it).
+    pub fn rebuild(&self, callers: Vec<CallerPolicy>) -> Result<CallerTable, PolicyError> {
         let old = self.table();
-        let table = CallerTable(build_table(
+        Ok(CallerTable(build_table(
             callers,
             &old.0,
             Instant::now(),
             self.rules.gate(),
-        )?);
-        *self.callers.write() = table.clone();
+        )?))
+    }
+
+    /// Hot reload, second half, right after the runtime snapshot holding `table` was swapped
+    /// in: the table the next rebuild starts from and fleet shares apply to, and the
+    /// breaker's settings.
+    pub fn install(&self, table: CallerTable, breaker: BreakerSettings) {
+        *self.callers.write() = table;
         self.breaker.set_config(breaker);
-        Ok(table)
     }
 
     /// The caller table installed last.
@@ -675,9 +677,13 @@ impl Policy {
         self.breaker.on_probe(value, Instant::now());
     }
 
-    /// Per-caller limits, load and refusals.
+    /// Per-caller limits, load and refusals of the table installed last.
     pub fn callers(&self) -> Vec<CallerSnapshot> {
-        let table = self.table();
+        self.callers_in(&self.table())
+    }
+
+    /// Per-caller limits, load and refusals of `table` (a runtime snapshot's).
+    pub fn callers_in(&self, table: &CallerTable) -> Vec<CallerSnapshot> {
         table
             .0
             .iter()

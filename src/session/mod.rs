@@ -540,7 +540,7 @@ async fn login_params(app: &App, pool: &Arc<Pool>, login: &mut Login) -> Result<
         let hint = match e.arrival_retry() {
             Some(place) => app
                 .policy
-                .place_hint_ms(&app.policy.table(), u16::MAX, place),
+                .place_hint_ms(&app.runtime.load().limits, u16::MAX, place),
             None => app.policy.connection_hint_ms(pool.expected_wait()),
         };
         e.to_pg(&pool.name, hint).into_fatal()

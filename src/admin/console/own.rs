@@ -26,7 +26,10 @@ fn json_rows(v: impl serde::Serialize, field: &str) -> Vec<serde_json::Value> {
 
 /// `SHOW CALLERS` (`GET /v1/callers`).
 pub fn callers(st: &AdminState) -> Table {
-    let rows = json_rows(st.app.policy.callers(), "callers");
+    let rows = json_rows(
+        st.app.policy.callers_in(&st.app.runtime.load().limits),
+        "callers",
+    );
     Table::from_json(
         &[
             ("name", T),
