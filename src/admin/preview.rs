@@ -45,6 +45,7 @@ use tokio::time::Instant;
 
 use super::AdminState;
 use super::error::{ApiError, JsonBody, NoQuery};
+use super::rules::SQL_FIELD;
 use crate::classify::caller::DEFAULT_CALLER_NAME;
 use crate::config::Priority;
 use crate::observe::stats::{FingerprintSnapshot, OTHER, RATE_WINDOW_MS};
@@ -57,9 +58,9 @@ use crate::policy::rules::{
 /// Most callers listed in an answer (the busiest first).
 pub const MAX_CALLERS: usize = 20;
 
-/// The body fields that name the target; the rest is the rule.
+/// The body fields that name the target (this one, or `sql` as for a PUT by statement);
+/// the rest is the rule.
 const FINGERPRINT_FIELD: &str = "fingerprint";
-const SQL_FIELD: &str = "sql";
 
 /// Below this many calls in the rate window, the answer says the estimate is rough.
 const FEW_CALLS: f64 = 20.0;
@@ -491,14 +492,7 @@ pub async fn preview(
     let (fp, sql_normalized) = match target {
         Target::Fingerprint(fp) => (fp, None),
         Target::Sql(sql) => {
-            let class = st.app.classifier.classify(&sql);
-            if class.normalized.trim().is_empty() {
-                return Err(RuleError::new(
-                    SQL_FIELD,
-                    "holds no statement (only whitespace, comments or semicolons)",
-                )
-                .into());
-            }
+            let class = super::rules::classify_rule_sql(&st, &sql)?;
             (class.fingerprint, Some(class.normalized.to_string()))
         }
     };

@@ -116,7 +116,22 @@ pub async fn put(
 }
 
 /// The body field that carries SQL text in `POST /v1/rules/fingerprint`.
-const SQL_FIELD: &str = "sql";
+pub(super) const SQL_FIELD: &str = "sql";
+
+/// The classification of a rule's `sql`: refused when it holds no statement.
+pub fn classify_rule_sql(
+    st: &AdminState,
+    sql: &str,
+) -> Result<Arc<crate::classify::Classified>, RuleError> {
+    let class = st.app.classifier.classify(sql);
+    if class.normalized.trim().is_empty() {
+        return Err(RuleError::new(
+            SQL_FIELD,
+            "holds no statement (only whitespace, comments or semicolons)",
+        ));
+    }
+    Ok(class)
+}
 
 /// `POST /v1/rules/fingerprint`: the rule fields plus `sql`, a statement whose fingerprint
 /// the rule is for. 201 when created, 200 when replaced; `Location` names the rule.
@@ -126,14 +141,7 @@ pub async fn post_sql(
     JsonBody(body): JsonBody,
 ) -> Result<Response, ApiError> {
     let (sql, spec) = split_sql(&body)?;
-    let class = st.app.classifier.classify(&sql);
-    if class.normalized.trim().is_empty() {
-        return Err(RuleError::new(
-            SQL_FIELD,
-            "holds no statement (only whitespace, comments or semicolons)",
-        )
-        .into());
-    }
+    let class = classify_rule_sql(&st, &sql)?;
     let fp = class.fingerprint;
     let (status, body) = store(&st, fp, spec, Some(class.normalized.to_string())).await?;
     let location = format!("/v1/rules/fingerprint/{}", fingerprint_hex(fp));

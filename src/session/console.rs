@@ -70,15 +70,7 @@ pub(super) async fn serve<S: AsyncRead + AsyncWrite + Unpin>(
         close(&mut stream).await;
         return;
     };
-    let meta = crate::clients::ClientMeta {
-        user: login.user.clone(),
-        database: login.database.clone(),
-        addr: peer,
-        tls: stream.is_tls(),
-    };
-    let reg = app
-        .cancels
-        .register_client(if login.minor >= 2 { 32 } else { 4 }, Some(meta));
+    let reg = super::register(&app, &login, peer, stream.is_tls());
     let app_name = login.application_name().unwrap_or("").to_owned();
     for (k, v) in [
         ("server_version", crate::app::CONSOLE_VERSION),

@@ -341,6 +341,19 @@ async fn prepare<S: AsyncRead + AsyncWrite + Unpin>(
     Some((pool, reg))
 }
 
+/// The client's entry in the cancel registry (its key, as long as its protocol version
+/// allows: 32 bytes from 3.2, else 4) and in the client list.
+fn register(app: &App, login: &Login, peer: ClientAddr, tls: bool) -> cancel::Registration {
+    let meta = crate::clients::ClientMeta {
+        user: login.user.clone(),
+        database: login.database.clone(),
+        addr: peer,
+        tls,
+    };
+    app.cancels
+        .register_client(if login.minor >= 2 { 32 } else { 4 }, Some(meta))
+}
+
 /// Registers the client's cancel key and writes what its login earned (`owed`), its
 /// ParameterStatus list, the key and ReadyForQuery, in one write. `None` when the client is
 /// gone.
@@ -352,15 +365,7 @@ async fn greet<S: AsyncRead + AsyncWrite + Unpin>(
     login: &Login,
     peer: ClientAddr,
 ) -> Option<cancel::Registration> {
-    let meta = crate::clients::ClientMeta {
-        user: login.user.clone(),
-        database: login.database.clone(),
-        addr: peer,
-        tls: stream.is_tls(),
-    };
-    let reg = app
-        .cancels
-        .register_client(if login.minor >= 2 { 32 } else { 4 }, Some(meta));
+    let reg = register(app, login, peer, stream.is_tls());
     out.reserve(status.len() + 64);
     out.extend_from_slice(status);
     messages::backend_key_data(&mut out, reg.pid, reg.secret());

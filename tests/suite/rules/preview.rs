@@ -21,6 +21,7 @@ use pgsluice::observe::stats::Outcome;
 use super::{W as PROXY_W, admin, offline_fingerprint, pgsluice, run};
 use crate::support::admin_api::{FP, R, Resp, W, api, app_with, call, put_rule};
 use crate::support::env::Env;
+use crate::support::policy::connect;
 use crate::support::proxy::ADMIN_READ_TOKEN;
 use crate::support::sql::sqlstate;
 use crate::support::{direct_mode, note_skipped};
@@ -205,12 +206,7 @@ async fn the_preview_of_a_throttle_predicts_its_refusals() {
         |_| {},
     );
     let proxy = &env.proxy;
-    let connect = |app: &'static str| async move {
-        let mut config = proxy.app_config();
-        config.application_name(app);
-        proxy.client_with(&config).await.0
-    };
-    let web = connect("web").await;
+    let web = connect(proxy, Some("web")).await;
     run(
         &web,
         "CREATE TABLE accounts (id int PRIMARY KEY, v int); \
@@ -230,7 +226,7 @@ async fn the_preview_of_a_throttle_predicts_its_refusals() {
     let mut load = Vec::new();
     for k in 0..CLIENTS {
         let (stop, sent, refused) = (stop.clone(), sent.clone(), refused.clone());
-        let c = connect("web").await;
+        let c = connect(proxy, Some("web")).await;
         load.push(tokio::spawn(async move {
             let mut tick = tokio::time::interval(Duration::from_millis(1000 / PER_CLIENT_QPS));
             let mut i = k * 1000;
