@@ -52,7 +52,9 @@ pub(super) async fn run(pool: Weak<Pool>, shared: Arc<Shared>) {
             if !shared.reg.lock().channels.is_empty() {
                 break;
             }
-            // Nothing wanted: everything asked for is trivially applied.
+            // Nothing wanted: everything asked for is trivially applied, and nobody is left
+            // to tell that listening resumed.
+            was_lost = false;
             let generation = shared.reg.lock().generation;
             shared.applied.send_replace(generation);
             if tokio::time::timeout(POOL_CHECK, notified).await.is_err() && pool.strong_count() == 0
@@ -75,59 +77,51 @@ pub(super) async fn run(pool: Weak<Pool>, shared: Arc<Shared>) {
             .push(("client_encoding".into(), "UTF8".into()));
         match BackendConn::connect(&params, 0).await {
             Ok(conn) => {
-                failures = 0;
                 tracing::debug!(pool = %name, pid = conn.pid, "listener connected");
-                match serve(conn, &shared, &pool, was_lost).await {
-                    Stop::Idle => was_lost = false,
+                let mut synced = false;
+                match serve(conn, &shared, &pool, was_lost, &mut synced).await {
+                    Stop::Idle => {
+                        was_lost = false;
+                        failures = 0;
+                        continue;
+                    }
                     Stop::PoolGone => return,
                     Stop::Lost(why) => {
                         tracing::warn!(pool = %name, error = %why, "listener connection lost; reconnecting");
-                        announce_loss(&shared, was_lost);
+                        if synced {
+                            // It worked for a while: the next attempt starts from the bottom.
+                            failures = 0;
+                        }
+                        if !was_lost {
+                            announce(&shared, LOST);
+                        }
                         was_lost = true;
                     }
                 }
             }
             Err(e) => {
                 tracing::warn!(pool = %name, error = %e, "listener could not connect");
-                announce_loss(&shared, was_lost);
-                was_lost = true;
-                failures = failures.saturating_add(1);
-                let cap = BACKOFF_FIRST
-                    .saturating_mul(1 << failures.min(6))
-                    .min(BACKOFF_MAX);
-                tokio::time::sleep(cap.mul_f64(rand::random::<f64>())).await;
             }
         }
+        // Backoff after every failure, a lost connection included: a server that accepts and
+        // then drops the listener must not see a reconnect loop.
+        failures = failures.saturating_add(1);
+        let cap = BACKOFF_FIRST
+            .saturating_mul(1 << failures.min(6))
+            .min(BACKOFF_MAX);
+        tokio::time::sleep(cap.mul_f64(rand::random::<f64>())).await;
     }
 }
 
-/// Tells every listening client that notifications may have been missed (once per outage).
-fn announce_loss(shared: &Shared, already: bool) {
-    if already {
-        return;
-    }
-    let mut msg = BytesMut::new();
-    PgError::error(
-        "01000",
-        "pgsluice: the connection that listens for notifications was lost; notifications \
-         sent until it is restored are lost",
-    )
-    .with_hint("re-read whatever the notifications announce once listening resumes")
-    .encode_notice(&mut msg);
-    let msg = msg.freeze();
-    for m in shared.reg.lock().all_mailboxes() {
-        m.push(msg.clone());
-    }
-}
+const LOST: &str = "pgsluice: the connection that listens for notifications was lost; \
+                    notifications sent until it is restored are lost";
+const RESUMED: &str = "pgsluice: listening for notifications again; those sent while the \
+                       connection was down were lost";
 
-fn announce_resumed(shared: &Shared) {
+/// Sends every listening client a NOTICE (01000) saying `what`.
+fn announce(shared: &Shared, what: &str) {
     let mut msg = BytesMut::new();
-    PgError::error(
-        "01000",
-        "pgsluice: listening for notifications again; those sent while the connection was \
-         down were lost",
-    )
-    .encode_notice(&mut msg);
+    PgError::error("01000", what).encode_notice(&mut msg);
     let msg = msg.freeze();
     for m in shared.reg.lock().all_mailboxes() {
         m.push(msg.clone());
@@ -135,10 +129,17 @@ fn announce_resumed(shared: &Shared) {
 }
 
 /// Keeps one connection's `LISTEN` set equal to the registry's and fans out what arrives.
-async fn serve(mut conn: BackendConn, shared: &Shared, pool: &Weak<Pool>, resumed: bool) -> Stop {
+/// `synced` is set once the set was first applied; `resumed` sends the NOTICE of a listener
+/// back after a loss at that point.
+async fn serve(
+    mut conn: BackendConn,
+    shared: &Shared,
+    pool: &Weak<Pool>,
+    resumed: bool,
+    synced: &mut bool,
+) -> Stop {
     let mut active: HashSet<String> = HashSet::new();
     let mut buf = BytesMut::with_capacity(8 * 1024);
-    let mut first = true;
     loop {
         let notified = shared.changed.notified();
         tokio::pin!(notified);
@@ -167,10 +168,10 @@ async fn serve(mut conn: BackendConn, shared: &Shared, pool: &Weak<Pool>, resume
             active = wanted;
         }
         shared.applied.send_replace(generation);
-        if first {
-            first = false;
+        if !*synced {
+            *synced = true;
             if resumed {
-                announce_resumed(shared);
+                announce(shared, RESUMED);
             }
         }
         // Wait for a change, a notification, or the pool check.

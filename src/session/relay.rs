@@ -112,11 +112,10 @@ pub struct Relay {
     lease: Lease,
     /// The current unit as admission left it.
     unit: Unit,
-    /// The channels this client listens on through the pool's listener (transaction mode,
-    /// `listen`); `None` until its first `LISTEN` answered here.
-    notify: Option<crate::notify::Member>,
-    /// Notifications taken from the mailbox and not yet written whole to the client.
-    nout: BytesMut,
+    /// The channels this client listens on through the pool's listener and what is being
+    /// written of its notifications (transaction mode, `listen`); `None` until its first
+    /// `LISTEN` answered here. Boxed: most sessions never listen.
+    notify: Option<Box<listen::Listening>>,
 }
 
 enum Event {
@@ -202,7 +201,6 @@ impl Relay {
             },
             unit: Unit::default(),
             notify: None,
-            nout: BytesMut::new(),
         }
     }
 
@@ -211,6 +209,10 @@ impl Relay {
     /// more per session. The caller drops it right after.
     pub async fn run<S: AsyncRead + AsyncWrite + Rehome + Unpin>(&mut self, client: &mut S) -> End {
         let end = self.run_loop(client).await;
+        if matches!(end, End::Error(_)) {
+            // The error that follows must not land inside a half-written notification.
+            self.finish_notification(client).await;
+        }
         self.finish(&end).await;
         end
     }
@@ -390,7 +392,7 @@ impl Relay {
         {
             return Poll::Ready(ev);
         }
-        let reading = self.nout.is_empty();
+        let reading = self.notify.as_ref().is_none_or(|l| l.nout.is_empty());
         self.backend_first = !self.backend_first;
         if reading
             && self.backend_first

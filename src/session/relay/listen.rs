@@ -25,11 +25,11 @@ use std::pin::Pin;
 use std::task::{Context, Poll};
 use std::time::Duration;
 
-use bytes::Buf;
-use tokio::io::AsyncWrite;
+use bytes::{Buf, BytesMut};
+use tokio::io::{AsyncWrite, AsyncWriteExt};
 
-use crate::notify::Taken;
 use crate::notify::sql::{Channel, Command};
+use crate::notify::{Member, Taken};
 use crate::protocol::PgError;
 use crate::protocol::messages;
 
@@ -40,14 +40,22 @@ const WRITE_CHUNK: usize = 64 * 1024;
 /// The shortest a `LISTEN` waits for the listener to confirm its channel.
 const MIN_CONFIRM_WAIT: Duration = Duration::from_secs(5);
 
+/// A listening session: its channels, and the notifications taken from its mailbox and not
+/// yet written whole to the client.
+pub(super) struct Listening {
+    member: Member,
+    pub(super) nout: BytesMut,
+}
+
 impl Relay {
     /// A `LISTEN`/`UNLISTEN` read by `notify::sql`: `Some` when answered (or refused) here,
     /// `None` when it goes to the backend as any statement.
     pub(super) async fn on_listen(&mut self, cmd: Command) -> Option<Result<(), End>> {
         let here = !self.core.pinned && utf8_client(&self.login.settings);
         if !here {
-            if let (Some(m), Command::Unlisten(_) | Command::UnlistenAll) = (&mut self.notify, &cmd)
+            if let (Some(l), Command::Unlisten(_) | Command::UnlistenAll) = (&mut self.notify, &cmd)
             {
+                let m = &mut l.member;
                 match &cmd {
                     Command::Unlisten(ch) => m.unlisten(&ch.name),
                     _ => m.unlisten_all(),
@@ -76,7 +84,13 @@ impl Relay {
         match cmd {
             Command::Listen(ch) => {
                 let pool = std::sync::Arc::clone(&self.pool);
-                let m = self.notify.get_or_insert_with(|| pool.notify.join(&pool));
+                let l = self.notify.get_or_insert_with(|| {
+                    Box::new(Listening {
+                        member: pool.notify.join(&pool),
+                        nout: BytesMut::new(),
+                    })
+                });
+                let m = &mut l.member;
                 let generation = m.listen(&ch.name);
                 let wait = pool.connect_params().connect_timeout.max(MIN_CONFIRM_WAIT);
                 if !m.applied(generation, wait).await {
@@ -86,14 +100,14 @@ impl Relay {
                 truncation_notice(&ch, &mut self.core.cout);
             }
             Command::Unlisten(ch) => {
-                if let Some(m) = &mut self.notify {
-                    m.unlisten(&ch.name);
+                if let Some(l) = &mut self.notify {
+                    l.member.unlisten(&ch.name);
                 }
                 truncation_notice(&ch, &mut self.core.cout);
             }
             Command::UnlistenAll => {
-                if let Some(m) = &mut self.notify {
-                    m.unlisten_all();
+                if let Some(l) = &mut self.notify {
+                    l.member.unlisten_all();
                 }
             }
         }
@@ -111,21 +125,21 @@ impl Relay {
         cx: &mut Context<'_>,
         client: &mut S,
     ) -> Poll<Event> {
-        let Some(m) = &self.notify else {
+        let Some(l) = &mut self.notify else {
             return Poll::Pending;
         };
-        m.mailbox.register(cx);
+        l.member.mailbox.register(cx);
         let t = &self.core.out.t;
         let between = t.idle()
             && self.core.out.is_empty()
             && self.core.cout.is_empty()
             && !self.core.requests.skipping();
-        if !between && self.nout.is_empty() {
+        if !between && l.nout.is_empty() {
             return Poll::Pending;
         }
         loop {
-            if self.nout.is_empty() {
-                match m.mailbox.take(&mut self.nout, WRITE_CHUNK) {
+            if l.nout.is_empty() {
+                match l.member.mailbox.take(&mut l.nout, WRITE_CHUNK) {
                     Taken::Overflowed => return Poll::Ready(Event::NotifyOverflow),
                     Taken::Bytes(0) => {
                         let _ = Pin::new(&mut *client).poll_flush(cx);
@@ -134,12 +148,25 @@ impl Relay {
                     Taken::Bytes(_) => {}
                 }
             }
-            match Pin::new(&mut *client).poll_write(cx, &self.nout) {
+            match Pin::new(&mut *client).poll_write(cx, &l.nout) {
                 Poll::Ready(Ok(0)) => return Poll::Ready(Event::Client(Ok(0))),
-                Poll::Ready(Ok(n)) => self.nout.advance(n),
+                Poll::Ready(Ok(n)) => l.nout.advance(n),
                 Poll::Ready(Err(e)) => return Poll::Ready(Event::Client(Err(e))),
                 Poll::Pending => return Poll::Pending,
             }
+        }
+    }
+}
+
+impl Relay {
+    /// Writes the rest of a half-written notification before the session's last error
+    /// (bounded: a client that does not read is being dropped anyway).
+    pub(super) async fn finish_notification<S: AsyncWrite + Unpin>(&mut self, client: &mut S) {
+        if let Some(l) = &mut self.notify
+            && !l.nout.is_empty()
+        {
+            let _ = tokio::time::timeout(Duration::from_secs(1), client.write_all(&l.nout)).await;
+            l.nout.clear();
         }
     }
 }
