@@ -186,11 +186,6 @@ impl Hub {
             channels: HashSet::new(),
         }
     }
-
-    /// Channels with at least one client (for tests and the admin view).
-    pub fn channels(&self) -> usize {
-        self.shared.reg.lock().channels.len()
-    }
 }
 
 /// A session's channels; dropping it leaves them all.
@@ -237,11 +232,6 @@ impl Member {
     pub fn unlisten_all(&mut self) {
         let all: Vec<String> = self.channels.drain().collect();
         self.leave(all.into_iter());
-    }
-
-    /// Whether the session listens on anything.
-    pub fn is_listening(&self) -> bool {
-        !self.channels.is_empty()
     }
 
     fn leave(&self, channels: impl Iterator<Item = String>) {

@@ -160,7 +160,7 @@ async fn twenty_idle_listeners_share_one_connection_and_unlisten_stops_delivery(
     let after = monitor.backend_count(APP_DB, APP_USER).await;
     assert!(
         after <= 4,
-        "{after} backends: 20 listeners + a notifier need the pool and one listener"
+        "{after} backends: the pool (2), the listener and the direct notifier at most"
     );
 
     // Half of them UNLISTEN (by name, or all); only the other half hears the next one.
@@ -228,6 +228,18 @@ async fn channels_keep_their_own_subscribers_and_leaving_unlistens() {
         next_notification(&mut b, "beta again").await.2,
         "still for b"
     );
+
+    // A client's own NOTIFY (through the proxy, on a pooled backend) comes back to it too.
+    let msgs = b
+        .query("SELECT pg_backend_pid(), pg_notify('beta', 'to myself')")
+        .await
+        .expect("own NOTIFY");
+    let own_pid: i32 = crate::support::raw::first_value(&msgs)
+        .expect("pid")
+        .parse()
+        .expect("pid");
+    let n = next_notification(&mut b, "its own notification").await;
+    assert_eq!((n.0, n.2.as_str()), (own_pid, "to myself"));
 
     // The last channel goes: the listener connection closes.
     run_listen(&mut b, "UNLISTEN *").await;
