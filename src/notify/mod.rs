@@ -25,7 +25,7 @@ pub mod listener;
 pub mod sql;
 
 use std::collections::{HashMap, HashSet, VecDeque};
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Weak};
 use std::task::Context;
 use std::time::Duration;
@@ -131,6 +131,8 @@ struct Shared {
     applied: tokio::sync::watch::Sender<u64>,
     /// The listener task runs (started by the first member).
     started: AtomicBool,
+    /// Sessions listening on at least one channel.
+    listening: AtomicUsize,
     next_id: AtomicU64,
 }
 
@@ -172,6 +174,12 @@ impl Registry {
 }
 
 impl Hub {
+    /// (sessions listening, channels listened to) now, for `/v1/pools` and `/metrics`.
+    pub fn counts(&self) -> (usize, usize) {
+        let channels = self.shared.reg.lock().channels.len();
+        (self.shared.listening.load(Ordering::Relaxed), channels)
+    }
+
     /// A membership for one session of `pool` (whose hub this is); starts the listener task
     /// the first time.
     pub fn join(&self, pool: &Arc<Pool>) -> Member {
@@ -217,6 +225,9 @@ impl Member {
             drop(reg);
             self.shared.changed.notify_one();
         }
+        if self.channels.is_empty() {
+            self.shared.listening.fetch_add(1, Ordering::Relaxed);
+        }
         self.channels.insert(channel.to_owned());
         since
     }
@@ -224,6 +235,9 @@ impl Member {
     /// Removes this session from `channel` (nothing when it was not there).
     pub fn unlisten(&mut self, channel: &str) {
         if self.channels.remove(channel) {
+            if self.channels.is_empty() {
+                self.shared.listening.fetch_sub(1, Ordering::Relaxed);
+            }
             self.leave(std::iter::once(channel.to_owned()));
         }
     }
@@ -231,6 +245,9 @@ impl Member {
     /// Removes this session from every channel.
     pub fn unlisten_all(&mut self) {
         let all: Vec<String> = self.channels.drain().collect();
+        if !all.is_empty() {
+            self.shared.listening.fetch_sub(1, Ordering::Relaxed);
+        }
         self.leave(all.into_iter());
     }
 
@@ -300,7 +317,12 @@ mod tests {
             2,
             "b still listens on jobs"
         );
+        // a listens on nothing now; b on two channels counts once.
+        assert_eq!(shared.listening.load(Ordering::Relaxed), 1);
         drop(b);
+        assert_eq!(shared.listening.load(Ordering::Relaxed), 0);
+        a.unlisten_all();
+        assert_eq!(shared.listening.load(Ordering::Relaxed), 0);
         assert!(shared.reg.lock().channels.is_empty());
         assert_eq!(shared.reg.lock().generation, 3);
         a.unlisten("never");

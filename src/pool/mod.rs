@@ -989,6 +989,8 @@ impl Pool {
             parked,
             waiting: self.slots.waiting(),
             pinned: self.stats.pinned_clients.load(Ordering::Relaxed),
+            listening: self.notify.counts().0,
+            listen_channels: self.notify.counts().1,
             connects: self.stats.connects.load(Ordering::Relaxed),
             connect_failures: self.stats.connect_failures.load(Ordering::Relaxed),
             checkout_timeouts: self.stats.checkout_timeouts.load(Ordering::Relaxed),
@@ -1035,6 +1037,10 @@ pub struct PoolSnapshot {
     pub parked: usize,
     pub waiting: usize,
     pub pinned: usize,
+    /// Clients listening through the pool's listener connection (transaction mode).
+    pub listening: usize,
+    /// Channels the listener connection listens on.
+    pub listen_channels: usize,
     pub connects: u64,
     pub connect_failures: u64,
     pub checkout_timeouts: u64,

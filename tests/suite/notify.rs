@@ -131,6 +131,9 @@ async fn twenty_idle_listeners_share_one_connection_and_unlisten_stops_delivery(
         1,
         "one listener connection"
     );
+    let pool = proxy.app_pool().await;
+    assert_eq!(pool["listening"], 20, "{pool}");
+    assert_eq!(pool["listen_channels"], 1, "{pool}");
 
     let outside = direct(&cluster).await;
     let pid = notify(&outside, "jobs", "from a direct connection").await;
@@ -172,6 +175,7 @@ async fn twenty_idle_listeners_share_one_connection_and_unlisten_stops_delivery(
         };
         run_listen(r, sql).await;
     }
+    assert_eq!(proxy.app_pool().await["listening"], 10);
     notify(&outside, "jobs", "after unlisten").await;
     for r in clients.iter_mut().skip(10) {
         let n = next_notification(r, "the NOTIFY after half unlistened").await;
