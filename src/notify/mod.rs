@@ -232,6 +232,16 @@ impl Member {
         since
     }
 
+    /// How many channels this session listens on.
+    pub fn channel_count(&self) -> usize {
+        self.channels.len()
+    }
+
+    /// Whether this session listens on `channel`.
+    pub fn listens(&self, channel: &str) -> bool {
+        self.channels.contains(channel)
+    }
+
     /// Removes this session from `channel` (nothing when it was not there).
     pub fn unlisten(&mut self, channel: &str) {
         if self.channels.remove(channel) {

@@ -37,6 +37,9 @@ use super::{End, Event, Relay};
 
 /// Notification bytes moved out of the mailbox per write.
 const WRITE_CHUNK: usize = 64 * 1024;
+/// Most channels one client may listen on through the proxy (each costs the proxy a registry
+/// entry and the listener a `LISTEN`).
+const MAX_CHANNELS: usize = 10_000;
 /// The shortest a `LISTEN` waits for the listener to confirm its channel.
 const MIN_CONFIRM_WAIT: Duration = Duration::from_secs(5);
 
@@ -83,6 +86,12 @@ impl Relay {
         };
         match cmd {
             Command::Listen(ch) => {
+                if let Some(l) = &self.notify
+                    && l.member.channel_count() >= MAX_CHANNELS
+                    && !l.member.listens(&ch.name)
+                {
+                    return self.core.refuse(b'Q', too_many_channels());
+                }
                 let pool = std::sync::Arc::clone(&self.pool);
                 let l = self.notify.get_or_insert_with(|| {
                     Box::new(Listening {
@@ -134,11 +143,11 @@ impl Relay {
             && self.core.out.is_empty()
             && self.core.cout.is_empty()
             && !self.core.requests.skipping();
-        if !between && l.nout.is_empty() {
-            return Poll::Pending;
-        }
         loop {
             if l.nout.is_empty() {
+                if !between {
+                    return Poll::Pending;
+                }
                 match l.member.mailbox.take(&mut l.nout, WRITE_CHUNK) {
                     Taken::Overflowed => return Poll::Ready(Event::NotifyOverflow),
                     Taken::Bytes(0) => {
@@ -216,6 +225,14 @@ fn listen_in_transaction(cmd: &Command) -> PgError {
     .with_hint(format!(
         "run {verb} outside a transaction block (autocommit), or use a session-mode pool"
     ))
+}
+
+fn too_many_channels() -> PgError {
+    PgError::error(
+        "54000",
+        format!("pgsluice: a client may listen on at most {MAX_CHANNELS} channels"),
+    )
+    .with_hint("UNLISTEN channels no longer needed")
 }
 
 fn listener_down(channel: &str) -> PgError {
