@@ -519,3 +519,35 @@ async fn psycopg2_receives_notifications_through_the_proxy() {
         "{stdout}"
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn notifications_reach_a_client_over_tls() {
+    use crate::support::raw::{cert, client_tls, tls_via_request, write};
+    let cluster = Cluster::start();
+    let dir = tempfile::tempdir().expect("tempdir");
+    let (c, k, root) = cert(&["localhost", "127.0.0.1"], false);
+    write(dir.path(), "cert.pem", &c);
+    write(dir.path(), "key.pem", &k);
+    let cfg = write(
+        dir.path(),
+        "c.yaml",
+        &format!(
+            "tls:\n  mode: require\n  cert_file: {0}/cert.pem\n  key_file: {0}/key.pem\n",
+            dir.path().display()
+        ),
+    );
+    let proxy = Proxy::start(&cluster, ProxyOptions::pool(2).config_file(cfg));
+    let mut r = tls_via_request(proxy.addr(), client_tls(&root, false))
+        .await
+        .expect("TLS");
+    r.app_login().await;
+    run_listen(&mut r, "LISTEN secure").await;
+    let outside = direct(&cluster).await;
+    for i in 0..50 {
+        notify(&outside, "secure", &format!("over tls {i}")).await;
+    }
+    for i in 0..50 {
+        let n = next_notification(&mut r, "a notification over TLS").await;
+        assert_eq!(n.2, format!("over tls {i}"));
+    }
+}
