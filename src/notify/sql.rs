@@ -137,12 +137,15 @@ const NOT_COL_ID: &[&str] = &[
 
 /// Reads `sql` (a Query's text, without its NUL) as one `LISTEN`/`UNLISTEN` statement.
 pub fn parse(sql: &[u8]) -> Option<Command> {
+    // Runs on every Query in transaction mode: no allocation before the verb matched.
     let mut i = skip(sql, 0)?;
-    let verb = word(sql, &mut i).to_ascii_lowercase();
-    let listen = match verb.as_slice() {
-        b"listen" => true,
-        b"unlisten" => false,
-        _ => return None,
+    let verb = word(sql, &mut i);
+    let listen = if verb.eq_ignore_ascii_case(b"listen") {
+        true
+    } else if verb.eq_ignore_ascii_case(b"unlisten") {
+        false
+    } else {
+        return None;
     };
     let start = i;
     i = skip(sql, i)?;

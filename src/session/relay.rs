@@ -9,7 +9,9 @@
 //! pipeline ([`Relay::statement_pipeline`]: admit, route, attach a backend, apply its session
 //! effects), and is written through the core's outbox with the reply it is owed, its named
 //! statements renamed to shared proxy names (`_pgsl_<hash>`, prepared lazily on whichever
-//! backend runs them). Backend → client: the core's `replies` frames the backend's bytes,
+//! backend runs them); in transaction mode a plain `LISTEN`/`UNLISTEN` is answered here
+//! instead and the client's notifications are written between its statements (`listen`,
+//! over `crate::notify`). Backend → client: the core's `replies` frames the backend's bytes,
 //! streams DataRow and CopyData without buffering them whole, and decides what is forwarded,
 //! swallowed or answered by us; what a reply means (a request ended, an error, a statement
 //! gone stale, a replay due) comes back here ([`Relay::on_seen`]). Writes are batched: one
