@@ -551,3 +551,33 @@ async fn notifications_reach_a_client_over_tls() {
         assert_eq!(n.2, format!("over tls {i}"));
     }
 }
+
+/// The listener reads UTF-8: a client with another `client_encoding` listens on its own
+/// backend, as before (pinned), and still gets its notifications.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_latin1_client_listens_on_its_own_backend() {
+    let (cluster, proxy) = start(2);
+    let monitor = cluster.monitor().await;
+    let mut r = Raw::tcp(proxy.addr()).await;
+    r.login(0, APP_USER, APP_PASSWORD, &[("client_encoding", "LATIN1")])
+        .await
+        .expect("login");
+    run_listen(&mut r, "LISTEN latin").await;
+    let msgs = r
+        .query("SELECT count(*) FROM pg_listening_channels()")
+        .await
+        .expect("pg_listening_channels");
+    assert_eq!(
+        crate::support::raw::first_value(&msgs).as_deref(),
+        Some("1")
+    );
+    assert!(
+        listeners(&monitor).await.is_empty(),
+        "no listener connection"
+    );
+    let outside = direct(&cluster).await;
+    let pid = notify(&outside, "latin", "caf\u{e9}").await;
+    let n = next_notification(&mut r, "on its own backend").await;
+    assert_eq!(n.0, pid);
+    assert_eq!(n.1, "latin");
+}
