@@ -11,6 +11,8 @@
 //!           renaming, replies matched to requests) → release at ReadyForQuery('I')
 //! protocol  header-only framing, message bodies, SQLSTATE errors
 //! pool      per-(database, user) pools, priority checkout, backend connect/auth/reset
+//! notify    transaction mode's LISTEN without a backend: channel registry, one listener
+//!           connection per pool, per-client bounded mailboxes
 //! cancel    proxy-issued cancel keys → the backend currently running the client's query
 //! auth      SCRAM/md5 secrets for both sides, SCRAM channel binding toward clients
 //! tls       rustls acceptor (clients) and connector (Postgres), reloadable; TLS streams
@@ -34,6 +36,7 @@ pub mod clients;
 pub mod config;
 pub mod fleet;
 pub mod lifecycle;
+pub mod notify;
 pub mod observe;
 pub mod per_address;
 pub mod policy;

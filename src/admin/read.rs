@@ -175,6 +175,8 @@ fn scrape(st: &AdminState) -> Scrape {
                 parked: u(p.parked),
                 waiting: u(p.waiting),
                 pinned: u(p.pinned),
+                listening: u(p.listening),
+                listen_channels: u(p.listen_channels),
                 connect_attempts: p.connects,
                 connect_failures: p.connect_failures,
                 checkout_timeouts: p.checkout_timeouts,

@@ -40,6 +40,10 @@ pub struct PoolSample {
     pub parked: u64,
     pub waiting: u64,
     pub pinned: u64,
+    /// Clients listening through the pool's listener connection.
+    pub listening: u64,
+    /// Channels the listener connection listens on.
+    pub listen_channels: u64,
     pub connect_attempts: u64,
     pub connect_failures: u64,
     pub checkout_timeouts: u64,
@@ -75,6 +79,8 @@ pub(super) struct PoolSeries {
     max_connections: IntGaugeVec,
     waiting: IntGaugeVec,
     pinned: IntGaugeVec,
+    listening: IntGaugeVec,
+    listen_channels: IntGaugeVec,
     connect_attempts: IntCounterVec,
     connect_failures: IntCounterVec,
     checkout_timeouts: IntCounterVec,
@@ -125,6 +131,14 @@ impl PoolSeries {
             pinned: gauge(
                 "pgsluice_pool_pinned_clients",
                 "Clients pinned to one backend connection (session state).",
+            ),
+            listening: gauge(
+                "pgsluice_pool_listening_clients",
+                "Clients listening for notifications through the pool's listener connection.",
+            ),
+            listen_channels: gauge(
+                "pgsluice_pool_listen_channels",
+                "Channels the pool's listener connection listens on.",
             ),
             connect_attempts: counter(
                 "pgsluice_backend_connect_attempts_total",
@@ -200,6 +214,8 @@ impl PoolSeries {
         self.max_connections.reset();
         self.waiting.reset();
         self.pinned.reset();
+        self.listening.reset();
+        self.listen_channels.reset();
         self.connect_attempts.reset();
         self.connect_failures.reset();
         self.checkout_timeouts.reset();
@@ -233,6 +249,10 @@ impl PoolSeries {
                 .set(gauge(p.size));
             self.waiting.with_label_values(&l).set(gauge(p.waiting));
             self.pinned.with_label_values(&l).set(gauge(p.pinned));
+            self.listening.with_label_values(&l).set(gauge(p.listening));
+            self.listen_channels
+                .with_label_values(&l)
+                .set(gauge(p.listen_channels));
             self.connect_attempts
                 .with_label_values(&l)
                 .inc_by(p.connect_attempts);
@@ -301,6 +321,8 @@ pub(super) fn capped_pools(pools: &[PoolSample]) -> Vec<PoolSample> {
         other.parked += p.parked;
         other.waiting += p.waiting;
         other.pinned += p.pinned;
+        other.listening += p.listening;
+        other.listen_channels += p.listen_channels;
         other.connect_attempts += p.connect_attempts;
         other.connect_failures += p.connect_failures;
         other.checkout_timeouts += p.checkout_timeouts;

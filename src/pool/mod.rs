@@ -185,6 +185,9 @@ pub struct Pool {
     replica_healthy: AtomicBool,
     /// Replicas: replay lag at the last probe (ms).
     replica_lag_ms: AtomicU64,
+    /// Transaction mode's multiplexed LISTEN: who listens on what, and the listener
+    /// connection that holds their union (`crate::notify`).
+    pub notify: crate::notify::Hub,
 }
 
 /// The replay lag of a standby in ms: 0 when it has replayed all it received, the age of
@@ -243,6 +246,7 @@ impl Pool {
             replica,
             replica_healthy: AtomicBool::new(false),
             replica_lag_ms: AtomicU64::new(0),
+            notify: crate::notify::Hub::default(),
             name: if replica {
                 format!("{database}/{user}@replica")
             } else {
@@ -345,6 +349,12 @@ impl Pool {
                 }
             }
         }
+    }
+
+    /// Where and as whom this pool's connections log in now (the listener connection of
+    /// `notify` logs in the same way).
+    pub fn connect_params(&self) -> Arc<ConnectParams> {
+        Arc::clone(&self.connect.lock())
     }
 
     /// The user the server sees for this pool's connections.
@@ -979,6 +989,8 @@ impl Pool {
             parked,
             waiting: self.slots.waiting(),
             pinned: self.stats.pinned_clients.load(Ordering::Relaxed),
+            listening: self.notify.counts().0,
+            listen_channels: self.notify.counts().1,
             connects: self.stats.connects.load(Ordering::Relaxed),
             connect_failures: self.stats.connect_failures.load(Ordering::Relaxed),
             checkout_timeouts: self.stats.checkout_timeouts.load(Ordering::Relaxed),
@@ -1025,6 +1037,10 @@ pub struct PoolSnapshot {
     pub parked: usize,
     pub waiting: usize,
     pub pinned: usize,
+    /// Clients listening through the pool's listener connection (transaction mode).
+    pub listening: usize,
+    /// Channels the listener connection listens on.
+    pub listen_channels: usize,
     pub connects: u64,
     pub connect_failures: u64,
     pub checkout_timeouts: u64,

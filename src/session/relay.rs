@@ -9,7 +9,9 @@
 //! pipeline ([`Relay::statement_pipeline`]: admit, route, attach a backend, apply its session
 //! effects), and is written through the core's outbox with the reply it is owed, its named
 //! statements renamed to shared proxy names (`_pgsl_<hash>`, prepared lazily on whichever
-//! backend runs them). Backend → client: the core's `replies` frames the backend's bytes,
+//! backend runs them); in transaction mode a plain `LISTEN`/`UNLISTEN` is answered here
+//! instead and the client's notifications are written between its statements (`listen`,
+//! over `crate::notify`). Backend → client: the core's `replies` frames the backend's bytes,
 //! streams DataRow and CopyData without buffering them whole, and decides what is forwarded,
 //! swallowed or answered by us; what a reply means (a request ended, an error, a statement
 //! gone stale, a replay due) comes back here ([`Relay::on_seen`]). Writes are batched: one
@@ -67,6 +69,7 @@ use admission::Admit;
 
 mod admission;
 mod lease;
+mod listen;
 mod unit;
 
 use super::machine::deadlines::{Deadline, Idle};
@@ -111,6 +114,10 @@ pub struct Relay {
     lease: Lease,
     /// The current unit as admission left it.
     unit: Unit,
+    /// The channels this client listens on through the pool's listener and what is being
+    /// written of its notifications (transaction mode, `listen`); `None` until its first
+    /// `LISTEN` answered here. Boxed: most sessions never listen.
+    notify: Option<Box<listen::Listening>>,
 }
 
 enum Event {
@@ -126,6 +133,8 @@ enum Event {
     Terminate,
     /// The pool wants the parked backend back (someone waits, a pause, a tick).
     Revoked,
+    /// The client let too many notifications pile up (`crate::notify::MAX_QUEUED`).
+    NotifyOverflow,
 }
 
 /// Query, Parse, Bind and FunctionCall go through admission (and may wait for it); the other
@@ -193,6 +202,7 @@ impl Relay {
                 ..Lease::default()
             },
             unit: Unit::default(),
+            notify: None,
         }
     }
 
@@ -201,6 +211,10 @@ impl Relay {
     /// more per session. The caller drops it right after.
     pub async fn run<S: AsyncRead + AsyncWrite + Rehome + Unpin>(&mut self, client: &mut S) -> End {
         let end = self.run_loop(client).await;
+        if matches!(end, End::Error(_)) {
+            // The error that follows must not land inside a half-written notification.
+            self.finish_notification(client).await;
+        }
         self.finish(&end).await;
         end
     }
@@ -275,6 +289,7 @@ impl Relay {
                     return self.idle_transaction_over();
                 }
                 Event::Deadline(Deadline::IdleClient) => return self.client_idle_over(),
+                Event::NotifyOverflow => return notify_overflow(),
                 Event::Terminate => {
                     tracing::info!(
                         client = self.cancel.client.id,
@@ -365,27 +380,39 @@ impl Relay {
     /// starves the other; then the timer; then the process phase, read from an atomic after
     /// registering this task's waker with the registry (which wakes every session when the
     /// phase changes), so no shutdown is missed and no lock is taken per message.
+    ///
+    /// A listening client's notifications are written first when it is between statements;
+    /// while one is half written neither side is read (nothing else may reach the client).
     #[inline(always)]
-    fn poll_event<S: AsyncRead + Rehome + Unpin>(
+    fn poll_event<S: AsyncRead + AsyncWrite + Rehome + Unpin>(
         &mut self,
         cx: &mut Context<'_>,
         client: &mut S,
     ) -> Poll<Event> {
+        if self.notify.is_some()
+            && let Poll::Ready(ev) = self.poll_notifications(cx, client)
+        {
+            return Poll::Ready(ev);
+        }
+        let reading = self.notify.as_ref().is_none_or(|l| l.nout.is_empty());
         self.backend_first = !self.backend_first;
-        if self.backend_first
+        if reading
+            && self.backend_first
             && let Poll::Ready(r) = self.poll_backend(cx)
         {
             return Poll::Ready(Event::Backend(r));
         }
         // Not while a replica runs a read: what follows it waits (`on_client_data`).
-        if !self.lease.replica_held()
+        if reading
+            && !self.lease.replica_held()
             && let Poll::Ready(r) =
                 self.client_wait
                     .poll_read(cx, client, self.core.requests.buf_mut())
         {
             return Poll::Ready(Event::Client(r));
         }
-        if !self.backend_first
+        if reading
+            && !self.backend_first
             && let Poll::Ready(r) = self.poll_backend(cx)
         {
             return Poll::Ready(Event::Backend(r));
@@ -702,6 +729,12 @@ impl Relay {
         client: &mut S,
     ) -> Result<(), End> {
         let sql = messages::query_body(body).ok_or_else(|| SessionCore::malformed("Query"))?;
+        if self.core.mode == PoolMode::Transaction
+            && let Some(cmd) = crate::notify::sql::parse(sql)
+            && let Some(answered) = self.on_listen(cmd).await
+        {
+            return answered;
+        }
         let class = self.classify(sql);
         // Only SQL EXECUTE (an Unknown effect) and DEALLOCATE can name a statement, so
         // ordinary queries never pay for reading the name.
@@ -1725,6 +1758,22 @@ impl Relay {
             cleanup.run(b).await;
         });
     }
+}
+
+/// The end of a client that let its notifications pile up past the mailbox's bound.
+fn notify_overflow() -> End {
+    tracing::info!("client dropped: it did not read its notifications");
+    End::Error(
+        PgError::fatal(
+            "54000",
+            "pgsluice: terminating connection: the client did not read its notifications",
+        )
+        .with_detail(format!(
+            "limit: {} notifications or {} bytes waiting for one client",
+            crate::notify::MAX_QUEUED,
+            crate::notify::MAX_QUEUED_BYTES
+        )),
+    )
 }
 
 /// Postgres's own answer to a Bind or Describe of an unnamed statement that does not exist:

@@ -7,7 +7,10 @@
 //!   Reading them from Postgres gives its rollback semantics for free.
 //! - Not trackable (LISTEN, session advisory locks, WITH HOLD cursors, temp tables, SQL
 //!   PREPARE, LOAD): the client is pinned to its backend for the rest of its session and the
-//!   backend is marked for the matching cleanup before reuse.
+//!   backend is marked for the matching cleanup before reuse. A plain simple-protocol
+//!   `LISTEN`/`UNLISTEN` never gets here in transaction mode: the relay answers it and the
+//!   pool's listener connection holds the channel (`crate::notify`); what reaches `assess` is
+//!   the rest (extended protocol, several statements, a pinned client, …).
 //! - `session_state: pin` pins on any effect; `reject` refuses them with 0A000.
 //! - What the classifier cannot prove harmless (`SessionEffect::Unknown`: whatever the parse
 //!   does not prove — a user function, `DO`, `CALL`, a FunctionCall message, a text too long

@@ -4,7 +4,8 @@
 //!
 //! * Connecting and querying: `connections`, `auth`, `tls`, `queries`, `extended_protocol`,
 //!   `copy`, `cancel`.
-//! * Pooling: `pooling`, `session_mode`, `session_state`, `routing`.
+//! * Pooling: `pooling`, `session_mode`, `session_state`, `routing`, `notify` (LISTEN/NOTIFY
+//!   in transaction mode).
 //! * Traffic policy: `admission`, `timeouts`, `breaker`, `limits`, `overload`, `classify`,
 //!   `rules`, `seeds`, `fleet`.
 //! * Faults: `protocol_faults`, `backend_faults`, `disconnects`.
@@ -32,6 +33,7 @@ mod harness;
 mod lifecycle;
 mod limits;
 mod logging;
+mod notify;
 mod overload;
 mod pooling;
 mod protocol_faults;

@@ -313,9 +313,10 @@ async fn two_tenants_on_one_backend_never_see_each_others_rows() {
     proxy.assert_healthy().await;
 }
 
-/// A client pinned to its backend (LISTEN) holds that backend between its transactions, so
-/// it counts against its caller's `max_concurrency` then too: two listeners fill a caller of
-/// two, a third client of that caller is refused until one listener leaves.
+/// A client pinned to its backend (a session advisory lock) holds that backend between its
+/// transactions, so it counts against its caller's `max_concurrency` then too: two lock
+/// holders fill a caller of two, a third client of that caller is refused until one leaves.
+/// (`LISTEN` no longer pins in transaction mode: the pool's listener connection holds it.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn pinned_clients_count_against_their_callers_concurrency() {
     let yaml = "pool: { session_state: track }\n\
@@ -327,24 +328,28 @@ async fn pinned_clients_count_against_their_callers_concurrency() {
         return;
     }
     let a = proxy.client().await;
-    a.batch_execute("LISTEN one").await.expect("A: LISTEN");
+    a.batch_execute("SELECT pg_advisory_lock(1)")
+        .await
+        .expect("A: lock");
     let b = proxy.client().await;
-    b.batch_execute("LISTEN two").await.expect("B: LISTEN");
-    // Idle listeners, each on its own backend: the caller is full.
+    b.batch_execute("SELECT pg_advisory_lock(2)")
+        .await
+        .expect("B: lock");
+    // Idle lock holders, each on its own backend: the caller is full.
     let c = proxy.client().await;
     let e = c
         .batch_execute("SELECT 1")
         .await
-        .expect_err("a third client of a caller of two, beside two pinned listeners");
+        .expect_err("a third client of a caller of two, beside two pinned clients");
     assert_eq!(crate::support::sql::sqlstate(&e), "53300", "{e:?}");
     assert!(
         format!("{e:?}").contains("ERR_CALLER_LIMIT_EXCEEDED"),
         "{e:?}"
     );
-    // A listener's own next statement is admitted (its permit is its own).
+    // A pinned client's own next statement is admitted (its permit is its own).
     assert_eq!(scalar(&a, "SELECT 2").await, "2");
     drop(a);
-    crate::support::sql::eventually(STEP, "a place once a listener left", || async {
+    crate::support::sql::eventually(STEP, "a place once a pinned client left", || async {
         c.batch_execute("SELECT 1").await.is_ok()
     })
     .await;
