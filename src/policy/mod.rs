@@ -31,7 +31,8 @@
 //! leases), and a fleet-scoped caller's `max_concurrency` is split between the live members
 //! ([`Policy::set_fleet_members`]). Without a fleet such limits act like local ones.
 //!
-//! Hot reload: [`Policy::reconfigure`] swaps the caller table in one step. Callers are matched
+//! Hot reload: [`Policy::rebuild`] makes the new caller table for the runtime snapshot and
+//! [`Policy::install`] follows the snapshot's swap. Callers are matched
 //! by name, so their in-flight permits, queues and counters carry over; new limits apply to new
 //! acquisitions. A `max_qps` bucket is kept when its rate and burst are unchanged.
 
