@@ -44,6 +44,7 @@ pub mod limiter;
 pub mod refusal;
 pub mod rule_spec;
 pub mod rules;
+pub mod share;
 
 #[cfg(test)]
 mod admit_tests;
@@ -152,6 +153,10 @@ pub struct CallerPolicy {
     pub retry: RetryPolicy,
     /// Longest a client of this caller may sit idle inside a transaction; `None` = no limit.
     pub idle_transaction_timeout: Option<Duration>,
+    /// Its claim on backend time among callers of its priority when `pool.fair_shares` is on.
+    pub weight: u32,
+    /// Most of a pool's backend time over the window it may hold ([`share`]).
+    pub db_time_share: Option<f64>,
 }
 
 /// The caller table or breaker settings were unusable; nothing was applied.
@@ -301,6 +306,17 @@ impl CallerTable {
     /// Caller `id`'s priority (unknown ids are the default caller).
     pub fn priority(&self, id: u16) -> Priority {
         self.caller(id).1.policy.priority
+    }
+
+    /// Caller `id` asking a pool for a backend: its priority, weight and time share.
+    pub fn asker(&self, id: u16) -> share::Asker {
+        let (id, c) = self.caller(id);
+        share::Asker {
+            priority: c.policy.priority as usize,
+            caller: Some(id),
+            weight: c.policy.weight,
+            share: c.policy.db_time_share,
+        }
     }
 }
 
