@@ -260,6 +260,14 @@ pub struct CallerSnapshot {
     pub refusals: RefusalCounts,
     /// What the arrival decisions of its queue did.
     pub arrival: arrival::ArrivalStats,
+    /// Its claim on backend time among its priority's callers (`pool.fair_shares`).
+    pub weight: u32,
+    /// Most of a pool's backend time over the window it may hold (`None`: no limit).
+    pub db_time_share: Option<f64>,
+    /// Backend time its units held, in all pools (filled in from the pools).
+    pub backend_seconds_total: f64,
+    /// Its share of the backend time over the window, in the pool where it is largest.
+    pub backend_share: f64,
 }
 
 /// The policy engine shared by all sessions.
@@ -704,6 +712,10 @@ impl Policy {
                 CallerSnapshot {
                     id: u16::try_from(i).unwrap_or(u16::MAX),
                     name: p.name.clone(),
+                    weight: p.weight,
+                    db_time_share: p.db_time_share,
+                    backend_seconds_total: 0.0,
+                    backend_share: 0.0,
                     priority: p.priority,
                     max_concurrency: p.max_concurrency,
                     queue_depth: p.queue_depth,

@@ -94,6 +94,8 @@ pub struct Shares {
 #[derive(Debug, Clone, Serialize, PartialEq)]
 pub struct ShareStats {
     pub caller: u16,
+    /// The caller's name (filled in by whoever knows the caller table; empty here).
+    pub name: String,
     /// Backend time its units held since start.
     pub backend_seconds_total: f64,
     /// Its load now: the decayed backend time plus what its units hold now.
@@ -212,6 +214,7 @@ impl Shares {
                 let recent = self.load(caller, now);
                 ShareStats {
                     caller,
+                    name: String::new(),
                     backend_seconds_total: u.total,
                     recent_backend_seconds: recent,
                     share: (recent / pool).min(1.0),

@@ -1015,6 +1015,8 @@ impl Pool {
             transaction_us: self.stats.transaction_us.load(Ordering::Relaxed),
             query_us: self.stats.query_us.load(Ordering::Relaxed),
             wait_us: self.stats.wait_us.load(Ordering::Relaxed),
+            fair_shares: self.slots.fair(),
+            caller_time: self.slots.shares(Instant::now()),
         }
     }
 }
@@ -1022,6 +1024,10 @@ impl Pool {
 #[derive(Debug, Clone, serde::Serialize)]
 pub struct PoolSnapshot {
     pub name: String,
+    /// Waiters of one priority are served by their callers' backend time.
+    pub fair_shares: bool,
+    /// Backend time by caller (every caller whose units held one of its backends).
+    pub caller_time: Vec<ShareStats>,
     pub mode: &'static str,
     pub size: usize,
     pub open: usize,
