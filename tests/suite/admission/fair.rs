@@ -6,7 +6,10 @@
 //! lookups, which hold almost no backend time, are served at the next release: a lookup
 //! waits for one report unit to end at most, not for the queue.
 //!
-//! What fair shares cannot do is make that wait vanish: with every backend held by a 300 ms
+//! A report caller capped by `db_time_share` leaves a backend free most of the time: then the
+//! lookups run at about their calm latency (`a_time_share_keeps_room_for_the_lookups`).
+//!
+//! What fair shares alone cannot do is make that wait vanish: with every backend held by a 300 ms
 //! unit, a newcomer waits for one of them to end (a queue orders waiters; it does not preempt
 //! a running transaction). The test asserts the difference the order makes — the lookups'
 //! p99 at most half of what it is first come, first served, and within one report unit
@@ -19,8 +22,9 @@ use std::time::{Duration, Instant};
 
 use crate::support::policy::{admin_get, connect, start};
 
-/// The callers; `{fair}` is the pool's `fair_shares`.
-fn yaml(fair: bool) -> String {
+/// The callers; `{fair}` is the pool's `fair_shares`, `report` is the report caller's
+/// extra settings.
+fn yaml(fair: bool, report: &str) -> String {
     format!(
         "\
 admin: {{ open_reads: true }}
@@ -30,7 +34,7 @@ pool:
 callers:
   - name: report
     queue_timeout_ms: 10000
-    match: {{ application_name: report }}
+    match: {{ application_name: report }}{report}
   - name: lookup
     queue_timeout_ms: 10000
     match: {{ application_name: lookup }}
@@ -53,8 +57,8 @@ struct Run {
     pools: serde_json::Value,
 }
 
-async fn run(fair: bool) -> Option<Run> {
-    let env = start(2, &yaml(fair))?;
+async fn run(yaml: &str) -> Option<Run> {
+    let env = start(2, yaml)?;
     let proxy = &env.proxy;
     let lookups = [
         Arc::new(connect(proxy, Some("lookup")).await),
@@ -125,10 +129,10 @@ fn caller<'a>(callers: &'a serde_json::Value, name: &str) -> &'a serde_json::Val
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn short_lookups_are_not_queued_behind_reports_with_fair_shares() {
-    let Some(mut fifo) = run(false).await else {
+    let Some(mut fifo) = run(&yaml(false, "")).await else {
         return;
     };
-    let Some(mut fair) = run(true).await else {
+    let Some(mut fair) = run(&yaml(true, "")).await else {
         return;
     };
     let calm = quantile(&mut fair.calm, 0.99).max(quantile(&mut fifo.calm, 0.99));
@@ -176,4 +180,36 @@ async fn short_lookups_are_not_queued_behind_reports_with_fair_shares() {
     }
     assert_eq!(fair.pools["pools"][0]["fair_shares"], true);
     assert_eq!(fifo.pools["pools"][0]["fair_shares"], false);
+}
+
+/// With `db_time_share: 0.15` the reports hold at most 15 % of the pool's backend time over
+/// the window (after a burst of about 2 s that fills it): a backend is free most of the
+/// time, and the lookups run at about their calm latency.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_time_share_keeps_room_for_the_lookups() {
+    let Some(mut capped) = run(&yaml(true, "\n    db_time_share: 0.15")).await else {
+        return;
+    };
+    let calm = quantile(&mut capped.calm, 0.99);
+    let p99 = quantile(&mut capped.busy, 0.99);
+    let p50 = quantile(&mut capped.busy, 0.5);
+    let report = caller(&capped.callers, "report");
+    let seconds = report["backend_seconds_total"].as_f64().expect("seconds");
+    let share = report["backend_share"].as_f64().expect("share");
+    eprintln!(
+        "lookup calm p99 {calm:?}; reports capped at 15 %: lookup p50 {p50:?} p99 {p99:?} \
+         ({} lookups); report backend time {seconds:.2} s, share now {share:.3}",
+        capped.busy.len()
+    );
+    // 7 s on 2 backends is 14 s; capped, the reports fill the window's 4.3 s (and the units
+    // running then end), then hold about 0.3 backend: about 7 s.
+    assert!(
+        seconds > 2.0 && seconds < 10.0,
+        "report backend time {seconds} s"
+    );
+    assert!(share < 0.3, "report share {share}");
+    assert!(
+        p99 <= calm * 3 + Duration::from_millis(50),
+        "capped reports leave room: lookup p99 {p99:?}, calm {calm:?}"
+    );
 }
