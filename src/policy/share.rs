@@ -2,25 +2,35 @@
 //! backend time each caller has held lately ([`Shares`]), the two things a pool's checkout
 //! queue needs to serve callers of one priority by time rather than by arrival.
 //!
-//! A caller's *load* is the backend time its units held, as an exponentially decayed sum
-//! with a [`HALF_LIFE`] of 10 s (a charge counts half after 10 s, a quarter after 20 s),
-//! plus the time its units holding a backend now have held it so far — so a unit of 800 ms
-//! weighs on its caller while it runs, not only once it ends. Among the waiters of one
-//! priority the pool serves the caller with the least load per unit of `weight` first
-//! ([`Shares::rank`]), FIFO within a caller: weighted fair queueing over a decaying window.
-//! A caller that waits for nothing sees its load decay towards zero and no lower: it cannot
-//! bank credit beyond the window, and comes back level with the least loaded, not ahead
-//! of them by what it did not use.
+//! **Order: the least competing time per weight first.** A caller's *competing time* is the
+//! backend time its units held while someone was waiting for a backend of the pool, as an
+//! exponentially decayed sum with a [`HALF_LIFE`] of 10 s (a charge counts half after 10 s),
+//! plus what its units holding a backend now have held so far while someone waited — so an
+//! 800 ms unit weighs on its caller while it runs, not only once it ends. Among the waiters
+//! of one priority the pool serves the caller with the least competing time per unit of its
+//! `weight` ([`Shares::rank`]), FIFO within a caller. Two consequences, both on purpose:
 //!
-//! `db_time_share` caps a caller's load at a share of the pool's backend time over the
-//! window: `share × pool size × τ`, τ = `HALF_LIFE / ln 2` (the decayed integral of a
-//! backend held all along). A caller above it is not served while above, even with
-//! backends free: its checkouts wait until its load has decayed under the cap, and time out
-//! at their deadline as any other wait.
+//! * time a caller held backends while nobody waited costs it nothing: a caller that had the
+//!   pool to itself (or kept a backend parked while it was quiet) is level with a newcomer
+//!   when others arrive, not in debt for the time nobody wanted;
+//! * a caller that waits for nothing sees its competing time decay towards zero and no
+//!   further: it banks no credit beyond the window. A closed-loop client that is between two
+//!   statements when a backend frees keeps its small competing time for its next ask (a
+//!   strict virtual clock would reset it at every such gap, and the short caller would lose
+//!   its turn to the long one each time).
+//!
+//! **The window: backend time as a decayed sum.** For `db_time_share` and the statistics a
+//! caller's *load* is all the backend time its units held, decayed alike, plus what its
+//! running units have held so far. `db_time_share` caps it at a share of the pool's backend
+//! time over the window: `share × pool size × τ`, τ = `HALF_LIFE / ln 2` ≈ 14.4 s (the
+//! decayed integral of a backend held all along). A caller above it is not served while
+//! above, even with backends free: its checkouts wait until its load has decayed under the
+//! cap, and time out at their deadline as any other wait.
 //!
 //! Pure bookkeeping, kept under the pool's slot lock and fed by it with the clock readings
-//! it already takes; no I/O, no timers. Callers are `u16` ids of the configuration's caller
-//! list (a bounded set); a reload that renumbers them blurs the attribution for one window.
+//! it already takes (and whether anyone waits, [`Shares::contended`]); no I/O, no timers.
+//! Callers are `u16` ids of the configuration's caller list (a bounded set); a reload that
+//! renumbers them blurs the attribution for one window.
 
 use std::time::Duration;
 
@@ -66,17 +76,21 @@ impl From<usize> for Asker {
     }
 }
 
-/// One caller's backend time in a pool.
+/// One caller's backend time in a pool. Times are seconds; instants are seconds after the
+/// table's epoch.
 #[derive(Debug, Clone, Copy, Default)]
 struct Usage {
-    /// Decayed backend time (seconds) as of `at`.
+    /// Decayed backend time, and decayed competing time, as of `at`.
     decayed: f64,
+    competing: f64,
     at: Option<Instant>,
-    /// Units holding a backend now, and the sum of their start times (seconds after the
-    /// table's epoch): their time so far is `holding × now − started`.
+    /// Units holding a backend now, the sum of their start times, and the sum of the times
+    /// they started competing (their start, or the start of the contended spell if later):
+    /// their time so far is `holding × now − started`.
     holding: u32,
     started: f64,
-    /// Backend time charged since start (seconds), for the counters.
+    competing_since: f64,
+    /// Backend time charged since start, for the counters.
     total: f64,
     weight: u32,
     share: Option<f64>,
@@ -86,6 +100,8 @@ struct Usage {
 #[derive(Debug)]
 pub struct Shares {
     epoch: Instant,
+    /// When the current contended spell (someone waiting) began; `None`: nobody waits.
+    spell: Option<f64>,
     /// Indexed by caller id; grows to the highest id seen.
     callers: Vec<Usage>,
 }
@@ -102,6 +118,8 @@ pub struct ShareStats {
     pub recent_backend_seconds: f64,
     /// That load as a share of the pool's backend time over the window (0..=1).
     pub share: f64,
+    /// Of the load, the time held while others waited (what orders the fair queue).
+    pub competing_backend_seconds: f64,
     /// Backends its units hold now.
     pub holding: u32,
 }
@@ -115,6 +133,7 @@ impl Shares {
     pub fn new(epoch: Instant) -> Shares {
         Shares {
             epoch,
+            spell: None,
             callers: Vec::new(),
         }
     }
@@ -140,28 +159,59 @@ impl Shares {
         }
     }
 
+    /// Someone waits for a backend of the pool from `now` on (`true`), or nobody does any
+    /// more: backend time counts as competing time only meanwhile.
+    pub fn contended(&mut self, contended: bool, now: Instant) {
+        let at = self.secs(now);
+        match (self.spell, contended) {
+            (None, true) => {
+                self.spell = Some(at);
+                for u in &mut self.callers {
+                    u.competing_since = f64::from(u.holding) * at;
+                }
+            }
+            (Some(_), false) => self.spell = None,
+            _ => {}
+        }
+    }
+
     /// A unit of `caller` took a backend at `now`.
     pub fn start(&mut self, caller: u16, now: Instant) {
         let s = self.secs(now);
         let u = self.usage(caller);
         u.holding += 1;
         u.started += s;
+        u.competing_since += s;
     }
 
     /// A unit of `caller` that took its backend at `since` gave it back at `now`: its time
-    /// is charged to the caller.
+    /// is charged to the caller, as competing time the part since the spell began.
     pub fn finish(&mut self, caller: u16, since: Instant, now: Instant) {
-        let s = self.secs(since);
+        let (s, end, spell) = (self.secs(since), self.secs(now), self.spell);
         let u = self.usage(caller);
         u.holding = u.holding.saturating_sub(1);
-        u.started = if u.holding == 0 { 0.0 } else { u.started - s };
-        let held = now.saturating_duration_since(since).as_secs_f64();
+        let from = spell.map_or(s, |at| at.max(s));
+        if u.holding == 0 {
+            u.started = 0.0;
+            u.competing_since = 0.0;
+        } else {
+            u.started -= s;
+            u.competing_since -= from;
+        }
+        let held = (end - s).max(0.0);
+        let competing = if spell.is_some() {
+            (end - from).max(0.0)
+        } else {
+            0.0
+        };
         u.decayed = decay(u.decayed, u.at, now) + held;
+        u.competing = decay(u.competing, u.at, now) + competing;
         u.at = Some(now);
         u.total += held;
     }
 
-    /// `caller`'s load at `now` in seconds ([module docs](self)).
+    /// `caller`'s load at `now` in seconds: all its backend time, decayed, and its running
+    /// units' ([module docs](self)).
     pub fn load(&self, caller: u16, now: Instant) -> f64 {
         let Some(u) = self.callers.get(usize::from(caller)) else {
             return 0.0;
@@ -170,22 +220,34 @@ impl Shares {
         decay(u.decayed, u.at, now) + running
     }
 
-    /// The rank of `caller` among waiters: its load per unit of weight, or `None` while it
-    /// is above its `db_time_share` of a pool of `capacity` (not to be served). The pool's
-    /// own checkouts rank first.
+    /// `caller`'s competing time at `now` in seconds ([module docs](self)).
+    pub fn competing(&self, caller: u16, now: Instant) -> f64 {
+        let Some(u) = self.callers.get(usize::from(caller)) else {
+            return 0.0;
+        };
+        let running = match self.spell {
+            Some(_) => (f64::from(u.holding) * self.secs(now) - u.competing_since).max(0.0),
+            None => 0.0,
+        };
+        decay(u.competing, u.at, now) + running
+    }
+
+    /// The rank of `caller` among waiters: its competing time per unit of weight, or `None`
+    /// while it is above its `db_time_share` of a pool of `capacity` (not to be served). The
+    /// pool's own checkouts rank first.
     pub fn rank(&self, caller: Option<u16>, now: Instant, capacity: usize) -> Option<f64> {
         let Some(c) = caller else {
             return Some(f64::NEG_INFINITY);
         };
-        let load = self.load(c, now);
-        let u = self.callers.get(usize::from(c));
-        let weight = u.map_or(1, |u| u.weight.max(1));
-        if let Some(share) = u.and_then(|u| u.share)
-            && load >= share * capacity as f64 * window_secs()
+        let Some(u) = self.callers.get(usize::from(c)) else {
+            return Some(0.0);
+        };
+        if let Some(share) = u.share
+            && self.load(c, now) >= share * capacity as f64 * window_secs()
         {
             return None;
         }
-        Some(load / f64::from(weight))
+        Some(self.competing(c, now) / f64::from(u.weight.max(1)))
     }
 
     /// How long until `caller`, above its share now, is under it again with nothing more
@@ -218,6 +280,7 @@ impl Shares {
                     backend_seconds_total: u.total,
                     recent_backend_seconds: recent,
                     share: (recent / pool).min(1.0),
+                    competing_backend_seconds: self.competing(caller, now),
                     holding: u.holding,
                 }
             })
@@ -266,19 +329,52 @@ mod tests {
         assert!((st[0].backend_seconds_total - 1.0).abs() < 1e-9);
     }
 
+    /// Only time held while someone waited competes: a unit that began before the spell
+    /// counts from its start, one that ended before it not at all.
+    #[test]
+    fn only_time_held_while_someone_waits_competes() {
+        let t0 = Instant::now();
+        let at = |ms: u64| t0 + Duration::from_millis(ms);
+        let mut s = Shares::new(t0);
+        s.start(0, at(0));
+        s.finish(0, at(0), at(1_000));
+        assert_eq!(s.competing(0, at(1_000)), 0.0, "alone: free");
+        assert!((s.load(0, at(1_000)) - 1.0).abs() < 1e-9, "but counted");
+        s.start(0, at(1_000));
+        s.start(0, at(1_500));
+        s.contended(true, at(2_000));
+        let c = s.competing(0, at(2_500));
+        assert!((c - 1.0).abs() < 1e-9, "two units for 0.5 s each: {c}");
+        s.finish(0, at(1_000), at(3_000));
+        s.start(1, at(3_000));
+        let c = s.competing(0, at(3_000));
+        assert!((c - 2.0).abs() < 1e-9, "1 s charged, 1 s running: {c}");
+        s.contended(false, at(3_000));
+        s.finish(0, at(1_500), at(4_000));
+        let c = s.competing(0, at(4_000));
+        let decayed = 2f64.powf(-0.1);
+        assert!(
+            (c - decayed).abs() < 1e-9,
+            "the spell ended: nothing more: {c}"
+        );
+        s.finish(1, at(3_000), at(4_000));
+        assert_eq!(s.competing(1, at(4_000)), 0.0);
+    }
+
     #[test]
     fn rank_divides_by_weight_and_a_caller_over_its_share_is_not_served() {
         let t0 = Instant::now();
         let mut s = Shares::new(t0);
         s.note(&asker(0, 3, None));
         s.note(&asker(1, 1, Some(0.1)));
+        s.contended(true, t0);
         for c in [0, 1] {
             s.start(c, t0);
             s.finish(c, t0, t0 + Duration::from_secs(3));
         }
         let now = t0 + Duration::from_secs(3);
         let r0 = s.rank(Some(0), now, 2).expect("no share limit");
-        assert!((r0 - 1.0).abs() < 1e-9, "3 s at weight 3");
+        assert!((r0 - 1.0).abs() < 1e-9, "3 s at weight 3: {r0}");
         // 10 % of 2 backends over τ ≈ 14.4 s is ≈ 2.9 s: 3 s is above it.
         assert_eq!(s.rank(Some(1), now, 2), None);
         // Decayed under it, it is served again, when it says.
@@ -290,5 +386,6 @@ mod tests {
         );
         assert_eq!(s.under_share_in(0, now, 2), None, "no share");
         assert_eq!(s.rank(None, now, 2), Some(f64::NEG_INFINITY));
+        assert_eq!(s.rank(Some(9), now, 2), Some(0.0), "a newcomer ranks first");
     }
 }

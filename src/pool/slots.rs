@@ -26,8 +26,9 @@
 //!
 //! With fair shares on (`pool.fair_shares`), the waiters of one priority are not served
 //! first come, first served: a free slot goes to the waiter whose caller has held the least
-//! backend time lately per unit of its weight (FIFO within a caller), and a caller above its
-//! `db_time_share` is not served while above ([`Shares`], whose docs give the measure).
+//! backend time per unit of its weight while competing — start-time fair queueing, FIFO
+//! within a caller — and a caller above its `db_time_share` is not served while above
+//! ([`Shares`], whose docs give the measures).
 //! Priorities, the critical reserve, the yield shares and the caps come first, as without.
 //! The choice looks over the priority's queue (a scan per grant, not a pop): fine at the
 //! hundreds of waiters a pool sees, and only when the option is on. Every permit of a
@@ -258,7 +259,7 @@ impl Inner {
     }
 
     /// The waiter of priority `p` to serve next with fair shares: the first of the caller
-    /// with the least load per weight among those not above their share (`None`: none may
+    /// with the least rank among those not above their share (`None`: none may
     /// be served). Waiters that left are skipped (and popped from the front).
     fn pick(&mut self, p: usize, now: Instant) -> Option<usize> {
         while self.waiters[p].front().is_some_and(|w| !self.live(w)) {
@@ -405,9 +406,14 @@ impl Slots {
         })
     }
 
-    /// Records the queues' length after a change, under the lock.
-    fn publish(&self, g: &Inner) {
-        self.queued.store(g.queued(), Ordering::Relaxed);
+    /// Records the queues' length after a change, under the lock, and tells the callers' backend
+    /// time whether anyone waits now.
+    fn publish(&self, g: &mut Inner) {
+        let queued = g.queued();
+        let before = self.queued.swap(queued, Ordering::Relaxed);
+        if (before == 0) != (queued == 0) {
+            g.shares.contended(queued > 0, Instant::now());
+        }
     }
 
     /// Nobody was queued at the last change: a slot may be free for the taking. Without the
@@ -487,12 +493,13 @@ impl Slots {
                 deadline,
                 caller: asker.caller,
             });
+            self.publish(g);
             if g.fair {
                 // A free slot the waiters ahead may not take (their callers above their
                 // shares) may be this one's.
                 g.grant(&mut wakes);
+                self.publish(g);
             }
-            self.publish(g);
             // A sweeper that ended without clearing `sweep_at` was cancelled with its runtime
             // (a pool used from another runtime, as in tests): start a new one here.
             let running = g.sweeper.as_ref().is_some_and(|h| !h.is_finished());
@@ -535,7 +542,7 @@ impl Slots {
         {
             let mut g = self.inner.lock();
             g.put_back(priority, held, &mut wakes);
-            self.publish(&g);
+            self.publish(&mut g);
         }
         wakes.wake();
     }
@@ -565,7 +572,7 @@ impl Slots {
             // With fair shares, a caller held back by its share may have decayed under it.
             if relaxed || g.fair {
                 g.grant(&mut wakes);
-                self.publish(&g);
+                self.publish(&mut g);
             }
         }
         wakes.wake();
@@ -643,7 +650,7 @@ impl Slots {
             }
             g.caps = caps;
             g.grant(&mut wakes);
-            self.publish(&g);
+            self.publish(&mut g);
         }
         wakes.wake();
     }
@@ -749,7 +756,7 @@ impl Drop for Wait<'_> {
                 // Held for no time: charged nothing, but no longer counted as held.
                 let held = held.map(|(c, since)| (c, since, since));
                 g.put_back(priority, held, &mut wakes);
-                self.slots.publish(&g);
+                self.slots.publish(&mut g);
             }
         }
         wakes.wake();

@@ -195,15 +195,14 @@ async fn a_time_share_caps_a_caller_even_with_backends_free() {
 }
 
 /// Without fair shares, waiters of two callers are served in arrival order; with them,
-/// the caller that held less goes first, FIFO among its own waiters.
+/// the caller that held less while others waited goes first, FIFO among its own waiters.
 #[tokio::test(start_paused = true)]
 async fn the_least_loaded_caller_goes_first_fifo_within_it() {
     for fair in [false, true] {
         let s = Slots::with_fair(1, 0, fair);
         let far = Instant::now() + Duration::from_secs(60);
-        // Caller 0 has held a backend for a second; caller 1 never.
+        // Caller 0 holds a backend for a second while the others wait; caller 1 never did.
         let p = s.acquire(asker(0, 1, None), far, usize::MAX).await.unwrap();
-        tokio::time::sleep(Duration::from_secs(1)).await;
         let order = Arc::new(Mutex::new(Vec::new()));
         let mut tasks = Vec::new();
         for (name, caller) in [("a1", 0), ("b1", 1), ("a2", 0), ("b2", 1)] {
@@ -219,6 +218,7 @@ async fn the_least_loaded_caller_goes_first_fifo_within_it() {
             }));
             tokio::task::yield_now().await;
         }
+        tokio::time::sleep(Duration::from_secs(1)).await;
         drop(p);
         for t in tasks {
             t.await.unwrap();
@@ -230,4 +230,48 @@ async fn the_least_loaded_caller_goes_first_fifo_within_it() {
         };
         assert_eq!(*order.lock(), want, "fair: {fair}");
     }
+}
+
+/// A caller that had the pool to itself is not in debt for it: lookups that kept both
+/// backends busy for 20 s with nobody else asking still win the next backend once reports
+/// arrive, from the first second on.
+#[tokio::test(start_paused = true)]
+async fn time_nobody_else_wanted_is_not_held_against_a_caller() {
+    let s = Slots::with_fair(2, 0, true);
+    let start = Instant::now();
+    let lookup = Arc::default();
+    let mut tasks = workers(
+        &s,
+        asker(1, 1, None),
+        2,
+        Duration::from_millis(2),
+        start,
+        &lookup,
+    );
+    tokio::time::sleep(Duration::from_secs(20)).await;
+    let alone = lookup.lock().held;
+    assert!(
+        alone > Duration::from_secs(39),
+        "the lookups used the pool: {alone:?}"
+    );
+    let from = Instant::now();
+    let report = Arc::default();
+    lookup.lock().waits.clear();
+    tasks.extend(workers(
+        &s,
+        asker(0, 1, None),
+        6,
+        Duration::from_millis(800),
+        from,
+        &report,
+    ));
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    tasks.iter().for_each(|t| t.abort());
+    let mut waits = std::mem::take(&mut lookup.lock().waits);
+    let p99 = quantile(&mut waits, 0.99);
+    eprintln!(
+        "after 20 s alone: lookup waits p99 {p99:?}, {} units",
+        waits.len()
+    );
+    assert!(p99 <= Duration::from_millis(100), "p99 {p99:?}");
 }
