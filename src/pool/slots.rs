@@ -221,10 +221,10 @@ impl Inner {
 
     /// Gives free slots to the most urgent live waiters allowed them; their wakers go to
     /// `wakes`.
-    fn grant(&mut self, wakes: &mut Wakes) {
-        // Read once, and only when a permit of a caller needs its start or the choice needs
-        // the callers' loads.
-        let mut now: Option<Instant> = None;
+    /// `now`: the caller's clock reading, if it has one; else the clock is read once, and
+    /// only when a permit of a caller needs its start or the choice needs the callers' times.
+    fn grant(&mut self, now: Option<Instant>, wakes: &mut Wakes) {
+        let mut now = now;
         'next: for p in 0..PRIORITIES {
             while self.may_take(p) {
                 let w = if self.fair {
@@ -339,9 +339,10 @@ impl Inner {
         if let Some((caller, since, now)) = held {
             self.shares.finish(caller, since, now);
         }
+        let now = held.map(|(_, _, now)| now);
         self.held[priority] = self.held[priority].saturating_sub(1);
         self.available += 1;
-        self.grant(wakes);
+        self.grant(now, wakes);
     }
 }
 
@@ -497,7 +498,7 @@ impl Slots {
             if g.fair {
                 // A free slot the waiters ahead may not take (their callers above their
                 // shares) may be this one's.
-                g.grant(&mut wakes);
+                g.grant(Some(now), &mut wakes);
                 self.publish(g);
             }
             // A sweeper that ended without clearing `sweep_at` was cancelled with its runtime
@@ -571,7 +572,7 @@ impl Slots {
             }
             // With fair shares, a caller held back by its share may have decayed under it.
             if relaxed || g.fair {
-                g.grant(&mut wakes);
+                g.grant(Some(now), &mut wakes);
                 self.publish(&mut g);
             }
         }
@@ -649,7 +650,7 @@ impl Slots {
                 return;
             }
             g.caps = caps;
-            g.grant(&mut wakes);
+            g.grant(None, &mut wakes);
             self.publish(&mut g);
         }
         wakes.wake();
@@ -753,8 +754,10 @@ impl Drop for Wait<'_> {
             let (granted, held) = (m.state, m.caller.zip(m.since));
             g.close_mailbox(i);
             if let Mail::Granted(priority) = granted {
-                // Held for no time: charged nothing, but no longer counted as held.
-                let held = held.map(|(c, since)| (c, since, since));
+                // Granted but never used: charged the moment it was held for its waiter (a
+                // clock reading also for the grants this passes the slot on to).
+                let now = Instant::now();
+                let held = held.map(|(c, since)| (c, since, now));
                 g.put_back(priority, held, &mut wakes);
                 self.slots.publish(&mut g);
             }
@@ -811,7 +814,7 @@ async fn sweep(s: Arc<Slots>) {
             g.waiters = waiters;
             if g.fair {
                 // Callers above their shares may have decayed under them.
-                g.grant(&mut wakes);
+                g.grant(Some(now), &mut wakes);
                 if let Some(at) = g.next_share_look(now) {
                     earliest = Some(earliest.map_or(at, |e| e.min(at)));
                 }
