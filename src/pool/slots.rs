@@ -25,11 +25,12 @@
 //! transactions need each time the storm's queue empties for a moment.
 //!
 //! With fair shares on (`pool.fair_shares`), the waiters of one priority are not served
-//! first come, first served: a free slot goes to the waiter whose caller has held the least
-//! backend time per unit of its weight while competing — start-time fair queueing, FIFO
-//! within a caller — and a caller above its `db_time_share` is not served while above
-//! ([`Shares`], whose docs give the measures).
-//! Priorities, the critical reserve, the yield shares and the caps come first, as without.
+//! first come, first served: a free slot goes to the waiter whose caller has the least
+//! *competing time* per unit of its weight — backend time held while someone waited,
+//! decayed — FIFO within a caller, and a caller above its `db_time_share` is not served
+//! while above ([`Shares`], whose docs give the measures; [`Slots::publish`] tells it when
+//! the queues empty and fill). Priorities, the critical reserve, the yield shares and the
+//! caps come first, as without.
 //! The choice looks over the priority's queue (a scan per grant, not a pop): fine at the
 //! hundreds of waiters a pool sees, and only when the option is on. Every permit of a
 //! caller's checkout carries the caller and when it was granted, and charges the time to
