@@ -28,7 +28,7 @@
 //! first come, first served: a free slot goes to the waiter whose caller has the least
 //! *competing time* per unit of its weight — backend time held while someone waited,
 //! decayed — FIFO within a caller, and a caller above its `db_time_share` is not served
-//! while above ([`Shares`], whose docs give the measures; [`Slots::publish`] tells it when
+//! while above ([`Shares`], whose docs give the measures; `Slots::publish` tells it when
 //! the queues empty and fill). Priorities, the critical reserve, the yield shares and the
 //! caps come first, as without.
 //! The choice looks over the priority's queue (a scan per grant, not a pop): fine at the
