@@ -50,6 +50,8 @@ fn callers() -> Vec<CallerPolicy> {
         .map(|i| CallerPolicy {
             retry: RetryPolicy::default(),
             idle_transaction_timeout: None,
+            weight: 1,
+            db_time_share: None,
             name: format!("service_{i}"),
             max_concurrency: 64,
             queue_depth: 100,
@@ -65,6 +67,8 @@ fn callers() -> Vec<CallerPolicy> {
     v.push(CallerPolicy {
         retry: RetryPolicy::default(),
         idle_transaction_timeout: None,
+        weight: 1,
+        db_time_share: None,
         name: "default".into(),
         max_concurrency: 120,
         queue_depth: 1_000,

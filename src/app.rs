@@ -705,6 +705,8 @@ pub fn policy_inputs(cfg: &Config) -> (Vec<CallerPolicy>, BreakerSettings) {
                 c.retry_cap_ms.unwrap_or(g.retry_cap_ms),
                 c.retry_floor_ms.unwrap_or(g.retry_floor_ms),
             ),
+            weight: c.weight.unwrap_or(1),
+            db_time_share: c.db_time_share,
         })
         .collect();
     callers.push(CallerPolicy {
@@ -718,6 +720,8 @@ pub fn policy_inputs(cfg: &Config) -> (Vec<CallerPolicy>, BreakerSettings) {
         scope: Scope::Instance,
         retry: connection_retry(cfg),
         idle_transaction_timeout: idle_timeout(g.idle_transaction_timeout_ms),
+        weight: 1,
+        db_time_share: None,
     });
     let b = &g.circuit_breaker;
     let breaker = BreakerSettings {

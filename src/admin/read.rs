@@ -98,11 +98,25 @@ struct Callers {
     callers: Vec<CallerSnapshot>,
 }
 
-/// `GET /v1/callers`: limits, in flight, queued, admitted and refusals per caller.
+/// `GET /v1/callers`: limits, in flight, queued, admitted and refusals per caller, and the
+/// backend time its units held.
 pub async fn callers(State(st): State<Arc<AdminState>>, _: NoQuery) -> Json<impl Serialize> {
     Json(Callers {
-        callers: st.app.policy.callers_in(&st.app.runtime.load().limits),
+        callers: caller_snapshots(&st, &pool_snapshots(&st)),
     })
+}
+
+/// The policy's callers with their backend time from `pools` (summed; the share of the pool
+/// where it is largest).
+fn caller_snapshots(st: &AdminState, pools: &[PoolSnapshot]) -> Vec<CallerSnapshot> {
+    let mut callers = st.app.policy.callers_in(&st.app.runtime.load().limits);
+    for t in pools.iter().flat_map(|p| &p.caller_time) {
+        if let Some(c) = callers.iter_mut().find(|c| c.id == t.caller) {
+            c.backend_seconds_total += t.backend_seconds_total;
+            c.backend_share = c.backend_share.max(t.share);
+        }
+    }
+    callers
 }
 
 #[derive(Serialize)]
@@ -116,6 +130,12 @@ struct Pools {
 pub(super) fn pool_snapshots(st: &AdminState) -> Vec<PoolSnapshot> {
     let mut v: Vec<PoolSnapshot> = st.app.pools.all().iter().map(|p| p.snapshot()).collect();
     v.sort_by(|a, b| a.name.cmp(&b.name));
+    let callers = st.app.policy.callers_in(&st.app.runtime.load().limits);
+    for t in v.iter_mut().flat_map(|p| &mut p.caller_time) {
+        if let Some(c) = callers.iter().find(|c| c.id == t.caller) {
+            t.name.clone_from(&c.name);
+        }
+    }
     v
 }
 
@@ -150,7 +170,7 @@ fn scrape(st: &AdminState) -> Scrape {
     let breaker = app.policy.breaker();
     let u = |n: usize| u64::try_from(n).unwrap_or(u64::MAX);
     let pools = pool_snapshots(st);
-    let callers = app.policy.callers_in(&app.runtime.load().limits);
+    let callers = caller_snapshots(st, &pools);
     let arrivals = pools
         .iter()
         .map(|p| ArrivalSample {
@@ -203,6 +223,8 @@ fn scrape(st: &AdminState) -> Scrape {
                 in_flight: c.in_flight.into(),
                 queued: c.queued.into(),
                 admitted: c.admitted,
+                backend_seconds: c.backend_seconds_total,
+                backend_share: c.backend_share,
                 name: c.name,
             })
             .collect(),

@@ -6,7 +6,8 @@
 //! analytics running, then 1 500 clients each log in anew, run BEGIN + 5 INSERTs + COMMIT and
 //! retry the whole session on any error), `noisy-neighbour` (an analytics flood next to a
 //! steady critical billing caller), `pattern-step` (one query pattern steps 30x among steady
-//! traffic; how fast pgsluice's detector names it), `steady` (read/write mix) and `idle` (hold N logged-in
+//! traffic; how fast pgsluice's detector names it), `fair-share` (2 ms lookups next to 800 ms
+//! reports of the same priority: do the lookups queue behind them?), `steady` (read/write mix) and `idle` (hold N logged-in
 //! connections, for memory measurements). Output: per-caller throughput and
 //! latency, refusals and errors by reason, the most backend connections seen (with
 //! `--monitor`) on stdout; progress on stderr; optionally a CSV time series, an SVG chart and
@@ -41,6 +42,10 @@ enum Scenario {
     /// Steady patterns and billing, then one pattern steps --step-factor times within
     /// --ramp-ms; with --admin, how long pgsluice's detector took to name it (issue 18).
     PatternStep,
+    /// Lookups (`SELECT 1`, application_name lookup) on --clients connections, alone and then
+    /// with reports (--analytics-sql, default `SELECT pg_sleep(0.8)`, application_name
+    /// report) on --analytics-conns connections: compare pgsluice's pool.fair_shares off/on.
+    FairShare,
     /// Read/write mix on --clients connections.
     Steady,
     /// Hold --clients logged-in idle connections for --hold-secs.
@@ -65,7 +70,8 @@ struct Cli {
     monitor: Option<String>,
     #[arg(long, default_value_t = 100)]
     monitor_ms: u64,
-    /// Clients [default: reconnect-storm 5000, incident 1500, steady 16, idle 10000].
+    /// Clients [default: reconnect-storm 5000, incident 1500, steady 16, idle 10000;
+    /// fair-share: 2 lookup connections].
     #[arg(long)]
     clients: Option<u64>,
     /// Reconnect storm: writes each client flushes; incident: INSERTs in each session.
@@ -111,8 +117,8 @@ struct Cli {
     billing_conns: Option<u64>,
     #[arg(long)]
     billing_rate: Option<f64>,
-    /// Noisy neighbour and incident: closed-loop analytics connections [default: 32;
-    /// incident: 16].
+    /// Noisy neighbour and incident: closed-loop analytics connections; fair-share: report
+    /// connections [default: 32; incident: 16; fair-share: 6].
     #[arg(long)]
     analytics_conns: Option<u64>,
     /// Steady: percentage of reads.
@@ -193,7 +199,8 @@ struct Cli {
         default_value = "/*service:billing*/ UPDATE pgsluice_storm_kv SET v = v + 1 WHERE id = {id}"
     )]
     billing_sql: String,
-    /// [default: a full-scan aggregate; incident: `/*service:analytics*/ SELECT pg_sleep(0.5)`]
+    /// [default: a full-scan aggregate; incident: `/*service:analytics*/ SELECT pg_sleep(0.5)`;
+    /// fair-share: `SELECT pg_sleep(0.8)`]
     #[arg(long)]
     analytics_sql: Option<String>,
     #[arg(
@@ -213,6 +220,7 @@ impl Cli {
             Scenario::ReconnectStorm => 5_000,
             Scenario::Incident => 1_500,
             Scenario::Steady => 16,
+            Scenario::FairShare => 2,
             Scenario::Idle => 10_000,
             Scenario::NoisyNeighbour | Scenario::PatternStep => 0,
         })
@@ -247,6 +255,9 @@ impl Cli {
     }
 
     fn analytics_conns(&self) -> u64 {
+        if self.scenario == Scenario::FairShare {
+            return self.analytics_conns.unwrap_or(6);
+        }
         self.or(self.analytics_conns, (32, 16))
     }
 
@@ -254,6 +265,8 @@ impl Cli {
         self.analytics_sql.clone().unwrap_or_else(|| {
             if self.incident() {
                 "/*service:analytics*/ SELECT pg_sleep(0.5)".into()
+            } else if self.scenario == Scenario::FairShare {
+                "SELECT pg_sleep(0.8)".into()
             } else {
                 "/*service:analytics*/ SELECT count(*), sum(v) FROM pgsluice_storm_kv WHERE pad LIKE '%ab%'".into()
             }
@@ -299,6 +312,7 @@ fn needed_fds(cli: &Cli) -> u64 {
     let base = cli.billing().0 + 16;
     match cli.scenario {
         Scenario::NoisyNeighbour => base + cli.analytics_conns(),
+        Scenario::FairShare => base + cli.analytics_conns() + cli.clients(),
         Scenario::PatternStep => base + 22,
         Scenario::Incident => base + cli.analytics_conns() + cli.clients(),
         _ => base + cli.clients(),
@@ -516,6 +530,17 @@ async fn run(cli: Cli, probe: tokio::runtime::Handle) -> Result<(), String> {
                     .map(|admin| pgsluice::cli::AdminConn::at(admin, cli.admin_token.clone())),
             };
             storm::step::run(ctx, shape, phase).await
+        }
+        Scenario::FairShare => {
+            let phase = Phase::new(&["warmup", "calm", "reports"]);
+            let _progress = scenarios::progress(
+                rec.clone(),
+                Some(phase.clone()),
+                Arc::new(String::new),
+                done.clone(),
+            );
+            let reports = cli.analytics_conns();
+            storm::fair::run(ctx, clients, reports, calm, duration, phase).await
         }
         Scenario::Steady => {
             let _progress =

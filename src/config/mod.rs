@@ -519,6 +519,9 @@ pub struct PoolConfig {
     pub max_db_connections: usize,
     /// Backend connections as one user across all databases (0: no limit). `pool` only.
     pub max_user_connections: usize,
+    /// Among waiters of one priority, a free backend goes to the caller that held the least
+    /// backend time lately (per its `weight`), not to the longest waiting. `pool` only.
+    pub fair_shares: bool,
 }
 
 impl Default for PoolConfig {
@@ -546,6 +549,7 @@ impl Default for PoolConfig {
             cancel_grace_ms: 2_000,
             max_db_connections: 0,
             max_user_connections: 0,
+            fair_shares: false,
         }
     }
 }
@@ -837,6 +841,12 @@ pub struct CallerConfig {
     /// replicas (`databases[].replicas`).
     #[serde(default)]
     pub route: ReadRoute,
+    /// Its claim on backend time among the callers of its priority in pools with
+    /// `pool.fair_shares` (1..=1000; default 1).
+    pub weight: Option<u32>,
+    /// Most of a pool's backend time (over a window of about 15 s) this caller may hold,
+    /// 0 < share ≤ 1; beyond it its checkouts wait. Needs `pool.fair_shares`.
+    pub db_time_share: Option<f64>,
 }
 
 /// Where a caller's reads go.

@@ -208,6 +208,12 @@ impl Config {
             if c.burst.is_some() && c.max_qps.is_none() {
                 say(&format!("callers[{i}].burst"), "it needs max_qps");
             }
+            if c.weight.is_some() && !self.pool.fair_shares {
+                say(
+                    &format!("callers[{i}].weight"),
+                    "the pools serve waiters first come, first served without pool.fair_shares",
+                );
+            }
             if c.scope == super::Scope::Fleet && c.max_qps.is_none() && c.max_concurrency.is_none()
             {
                 say(
@@ -279,6 +285,20 @@ mod notes_tests {
             "{yaml}  auth_query: {{ user: lookup, query: \"SELECT usename, passwd FROM pg_shadow WHERE usename = $1\" }}\n"
         );
         assert!(console(&with_query).is_empty(), "auth_query may know them");
+    }
+
+    #[test]
+    fn a_weight_without_fair_shares_gets_a_note() {
+        let weight = |yaml: &str| -> Vec<String> {
+            let c = Config::from_yaml(yaml).expect("valid");
+            let notes = c.notes().into_iter();
+            notes.filter(|n| n.contains(".weight")).collect()
+        };
+        let notes = weight("callers:\n  - { name: web, weight: 3 }\n");
+        assert_eq!(notes.len(), 1, "{notes:?}");
+        assert!(notes[0].starts_with("callers[0].weight has no effect"));
+        let fair = "pool: { fair_shares: true }\ncallers:\n  - { name: web, weight: 3 }\n";
+        assert!(weight(fair).is_empty());
     }
 
     #[test]

@@ -677,6 +677,24 @@ impl Config {
                     "must be a number in [0.001, 1000000] (one statement per 1000 s at least)",
                 );
             }
+            if let Some(w) = c.weight
+                && !(1..=crate::policy::share::MAX_WEIGHT).contains(&w)
+            {
+                p.add(format!("callers[{i}].weight"), "must be between 1 and 1000");
+            }
+            if let Some(s) = c.db_time_share {
+                if !(s > 0.0 && s <= 1.0) {
+                    p.add(
+                        format!("callers[{i}].db_time_share"),
+                        "must be a share of the pool's backend time, 0 < share <= 1",
+                    );
+                } else if !self.pool.fair_shares {
+                    p.add(
+                        format!("callers[{i}].db_time_share"),
+                        "needs pool.fair_shares: true (the pools measure backend time per caller then)",
+                    );
+                }
+            }
             if let Some(cidr) = &c.matcher.client_cidr
                 && let Err(e) = check_cidr(cidr)
             {
@@ -991,6 +1009,22 @@ mod tests {
         let errs = Config::from_yaml(text).unwrap_err();
         assert_eq!(errs[0].field, "callers[1].max_concurrency");
         assert_eq!(errs[0].line, Some(5));
+    }
+
+    #[test]
+    fn weights_and_time_shares_are_checked() {
+        let text = "callers:\n  - name: a\n    weight: 0\n  - name: b\n    db_time_share: 0.2\n";
+        let errs = Config::from_yaml(text).unwrap_err();
+        let fields: Vec<&str> = errs.iter().map(|e| e.field.as_str()).collect();
+        assert_eq!(fields, ["callers[0].weight", "callers[1].db_time_share"]);
+        assert!(errs[1].message.contains("fair_shares"), "{}", errs[1]);
+        let text = "pool:\n  fair_shares: true\ncallers:\n  - name: b\n    db_time_share: 1.5\n";
+        let errs = Config::from_yaml(text).unwrap_err();
+        assert_eq!(errs[0].field, "callers[0].db_time_share");
+        let text = "pool:\n  fair_shares: true\ncallers:\n  - name: a\n    weight: 3\n    db_time_share: 0.2\n";
+        let c = Config::from_yaml(text).expect("valid");
+        assert!(c.pool.fair_shares);
+        assert_eq!(c.callers[0].weight, Some(3));
     }
 
     #[test]

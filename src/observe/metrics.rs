@@ -102,6 +102,10 @@ pub struct CallerSample {
     pub in_flight: u64,
     pub queued: u64,
     pub admitted: u64,
+    /// Backend time its units held, in all pools.
+    pub backend_seconds: f64,
+    /// Its share of a pool's backend time over the fair-share window (largest of its pools).
+    pub backend_share: f64,
 }
 
 /// App state read by the `/metrics` handler, written into the scrape-time series.
@@ -342,6 +346,8 @@ struct ScrapeSeries {
     caller_in_flight: IntGaugeVec,
     caller_queued: IntGaugeVec,
     caller_admitted: IntCounterVec,
+    caller_backend_seconds: prometheus::CounterVec,
+    caller_backend_share: prometheus::GaugeVec,
     rules: IntGauge,
     rule_warned: IntCounterVec,
     fingerprints_tracked: IntGauge,
@@ -731,6 +737,28 @@ impl ScrapeSeries {
                 "Statements admitted by the policy, by caller.",
                 &["caller"],
             ),
+            caller_backend_seconds: reg(
+                r,
+                prometheus::CounterVec::new(
+                    Opts::new(
+                        "pgsluice_caller_backend_seconds_total",
+                        "Time the caller's units (transactions) held a backend connection, all \
+                         pools.",
+                    ),
+                    &["caller"],
+                ),
+            ),
+            caller_backend_share: reg(
+                r,
+                prometheus::GaugeVec::new(
+                    Opts::new(
+                        "pgsluice_caller_backend_share",
+                        "The caller's share of a pool's backend time over the fair-share window \
+                         (~14 s, decayed), in the pool where it is largest (0..1).",
+                    ),
+                    &["caller"],
+                ),
+            ),
             rules: gauge("pgsluice_rules", "Runtime fingerprint rules installed."),
             rule_warned: counter_vec(
                 r,
@@ -779,7 +807,15 @@ impl ScrapeSeries {
         self.caller_in_flight.reset();
         self.caller_queued.reset();
         self.caller_admitted.reset();
+        self.caller_backend_seconds.reset();
+        self.caller_backend_share.reset();
         for c in &s.callers {
+            self.caller_backend_seconds
+                .with_label_values(&[c.name.as_str()])
+                .inc_by(c.backend_seconds.max(0.0));
+            self.caller_backend_share
+                .with_label_values(&[c.name.as_str()])
+                .set(c.backend_share);
             let l = [c.name.as_str()];
             self.caller_in_flight
                 .with_label_values(&l)
@@ -971,9 +1007,26 @@ mod tests {
             cancels_forwarded: 5,
             cancels_address_limited: 4,
             rule_warned: vec![("THROTTLE", 9), ("REJECT", 0)],
+            callers: vec![CallerSample {
+                name: "reports".into(),
+                backend_seconds: 12.5,
+                backend_share: 0.5,
+                ..CallerSample::default()
+            }],
             ..Scrape::default()
         };
         let t = m.render_with(&s);
+        assert_eq!(
+            sample(
+                &t,
+                r#"pgsluice_caller_backend_seconds_total{caller="reports"}"#
+            ),
+            Some(12.5)
+        );
+        assert_eq!(
+            sample(&t, r#"pgsluice_caller_backend_share{caller="reports"}"#),
+            Some(0.5)
+        );
         assert_eq!(
             sample(
                 &t,

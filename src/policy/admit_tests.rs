@@ -19,6 +19,8 @@ fn callers() -> Vec<CallerPolicy> {
         CallerPolicy {
             retry: RetryPolicy::default(),
             idle_transaction_timeout: None,
+            weight: 1,
+            db_time_share: None,
             name: "service_payment".into(),
             max_concurrency: 2,
             queue_depth: 20,
@@ -31,6 +33,8 @@ fn callers() -> Vec<CallerPolicy> {
         CallerPolicy {
             retry: RetryPolicy::default(),
             idle_transaction_timeout: None,
+            weight: 1,
+            db_time_share: None,
             name: "service_analytics".into(),
             max_concurrency: 5,
             queue_depth: 0,
@@ -43,6 +47,8 @@ fn callers() -> Vec<CallerPolicy> {
         CallerPolicy {
             retry: RetryPolicy::default(),
             idle_transaction_timeout: None,
+            weight: 1,
+            db_time_share: None,
             name: "default".into(),
             max_concurrency: 10,
             queue_depth: 10,

@@ -45,6 +45,7 @@ pub mod limiter;
 pub mod refusal;
 pub mod rule_spec;
 pub mod rules;
+pub mod share;
 
 #[cfg(test)]
 mod admit_tests;
@@ -153,6 +154,10 @@ pub struct CallerPolicy {
     pub retry: RetryPolicy,
     /// Longest a client of this caller may sit idle inside a transaction; `None` = no limit.
     pub idle_transaction_timeout: Option<Duration>,
+    /// Its claim on backend time among callers of its priority when `pool.fair_shares` is on.
+    pub weight: u32,
+    /// Most of a pool's backend time over the window it may hold ([`share`]).
+    pub db_time_share: Option<f64>,
 }
 
 /// The caller table or breaker settings were unusable; nothing was applied.
@@ -256,6 +261,14 @@ pub struct CallerSnapshot {
     pub refusals: RefusalCounts,
     /// What the arrival decisions of its queue did.
     pub arrival: arrival::ArrivalStats,
+    /// Its claim on backend time among its priority's callers (`pool.fair_shares`).
+    pub weight: u32,
+    /// Most of a pool's backend time over the window it may hold (`None`: no limit).
+    pub db_time_share: Option<f64>,
+    /// Backend time its units held, in all pools (filled in from the pools).
+    pub backend_seconds_total: f64,
+    /// Its share of the backend time over the window, in the pool where it is largest.
+    pub backend_share: f64,
 }
 
 /// The policy engine shared by all sessions.
@@ -302,6 +315,17 @@ impl CallerTable {
     /// Caller `id`'s priority (unknown ids are the default caller).
     pub fn priority(&self, id: u16) -> Priority {
         self.caller(id).1.policy.priority
+    }
+
+    /// Caller `id` asking a pool for a backend: its priority, weight and time share.
+    pub fn asker(&self, id: u16) -> share::Asker {
+        let (id, c) = self.caller(id);
+        share::Asker {
+            priority: c.policy.priority as usize,
+            caller: Some(id),
+            weight: c.policy.weight,
+            share: c.policy.db_time_share,
+        }
     }
 }
 
@@ -695,6 +719,10 @@ impl Policy {
                 CallerSnapshot {
                     id: u16::try_from(i).unwrap_or(u16::MAX),
                     name: p.name.clone(),
+                    weight: p.weight,
+                    db_time_share: p.db_time_share,
+                    backend_seconds_total: 0.0,
+                    backend_share: 0.0,
                     priority: p.priority,
                     max_concurrency: p.max_concurrency,
                     queue_depth: p.queue_depth,

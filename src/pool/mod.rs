@@ -7,7 +7,8 @@
 //! transactions in flight finish) and have every backend replaced after its current use
 //! ([`Pool::reconnect`], e.g. after a failover or a password rotation).
 //!
-//! Knows nothing of clients: sessions hand it a priority and a deadline, and get a [`Pooled`].
+//! Knows nothing of clients: sessions hand it who asks (a priority, and the caller with its
+//! weight and time share, [`Asker`]) and a deadline, and get a [`Pooled`].
 //! As whom it connects is fixed when it is created; where, and with which password, a reload
 //! may change for the connections opened after it ([`Pool::set_route`]).
 
@@ -63,6 +64,7 @@ impl Route {
     }
 }
 use crate::policy::arrival::Placed;
+pub use crate::policy::share::{Asker, ShareStats};
 use slots::{SlotError, SlotPermit, Slots};
 
 /// A server's ParameterStatus values, shared by the logins of a pool.
@@ -254,7 +256,7 @@ impl Pool {
             },
             database: database.to_string(),
             user: user.to_string(),
-            slots: Slots::new(cfg.size, cfg.critical_reserve.unwrap_or(0)),
+            slots: Slots::with_fair(cfg.size, cfg.critical_reserve.unwrap_or(0), cfg.fair_shares),
             attempts: Semaphore::new(cfg.max_connect_attempts),
             cfg,
             connect: Mutex::new(Arc::new(connect)),
@@ -527,11 +529,15 @@ impl Pool {
     /// does the rest (the session's hot path takes this first, so the large checkout future
     /// is built only when it must wait or connect).
     /// `now` is the caller's clock reading (a session reads it once per wake-up).
-    pub fn try_checkout_now(self: &Arc<Self>, priority: usize, now: Instant) -> Option<Pooled> {
+    pub fn try_checkout_now(
+        self: &Arc<Self>,
+        asker: impl Into<Asker>,
+        now: Instant,
+    ) -> Option<Pooled> {
         if self.paused.load(Ordering::SeqCst) || !self.slots.queue_empty() {
             return None;
         }
-        let permit = self.slots.try_acquire(priority)?;
+        let permit = self.slots.try_acquire(asker, now)?;
         let conn = {
             let mut idle = self.idle.lock();
             let conn = idle.last()?;
@@ -590,19 +596,20 @@ impl Pool {
     /// Borrows a connection: waits by `priority` (0 = critical … 3 = low) until `deadline`.
     pub async fn checkout(
         self: &Arc<Self>,
-        priority: usize,
+        asker: impl Into<Asker>,
         deadline: Instant,
     ) -> Result<Pooled, CheckoutError> {
-        self.checkout_at(priority, Instant::now(), deadline).await
+        self.checkout_at(asker, Instant::now(), deadline).await
     }
 
     /// [`Pool::checkout`] asked at `now` (the caller's clock reading of this instant).
     pub async fn checkout_at(
         self: &Arc<Self>,
-        priority: usize,
+        asker: impl Into<Asker>,
         now: Instant,
         deadline: Instant,
     ) -> Result<Pooled, CheckoutError> {
+        let asker = asker.into();
         let mut started = now;
         let mut deadline = deadline;
         if self.paused.load(Ordering::SeqCst) {
@@ -614,7 +621,7 @@ impl Pool {
         let max_waiting = self.cfg.max_waiting;
         let permit = self
             .slots
-            .acquire_at(priority, started, deadline, max_waiting)
+            .acquire_at(asker, started, deadline, max_waiting)
             .await
             .map_err(|e| match e {
                 SlotError::Full => {
@@ -627,7 +634,7 @@ impl Pool {
                 },
                 SlotError::Timeout => {
                     self.stats.checkout_timeouts.fetch_add(1, Ordering::Relaxed);
-                    self.slots.waited_out(priority);
+                    self.slots.waited_out(asker.priority);
                     CheckoutError::Timeout {
                         waited: started.elapsed(),
                         limit: deadline.saturating_duration_since(started),
@@ -1020,6 +1027,8 @@ impl Pool {
             transaction_us: self.stats.transaction_us.load(Ordering::Relaxed),
             query_us: self.stats.query_us.load(Ordering::Relaxed),
             wait_us: self.stats.wait_us.load(Ordering::Relaxed),
+            fair_shares: self.slots.fair(),
+            caller_time: self.slots.shares(Instant::now()),
         }
     }
 }
@@ -1027,6 +1036,10 @@ impl Pool {
 #[derive(Debug, Clone, serde::Serialize)]
 pub struct PoolSnapshot {
     pub name: String,
+    /// Waiters of one priority are served by their callers' backend time.
+    pub fair_shares: bool,
+    /// Backend time by caller (every caller whose units held one of its backends).
+    pub caller_time: Vec<ShareStats>,
     pub mode: &'static str,
     pub size: usize,
     pub open: usize,

@@ -24,6 +24,19 @@
 //! seconds (a report at low priority) cannot take back the backends a storm's short
 //! transactions need each time the storm's queue empties for a moment.
 //!
+//! With fair shares on (`pool.fair_shares`), the waiters of one priority are not served
+//! first come, first served: a free slot goes to the waiter whose caller has the least
+//! *competing time* per unit of its weight — backend time held while someone waited,
+//! decayed — FIFO within a caller, and a caller above its `db_time_share` is not served
+//! while above ([`Shares`], whose docs give the measures; `Slots::publish` tells it when
+//! the queues empty and fill). Priorities, the critical reserve, the yield shares and the
+//! caps come first, as without.
+//! The choice looks over the priority's queue (a scan per grant, not a pop): fine at the
+//! hundreds of waiters a pool sees, and only when the option is on. Every permit of a
+//! caller's checkout carries the caller and when it was granted, and charges the time to
+//! the caller when it is dropped — on or off, so `/v1/callers` shows the shares before an
+//! operator turns them on.
+//!
 //! Deadlines are kept by one sweeper task per pool while anyone waits, not by a timer per
 //! waiter: at hundreds of clients per backend most checkouts wait, and registering and
 //! removing a timer for each cost more than the rest of the wait. The sweeper sleeps until
@@ -45,6 +58,7 @@ use tokio::time::Instant;
 
 use super::park::Parking;
 use crate::policy::arrival::{Arrival, ArrivalStats, Decision, Line, Placed};
+use crate::policy::share::{Asker, ShareStats, Shares};
 
 /// Number of priority classes (critical, high, normal, low).
 pub const PRIORITIES: usize = 4;
@@ -54,6 +68,10 @@ pub const PRESSURE_HOLD: Duration = Duration::from_secs(10);
 
 /// Under pressure, a lower priority holds at most `capacity / YIELD_SHARE` slots (at least 1).
 pub const YIELD_SHARE: usize = 4;
+
+/// With fair shares, how often the sweeper looks again while a waiter's caller is above its
+/// share and holds a backend.
+pub const SHARE_LOOK: Duration = Duration::from_millis(50);
 
 pub struct Slots {
     inner: Mutex<Inner>,
@@ -66,11 +84,12 @@ pub struct Slots {
     queued: AtomicUsize,
 }
 
-/// One queue entry: whose mailbox, for which of its waits, until when.
+/// One queue entry: whose mailbox, for which of its waits, until when, for which caller.
 struct Waiter {
     mailbox: usize,
     generation: u64,
     deadline: Instant,
+    caller: Option<u16>,
 }
 
 /// Where one wait's outcome is left for its waiter.
@@ -80,6 +99,9 @@ struct Mailbox {
     generation: u64,
     state: Mail,
     waker: Option<Waker>,
+    /// The caller of its wait, and when a slot was granted to it (the permit's start).
+    caller: Option<u16>,
+    since: Option<Instant>,
 }
 
 #[derive(Default, Clone, Copy, PartialEq, Eq)]
@@ -122,6 +144,10 @@ struct Inner {
     arrivals: [Arrival; PRIORITIES],
     /// When a waiter of each priority last queued, while that presses on those below.
     pressed: [Option<Instant>; PRIORITIES],
+    /// Serve the waiters of a priority by their callers' backend time (`pool.fair_shares`).
+    fair: bool,
+    /// Backend time by caller (kept on or off).
+    shares: Shares,
 }
 
 /// Wakers to call once the lock is released: one without allocating (a release grants at
@@ -171,8 +197,22 @@ impl Inner {
 
     /// Where a newcomer of `p` that may wait `room` stands: behind the waiters of `p` and the
     /// priorities above it, served by the slots granted to them.
-    fn line(&self, p: usize, room: Duration) -> Line {
-        let ahead = self.waiters[..=p].iter().map(VecDeque::len).sum::<usize>();
+    fn line(&self, p: usize, caller: Option<u16>, room: Duration) -> Line {
+        let mut ahead = self.waiters[..=p].iter().map(VecDeque::len).sum::<usize>();
+        if self.fair {
+            // Served by time, a newcomer stands behind its own caller's waiters and about
+            // one turn of each other caller waiting at its priority, not the whole queue.
+            let mut others: Vec<Option<u16>> = Vec::new();
+            let mut own = 0;
+            for w in &self.waiters[p] {
+                if w.caller == caller {
+                    own += 1;
+                } else if !others.contains(&w.caller) {
+                    others.push(w.caller);
+                }
+            }
+            ahead = ahead - self.waiters[p].len() + own + others.len();
+        }
         Line {
             served: self.served[..=p].iter().sum(),
             ahead: ahead as u64,
@@ -182,10 +222,22 @@ impl Inner {
 
     /// Gives free slots to the most urgent live waiters allowed them; their wakers go to
     /// `wakes`.
-    fn grant(&mut self, wakes: &mut Wakes) {
+    /// `now`: the caller's clock reading, if it has one; else the clock is read once, and
+    /// only when a permit of a caller needs its start or the choice needs the callers' times.
+    fn grant(&mut self, now: Option<Instant>, wakes: &mut Wakes) {
+        let mut now = now;
         'next: for p in 0..PRIORITIES {
             while self.may_take(p) {
-                let Some(w) = self.waiters[p].pop_front() else {
+                let w = if self.fair {
+                    let at = *now.get_or_insert_with(Instant::now);
+                    let Some(i) = self.pick(p, at) else {
+                        continue 'next;
+                    };
+                    self.waiters[p].remove(i)
+                } else {
+                    self.waiters[p].pop_front()
+                };
+                let Some(w) = w else {
                     continue 'next;
                 };
                 if !self.live(&w) {
@@ -194,11 +246,63 @@ impl Inner {
                 self.available -= 1;
                 self.held[p] += 1;
                 self.served[p] += 1;
+                let since = w.caller.map(|c| {
+                    let at = *now.get_or_insert_with(Instant::now);
+                    self.shares.start(c, at);
+                    at
+                });
                 let m = &mut self.mailboxes[w.mailbox];
                 m.state = Mail::Granted(p);
+                m.since = since;
                 wakes.push(m.waker.take());
             }
         }
+    }
+
+    /// The waiter of priority `p` to serve next with fair shares: the first of the caller
+    /// with the least rank among those not above their share (`None`: none may
+    /// be served). Waiters that left are skipped (and popped from the front).
+    fn pick(&mut self, p: usize, now: Instant) -> Option<usize> {
+        while self.waiters[p].front().is_some_and(|w| !self.live(w)) {
+            self.waiters[p].pop_front();
+        }
+        let mut best: Option<(f64, usize)> = None;
+        for (i, w) in self.waiters[p].iter().enumerate() {
+            if !self.live(w) {
+                continue;
+            }
+            let Some(rank) = self.shares.rank(w.caller, now, self.capacity) else {
+                continue;
+            };
+            if best.is_none_or(|(b, _)| rank < b) {
+                best = Some((rank, i));
+            }
+        }
+        best.map(|(_, i)| i)
+    }
+
+    /// With fair shares, when a waiter whose caller is above its share may be served again
+    /// (the sweeper looks then): at once computed for a caller that holds nothing, a short
+    /// look again ([`SHARE_LOOK`]) for one that holds a backend and may release it meanwhile
+    /// (its release looks too, but only once).
+    fn next_share_look(&self, now: Instant) -> Option<Instant> {
+        if !self.fair {
+            return None;
+        }
+        let mut next: Option<Instant> = None;
+        for w in self.waiters.iter().flatten() {
+            let Some(c) = w.caller else { continue };
+            if !self.live(w) || self.shares.rank(Some(c), now, self.capacity).is_some() {
+                continue;
+            }
+            let at = now
+                + self
+                    .shares
+                    .under_share_in(c, now, self.capacity)
+                    .unwrap_or(SHARE_LOOK);
+            next = Some(next.map_or(at, |n| n.min(at)));
+        }
+        next
     }
 
     /// A mailbox for a new wait, from the free list or new.
@@ -209,6 +313,7 @@ impl Inner {
         });
         let m = &mut self.mailboxes[i];
         m.state = Mail::Waiting;
+        m.since = None;
         (i, m.generation)
     }
 
@@ -219,26 +324,41 @@ impl Inner {
         m.generation += 1;
         m.state = Mail::Free;
         m.waker = None;
+        m.caller = None;
+        m.since = None;
         self.free.push(i);
     }
 
-    /// A slot of `priority` comes back: to the waiters allowed one.
-    fn put_back(&mut self, priority: usize, wakes: &mut Wakes) {
+    /// A slot of `priority` comes back: to the waiters allowed one. `held`: its caller, and
+    /// when it took the slot and gave it back, to charge the time to the caller.
+    fn put_back(
+        &mut self,
+        priority: usize,
+        held: Option<(u16, Instant, Instant)>,
+        wakes: &mut Wakes,
+    ) {
+        if let Some((caller, since, now)) = held {
+            self.shares.finish(caller, since, now);
+        }
+        let now = held.map(|(_, _, now)| now);
         self.held[priority] = self.held[priority].saturating_sub(1);
         self.available += 1;
-        self.grant(wakes);
+        self.grant(now, wakes);
     }
 }
 
-/// The right to hold one backend connection of the pool.
+/// The right to hold one backend connection of the pool; a caller's charges its time to the
+/// caller when dropped.
 pub struct SlotPermit {
     slots: Arc<Slots>,
     priority: usize,
+    /// The caller and when the slot was taken (`None`: a checkout of the proxy's own).
+    held: Option<(u16, Instant)>,
 }
 
 impl Drop for SlotPermit {
     fn drop(&mut self) {
-        self.slots.release(self.priority);
+        self.slots.release(self.priority, self.held);
     }
 }
 
@@ -257,6 +377,12 @@ impl Slots {
     /// `capacity` slots, `reserve` of which (at most `capacity - 1`) only critical waiters
     /// may take.
     pub fn new(capacity: usize, reserve: usize) -> Arc<Slots> {
+        Self::with_fair(capacity, reserve, false)
+    }
+
+    /// [`Slots::new`], serving the waiters of a priority by their callers' backend time
+    /// when `fair`.
+    pub fn with_fair(capacity: usize, reserve: usize, fair: bool) -> Arc<Slots> {
         Arc::new(Slots {
             inner: Mutex::new(Inner {
                 capacity,
@@ -273,6 +399,8 @@ impl Slots {
                 served: [0; PRIORITIES],
                 arrivals: Default::default(),
                 pressed: [None; PRIORITIES],
+                fair,
+                shares: Shares::new(Instant::now()),
             }),
             sweep: Notify::new(),
             parking: Parking::default(),
@@ -280,9 +408,14 @@ impl Slots {
         })
     }
 
-    /// Records the queues' length after a change, under the lock.
-    fn publish(&self, g: &Inner) {
-        self.queued.store(g.queued(), Ordering::Relaxed);
+    /// Records the queues' length after a change, under the lock, and tells the callers' backend
+    /// time whether anyone waits now.
+    fn publish(&self, g: &mut Inner) {
+        let queued = g.queued();
+        let before = self.queued.swap(queued, Ordering::Relaxed);
+        if (before == 0) != (queued == 0) {
+            g.shares.contended(queued > 0, Instant::now());
+        }
     }
 
     /// Nobody was queued at the last change: a slot may be free for the taking. Without the
@@ -299,27 +432,28 @@ impl Slots {
     /// piling up, critical traffic has its own limits).
     pub async fn acquire(
         self: &Arc<Self>,
-        priority: usize,
+        asker: impl Into<Asker>,
         deadline: Instant,
         max_waiting: usize,
     ) -> Result<SlotPermit, SlotError> {
-        self.acquire_at(priority, Instant::now(), deadline, max_waiting)
+        self.acquire_at(asker.into(), Instant::now(), deadline, max_waiting)
             .await
     }
 
     /// [`Slots::acquire`] asked at `now` (the caller's clock reading of this instant).
     pub async fn acquire_at(
         self: &Arc<Self>,
-        priority: usize,
+        asker: Asker,
         now: Instant,
         deadline: Instant,
         max_waiting: usize,
     ) -> Result<SlotPermit, SlotError> {
-        let priority = priority.min(PRIORITIES - 1);
+        let priority = asker.priority.min(PRIORITIES - 1);
+        let mut wakes = Wakes::default();
         let mailbox = {
             let mut guard = self.inner.lock();
             let g = &mut *guard;
-            if let Some(p) = self.take_free(g, priority) {
+            if let Some(p) = self.take_free(g, &asker, now) {
                 return Ok(p);
             }
             if priority > 0 && g.queued() >= max_waiting {
@@ -343,7 +477,7 @@ impl Slots {
                 if priority < PRIORITIES - 1 {
                     g.pressed[priority] = Some(now);
                 }
-                let line = g.line(priority, deadline - now);
+                let line = g.line(priority, asker.caller, deadline - now);
                 if let Decision::Refuse(place) = g.arrivals[priority].decide(line, now) {
                     return Err(SlotError::WouldWait { place });
                 }
@@ -354,29 +488,43 @@ impl Slots {
                 Some(last) if deadline < last.deadline => g.ordered[priority] = false,
                 Some(_) => {}
             }
+            g.mailboxes[mailbox].caller = asker.caller;
             g.waiters[priority].push_back(Waiter {
                 mailbox,
                 generation,
                 deadline,
+                caller: asker.caller,
             });
             self.publish(g);
+            if g.fair {
+                // A free slot the waiters ahead may not take (their callers above their
+                // shares) may be this one's.
+                g.grant(Some(now), &mut wakes);
+                self.publish(g);
+            }
             // A sweeper that ended without clearing `sweep_at` was cancelled with its runtime
             // (a pool used from another runtime, as in tests): start a new one here.
             let running = g.sweeper.as_ref().is_some_and(|h| !h.is_finished());
+            // With fair shares the sweeper also looks when a caller held back by its share
+            // may be served again.
+            let look = g
+                .next_share_look(now)
+                .map_or(deadline, |at| at.min(deadline));
             match g.sweep_at {
                 Some(at) if running => {
-                    if deadline < at {
-                        g.sweep_at = Some(deadline);
+                    if look < at {
+                        g.sweep_at = Some(look);
                         self.sweep.notify_one();
                     }
                 }
                 _ => {
-                    g.sweep_at = Some(deadline);
+                    g.sweep_at = Some(look);
                     g.sweeper = Some(tokio::spawn(sweep(Arc::clone(self))));
                 }
             }
             mailbox
         };
+        wakes.wake();
         // A backend parked with an idle client comes back to serve this wait. The fence
         // pairs with the one in `park`: this wait sees a ticket parked concurrently, or that
         // park sees this wait queued.
@@ -390,12 +538,13 @@ impl Slots {
     }
 
     /// A slot comes back: straight to the most urgent waiter allowed it (one lock).
-    fn release(self: &Arc<Self>, priority: usize) {
+    fn release(self: &Arc<Self>, priority: usize, held: Option<(u16, Instant)>) {
         let mut wakes = Wakes::default();
+        let held = held.map(|(caller, since)| (caller, since, Instant::now()));
         {
             let mut g = self.inner.lock();
-            g.put_back(priority, &mut wakes);
-            self.publish(&g);
+            g.put_back(priority, held, &mut wakes);
+            self.publish(&mut g);
         }
         wakes.wake();
     }
@@ -422,9 +571,10 @@ impl Slots {
                     relaxed = true;
                 }
             }
-            if relaxed {
-                g.grant(&mut wakes);
-                self.publish(&g);
+            // With fair shares, a caller held back by its share may have decayed under it.
+            if relaxed || g.fair {
+                g.grant(Some(now), &mut wakes);
+                self.publish(&mut g);
             }
         }
         wakes.wake();
@@ -440,14 +590,25 @@ impl Slots {
         s
     }
 
-    /// A slot for `priority` if one is free now and nobody of equal or higher priority waits.
-    pub fn try_acquire(self: &Arc<Self>, priority: usize) -> Option<SlotPermit> {
-        let priority = priority.min(PRIORITIES - 1);
+    /// A slot for `asker` if one is free now and nobody of equal or higher priority waits
+    /// (asked at `now`).
+    pub fn try_acquire(
+        self: &Arc<Self>,
+        asker: impl Into<Asker>,
+        now: Instant,
+    ) -> Option<SlotPermit> {
         let mut g = self.inner.lock();
-        self.take_free(&mut g, priority)
+        self.take_free(&mut g, &asker.into(), now)
     }
 
-    fn take_free(self: &Arc<Self>, g: &mut Inner, priority: usize) -> Option<SlotPermit> {
+    fn take_free(
+        self: &Arc<Self>,
+        g: &mut Inner,
+        asker: &Asker,
+        now: Instant,
+    ) -> Option<SlotPermit> {
+        let priority = asker.priority.min(PRIORITIES - 1);
+        g.shares.note(asker);
         // Someone of equal or higher priority already waiting goes first.
         let ahead = g.waiters[..=priority]
             .iter()
@@ -455,12 +616,30 @@ impl Slots {
         if ahead || !g.may_take(priority) {
             return None;
         }
+        if g.fair && g.shares.rank(asker.caller, now, g.capacity).is_none() {
+            return None;
+        }
         g.available -= 1;
         g.held[priority] += 1;
+        if let Some(c) = asker.caller {
+            g.shares.start(c, now);
+        }
         Some(SlotPermit {
             slots: self.clone(),
             priority,
+            held: asker.caller.map(|c| (c, now)),
         })
+    }
+
+    /// Backend time by caller, as of `now`.
+    pub fn shares(&self, now: Instant) -> Vec<ShareStats> {
+        let g = self.inner.lock();
+        g.shares.stats(now, g.capacity)
+    }
+
+    /// Whether the waiters of a priority are served by their callers' backend time.
+    pub fn fair(&self) -> bool {
+        self.inner.lock().fair
     }
 
     /// The adaptive limit's shares (most slots per priority); new room goes to waiters.
@@ -472,8 +651,8 @@ impl Slots {
                 return;
             }
             g.caps = caps;
-            g.grant(&mut wakes);
-            self.publish(&g);
+            g.grant(None, &mut wakes);
+            self.publish(&mut g);
         }
         wakes.wake();
     }
@@ -540,10 +719,14 @@ impl Future for Wait<'_> {
         };
         let mut g = self.slots.inner.lock();
         let out = match g.mailboxes[i].state {
-            Mail::Granted(priority) => Ok(SlotPermit {
-                slots: self.slots.clone(),
-                priority,
-            }),
+            Mail::Granted(priority) => {
+                let m = &g.mailboxes[i];
+                Ok(SlotPermit {
+                    slots: self.slots.clone(),
+                    priority,
+                    held: m.caller.zip(m.since),
+                })
+            }
             Mail::TimedOut => Err(SlotError::Timeout),
             Mail::Free => unreachable!("only its own wait frees a mailbox"),
             Mail::Waiting => {
@@ -568,11 +751,16 @@ impl Drop for Wait<'_> {
         let mut wakes = Wakes::default();
         {
             let mut g = self.slots.inner.lock();
-            let granted = g.mailboxes[i].state;
+            let m = &g.mailboxes[i];
+            let (granted, held) = (m.state, m.caller.zip(m.since));
             g.close_mailbox(i);
             if let Mail::Granted(priority) = granted {
-                g.put_back(priority, &mut wakes);
-                self.slots.publish(&g);
+                // Granted but never used: charged the moment it was held for its waiter (a
+                // clock reading also for the grants this passes the slot on to).
+                let now = Instant::now();
+                let held = held.map(|(c, since)| (c, since, now));
+                g.put_back(priority, held, &mut wakes);
+                self.slots.publish(&mut g);
             }
         }
         wakes.wake();
@@ -625,6 +813,13 @@ async fn sweep(s: Arc<Slots>) {
                 }
             }
             g.waiters = waiters;
+            if g.fair {
+                // Callers above their shares may have decayed under them.
+                g.grant(Some(now), &mut wakes);
+                if let Some(at) = g.next_share_look(now) {
+                    earliest = Some(earliest.map_or(at, |e| e.min(at)));
+                }
+            }
             s.publish(g);
             g.sweep_at = earliest;
             earliest
@@ -1126,10 +1321,13 @@ mod tests {
         normal.await.unwrap().unwrap();
         // Low gives back a slot: it stays free rather than going back to low (7 > 2).
         drop(low.pop());
-        assert!(s.try_acquire(3).is_none());
+        assert!(s.try_acquire(3, Instant::now()).is_none());
         assert_eq!(s.available(), 2);
         // Pressure ends PRESSURE_HOLD after the last normal waiter: low may take it again.
         s.tick(Instant::now() + PRESSURE_HOLD);
-        assert!(s.try_acquire(3).is_some());
+        assert!(s.try_acquire(3, Instant::now()).is_some());
     }
 }
+
+#[cfg(test)]
+mod fair_tests;

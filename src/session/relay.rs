@@ -1161,7 +1161,7 @@ impl Relay {
         // timeout when that is shorter.
         let wait = Duration::from_millis(pool.cfg.checkout_timeout_ms)
             .min(self.rt.limits.queue_timeout(self.unit.caller));
-        let priority = self.rt.limits.priority(self.unit.caller) as usize;
+        let priority = self.rt.limits.asker(self.unit.caller);
         // Taken at once: no clock reads for a wait that did not happen.
         let asked = self.now();
         let (res, waited) = match pool.try_checkout_now(priority, asked) {

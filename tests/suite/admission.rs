@@ -15,11 +15,13 @@
 //!   prepared go through the fingerprint rules like any statement.
 //! * `hints` — issue 17: a refusal's retry hint is the expected wait of the queue that refused.
 //! * `arrival` — issue 58: a wait that cannot fit is refused at once, one that fits is served.
+//! * `fair` — `pool.fair_shares`: short lookups are not queued behind long reports.
 //!
 //! The design article's callers YAML is replayed in `seeds`, fleet-wide limits are in `fleet`,
 //! new limits on SIGHUP in `lifecycle`, `pool.max_waiting` in `pooling::settings`.
 
 mod arrival;
+mod fair;
 mod hints;
 mod messages;
 

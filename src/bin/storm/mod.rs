@@ -10,6 +10,7 @@
 //!            anew for one transaction, retrying the whole session)
 //! step       issue 18's pattern step (steady patterns, then one steps 30x; polls
 //!            pgsluice's /v1/anomalies for the time to detection and false positives)
+//! fair       the fair-share scenario (short lookups next to long reports, one priority)
 //! monitor    backend connections from pg_stat_activity on a direct connection
 //! record     counters, histograms (hist) and the 100 ms time series
 //! report     tables on stdout, summary file, CSV; chart: the SVG
@@ -17,6 +18,7 @@
 
 pub mod chart;
 pub mod client;
+pub mod fair;
 pub mod hist;
 pub mod incident;
 pub mod login;
