@@ -137,7 +137,13 @@ const NOT_COL_ID: &[&str] = &[
 
 /// Reads `sql` (a Query's text, without its NUL) as one `LISTEN`/`UNLISTEN` statement.
 pub fn parse(sql: &[u8]) -> Option<Command> {
-    // Runs on every Query in transaction mode: no allocation before the verb matched.
+    // Runs on every Query in transaction mode: no allocation before the verb matched, and
+    // a text that starts with another verb (nearly every one) is done with at its first byte.
+    match sql.first() {
+        Some(b'l' | b'L' | b'u' | b'U') => {}
+        Some(c) if c.is_ascii_alphabetic() => return None,
+        _ => {}
+    }
     let mut i = skip(sql, 0)?;
     let verb = word(sql, &mut i);
     let listen = if verb.eq_ignore_ascii_case(b"listen") {
