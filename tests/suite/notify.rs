@@ -466,13 +466,9 @@ async fn a_lost_listener_reconnects_relistens_and_says_so() {
     assert_eq!(n.2, "after the reconnect");
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn session_mode_listens_on_the_clients_own_backend() {
-    let cluster = Cluster::start();
-    let proxy = Proxy::start(&cluster, ProxyOptions::pool(2).session());
-    let monitor = cluster.monitor().await;
-    let mut r = raw_client(&proxy).await;
-    run_listen(&mut r, "LISTEN own").await;
+/// The client's LISTEN ran on its own backend (it shows in `pg_listening_channels()` there),
+/// and no listener connection was opened for it.
+async fn listens_on_its_own_backend(r: &mut Raw, monitor: &Monitor) {
     let msgs = r
         .query("SELECT count(*) FROM pg_listening_channels()")
         .await
@@ -482,9 +478,19 @@ async fn session_mode_listens_on_the_clients_own_backend() {
         Some("1")
     );
     assert!(
-        listeners(&monitor).await.is_empty(),
+        listeners(monitor).await.is_empty(),
         "no listener connection"
     );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn session_mode_listens_on_the_clients_own_backend() {
+    let cluster = Cluster::start();
+    let proxy = Proxy::start(&cluster, ProxyOptions::pool(2).session());
+    let monitor = cluster.monitor().await;
+    let mut r = raw_client(&proxy).await;
+    run_listen(&mut r, "LISTEN own").await;
+    listens_on_its_own_backend(&mut r, &monitor).await;
     let outside = direct(&cluster).await;
     notify(&outside, "own", "direct").await;
     assert_eq!(next_notification(&mut r, "session mode").await.2, "direct");
@@ -563,18 +569,7 @@ async fn a_latin1_client_listens_on_its_own_backend() {
         .await
         .expect("login");
     run_listen(&mut r, "LISTEN latin").await;
-    let msgs = r
-        .query("SELECT count(*) FROM pg_listening_channels()")
-        .await
-        .expect("pg_listening_channels");
-    assert_eq!(
-        crate::support::raw::first_value(&msgs).as_deref(),
-        Some("1")
-    );
-    assert!(
-        listeners(&monitor).await.is_empty(),
-        "no listener connection"
-    );
+    listens_on_its_own_backend(&mut r, &monitor).await;
     let outside = direct(&cluster).await;
     let pid = notify(&outside, "latin", "caf\u{e9}").await;
     let n = next_notification(&mut r, "on its own backend").await;
