@@ -688,7 +688,7 @@ impl Pool {
         Pooled {
             conn: Some(conn),
             pool: self.clone(),
-            _permit: permit,
+            permit,
         }
     }
 
@@ -1182,7 +1182,7 @@ impl CheckoutError {
 pub struct Pooled {
     conn: Option<Box<BackendConn>>,
     pool: Arc<Pool>,
-    _permit: SlotPermit,
+    permit: SlotPermit,
 }
 
 impl Pooled {
@@ -1236,6 +1236,7 @@ impl Pooled {
             now = Instant::now();
         }
         self.pool.put_idle(conn, now, now);
+        self.permit.end_at(now);
     }
 
     /// Whether [`Pooled::release_at`] has a query to run (a reset, a check, a catalog
@@ -1353,6 +1354,7 @@ impl Pooled {
             let since = conn.idle_since;
             self.pool.put_idle(conn, now, since);
         }
+        self.permit.end_at(now);
     }
 
     /// Closes the connection instead of reusing it.

@@ -354,11 +354,22 @@ pub struct SlotPermit {
     priority: usize,
     /// The caller and when the slot was taken (`None`: a checkout of the proxy's own).
     held: Option<(u16, Instant)>,
+    /// When the holder gave it back, if it had the clock read then ([`SlotPermit::end_at`]);
+    /// otherwise the drop reads it.
+    ended: Option<Instant>,
+}
+
+impl SlotPermit {
+    /// The slot is given back at `now` (the holder's clock reading), when it drops: its
+    /// caller is charged up to then, with no clock read of its own.
+    pub fn end_at(&mut self, now: Instant) {
+        self.ended = Some(now);
+    }
 }
 
 impl Drop for SlotPermit {
     fn drop(&mut self) {
-        self.slots.release(self.priority, self.held);
+        self.slots.release(self.priority, self.held, self.ended);
     }
 }
 
@@ -538,9 +549,14 @@ impl Slots {
     }
 
     /// A slot comes back: straight to the most urgent waiter allowed it (one lock).
-    fn release(self: &Arc<Self>, priority: usize, held: Option<(u16, Instant)>) {
+    fn release(
+        self: &Arc<Self>,
+        priority: usize,
+        held: Option<(u16, Instant)>,
+        ended: Option<Instant>,
+    ) {
         let mut wakes = Wakes::default();
-        let held = held.map(|(caller, since)| (caller, since, Instant::now()));
+        let held = held.map(|(caller, since)| (caller, since, ended.unwrap_or_else(Instant::now)));
         {
             let mut g = self.inner.lock();
             g.put_back(priority, held, &mut wakes);
@@ -628,6 +644,7 @@ impl Slots {
             slots: self.clone(),
             priority,
             held: asker.caller.map(|c| (c, now)),
+            ended: None,
         })
     }
 
@@ -725,6 +742,7 @@ impl Future for Wait<'_> {
                     slots: self.slots.clone(),
                     priority,
                     held: m.caller.zip(m.since),
+                    ended: None,
                 })
             }
             Mail::TimedOut => Err(SlotError::Timeout),
