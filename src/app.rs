@@ -79,6 +79,8 @@ pub struct App {
     pub tls: crate::tls::Tls,
     /// Fleet mode (a `fleet` section): membership, shared rules and limits through Redis.
     pub fleet: Option<Arc<Fleet>>,
+    /// Identical reads sharing one execution (COALESCE rules).
+    pub coalescer: Arc<crate::coalesce::Coalescer>,
 }
 
 /// Re-reads the configuration source and applies it with [`App::reload`]; `Err` lists the
@@ -250,6 +252,7 @@ impl App {
             stats: AppStats::default(),
             life: crate::lifecycle::Lifecycle::new(),
             fleet,
+            coalescer: Default::default(),
         }))
     }
 

@@ -31,6 +31,7 @@ pub mod auth;
 pub mod cancel;
 pub mod check;
 pub mod classify;
+pub mod coalesce;
 pub mod cli;
 pub mod clients;
 pub mod config;

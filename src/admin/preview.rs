@@ -204,6 +204,13 @@ fn effect(def: &RuleDef, lambda: f64, mean_ms: f64, row: &FingerprintSnapshot) -
                 if *replica { "replicas" } else { "primary" }
             );
         }
+        RuleAction::Coalesce { max_wait, .. } => {
+            e.method = format!(
+                "COALESCE refuses nothing; identical plain reads arriving while one runs wait \
+                 up to {} ms for its result instead of running",
+                max_wait.as_millis()
+            );
+        }
     }
     e.refused_share = if lambda > 0.0 {
         (e.refused_per_s / lambda).min(1.0)

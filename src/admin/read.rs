@@ -253,6 +253,15 @@ fn scrape(st: &AdminState) -> Scrape {
         rules: u(app.policy.rules().len()),
         rule_warned: app.policy.rules().warned_by_action().to_vec(),
         fingerprints_tracked: u(app.fp_stats.len()),
+        coalesce_led: app.coalescer.counters.led.load(Relaxed),
+        coalesce_shared: app.coalescer.counters.shared.load(Relaxed),
+        coalesce_fallbacks: crate::coalesce::Fallback::ALL
+            .iter()
+            .map(|f| {
+                let n = app.coalescer.counters.fallbacks[*f as usize].load(Relaxed);
+                (f.name(), n)
+            })
+            .collect(),
         fleet: app.fleet.as_ref().map(|f| FleetSample {
             redis_up: f.redis_up(),
             members: u(f.members().len()),

@@ -253,6 +253,7 @@ pub enum RuleAction {
     Concurrency,
     Timeout,
     Route,
+    Coalesce,
 }
 
 /// `--route` of a ROUTE rule.
@@ -407,6 +408,12 @@ pub struct RuleFlags {
     /// Act as --mode warn for this many milliseconds, then enforce (a confirmation window).
     #[arg(long, value_name = "MS")]
     pub warn_first_ms: Option<u64>,
+    /// COALESCE: how long a read waits for an identical one already running (default 1000).
+    #[arg(long, value_name = "MS")]
+    pub max_wait_ms: Option<u64>,
+    /// COALESCE: the largest result shared, in bytes (default 65536).
+    #[arg(long, value_name = "BYTES")]
+    pub max_result_bytes: Option<u64>,
 }
 
 impl RuleFlags {
@@ -415,7 +422,10 @@ impl RuleFlags {
             return Ok(j.as_bytes().to_vec());
         }
         let Some(action) = self.action else {
-            bail!("give --action (REJECT, THROTTLE, CONCURRENCY, TIMEOUT or ROUTE) or --json");
+            bail!(
+                "give --action (REJECT, THROTTLE, CONCURRENCY, TIMEOUT, ROUTE or COALESCE) or \
+                 --json"
+            );
         };
         let spec = RuleSpec {
             action: Some(name(action)),
@@ -434,6 +444,8 @@ impl RuleFlags {
             route: self.route.map(name),
             origin: None,
             warn_first_ms: self.warn_first_ms,
+            max_wait_ms: self.max_wait_ms,
+            max_result_bytes: self.max_result_bytes,
         };
         Ok(serde_json::to_vec(&spec)?)
     }
@@ -725,6 +737,8 @@ mod tests {
             scope: Some(RuleScope::Fleet),
             route: None,
             warn_first_ms: None,
+            max_wait_ms: None,
+            max_result_bytes: None,
         };
         let v: Value = serde_json::from_slice(&args.body().unwrap()).unwrap();
         assert_eq!(
@@ -754,6 +768,8 @@ mod tests {
             scope: None,
             route: None,
             warn_first_ms: Some(5000),
+            max_wait_ms: None,
+            max_result_bytes: None,
         };
         let args = PreviewArgs {
             hash: Some("00000000000000ff".into()),

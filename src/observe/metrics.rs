@@ -142,6 +142,11 @@ pub struct Scrape {
     /// Statements rules in warn mode would have refused, by action (bounded `&'static str`).
     pub rule_warned: Vec<(&'static str, u64)>,
     pub fingerprints_tracked: u64,
+    /// COALESCE: reads run for others to share, reads answered from such a run, and reads
+    /// that ran themselves after all (by reason).
+    pub coalesce_led: u64,
+    pub coalesce_shared: u64,
+    pub coalesce_fallbacks: Vec<(&'static str, u64)>,
     /// Fleet mode only.
     pub fleet: Option<FleetSample>,
 }
@@ -351,6 +356,9 @@ struct ScrapeSeries {
     rules: IntGauge,
     rule_warned: IntCounterVec,
     fingerprints_tracked: IntGauge,
+    coalesce_led: IntCounter,
+    coalesce_shared: IntCounter,
+    coalesce_fallbacks: IntCounterVec,
 }
 
 fn counter_vec(r: &Registry, name: &str, help: &str, labels: &[&str]) -> IntCounterVec {
@@ -772,6 +780,23 @@ impl ScrapeSeries {
                 "pgsluice_fingerprints_tracked",
                 "Fingerprints with their own statistics (see GET /v1/fingerprints).",
             ),
+            coalesce_led: counter(
+                "pgsluice_coalesce_led_total",
+                "Reads under a COALESCE rule that ran on a server with their result recorded \
+                 for identical reads arriving meanwhile.",
+            ),
+            coalesce_shared: counter(
+                "pgsluice_coalesce_shared_total",
+                "Reads under a COALESCE rule answered with another client's identical read's \
+                 result: executions saved.",
+            ),
+            coalesce_fallbacks: counter_vec(
+                r,
+                "pgsluice_coalesce_fallbacks_total",
+                "Reads that waited for an identical read and then ran themselves, by reason \
+                 (too_large, error, timeout, leader_gone: joined the next run).",
+                &["reason"],
+            ),
         }
     }
 
@@ -831,6 +856,14 @@ impl ScrapeSeries {
         }
         self.fingerprints_tracked
             .set(gauge_value(s.fingerprints_tracked));
+        set_counter(&self.coalesce_led, s.coalesce_led);
+        set_counter(&self.coalesce_shared, s.coalesce_shared);
+        for (reason, n) in &s.coalesce_fallbacks {
+            set_counter(
+                &self.coalesce_fallbacks.with_label_values(&[*reason]),
+                *n,
+            );
+        }
     }
 }
 

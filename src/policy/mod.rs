@@ -191,6 +191,8 @@ pub struct Admission {
     pub lock_timeout_override: Option<Duration>,
     /// From a ROUTE rule: where the statement's plain read goes (`Some(true)`: replicas).
     pub route_replica: Option<bool>,
+    /// From a COALESCE rule: the read may share one execution with identical ones.
+    pub coalesce: Option<rules::CoalesceRule>,
     /// Warn-mode rule notices for the session to send as NOTICE before running the statement.
     pub warnings: Vec<String>,
     /// Time spent waiting (THROTTLE-QUEUE token plus caller queue), for the queue-wait
@@ -224,6 +226,8 @@ pub struct StatementAdmission {
     pub lock_timeout_override: Option<Duration>,
     /// From a ROUTE rule (see [`Admission::route_replica`]).
     pub route_replica: Option<bool>,
+    /// From a COALESCE rule (see [`Admission::coalesce`]).
+    pub coalesce: Option<rules::CoalesceRule>,
     /// Warn-mode notices to send to the client.
     pub warnings: Vec<String>,
     _rule_guard: Option<RuleGuard>,
@@ -486,6 +490,7 @@ impl Policy {
                 admission.statement_timeout_override = a.statement_timeout;
                 admission.lock_timeout_override = a.lock_timeout;
                 admission.route_replica = a.route_replica;
+                admission.coalesce = a.coalesce;
                 admission._rule_guard = a.guard;
                 if !a.wait.is_zero() {
                     Box::pin(tokio::time::sleep_until(now + a.wait)).await;
@@ -613,6 +618,7 @@ impl Policy {
             statement_timeout_override: stmt.statement_timeout_override,
             lock_timeout_override: stmt.lock_timeout_override,
             route_replica: stmt.route_replica,
+            coalesce: stmt.coalesce,
             warnings: stmt.warnings,
             queue_wait: if waited {
                 now.saturating_duration_since(req.now)

@@ -1,6 +1,7 @@
 //! Rule vocabulary and validation: the JSON an SRE PUTs, checked into a [`RuleDef`].
 //!
-//! Owns the rule shape (REJECT, THROTTLE, CONCURRENCY, TIMEOUT and their fields), parsing with
+//! Owns the rule shape (REJECT, THROTTLE, CONCURRENCY, TIMEOUT, ROUTE, COALESCE and their
+//! fields), parsing with
 //! field-level errors, and the fingerprint text form. It holds no runtime state; the live rule
 //! set, counters, expiry and persistence are in `rules`, which re-exports everything here.
 //!
@@ -43,6 +44,13 @@ const MAX_TEXT_BYTES: usize = 1024;
 pub const MAX_RULE_CALLERS: usize = 64;
 const MAX_INFLIGHT: u32 = 1_000_000;
 const MAX_BURST: u32 = 1_000_000;
+/// COALESCE: the longest a client may wait for another's identical read (ms).
+pub const MAX_COALESCE_WAIT_MS: u64 = 60_000;
+/// COALESCE: the largest shared result (bytes); a larger one is not shared.
+pub const MAX_COALESCE_RESULT_BYTES: u64 = 16 * 1024 * 1024;
+/// COALESCE defaults.
+pub const DEFAULT_COALESCE_WAIT_MS: u64 = 1_000;
+pub const DEFAULT_COALESCE_RESULT_BYTES: u64 = 64 * 1024;
 
 /// A rule as written by a user (the PUT body). All fields optional at this level so that
 /// validation, not deserialisation, reports what is missing.
@@ -86,6 +94,13 @@ pub struct RuleSpec {
     /// Act as `warn` for this long after the rule is created, then enforce.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub warn_first_ms: Option<u64>,
+    /// COALESCE: how long a client waits for the identical read already running before it
+    /// runs its own.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub max_wait_ms: Option<u64>,
+    /// COALESCE: the largest result shared; a larger one is run by each client itself.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub max_result_bytes: Option<u64>,
 }
 
 /// A validation error naming the offending field (`body` for the document as a whole).
@@ -130,6 +145,11 @@ pub enum RuleAction {
     Route {
         replica: bool,
     },
+    /// Identical reads of the pattern share one execution (`crate::coalesce`).
+    Coalesce {
+        max_wait: Duration,
+        max_result_bytes: usize,
+    },
 }
 
 impl RuleAction {
@@ -141,7 +161,16 @@ impl RuleAction {
             Self::Concurrency { .. } => "CONCURRENCY",
             Self::Timeout { .. } => "TIMEOUT",
             Self::Route { .. } => "ROUTE",
+            Self::Coalesce { .. } => "COALESCE",
         }
+    }
+
+    /// An action that never refuses a statement (no warn mode, no error message).
+    pub fn refuses_nothing(&self) -> bool {
+        matches!(
+            self,
+            Self::Timeout { .. } | Self::Route { .. } | Self::Coalesce { .. }
+        )
     }
 }
 
@@ -233,7 +262,7 @@ impl RuleSpec {
             .ok_or_else(|| {
                 RuleError::new(
                     "action",
-                    "required (REJECT, THROTTLE, CONCURRENCY or TIMEOUT)",
+                    "required (REJECT, THROTTLE, CONCURRENCY, TIMEOUT, ROUTE or COALESCE)",
                 )
             })?
             .to_ascii_uppercase();
@@ -316,6 +345,10 @@ impl RuleSpec {
         if action_name != "ROUTE" {
             only("route", self.route.is_some(), "ROUTE")?;
         }
+        if action_name != "COALESCE" {
+            only("max_wait_ms", self.max_wait_ms.is_some(), "COALESCE")?;
+            only("max_result_bytes", self.max_result_bytes.is_some(), "COALESCE")?;
+        }
         Ok(())
     }
 
@@ -367,15 +400,41 @@ impl RuleSpec {
                 }
                 None => return Err(RuleError::new("route", "required for ROUTE")),
             },
+            "COALESCE" => self.validate_coalesce()?,
             _ => {
                 return Err(RuleError::new(
                     "action",
                     format!(
-                        "unknown action {:?}; expected REJECT, THROTTLE, CONCURRENCY, TIMEOUT or ROUTE",
+                        "unknown action {:?}; expected REJECT, THROTTLE, CONCURRENCY, TIMEOUT, ROUTE \
+                         or COALESCE",
                         self.action.as_deref().unwrap_or_default()
                     ),
                 ));
             }
+        })
+    }
+
+    /// COALESCE: its wait and result bound, each within its range (defaults when absent).
+    fn validate_coalesce(&self) -> Result<RuleAction, RuleError> {
+        let wait = self.max_wait_ms.unwrap_or(DEFAULT_COALESCE_WAIT_MS);
+        if !(1..=MAX_COALESCE_WAIT_MS).contains(&wait) {
+            return Err(RuleError::new(
+                "max_wait_ms",
+                format!("must be between 1 and {MAX_COALESCE_WAIT_MS}"),
+            ));
+        }
+        let bytes = self
+            .max_result_bytes
+            .unwrap_or(DEFAULT_COALESCE_RESULT_BYTES);
+        if !(1..=MAX_COALESCE_RESULT_BYTES).contains(&bytes) {
+            return Err(RuleError::new(
+                "max_result_bytes",
+                format!("must be between 1 and {MAX_COALESCE_RESULT_BYTES}"),
+            ));
+        }
+        Ok(RuleAction::Coalesce {
+            max_wait: Duration::from_millis(wait),
+            max_result_bytes: usize::try_from(bytes).unwrap_or(usize::MAX),
         })
     }
 
@@ -419,10 +478,7 @@ impl RuleSpec {
                 ));
             }
         };
-        let refuses_nothing = matches!(
-            action,
-            RuleAction::Timeout { .. } | RuleAction::Route { .. }
-        );
+        let refuses_nothing = action.refuses_nothing();
         if mode == RuleMode::Warn && refuses_nothing {
             return Err(RuleError::new(
                 "mode",
@@ -489,10 +545,7 @@ impl RuleSpec {
         let Some(ms) = self.warn_first_ms.filter(|ms| *ms > 0) else {
             return Ok(None);
         };
-        if matches!(
-            action,
-            RuleAction::Timeout { .. } | RuleAction::Route { .. }
-        ) {
+        if action.refuses_nothing() {
             return Err(RuleError::new(
                 FIELD,
                 format!(
@@ -632,6 +685,13 @@ impl RuleDef {
             }
             RuleAction::Route { replica } => {
                 spec.route = Some(if *replica { "replica" } else { "primary" }.to_owned());
+            }
+            RuleAction::Coalesce {
+                max_wait,
+                max_result_bytes,
+            } => {
+                spec.max_wait_ms = Some(duration_ms(*max_wait));
+                spec.max_result_bytes = Some(*max_result_bytes as u64);
             }
         }
         spec

@@ -171,10 +171,21 @@ pub struct RuleAdmit {
     pub lock_timeout: Option<Duration>,
     /// ROUTE: where the statement's plain read goes (`Some(true)`: the replicas).
     pub route_replica: Option<bool>,
+    /// COALESCE: the statement's read may share one execution with identical ones.
+    pub coalesce: Option<CoalesceRule>,
     /// Warn mode: what enforcing would have done.
     pub would_refuse: Option<RuleViolation>,
     /// CONCURRENCY slot, held for the statement's lifetime.
     pub guard: Option<RuleGuard>,
+}
+
+/// A COALESCE rule's bounds, for the session that runs a matching read.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct CoalesceRule {
+    /// How long a follower waits for the leader's result.
+    pub max_wait: Duration,
+    /// The largest result shared.
+    pub max_result_bytes: usize,
 }
 
 /// Outcome of [`RuleSet::check`].
@@ -391,6 +402,7 @@ impl RuleSet {
             statement_timeout: None,
             lock_timeout: None,
             route_replica: None,
+            coalesce: None,
             would_refuse: None,
             guard: None,
         };
@@ -430,6 +442,16 @@ impl RuleSet {
             }
             RuleAction::Route { replica } => {
                 admit.route_replica = Some(*replica);
+                None
+            }
+            RuleAction::Coalesce {
+                max_wait,
+                max_result_bytes,
+            } => {
+                admit.coalesce = Some(CoalesceRule {
+                    max_wait: *max_wait,
+                    max_result_bytes: *max_result_bytes,
+                });
                 None
             }
         };

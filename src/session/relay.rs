@@ -70,6 +70,7 @@ use admission::Admit;
 mod admission;
 mod lease;
 mod listen;
+mod shared;
 mod unit;
 
 use super::machine::deadlines::{Deadline, Idle};
@@ -665,6 +666,13 @@ impl Relay {
                     }
                     self.apply_step_effects(step, class, t)?
                 }
+                Flow::Follow(joined, rule, t) => {
+                    let text = step.text.unwrap_or_default();
+                    if self.follow(joined, rule, class, text).await {
+                        return Ok(None);
+                    }
+                    self.attach_step(step, class, t)?
+                }
             }
         }
     }
@@ -700,6 +708,24 @@ impl Relay {
         {
             return self.refuse_statement(step.tag, e).map(|()| Flow::Refused);
         }
+        if let Some(rule) = self.unit.rule_coalesce.take()
+            && let Some(text) = step.text
+        {
+            match self.join_shared(rule, class, text) {
+                Some(j @ crate::coalesce::Joined::Follow(_)) => {
+                    return Ok(Flow::Follow(j, rule, t));
+                }
+                Some(crate::coalesce::Joined::Lead(l)) => self.unit.lead = Some(l),
+                None => {}
+            }
+        }
+        self.attach_step(step, class, t)
+    }
+
+    /// A backend attached (its parked one back) and the effects applied, or
+    /// [`Flow::Attach`] when one has to be checked out.
+    #[inline(always)]
+    fn attach_step(&mut self, step: &Step<'_>, class: &Classified, t: Timeouts) -> Result<Flow, End> {
         if !self.lease.attached() && !self.unpark_now() {
             return Ok(Flow::Attach(t));
         }
@@ -758,6 +784,7 @@ impl Relay {
             tag: b'Q',
             admit: AdmitStep::Now,
             route: true,
+            text: Some(sql),
             effects: Effects::Apply(Some(sql)),
         };
         let timeouts = match self.statement_now(&step, &class)? {
@@ -799,6 +826,7 @@ impl Relay {
             tag: b'F',
             admit: AdmitStep::Now,
             route: false,
+            text: None,
             effects: Effects::Apply(None),
         };
         let timeouts = match self.statement_now(&step, &class)? {
@@ -833,6 +861,7 @@ impl Relay {
             tag: b'P',
             admit: AdmitStep::IfOpening,
             route: false,
+            text: None,
             effects: Effects::AtBind,
         };
         let go = match self.statement_now(&step, &class)? {
@@ -896,6 +925,7 @@ impl Relay {
             tag: b'B',
             admit,
             route: false,
+            text: None,
             effects: Effects::Apply(text.as_deref()),
         };
         let timeouts = match self.statement_now(&step, &class)? {
@@ -1342,11 +1372,16 @@ impl Relay {
         client: &mut S,
     ) -> Result<Option<BackendRest>, End> {
         loop {
+            let mark = self.core.cout.len();
             let next = self.core.replies.next(
                 &mut self.core.out.t,
                 &mut self.core.retry,
                 &mut self.core.cout,
             );
+            if let Some(lead) = &mut self.unit.lead {
+                // What a read others wait for sends its client is theirs too.
+                lead.capture(&self.core.cout[mark..]);
+            }
             match next {
                 Ok(replies::Next::Read) => break,
                 Ok(replies::Next::Flush) => {
@@ -1450,6 +1485,11 @@ impl Relay {
         }
         if seen.replay {
             return true;
+        }
+        if let Some(lead) = &mut self.unit.lead
+            && lead.seen(seen.errored, seen.ready)
+        {
+            self.unit.lead = None;
         }
         self.core.backend_fatal |= seen.fatal;
         if seen.not_prepared {
@@ -1848,6 +1888,8 @@ struct Step<'a> {
     admit: AdmitStep,
     /// Whether it may be routed to a replica (a simple-protocol read).
     route: bool,
+    /// A simple Query's text: what a COALESCE rule shares it by.
+    text: Option<&'a [u8]>,
     effects: Effects<'a>,
 }
 
@@ -1861,6 +1903,9 @@ enum Flow {
     Admit(crate::policy::AdmitRequest),
     /// Admitted with these timeouts; a backend has to be checked out.
     Attach(Timeouts),
+    /// Admitted with these timeouts; the same read runs for another client: wait for its
+    /// result (a COALESCE rule).
+    Follow(crate::coalesce::Joined, crate::policy::rules::CoalesceRule, Timeouts),
 }
 
 /// How a statement is admitted.

@@ -180,6 +180,7 @@ impl Relay {
                 let w = std::mem::take(&mut a.warnings);
                 let o = (a.statement_timeout_override, a.lock_timeout_override);
                 self.unit.rule_route = a.route_replica;
+                self.unit.rule_coalesce = a.coalesce;
                 self.rt.caller_metrics.queue_wait(caller, a.queue_wait);
                 if let Some(action) = a.rule_action {
                     self.app.metrics.rule_hit(action, false);
@@ -192,6 +193,7 @@ impl Relay {
                 let w = std::mem::take(&mut a.warnings);
                 let o = (a.statement_timeout_override, a.lock_timeout_override);
                 self.unit.rule_route = a.route_replica;
+                self.unit.rule_coalesce = a.coalesce;
                 if let Some(action) = a.rule_action {
                     self.app.metrics.rule_hit(action, false);
                 }

@@ -2,9 +2,11 @@
 //! transaction mode, one request batch in session mode) — as admission left it: the caller's
 //! permit and the rule slots held until it ends, the caller it runs as, what its first Parse
 //! already admitted, and what it asked of the server session (a WITH HOLD cursor, budgets to
-//! put back). [`Unit::end`] is the one place that lets go of all of it.
+//! put back, a shared read it leads). [`Unit::end`] is the one place that lets go of all of it.
 
+use crate::coalesce::Lead;
 use crate::policy::limiter::CallerPermit;
+use crate::policy::rules::CoalesceRule;
 use crate::policy::{Admission, StatementAdmission};
 
 use super::admission::Timeouts;
@@ -30,6 +32,10 @@ pub(super) struct Unit {
     pub opened_by_parse: Option<(u64, Timeouts)>,
     /// A ROUTE rule's word on the statement being admitted (`Some(true)`: replicas).
     pub rule_route: Option<bool>,
+    /// A COALESCE rule's bounds for the statement being admitted.
+    pub rule_coalesce: Option<CoalesceRule>,
+    /// The unit runs a read others with the same read wait for: its result is recorded.
+    pub lead: Option<Lead>,
     /// The unit declared a WITH HOLD cursor: its COMMIT runs the cursor's query (to
     /// materialize it), so it runs under the proxy's deadline like any statement.
     pub hold_cursor: bool,
@@ -56,5 +62,7 @@ impl Unit {
         }
         self.stmt_admissions.clear();
         self.hold_cursor = false;
+        // A run not finished by now never will be: its followers join again.
+        self.lead = None;
     }
 }
