@@ -19,6 +19,8 @@
 //! * `api` — the rules and fingerprints endpoints of the admin API, in process.
 //! * `auto_warn` — `auto_rules.warn_first_ms`: an automatic rule warns for its window, then
 //!   enforces, in process.
+//! * `coalesce` — COALESCE rules: identical reads at once share one execution, byte for
+//!   byte, and what must not be shared is not.
 //! * `preview` — `POST /v1/rules/preview` in process, and its THROTTLE estimate against the
 //!   refusals measured once the rule is enforced.
 //!
@@ -26,6 +28,7 @@
 
 mod api;
 mod auto_warn;
+mod coalesce;
 mod preview;
 
 use std::process::Command;

@@ -364,6 +364,36 @@ impl WireClient {
         }
     }
 
+    /// The bytes of every message up to the next ReadyForQuery, undecoded (that message
+    /// left out), and its status: what a test compares byte for byte.
+    pub async fn until_ready_raw(&mut self) -> Result<(Vec<u8>, u8), String> {
+        let mut out = Vec::new();
+        loop {
+            if self.rbuf.len() >= 5 {
+                let len = i32::from_be_bytes(self.rbuf[1..5].try_into().expect("4 bytes"));
+                if len < 4 {
+                    return Err(format!("backend sent a message with length {len}"));
+                }
+                let total = len as usize + 1;
+                if self.rbuf.len() >= total {
+                    let frame = self.rbuf.split_to(total);
+                    if frame[0] == b'Z' {
+                        return Ok((out, frame.get(5).copied().unwrap_or(0)));
+                    }
+                    out.extend_from_slice(&frame);
+                    continue;
+                }
+            }
+            let read = tokio::time::timeout(RECV_TIMEOUT, self.stream.read_buf(&mut self.rbuf))
+                .await
+                .map_err(|_| format!("no backend message within {RECV_TIMEOUT:?}"))?
+                .map_err(|e| format!("recv: {e}"))?;
+            if read == 0 {
+                return Err("connection closed by the server".to_string());
+            }
+        }
+    }
+
     /// Sends `sql` as a simple query and returns the first column of every DataRow; `Err`
     /// carries the SQLSTATE and message of an ErrorResponse.
     pub async fn simple(&mut self, sql: &str) -> Result<Vec<Option<String>>, String> {
