@@ -7,7 +7,8 @@
 //! retry the whole session on any error), `noisy-neighbour` (an analytics flood next to a
 //! steady critical billing caller), `pattern-step` (one query pattern steps 30x among steady
 //! traffic; how fast pgsluice's detector names it), `fair-share` (2 ms lookups next to 800 ms
-//! reports of the same priority: do the lookups queue behind them?), `steady` (read/write mix) and `idle` (hold N logged-in
+//! reports of the same priority: do the lookups queue behind them?), `coalesce` (identical
+//! reads all at once, for COALESCE rules), `steady` (read/write mix) and `idle` (hold N logged-in
 //! connections, for memory measurements). Output: per-caller throughput and
 //! latency, refusals and errors by reason, the most backend connections seen (with
 //! `--monitor`) on stdout; progress on stderr; optionally a CSV time series, an SVG chart and
@@ -46,6 +47,10 @@ enum Scenario {
     /// with reports (--analytics-sql, default `SELECT pg_sleep(0.8)`, application_name
     /// report) on --analytics-conns connections: compare pgsluice's pool.fair_shares off/on.
     FairShare,
+    /// --clients connections log in, then all send the same read (--hot-sql) within
+    /// --ramp-ms: compare pgsluice without and with a COALESCE rule (with --monitor: Postgres's
+    /// executions of the read and its CPU).
+    Coalesce,
     /// Read/write mix on --clients connections.
     Steady,
     /// Hold --clients logged-in idle connections for --hold-secs.
@@ -70,7 +75,7 @@ struct Cli {
     monitor: Option<String>,
     #[arg(long, default_value_t = 100)]
     monitor_ms: u64,
-    /// Clients [default: reconnect-storm 5000, incident 1500, steady 16, idle 10000;
+    /// Clients [default: reconnect-storm 5000, incident 1500, coalesce 1000, steady 16, idle 10000;
     /// fair-share: 2 lookup connections].
     #[arg(long)]
     clients: Option<u64>,
@@ -142,7 +147,8 @@ struct Cli {
     /// Pattern step: the steady patterns' rate, per second, all together.
     #[arg(long, default_value_t = 200.0)]
     steady_rate: f64,
-    /// Pattern step: the stepped pattern [default: a range aggregate of a few ms].
+    /// Pattern step: the stepped pattern [default: a range aggregate of a few ms];
+    /// coalesce: the read every client sends [default: an aggregate over 50 000 rows].
     #[arg(long)]
     hot_sql: Option<String>,
     /// Pattern step: no step, steady traffic for --duration-secs (every anomaly named is a
@@ -221,6 +227,7 @@ impl Cli {
             Scenario::Incident => 1_500,
             Scenario::Steady => 16,
             Scenario::FairShare => 2,
+            Scenario::Coalesce => 1_000,
             Scenario::Idle => 10_000,
             Scenario::NoisyNeighbour | Scenario::PatternStep => 0,
         })
@@ -541,6 +548,16 @@ async fn run(cli: Cli, probe: tokio::runtime::Handle) -> Result<(), String> {
             );
             let reports = cli.analytics_conns();
             storm::fair::run(ctx, clients, reports, calm, duration, phase).await
+        }
+        Scenario::Coalesce => {
+            let _progress =
+                scenarios::progress(rec.clone(), None, Arc::new(String::new), done.clone());
+            let sql = cli
+                .hot_sql
+                .clone()
+                .unwrap_or_else(|| storm::coalesce::HOT_SQL.to_owned());
+            let ramp = Duration::from_millis(cli.ramp_ms);
+            storm::coalesce::run(ctx, clients, sql, ramp, monitor_params.clone()).await
         }
         Scenario::Steady => {
             let _progress =

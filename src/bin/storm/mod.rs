@@ -11,6 +11,7 @@
 //! step       issue 18's pattern step (steady patterns, then one steps 30x; polls
 //!            pgsluice's /v1/anomalies for the time to detection and false positives)
 //! fair       the fair-share scenario (short lookups next to long reports, one priority)
+//! coalesce   identical reads all at once (with and without a COALESCE rule)
 //! monitor    backend connections from pg_stat_activity on a direct connection
 //! record     counters, histograms (hist) and the 100 ms time series
 //! report     tables on stdout, summary file, CSV; chart: the SVG
@@ -18,6 +19,7 @@
 
 pub mod chart;
 pub mod client;
+pub mod coalesce;
 pub mod fair;
 pub mod hist;
 pub mod incident;
