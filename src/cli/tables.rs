@@ -69,6 +69,12 @@ fn rule_limit(r: &Value) -> String {
             num(r, "statement_timeout_ms"),
             num(r, "lock_timeout_ms")
         ),
+        "ROUTE" => format!("to {}", text(r, "route")),
+        "COALESCE" => format!(
+            "wait {} ms, result {} bytes",
+            num(r, "max_wait_ms"),
+            num(r, "max_result_bytes")
+        ),
         _ => "-".to_owned(),
     }
 }

@@ -280,11 +280,8 @@ pub struct Follower {
 impl Follower {
     /// The leader's bytes (everything before its ReadyForQuery), or why not, within `max_wait`.
     pub async fn wait(mut self, max_wait: Duration) -> Result<Bytes, Fallback> {
-        let r = tokio::time::timeout(
-            max_wait,
-            self.rx.wait_for(|s| !matches!(s, State::Running)),
-        )
-        .await;
+        let r = tokio::time::timeout(max_wait, self.rx.wait_for(|s| !matches!(s, State::Running)))
+            .await;
         let out = match r {
             Err(_) => Err(Fallback::Timeout),
             Ok(Err(_)) => Err(Fallback::Gone),

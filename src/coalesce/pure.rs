@@ -143,8 +143,8 @@ fn call(name: &ObjectName) -> ControlFlow<&'static str> {
     let parts: Vec<_> = name.0.iter().map(ObjectNamePart::as_ident).collect();
     let base = match parts.as_slice() {
         [Some(f)] => f,
-        [Some(schema), Some(f)] if schema.quote_style.is_none()
-            && schema.value.eq_ignore_ascii_case("pg_catalog") =>
+        [Some(schema), Some(f)]
+            if schema.quote_style.is_none() && schema.value.eq_ignore_ascii_case("pg_catalog") =>
         {
             f
         }
@@ -201,10 +201,7 @@ impl Visitor for Walk {
     fn pre_visit_table_factor(&mut self, t: &TableFactor) -> ControlFlow<Self::Break> {
         match t {
             TableFactor::Table {
-                name,
-                args,
-                sample,
-                ..
+                name, args, sample, ..
             } => {
                 if sample.is_some() {
                     return ControlFlow::Break("TABLESAMPLE");
@@ -227,7 +224,9 @@ impl Visitor for Walk {
             Expr::Function(f) => {
                 if matches!(f.args, FunctionArguments::None) {
                     // `CURRENT_TIMESTAMP`, `CURRENT_USER`, `LOCALTIME`: no parentheses.
-                    return ControlFlow::Break("a function whose result is not fixed by its arguments");
+                    return ControlFlow::Break(
+                        "a function whose result is not fixed by its arguments",
+                    );
                 }
                 call(&f.name)
             }

@@ -49,7 +49,10 @@ async fn a_follower_gets_the_leaders_bytes_without_the_ready_for_query() {
     assert!(l.seen(false, true));
     assert_eq!(c.in_flight(), 0, "a finished run leaves the table");
     assert_eq!(f.wait(Duration::from_secs(1)).await.unwrap(), ROWS);
-    assert_eq!(c.counters.shared.load(std::sync::atomic::Ordering::Relaxed), 1);
+    assert_eq!(
+        c.counters.shared.load(std::sync::atomic::Ordering::Relaxed),
+        1
+    );
     // The next identical read starts a run of its own.
     let _l2 = lead(&c, key("SELECT 1", &[]), 1024);
 }
@@ -70,7 +73,10 @@ async fn an_error_a_large_result_and_a_departed_leader_each_end_the_share() {
     l.capture(ROWS);
     l.capture(READY);
     l.seen(false, true);
-    assert_eq!(f.wait(Duration::from_secs(1)).await, Err(Fallback::TooLarge));
+    assert_eq!(
+        f.wait(Duration::from_secs(1)).await,
+        Err(Fallback::TooLarge)
+    );
 
     let l = lead(&c, key("SELECT 1", &[]), 1024);
     let f = follow(&c, key("SELECT 1", &[]));
@@ -95,9 +101,22 @@ async fn a_follower_stops_waiting_at_its_bound() {
 #[test]
 fn reads_are_the_same_only_with_the_same_pool_settings_and_text() {
     let c = Arc::new(Coalescer::default());
-    let _l = lead(&c, key("SELECT 1", &[("application_name", "a"), ("search_path", "x")]), 1);
+    let _l = lead(
+        &c,
+        key(
+            "SELECT 1",
+            &[("application_name", "a"), ("search_path", "x")],
+        ),
+        1,
+    );
     // application_name does not count.
-    let _f = follow(&c, key("SELECT 1", &[("application_name", "b"), ("search_path", "x")]));
+    let _f = follow(
+        &c,
+        key(
+            "SELECT 1",
+            &[("application_name", "b"), ("search_path", "x")],
+        ),
+    );
     let _f = follow(&c, key("SELECT 1", &[("search_path", "x")]));
     // Another search_path, another text, another pool: runs of their own.
     let _a = lead(&c, key("SELECT 1", &[("search_path", "y")]), 1);

@@ -859,10 +859,7 @@ impl ScrapeSeries {
         set_counter(&self.coalesce_led, s.coalesce_led);
         set_counter(&self.coalesce_shared, s.coalesce_shared);
         for (reason, n) in &s.coalesce_fallbacks {
-            set_counter(
-                &self.coalesce_fallbacks.with_label_values(&[*reason]),
-                *n,
-            );
+            set_counter(&self.coalesce_fallbacks.with_label_values(&[*reason]), *n);
         }
     }
 }

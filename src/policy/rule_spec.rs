@@ -347,7 +347,11 @@ impl RuleSpec {
         }
         if action_name != "COALESCE" {
             only("max_wait_ms", self.max_wait_ms.is_some(), "COALESCE")?;
-            only("max_result_bytes", self.max_result_bytes.is_some(), "COALESCE")?;
+            only(
+                "max_result_bytes",
+                self.max_result_bytes.is_some(),
+                "COALESCE",
+            )?;
         }
         Ok(())
     }

@@ -725,7 +725,12 @@ impl Relay {
     /// A backend attached (its parked one back) and the effects applied, or
     /// [`Flow::Attach`] when one has to be checked out.
     #[inline(always)]
-    fn attach_step(&mut self, step: &Step<'_>, class: &Classified, t: Timeouts) -> Result<Flow, End> {
+    fn attach_step(
+        &mut self,
+        step: &Step<'_>,
+        class: &Classified,
+        t: Timeouts,
+    ) -> Result<Flow, End> {
         if !self.lease.attached() && !self.unpark_now() {
             return Ok(Flow::Attach(t));
         }
@@ -1905,7 +1910,11 @@ enum Flow {
     Attach(Timeouts),
     /// Admitted with these timeouts; the same read runs for another client: wait for its
     /// result (a COALESCE rule).
-    Follow(crate::coalesce::Joined, crate::policy::rules::CoalesceRule, Timeouts),
+    Follow(
+        crate::coalesce::Joined,
+        crate::policy::rules::CoalesceRule,
+        Timeouts,
+    ),
 }
 
 /// How a statement is admitted.

@@ -58,7 +58,11 @@ async fn postgres_cpu(conn: &mut pgsluice::pool::backend::BackendConn) -> Option
     };
     let mut total = ticks(pid, true)?.0;
     for entry in std::fs::read_dir("/proc").ok()?.flatten() {
-        let Some(child) = entry.file_name().to_str().and_then(|s| s.parse::<u32>().ok()) else {
+        let Some(child) = entry
+            .file_name()
+            .to_str()
+            .and_then(|s| s.parse::<u32>().ok())
+        else {
             continue;
         };
         if let Some((t, ppid)) = ticks(child, false)

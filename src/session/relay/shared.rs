@@ -41,10 +41,7 @@ impl Relay {
             return None;
         }
         let sql = std::str::from_utf8(text).ok()?;
-        self.app
-            .coalescer
-            .shareable(class.fingerprint, sql)
-            .ok()?;
+        self.app.coalescer.shareable(class.fingerprint, sql).ok()?;
         let pool = self.lease.unit_pool.as_ref().unwrap_or(&self.pool);
         let key = Key {
             pool: std::sync::Arc::as_ptr(pool) as usize,

@@ -58,7 +58,13 @@ async fn coalesce(proxy: &Proxy, sql: &str, extra: serde_json::Value) {
     for (k, v) in extra.as_object().expect("object") {
         body[k] = v.clone();
     }
-    let (status, v) = admin(proxy, "POST", "/v1/rules/fingerprint", Some(&body.to_string())).await;
+    let (status, v) = admin(
+        proxy,
+        "POST",
+        "/v1/rules/fingerprint",
+        Some(&body.to_string()),
+    )
+    .await;
     assert!(status == 200 || status == 201, "{v}");
 }
 
@@ -177,7 +183,7 @@ async fn identical_reads_at_once_run_a_handful_of_times_and_each_client_gets_pos
     let led = metric(proxy, "pgsluice_coalesce_led_total").await;
     let shared = metric(proxy, "pgsluice_coalesce_shared_total").await;
     let fell_back = metric(proxy, "pgsluice_coalesce_fallbacks_total").await;
-    assert!(led >= 1.0 && led <= 10.0, "runs: {led}");
+    assert!((1.0..=10.0).contains(&led), "runs: {led}");
     assert!(
         shared >= (N as f64) - led - fell_back && shared >= (N as f64) * 0.9,
         "shared {shared}, led {led}, fell back {fell_back}"
@@ -206,8 +212,14 @@ async fn settings_transactions_volatile_texts_large_results_and_errors_are_not_s
     let want_a = alone(&env.cluster, &[("search_path", "a")], FLAGS).await;
     let want_b = alone(&env.cluster, &[("search_path", "b")], FLAGS).await;
     assert_ne!(want_a, want_b);
-    assert!(a.iter().all(|(r, _)| *r == want_a), "search_path a got b's rows");
-    assert!(b.iter().all(|(r, _)| *r == want_b), "search_path b got a's rows");
+    assert!(
+        a.iter().all(|(r, _)| *r == want_a),
+        "search_path a got b's rows"
+    );
+    assert!(
+        b.iter().all(|(r, _)| *r == want_b),
+        "search_path b got a's rows"
+    );
     let shared = metric(proxy, "pgsluice_coalesce_shared_total").await;
     assert!(shared >= 30.0, "each group shares: {shared}");
 
@@ -223,7 +235,10 @@ async fn settings_transactions_volatile_texts_large_results_and_errors_are_not_s
     c.simple("BEGIN").await.expect("BEGIN");
     c.simple(FLAGS).await.expect("read in a transaction");
     c.simple("COMMIT").await.expect("COMMIT");
-    assert_eq!(metric(proxy, "pgsluice_coalesce_shared_total").await, before);
+    assert_eq!(
+        metric(proxy, "pgsluice_coalesce_shared_total").await,
+        before
+    );
     assert_eq!(metric(proxy, "pgsluice_coalesce_led_total").await, led);
 
     // A text that calls now(): the parse says no, whatever the rule says.
@@ -232,7 +247,10 @@ async fn settings_transactions_volatile_texts_large_results_and_errors_are_not_s
     let r = all_at_once(proxy.addr(), 20, &[], volatile).await;
     let distinct: std::collections::HashSet<_> = r.iter().map(|(b, _)| b.clone()).collect();
     assert!(distinct.len() > 1, "each ran its own now()");
-    assert_eq!(metric(proxy, "pgsluice_coalesce_shared_total").await, before);
+    assert_eq!(
+        metric(proxy, "pgsluice_coalesce_shared_total").await,
+        before
+    );
 
     // Over max_result_bytes: run by each client, with the right rows.
     let big = "SELECT g, (SELECT count(*) FROM generate_series(1, 300000)) FROM generate_series(1, 2000) g";
@@ -241,7 +259,12 @@ async fn settings_transactions_volatile_texts_large_results_and_errors_are_not_s
     let r = all_at_once(proxy.addr(), 20, &[], big).await;
     assert!(r.iter().all(|(b, _)| *b == want));
     assert!(
-        metric(proxy, "pgsluice_coalesce_fallbacks_total{reason=\"too_large\"}").await >= 1.0
+        metric(
+            proxy,
+            "pgsluice_coalesce_fallbacks_total{reason=\"too_large\"}"
+        )
+        .await
+            >= 1.0
     );
 
     // A read that fails: each client gets its own error from Postgres.
@@ -251,7 +274,10 @@ async fn settings_transactions_volatile_texts_large_results_and_errors_are_not_s
     let r = all_at_once(proxy.addr(), 20, &[], failing).await;
     assert!(r.iter().all(|(b, s)| *b == want && *s == b'I'));
     assert!(metric(proxy, "pgsluice_coalesce_fallbacks_total{reason=\"error\"}").await >= 1.0);
-    assert_eq!(metric(proxy, "pgsluice_coalesce_shared_total").await, before);
+    assert_eq!(
+        metric(proxy, "pgsluice_coalesce_shared_total").await,
+        before
+    );
     proxy.assert_healthy().await;
 }
 
