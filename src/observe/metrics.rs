@@ -45,6 +45,10 @@ pub const KNOWN_REASONS: [&str; 6] = [
     "circuit_open",
     "query_concurrency",
 ];
+/// Where a read that may go to a replica went (`pgsluice_replica_reads_total{decision}`):
+/// to a replica; kept on the primary because no replica had replayed the client's last write
+/// yet (read-your-writes); on the primary because no replica qualified (down or lagging).
+pub const REPLICA_READ_DECISIONS: [&str; 3] = ["replica", "read_your_writes", "no_replica"];
 /// Rule actions with pre-resolved hit counters.
 pub const KNOWN_ACTIONS: [&str; 4] = ["REJECT", "THROTTLE", "CONCURRENCY", "TIMEOUT"];
 /// Breaker states with pre-resolved transition counters.
@@ -240,6 +244,7 @@ struct Inner {
     queue_wait: HistogramVec,
     checkout_wait: HistogramVec,
     refusals: IntCounterVec,
+    replica_reads: IntCounterVec,
     rule_hits: IntCounterVec,
     /// `[action][refused as usize]`, in [`KNOWN_ACTIONS`] order.
     rule_hit_handles: Vec<[IntCounter; 2]>,
@@ -302,6 +307,16 @@ impl CallerMetrics {
         self.with_caller(caller, |h| h.queue_wait.observe(waited.as_secs_f64()));
     }
 
+    /// A read that may go to a replica went where `decision` says (one of
+    /// [`REPLICA_READ_DECISIONS`], by index): `pgsluice_replica_reads_total{caller,decision}`.
+    pub fn replica_read(&self, caller: u16, decision: usize) {
+        self.with_caller(caller, |h| {
+            if let Some(c) = h.replica_reads.get(decision) {
+                c.inc();
+            }
+        });
+    }
+
     /// A statement was refused: `pgsluice_refusals_total{caller,reason}`.
     pub fn refusal(&self, caller: u16, reason: &'static str) {
         self.with_caller(caller, |h| {
@@ -327,6 +342,8 @@ struct CallerHandles {
     checkout_wait: Histogram,
     /// In [`KNOWN_REASONS`] order.
     refusals: Vec<IntCounter>,
+    /// In [`REPLICA_READ_DECISIONS`] order.
+    replica_reads: Vec<IntCounter>,
 }
 
 struct ScrapeSeries {
@@ -446,6 +463,14 @@ impl Metrics {
             "Statements refused before reaching Postgres, by caller and reason.",
             &["caller", "reason"],
         );
+        let replica_reads = counter_vec(
+            &r,
+            "pgsluice_replica_reads_total",
+            "Reads that may go to a replica (route: replica callers, ROUTE rules), by caller and \
+             where they went: replica, read_your_writes (kept on the primary until a replica has \
+             replayed the client's last write), no_replica (none qualified: the primary).",
+            &["caller", "decision"],
+        );
         let rule_hits = counter_vec(
             &r,
             "pgsluice_rule_hits_total",
@@ -503,6 +528,7 @@ impl Metrics {
             queue_wait,
             checkout_wait,
             refusals: refusals.clone(),
+            replica_reads,
             rule_hits,
             rule_hit_handles,
             breaker_transitions,
@@ -548,6 +574,10 @@ impl Metrics {
                     .iter()
                     .map(|r| i.refusals.with_label_values(&[n.as_str(), *r]))
                     .collect(),
+                replica_reads: REPLICA_READ_DECISIONS
+                    .iter()
+                    .map(|d| i.replica_reads.with_label_values(&[n.as_str(), *d]))
+                    .collect(),
             })
             .collect();
         let table = CallerMetrics {
@@ -566,6 +596,9 @@ impl Metrics {
             let _ = i.checkout_wait.remove_label_values(&[n]);
             for r in KNOWN_REASONS {
                 let _ = i.refusals.remove_label_values(&[n, r]);
+            }
+            for d in REPLICA_READ_DECISIONS {
+                let _ = i.replica_reads.remove_label_values(&[n, d]);
             }
         }
         table
