@@ -10,7 +10,10 @@
 //!   its row back at once always finds it, read on the primary, while a client that wrote
 //!   nothing still reads from the standby; once replay resumes, the writer's reads go back to
 //!   the standby. A caller with `read_your_writes_ms` stays on the primary for that window
-//!   after its write, then reads from the (still stale) standby.
+//!   after its write, then reads from the (still stale) standby;
+//! * the same through pgx v4 (`tests/drivers/pgx_replica_reads.go`): its cached and explicitly
+//!   prepared statements on the standby, a write read back at once, a `pgx.Batch` of a read
+//!   and an INSERT on the primary.
 
 use std::time::{Duration, Instant};
 
@@ -27,7 +30,7 @@ const ON_STANDBY: &str = "SELECT current_setting('transaction_read_only') = 'on'
 /// `analytics`, `web` (both `route: replica`), `windowed` (`route: replica`,
 /// `read_your_writes_ms: 1500`) are told apart by application_name.
 struct Setup {
-    _primary: Cluster,
+    primary: Cluster,
     replica: Cluster,
     proxy: Spawned,
     _dir: tempfile::TempDir,
@@ -70,7 +73,7 @@ impl Setup {
         .expect("write config");
         let proxy = spawn(&[], &["--config", &config.display().to_string()]);
         Setup {
-            _primary: primary,
+            primary,
             replica,
             proxy,
             _dir: dir,
@@ -362,4 +365,42 @@ async fn a_client_reads_its_own_writes_while_the_standby_lags() {
         );
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
+}
+
+/// pgx v4 (Debian's packaged sources, built as `drivers` builds its programs) through the
+/// proxy as a `route: replica` caller: its statement cache and an explicitly prepared
+/// statement on the standby, its own write read back at once, a batch with an INSERT on the
+/// primary and a batch of reads on the standby.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pgx_prepared_reads_run_on_the_standby() {
+    let build_dir = tempfile::tempdir().expect("temp dir for the Go build");
+    let bin = tokio::task::spawn_blocking({
+        let dir = build_dir.path().to_path_buf();
+        move || crate::drivers::build_pgx(&dir, "pgx_replica_reads")
+    })
+    .await
+    .unwrap_or_else(|e| std::panic::resume_unwind(e.into_panic()));
+    let s = Setup::start();
+    s.primary.psql_on(
+        APP_DB,
+        &format!(
+            "CREATE TABLE pgx_notes (id int PRIMARY KEY, note text NOT NULL); \
+             ALTER TABLE pgx_notes OWNER TO {APP_USER}"
+        ),
+    );
+    let mut cmd = std::process::Command::new(&bin);
+    cmd.arg(format!("{} sslmode=disable", s.url("analytics")))
+        .arg("pgx_notes");
+    let (out, _) = crate::drivers::run("pgx through the replica-routing proxy", cmd).await;
+    assert_eq!(
+        out.lines().collect::<Vec<_>>(),
+        [
+            "cached statement on the standby",
+            "prepared q answered 20 of 20 right, mostly on the standby true",
+            "read back \"written\" on the standby false",
+            "batch of a read and an insert: read on the standby false, inserted 1",
+            "batch of reads on the standby, both rows there",
+        ]
+    );
+    assert!(s.replica_reads("analytics", "read_your_writes") >= 1.0);
 }
