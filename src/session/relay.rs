@@ -6,10 +6,10 @@
 //! (`admission`, with the unit it opens: `Unit`), checkouts and parking, and the statistics
 //! sinks. Client → backend: the core's `requests` frames the client's bytes and hands whole
 //! requests here; every statement (Query, Parse, Bind, FunctionCall) goes through one
-//! pipeline (admit, route to a replica or not — `route` —, attach a backend, apply its session
-//! effects: in line in
-//! [`Relay::statement_now`], the waits in `statement_wait`), and is written through the core's outbox with the reply it is owed, its named
-//! statements renamed to shared proxy names (`_pgsl_<hash>`, prepared lazily on whichever
+//! pipeline (admit, route to a replica or not — `route` —, attach a backend, apply its
+//! session effects: in line in [`Relay::statement_now`], the waits in `statement_wait`), and
+//! is written through the core's outbox with the reply it is owed, its named statements
+//! renamed to shared proxy names (`_pgsl_<hash>`, prepared lazily on whichever
 //! backend runs them); in transaction mode a plain `LISTEN`/`UNLISTEN` is answered here
 //! instead and the client's notifications are written between its statements (`listen`,
 //! over `crate::notify`). Backend → client: the core's `replies` frames the backend's bytes,
