@@ -257,6 +257,25 @@ async fn prepared_reads_run_on_the_standby_and_writes_on_the_primary() {
     assert_eq!(first_column(&msgs), [Some("f".to_owned())], "{msgs:?}");
     // The statement `r` itself, alone in its batch, is a read for the standby again.
     until_standby_wire(&mut wire).await;
+    // A read batch whose Sync comes later (the client sent Bind and Execute, then waited):
+    // not known to be reads only when it opened, so the primary.
+    wire.bind("", "r", &[]).execute("", 0);
+    wire.send().await.expect("send");
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    wire.sync();
+    wire.send().await.expect("send");
+    let msgs = wire.until_ready().await.expect("late sync");
+    assert_eq!(first_column(&msgs), [Some("f".to_owned())], "{msgs:?}");
+    // Extended reads inside an explicit transaction: the primary.
+    until_extended_on_standby(&analytics).await;
+    let mut analytics = analytics;
+    let txn = analytics.transaction().await.expect("begin");
+    let row = txn
+        .query_one(&read, &[&1i32])
+        .await
+        .expect("read in a transaction");
+    assert!(!row.get::<_, bool>(0));
+    txn.commit().await.expect("commit");
 
     assert!(s.replica_reads("analytics", "replica") >= 15.0);
     assert!(s.replica_reads("analytics", "read_your_writes") >= 1.0);
