@@ -27,7 +27,8 @@ use crate::support::wire::{Backend, WireClient, first_column};
 const ON_STANDBY: &str = "SELECT current_setting('transaction_read_only') = 'on'";
 
 /// A primary with a `notes` table the app user owns, its standby, and a proxy whose callers
-/// `analytics`, `web` (both `route: replica`), `windowed` (`route: replica`,
+/// `analytics` (`route: replica`, with a statement timeout the proxy injects wherever its
+/// statements run), `web` (`route: replica`), `windowed` (`route: replica`,
 /// `read_your_writes_ms: 1500`) are told apart by application_name.
 struct Setup {
     primary: Cluster,
@@ -65,7 +66,7 @@ impl Setup {
                  callers:\n{}{}{}",
                 primary.addr(),
                 replica.addr(),
-                caller("analytics", ""),
+                caller("analytics", "    statement_timeout_ms: 5000\n"),
                 caller("web", ""),
                 caller("windowed", "    read_your_writes_ms: 1500\n"),
             ),
@@ -134,6 +135,27 @@ async fn prepared_reads_run_on_the_standby_and_writes_on_the_primary() {
     let s = Setup::start();
     let analytics = s.connect("analytics").await;
     until_extended_on_standby(&analytics).await;
+    // The caller's statement timeout is injected on the standby too (a swallowed
+    // `set_config(.., true)` in front of the batch).
+    let t = Instant::now();
+    loop {
+        let row = analytics
+            .query_one(
+                "SELECT current_setting('transaction_read_only') = 'on', \
+                 current_setting('statement_timeout')",
+                &[],
+            )
+            .await
+            .expect("read with a budget");
+        if row.get::<_, bool>(0) {
+            assert_eq!(row.get::<_, String>(1), "5s");
+            break;
+        }
+        assert!(
+            t.elapsed() < Duration::from_secs(15),
+            "never on the standby"
+        );
+    }
 
     // One named statement, prepared once (Parse + Describe, itself a read batch) and executed
     // many times, on the standby; then, right after the client's writes, on the primary
