@@ -1000,6 +1000,31 @@ mod tests {
     }
 
     #[test]
+    fn replica_reads_are_counted_per_caller_and_decision() {
+        let m = Metrics::new(&names(&["web"]));
+        let c = m.callers();
+        c.replica_read(0, 0);
+        c.replica_read(0, 1);
+        c.replica_read(0, 1);
+        c.replica_read(7, 2);
+        // Past the known decisions: ignored, not a panic.
+        c.replica_read(0, REPLICA_READ_DECISIONS.len());
+        let t = m.render();
+        let got = |caller: &str, decision: &str| {
+            sample(
+                &t,
+                &format!(
+                    "pgsluice_replica_reads_total{{caller=\"{caller}\",decision=\"{decision}\"}}"
+                ),
+            )
+        };
+        assert_eq!(got("web", "replica"), Some(1.0));
+        assert_eq!(got("web", "read_your_writes"), Some(2.0));
+        assert_eq!(got("web", "no_replica"), Some(0.0));
+        assert_eq!(got("default", "no_replica"), Some(1.0));
+    }
+
+    #[test]
     fn unknown_labels_take_the_slow_path() {
         let m = Metrics::new(&[]);
         m.callers().refusal(0, "client_limit");

@@ -155,6 +155,7 @@ async fn prepared_reads_run_on_the_standby_and_writes_on_the_primary() {
             t.elapsed() < Duration::from_secs(15),
             "never on the standby"
         );
+        tokio::time::sleep(Duration::from_millis(100)).await;
     }
 
     // One named statement, prepared once (Parse + Describe, itself a read batch) and executed
