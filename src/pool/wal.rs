@@ -8,7 +8,10 @@
 //! could then be behind it). The later the read, the higher the position (other clients'
 //! writes): the mark is conservative, never too low. A standby's `pg_last_wal_replay_lsn()` is
 //! the end of the last record it replayed, so `replay >= mark` means the client's commit is
-//! visible there.
+//! visible there. One case errs the safe way: when the last record ends exactly at a WAL page
+//! boundary, the insert position is already past the next page's header, beyond any record
+//! end; the client's reads then stay on the primary until more WAL is replayed (on an idle
+//! server, Postgres' own standby snapshot within 15 s).
 //!
 //! Owns no policy: which reads wait on a mark is the session's decision
 //! (`session::machine::route`).
