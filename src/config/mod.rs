@@ -841,6 +841,11 @@ pub struct CallerConfig {
     /// replicas (`databases[].replicas`).
     #[serde(default)]
     pub route: ReadRoute,
+    /// Read-your-writes for this caller's routed reads after a write of its client. Unset:
+    /// they wait for a replica that has replayed the write's WAL position (read on the
+    /// primary after the write); `N`: they stay on the primary for `N` ms after the write
+    /// instead (no position is read); `0`: they go to the replicas at once.
+    pub read_your_writes_ms: Option<u64>,
     /// Its claim on backend time among the callers of its priority in pools with
     /// `pool.fair_shares` (1..=1000; default 1).
     pub weight: Option<u32>,

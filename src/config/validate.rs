@@ -10,6 +10,8 @@ use super::{BackendUrl, Config};
 /// Largest `backend.tcp_user_timeout_ms`: one hour, ample for any network and far inside the
 /// kernel's `int` of milliseconds.
 const MAX_TCP_USER_TIMEOUT_MS: u64 = 3_600_000;
+/// The longest read-your-writes window a caller may have (`callers[].read_your_writes_ms`).
+const MAX_READ_YOUR_WRITES_MS: u64 = 3_600_000;
 
 /// The longest Unix-domain socket path Linux takes (`sun_path` is 108 bytes with its NUL).
 const MAX_SOCKET_PATH: usize = 107;
@@ -695,6 +697,17 @@ impl Config {
                     );
                 }
             }
+            if c.read_your_writes_ms
+                .is_some_and(|ms| ms > MAX_READ_YOUR_WRITES_MS)
+            {
+                p.add(
+                    format!("callers[{i}].read_your_writes_ms"),
+                    format!(
+                        "must be at most {MAX_READ_YOUR_WRITES_MS} (an hour); leave it unset to \
+                         wait for the write's WAL position instead of a time"
+                    ),
+                );
+            }
             if let Some(cidr) = &c.matcher.client_cidr
                 && let Err(e) = check_cidr(cidr)
             {
@@ -1009,6 +1022,18 @@ mod tests {
         let errs = Config::from_yaml(text).unwrap_err();
         assert_eq!(errs[0].field, "callers[1].max_concurrency");
         assert_eq!(errs[0].line, Some(5));
+    }
+
+    #[test]
+    fn read_your_writes_windows_are_bounded() {
+        let text = "callers:\n  - name: a\n    read_your_writes_ms: 3600001\n";
+        let errs = Config::from_yaml(text).unwrap_err();
+        assert_eq!(errs[0].field, "callers[0].read_your_writes_ms");
+        let text = "callers:\n  - name: a\n    read_your_writes_ms: 2000\n  - name: b\n    \
+                    read_your_writes_ms: 0\n  - name: c\n";
+        let c = Config::from_yaml(text).expect("valid");
+        let windows: Vec<_> = c.callers.iter().map(|c| c.read_your_writes_ms).collect();
+        assert_eq!(windows, [Some(2000), Some(0), None]);
     }
 
     #[test]

@@ -45,6 +45,10 @@ pub const KNOWN_REASONS: [&str; 6] = [
     "circuit_open",
     "query_concurrency",
 ];
+/// Where a read that may go to a replica went (`pgsluice_replica_reads_total{decision}`):
+/// to a replica; kept on the primary because no replica had replayed the client's last write
+/// yet (read-your-writes); on the primary because no replica qualified (down or lagging).
+pub const REPLICA_READ_DECISIONS: [&str; 3] = ["replica", "read_your_writes", "no_replica"];
 /// Rule actions with pre-resolved hit counters.
 pub const KNOWN_ACTIONS: [&str; 4] = ["REJECT", "THROTTLE", "CONCURRENCY", "TIMEOUT"];
 /// Breaker states with pre-resolved transition counters.
@@ -245,6 +249,7 @@ struct Inner {
     queue_wait: HistogramVec,
     checkout_wait: HistogramVec,
     refusals: IntCounterVec,
+    replica_reads: IntCounterVec,
     rule_hits: IntCounterVec,
     /// `[action][refused as usize]`, in [`KNOWN_ACTIONS`] order.
     rule_hit_handles: Vec<[IntCounter; 2]>,
@@ -307,6 +312,16 @@ impl CallerMetrics {
         self.with_caller(caller, |h| h.queue_wait.observe(waited.as_secs_f64()));
     }
 
+    /// A read that may go to a replica went where `decision` says (one of
+    /// [`REPLICA_READ_DECISIONS`], by index): `pgsluice_replica_reads_total{caller,decision}`.
+    pub fn replica_read(&self, caller: u16, decision: usize) {
+        self.with_caller(caller, |h| {
+            if let Some(c) = h.replica_reads.get(decision) {
+                c.inc();
+            }
+        });
+    }
+
     /// A statement was refused: `pgsluice_refusals_total{caller,reason}`.
     pub fn refusal(&self, caller: u16, reason: &'static str) {
         self.with_caller(caller, |h| {
@@ -332,6 +347,8 @@ struct CallerHandles {
     checkout_wait: Histogram,
     /// In [`KNOWN_REASONS`] order.
     refusals: Vec<IntCounter>,
+    /// In [`REPLICA_READ_DECISIONS`] order.
+    replica_reads: Vec<IntCounter>,
 }
 
 struct ScrapeSeries {
@@ -454,6 +471,14 @@ impl Metrics {
             "Statements refused before reaching Postgres, by caller and reason.",
             &["caller", "reason"],
         );
+        let replica_reads = counter_vec(
+            &r,
+            "pgsluice_replica_reads_total",
+            "Reads that may go to a replica (route: replica callers, ROUTE rules), by caller and \
+             where they went: replica, read_your_writes (kept on the primary until a replica has \
+             replayed the client's last write), no_replica (none qualified: the primary).",
+            &["caller", "decision"],
+        );
         let rule_hits = counter_vec(
             &r,
             "pgsluice_rule_hits_total",
@@ -511,6 +536,7 @@ impl Metrics {
             queue_wait,
             checkout_wait,
             refusals: refusals.clone(),
+            replica_reads,
             rule_hits,
             rule_hit_handles,
             breaker_transitions,
@@ -556,6 +582,10 @@ impl Metrics {
                     .iter()
                     .map(|r| i.refusals.with_label_values(&[n.as_str(), *r]))
                     .collect(),
+                replica_reads: REPLICA_READ_DECISIONS
+                    .iter()
+                    .map(|d| i.replica_reads.with_label_values(&[n.as_str(), *d]))
+                    .collect(),
             })
             .collect();
         let table = CallerMetrics {
@@ -574,6 +604,9 @@ impl Metrics {
             let _ = i.checkout_wait.remove_label_values(&[n]);
             for r in KNOWN_REASONS {
                 let _ = i.refusals.remove_label_values(&[n, r]);
+            }
+            for d in REPLICA_READ_DECISIONS {
+                let _ = i.replica_reads.remove_label_values(&[n, d]);
             }
         }
         table
@@ -994,6 +1027,31 @@ mod tests {
             Some(2.0)
         );
         assert!(t.contains(r#"caller="default""#));
+    }
+
+    #[test]
+    fn replica_reads_are_counted_per_caller_and_decision() {
+        let m = Metrics::new(&names(&["web"]));
+        let c = m.callers();
+        c.replica_read(0, 0);
+        c.replica_read(0, 1);
+        c.replica_read(0, 1);
+        c.replica_read(7, 2);
+        // Past the known decisions: ignored, not a panic.
+        c.replica_read(0, REPLICA_READ_DECISIONS.len());
+        let t = m.render();
+        let got = |caller: &str, decision: &str| {
+            sample(
+                &t,
+                &format!(
+                    "pgsluice_replica_reads_total{{caller=\"{caller}\",decision=\"{decision}\"}}"
+                ),
+            )
+        };
+        assert_eq!(got("web", "replica"), Some(1.0));
+        assert_eq!(got("web", "read_your_writes"), Some(2.0));
+        assert_eq!(got("web", "no_replica"), Some(0.0));
+        assert_eq!(got("default", "no_replica"), Some(1.0));
     }
 
     #[test]

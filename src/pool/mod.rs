@@ -21,6 +21,7 @@ pub mod prepared;
 pub mod reset;
 pub mod slots;
 pub mod verify;
+pub mod wal;
 
 use foldhash::{HashMap, HashMapExt};
 use std::sync::Arc;
@@ -187,6 +188,9 @@ pub struct Pool {
     replica_healthy: AtomicBool,
     /// Replicas: replay lag at the last probe (ms).
     replica_lag_ms: AtomicU64,
+    /// Replicas: the WAL position replayed at the last good probe (`u64::MAX`: not in
+    /// recovery; 0: not known), what read-your-writes compares a client's mark with.
+    replica_replay_lsn: AtomicU64,
     /// Transaction mode's multiplexed LISTEN: who listens on what, and the listener
     /// connection that holds their union (`crate::notify`).
     pub notify: crate::notify::Hub,
@@ -195,12 +199,14 @@ pub struct Pool {
 /// The replay lag of a standby in ms: 0 when it has replayed all it received, the age of
 /// its last replayed commit when it has not, a day when it has WAL to replay but no commit
 /// replayed since it started (unknown counts as lagging), `-1` on a server that is not in
-/// recovery (a promoted replica is as current as it gets).
+/// recovery (a promoted replica is as current as it gets); and the WAL position it has
+/// replayed (NULL when not in recovery).
 const REPLICA_LAG_SQL: &str = "SELECT CASE WHEN NOT pg_catalog.pg_is_in_recovery() THEN -1 \
      WHEN pg_catalog.pg_last_wal_receive_lsn() IS NOT DISTINCT FROM \
      pg_catalog.pg_last_wal_replay_lsn() THEN 0 \
      ELSE COALESCE((EXTRACT(EPOCH FROM pg_catalog.now() - \
-     pg_catalog.pg_last_xact_replay_timestamp()) * 1000)::bigint, 86400000) END";
+     pg_catalog.pg_last_xact_replay_timestamp()) * 1000)::bigint, 86400000) END, \
+     CASE WHEN pg_catalog.pg_is_in_recovery() THEN pg_catalog.pg_last_wal_replay_lsn() END";
 
 /// One backend connection in `GET /v1/servers` (the idle ones; those in use are listed
 /// through their clients).
@@ -248,6 +254,7 @@ impl Pool {
             replica,
             replica_healthy: AtomicBool::new(false),
             replica_lag_ms: AtomicU64::new(0),
+            replica_replay_lsn: AtomicU64::new(0),
             notify: crate::notify::Hub::default(),
             name: if replica {
                 format!("{database}/{user}@replica")
@@ -328,17 +335,35 @@ impl Pool {
             && (max_lag_ms == 0 || self.replica_lag_ms.load(Ordering::Relaxed) <= max_lag_ms)
     }
 
-    /// Replicas: measures the replay lag on one of the pool's connections (a low-priority
-    /// checkout, so clients come first); unhealthy when that fails within `within`.
+    /// Replicas: the WAL position the server had replayed at the last good probe
+    /// ([`wal::Lsn::MAX`] when it is not in recovery); `None` when not known.
+    pub fn replica_replay_lsn(&self) -> Option<wal::Lsn> {
+        match self.replica_replay_lsn.load(Ordering::Relaxed) {
+            0 => None,
+            n => Some(wal::Lsn(n)),
+        }
+    }
+
+    /// Replicas: measures the replay lag and position on one of the pool's connections (a
+    /// low-priority checkout, so clients come first); unhealthy when that fails within
+    /// `within`.
     pub async fn probe_replica(self: &Arc<Self>, within: Duration) {
         let probe = async {
             let mut b = self.checkout(3, Instant::now() + within).await.ok()?;
-            let lag = b.conn().first_value(REPLICA_LAG_SQL).await.ok()??;
+            let row = b.conn().first_row(REPLICA_LAG_SQL).await.ok()??;
             b.release().await;
-            lag.parse::<i64>().ok()
+            let mut cols = row.into_iter();
+            let lag = cols.next().flatten()?.parse::<i64>().ok()?;
+            let replayed = match cols.next().flatten() {
+                Some(text) => wal::Lsn::parse(&text).map_or(0, |l| l.0),
+                None if lag < 0 => u64::MAX,
+                None => 0,
+            };
+            Some((lag, replayed))
         };
         match tokio::time::timeout(within, probe).await.ok().flatten() {
-            Some(lag) => {
+            Some((lag, replayed)) => {
+                self.replica_replay_lsn.store(replayed, Ordering::Relaxed);
                 self.replica_lag_ms
                     .store(u64::try_from(lag).unwrap_or(0), Ordering::Relaxed);
                 if !self.replica_healthy.swap(true, Ordering::Relaxed) {
@@ -1017,6 +1042,10 @@ impl Pool {
             replica_healthy: self
                 .replica
                 .then(|| self.replica_healthy.load(Ordering::Relaxed)),
+            replica_replay_lsn: self
+                .replica_replay_lsn()
+                .filter(|l| self.replica && *l != wal::Lsn::MAX)
+                .map(|l| l.to_string()),
             database: self.database.clone(),
             user: self.user.clone(),
             checkouts: self.stats.checkouts.load(Ordering::Relaxed),
@@ -1080,6 +1109,9 @@ pub struct PoolSnapshot {
     pub replica_lag_ms: Option<u64>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub replica_healthy: Option<bool>,
+    /// The WAL position the replica had replayed at its last good probe (`16/B374D848`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub replica_replay_lsn: Option<String>,
     pub database: String,
     pub user: String,
     /// Backends handed to clients (PgBouncer's `server_assignment_count`).

@@ -6,9 +6,10 @@
 //! (`admission`, with the unit it opens: `Unit`), checkouts and parking, and the statistics
 //! sinks. Client → backend: the core's `requests` frames the client's bytes and hands whole
 //! requests here; every statement (Query, Parse, Bind, FunctionCall) goes through one
-//! pipeline (admit, route, attach a backend, apply its session effects: in line in
-//! [`Relay::statement_now`], the waits in `statement_wait`), and is written through the core's outbox with the reply it is owed, its named
-//! statements renamed to shared proxy names (`_pgsl_<hash>`, prepared lazily on whichever
+//! pipeline (admit, route to a replica or not — `route` —, attach a backend, apply its
+//! session effects: in line in [`Relay::statement_now`], the waits in `statement_wait`), and
+//! is written through the core's outbox with the reply it is owed, its named statements
+//! renamed to shared proxy names (`_pgsl_<hash>`, prepared lazily on whichever
 //! backend runs them); in transaction mode a plain `LISTEN`/`UNLISTEN` is answered here
 //! instead and the client's notifications are written between its statements (`listen`,
 //! over `crate::notify`). Backend → client: the core's `replies` frames the backend's bytes,
@@ -70,6 +71,7 @@ use admission::Admit;
 mod admission;
 mod lease;
 mod listen;
+mod route;
 mod shared;
 mod unit;
 
@@ -79,6 +81,7 @@ use super::machine::tally::micros;
 use super::machine::{CoreLimits, SessionCore, release, replies, requests};
 use admission::Timeouts;
 use lease::Lease;
+use route::Routing;
 use unit::Unit;
 
 pub struct Relay {
@@ -489,9 +492,10 @@ impl Relay {
         client: &mut S,
     ) -> Result<(), End> {
         loop {
-            if self.lease.replica_held() {
+            if self.lease.replica_held() && !self.core.out.t.sync_pending {
                 // What the client sent after a read routed to a replica waits for that read
-                // to finish: it may write, and the replica's backend must not see it.
+                // to finish: it may write, and the replica's backend must not see it. (A
+                // routed extended batch goes on up to its Sync, which has arrived.)
                 self.core.deferred = self.core.requests.has_buffered();
                 break;
             }
@@ -520,10 +524,11 @@ impl Relay {
                     } else {
                         let body = &frame[framing::HEADER_LEN..];
                         self.core.retry_record(tag, frame);
+                        let rest = &held[len..];
                         match tag {
                             b'Q' => self.on_query(frame, body, client).await,
-                            b'P' => self.on_parse(frame, body, client).await,
-                            b'B' => self.on_bind(frame, body, client).await,
+                            b'P' => self.on_parse(frame, body, rest, client).await,
+                            b'B' => self.on_bind(frame, body, rest, client).await,
                             _ => self.on_function_call(frame, client).await,
                         }
                     };
@@ -702,9 +707,8 @@ impl Relay {
         class: &Arc<Classified>,
         t: Timeouts,
     ) -> Result<Flow, End> {
-        if step.route
-            && self.lease.replica_possible
-            && let Err(e) = self.choose_replica(class)
+        if self.lease.replica_possible
+            && let Err(e) = self.choose_replica(class, step.route)
         {
             return self.refuse_statement(step.tag, e).map(|()| Flow::Refused);
         }
@@ -788,7 +792,7 @@ impl Relay {
         let step = Step {
             tag: b'Q',
             admit: AdmitStep::Now,
-            route: true,
+            route: Routing::Query,
             text: Some(sql),
             effects: Effects::Apply(Some(sql)),
         };
@@ -830,7 +834,7 @@ impl Relay {
         let step = Step {
             tag: b'F',
             admit: AdmitStep::Now,
-            route: false,
+            route: Routing::No,
             text: None,
             effects: Effects::Apply(None),
         };
@@ -854,6 +858,7 @@ impl Relay {
         &mut self,
         frame: &[u8],
         body: &[u8],
+        rest: &[u8],
         client: &mut S,
     ) -> Result<(), End> {
         let p = messages::Parse::read(body).ok_or_else(|| SessionCore::malformed("Parse"))?;
@@ -865,7 +870,10 @@ impl Relay {
         let step = Step {
             tag: b'P',
             admit: AdmitStep::IfOpening,
-            route: false,
+            route: Routing::Batch {
+                opened_by: Some(p.name),
+                rest,
+            },
             text: None,
             effects: Effects::AtBind,
         };
@@ -898,6 +906,7 @@ impl Relay {
         &mut self,
         frame: &[u8],
         body: &[u8],
+        rest: &[u8],
         client: &mut S,
     ) -> Result<(), End> {
         let bind = messages::Bind::read(body).ok_or_else(|| SessionCore::malformed("Bind"))?;
@@ -929,7 +938,10 @@ impl Relay {
         let step = Step {
             tag: b'B',
             admit,
-            route: false,
+            route: Routing::Batch {
+                opened_by: None,
+                rest,
+            },
             text: None,
             effects: Effects::Apply(text.as_deref()),
         };
@@ -1291,72 +1303,6 @@ impl Relay {
         self.core.out.return_buffer();
     }
 
-    /// Before a simple-protocol statement borrows a backend: a read of a `route: replica`
-    /// caller, outside an explicit transaction, with nothing else in the unit, goes to the
-    /// database's replicas when one is reachable and within `max_replica_lag_ms`; otherwise
-    /// to the primary, or refused (`replica_fallback: refuse`). Anything that may write or
-    /// touch the session (a statement with session effects, a locking read, a function the
-    /// classifier cannot see into) stays on the primary.
-    fn choose_replica(&mut self, class: &Classified) -> Result<(), PgError> {
-        use crate::config::{ReadRoute, ReplicaFallback};
-        self.lease.unit_pool = None;
-        let rule_route = self.unit.rule_route.take();
-        let eligible = !self.lease.attached()
-            && self.core.out.t.txn == b'I'
-            && !self.core.out.t.in_flight()
-            && self.core.out.is_empty()
-            && !self.core.pinned
-            && self.core.mode == PoolMode::Transaction
-            && class.kind == crate::classify::StmtKind::Read
-            && class.effects.is_empty()
-            && !class.oversized
-            // One statement only: a text of several (`BEGIN; SELECT ..; COMMIT`) is a
-            // transaction of its own, and its kind is that of its strongest statement, which
-            // says nothing of what the others need (the normalized form keeps no literal,
-            // comment or trailing `;`, so a `;` left separates statements).
-            && !class.normalized.contains(';');
-        if !eligible {
-            return Ok(());
-        }
-        let cfg = Arc::clone(&self.rt.config);
-        // A ROUTE rule on the pattern wins over the caller's `route`.
-        let wants = rule_route.unwrap_or_else(|| {
-            cfg.callers
-                .get(usize::from(self.unit.last_caller))
-                .is_some_and(|c| c.route == ReadRoute::Replica)
-        });
-        let Some(entry) = cfg.database_entry(&self.login.database).filter(|_| wants) else {
-            return Ok(());
-        };
-        if self.lease.replica.is_none() {
-            self.lease.replica = self
-                .app
-                .replica_pool_for(&self.login.database, &self.login.user);
-        }
-        match &self.lease.replica {
-            Some(r) if r.replica_usable(entry.max_replica_lag_ms) => {
-                self.lease.unit_pool = Some(Arc::clone(r));
-                Ok(())
-            }
-            _ if entry.replica_fallback == ReplicaFallback::Refuse => Err(PgError::error(
-                "53400",
-                format!(
-                    "pgsluice: ERR_NO_REPLICA: no replica of database \"{}\" is reachable \
-                     with a replay lag within {} ms",
-                    self.login.database, entry.max_replica_lag_ms
-                ),
-            )
-            .with_detail("limit: databases[].replica_fallback=refuse")
-            .with_hint(format!(
-                "retry_after_ms={}",
-                self.app
-                    .policy
-                    .retry_hint_ms_in(&self.rt.limits, self.unit.last_caller, None)
-            ))),
-            _ => Ok(()),
-        }
-    }
-
     // ---------------------------------------------------------------- backend → client
 
     /// What the backend sent is handled: [`Relay::on_backend_now`], then whatever of it
@@ -1612,13 +1558,16 @@ impl Relay {
         self.core.statements.unnamed_left();
         if let Some(b) = self.lease.backend.take() {
             let now = self.now();
-            if b.release_has_work(now) {
-                // A reset, a session check or a catalog read: the client has its answer, and
-                // the backend returns to the pool when the work is done, off this client's
-                // path.
-                tokio::spawn(b.release_at(now));
-            } else {
-                b.release_at(now).await;
+            // `None`: a task reads the WAL position after the client's write, then returns it.
+            if let Some(b) = self.release_after_unit(b, now) {
+                if b.release_has_work(now) {
+                    // A reset, a session check or a catalog read: the client has its answer,
+                    // and the backend returns to the pool when the work is done, off this
+                    // client's path.
+                    tokio::spawn(b.release_at(now));
+                } else {
+                    b.release_at(now).await;
+                }
             }
         }
         self.return_buffers();
@@ -1891,8 +1840,8 @@ struct Step<'a> {
     /// The request it came in (`Q`, `P`, `B`, `F`): how a refusal is answered.
     tag: u8,
     admit: AdmitStep,
-    /// Whether it may be routed to a replica (a simple-protocol read).
-    route: bool,
+    /// How it takes part in routing its unit to a replica.
+    route: Routing<'a>,
     /// A simple Query's text: what a COALESCE rule shares it by.
     text: Option<&'a [u8]>,
     effects: Effects<'a>,

@@ -69,7 +69,7 @@ fn require(mut cmd: Command, what: &str, packages: &str) {
 
 /// Runs a driver program with a deadline and returns its stdout; a non-zero exit fails the
 /// test with everything the program printed.
-async fn run(what: &str, cmd: Command) -> (String, Duration) {
+pub async fn run(what: &str, cmd: Command) -> (String, Duration) {
     let started = Instant::now();
     let out = run_with_timeout_async(cmd, RUN_LIMIT).await;
     let took = started.elapsed();
@@ -100,8 +100,9 @@ fn lines(text: &str) -> Vec<&str> {
     text.lines().collect()
 }
 
-/// Builds `tests/drivers/pgx_batch_copy.go` into `dir` and returns the binary's path.
-fn build_pgx(dir: &Path) -> PathBuf {
+/// Builds the pgx program `tests/drivers/{name}.go` into `dir` and returns the binary's path
+/// (`routing::extended` builds one too).
+pub fn build_pgx(dir: &Path, name: &str) -> PathBuf {
     let mut version = Command::new("go");
     version.arg("version");
     require(version, "the Go toolchain (go)", "golang-go");
@@ -113,12 +114,12 @@ fn build_pgx(dir: &Path) -> PathBuf {
          .ci/run does); this test does not skip",
         pgx.display()
     );
-    let bin = dir.join("pgx_batch_copy");
+    let bin = dir.join(name);
     let mut cmd = Command::new("go");
     cmd.arg("build")
         .arg("-o")
         .arg(&bin)
-        .arg(program("pgx_batch_copy.go"))
+        .arg(program(&format!("{name}.go")))
         .current_dir(dir)
         // GOPATH mode: the packaged sources are the only ones used, and nothing is fetched.
         .env("GO111MODULE", "off")
@@ -135,13 +136,13 @@ fn build_pgx(dir: &Path) -> PathBuf {
     let out = crate::support::run_with_timeout(cmd, BUILD_LIMIT);
     assert!(
         out.status.success(),
-        "go build of pgx_batch_copy.go failed ({}); pgx v4 and its dependencies come from the \
+        "go build of {name}.go failed ({}); pgx v4 and its dependencies come from the \
          Debian package golang-github-jackc-pgx-v4-dev:\n{}{}",
         out.status,
         String::from_utf8_lossy(&out.stdout),
         String::from_utf8_lossy(&out.stderr)
     );
-    eprintln!("go build pgx_batch_copy: {:?}", started.elapsed());
+    eprintln!("go build {name}: {:?}", started.elapsed());
     bin
 }
 
@@ -189,7 +190,7 @@ async fn pgx_batch_copy_and_prepared_names() {
     let build_dir = tempfile::tempdir().expect("temp dir for the Go build");
     let bin = tokio::task::spawn_blocking({
         let dir = build_dir.path().to_path_buf();
-        move || build_pgx(&dir)
+        move || build_pgx(&dir, "pgx_batch_copy")
     })
     .await
     .unwrap_or_else(|e| std::panic::resume_unwind(e.into_panic()));

@@ -6,7 +6,10 @@
 //! * the `databases:` map: the name a client asks for to a server, a database name there and
 //!   optionally the user it logs in as; `*` catches the rest; a reload applies a changed map;
 //! * replica routing: a `route: replica` caller's reads outside a transaction run on the
-//!   streaming replica unless its replay lags past `max_replica_lag_ms`.
+//!   streaming replica unless its replay lags past `max_replica_lag_ms`; the extended
+//!   protocol and read-your-writes are in `extended`.
+
+mod extended;
 
 use std::time::{Duration, Instant};
 

@@ -2,10 +2,12 @@
 //! framing ([`requests`]), reply framing and meaning ([`replies`]), the outbox of backend
 //! writes with the replies they are owed, prepared-statement renaming ([`statements`]), the
 //! replay after a result-type change ([`retry`]), the release decision ([`release`]), the
-//! deadlines ([`deadlines`]) and the statistics tally ([`tally`]) — and what the proxy knows
-//! of the client's server session (pinned, settings to read back, how its texts are read).
+//! deadlines ([`deadlines`]), the statistics tally ([`tally`]) and which reads a replica may
+//! serve ([`route`]) — and what the proxy knows of the client's server session (pinned,
+//! settings to read back, how its texts are read, what its writes require of a replica).
 //!
-//! It imports protocol, classify, the pool's prepared-statement cache type and the tracker;
+//! It imports protocol, classify, the pool's prepared-statement cache and WAL position types
+//! and the tracker;
 //! never the app, a pool or a socket. The relay (`super::relay`) drives it: it reads the
 //! sockets, waits for admission and checkouts, and hands bytes and outcomes in. `oracle`
 //! checks the cores against a simulated Postgres (in the tests and under cargo-fuzz).
@@ -27,6 +29,7 @@ pub(super) mod release;
 pub(super) mod replies;
 pub(super) mod requests;
 pub(super) mod retry;
+pub(super) mod route;
 pub(super) mod statements;
 pub(super) mod tally;
 
@@ -73,6 +76,9 @@ pub(in crate::session) struct SessionCore {
     pub draining: bool,
     /// Client frames wait in `requests` while a replica runs the read before them.
     pub deferred: bool,
+    /// Read-your-writes: whether the unit wrote, and what a replica must have replayed
+    /// before the client's reads go there.
+    pub reads: route::Reads,
     /// `classify.enabled` when the session started.
     pub classify_on: bool,
     /// The last statement's classification, for the next text of the same shape.
@@ -108,6 +114,7 @@ impl SessionCore {
             custom_gucs: Vec::new(),
             draining: false,
             deferred: false,
+            reads: route::Reads::default(),
             classify_on,
             memo: Default::default(),
         }

@@ -254,6 +254,7 @@ impl Relay {
     /// (attributed to the caller its admission resolved).
     #[inline(always)]
     pub(super) fn track_statement(&mut self, class: Arc<Classified>, ready_seq: u64) {
+        self.note_write(&class);
         let start = self.now();
         self.core
             .tally
