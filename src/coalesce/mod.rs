@@ -21,7 +21,9 @@
 //!
 //! What a follower sees may predate its arrival by up to the leader's run time: the rule is
 //! opt-in per pattern for reads that tolerate that (feature flags, configuration rows, a hot
-//! profile page).
+//! profile page). It never predates the client's own previous unit: a run that started before
+//! that ended is not joined (the client runs its read alone), so a client reads its own
+//! writes and never goes back in time.
 
 pub mod pure;
 
@@ -34,6 +36,7 @@ use std::time::Duration;
 use bytes::{Bytes, BytesMut};
 use parking_lot::Mutex;
 use tokio::sync::watch;
+use tokio::time::Instant;
 
 use crate::protocol::params::Shared;
 
@@ -134,7 +137,8 @@ pub struct Counters {
 /// The table of shared reads in flight, and which patterns may be shared.
 #[derive(Debug, Default)]
 pub struct Coalescer {
-    flights: Mutex<HashMap<Key, Arc<watch::Sender<State>>>>,
+    /// Runs in flight, with when each started.
+    flights: Mutex<HashMap<Key, (Arc<watch::Sender<State>>, Instant)>>,
     verdicts: Mutex<HashMap<u64, Result<(), &'static str>>>,
     pub counters: Counters,
 }
@@ -163,20 +167,30 @@ impl Coalescer {
         v
     }
 
-    /// Joins the run of this read in flight, or starts one.
-    pub fn join(self: &Arc<Self>, key: Key, max_result_bytes: usize) -> Joined {
+    /// Joins the run of this read in flight, or starts one. `seen_until`: when the client's
+    /// last unit ended — a run that started before then may not show what that unit did, so
+    /// the client runs its own read (`None`: not shared).
+    pub fn join(
+        self: &Arc<Self>,
+        key: Key,
+        max_result_bytes: usize,
+        seen_until: Option<Instant>,
+    ) -> Option<Joined> {
         let mut flights = self.flights.lock();
-        if let Some(tx) = flights.get(&key) {
-            return Joined::Follow(Follower {
+        if let Some((tx, started)) = flights.get(&key) {
+            if seen_until.is_some_and(|t| *started < t) {
+                return None;
+            }
+            return Some(Joined::Follow(Follower {
                 rx: tx.subscribe(),
                 coalescer: Arc::clone(self),
-            });
+            }));
         }
         let tx = Arc::new(watch::Sender::new(State::Running));
-        flights.insert(key.clone(), Arc::clone(&tx));
+        flights.insert(key.clone(), (Arc::clone(&tx), Instant::now()));
         drop(flights);
         self.counters.led.fetch_add(1, Ordering::Relaxed);
-        Joined::Lead(Lead {
+        Some(Joined::Lead(Lead {
             coalescer: Arc::clone(self),
             key,
             tx,
@@ -184,7 +198,7 @@ impl Coalescer {
             limit: max_result_bytes.saturating_add(READY_LEN),
             failed: None,
             ended: false,
-        })
+        }))
     }
 
     /// Reads in flight now.
@@ -195,7 +209,7 @@ impl Coalescer {
     fn end(&self, key: &Key, tx: &Arc<watch::Sender<State>>, state: State) {
         {
             let mut flights = self.flights.lock();
-            if flights.get(key).is_some_and(|t| Arc::ptr_eq(t, tx)) {
+            if flights.get(key).is_some_and(|(t, _)| Arc::ptr_eq(t, tx)) {
                 flights.remove(key);
             }
         }

@@ -21,16 +21,16 @@ fn key(text: &str, settings: &[(&str, &str)]) -> Key {
 }
 
 fn lead(c: &Arc<Coalescer>, k: Key, limit: usize) -> Lead {
-    match c.join(k, limit) {
-        Joined::Lead(l) => l,
-        Joined::Follow(_) => panic!("expected to lead"),
+    match c.join(k, limit, None) {
+        Some(Joined::Lead(l)) => l,
+        _ => panic!("expected to lead"),
     }
 }
 
 fn follow(c: &Arc<Coalescer>, k: Key) -> super::Follower {
-    match c.join(k, 1024) {
-        Joined::Follow(f) => f,
-        Joined::Lead(_) => panic!("expected to follow"),
+    match c.join(k, 1024, None) {
+        Some(Joined::Follow(f)) => f,
+        _ => panic!("expected to follow"),
     }
 }
 
@@ -125,6 +125,22 @@ fn reads_are_the_same_only_with_the_same_pool_settings_and_text() {
     other.pool = 2;
     let _d = lead(&c, other, 1);
     assert_eq!(c.in_flight(), 4);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_run_older_than_the_clients_last_unit_is_not_joined() {
+    let c = Arc::new(Coalescer::default());
+    let _l = lead(&c, key("SELECT 1", &[]), 1024);
+    tokio::time::advance(Duration::from_millis(5)).await;
+    let before = tokio::time::Instant::now() - Duration::from_millis(10);
+    let after = tokio::time::Instant::now();
+    // Its last unit ended before the run started: it may follow.
+    assert!(matches!(
+        c.join(key("SELECT 1", &[]), 1024, Some(before)),
+        Some(Joined::Follow(_))
+    ));
+    // It ended after: the run may not show what it wrote.
+    assert!(c.join(key("SELECT 1", &[]), 1024, Some(after)).is_none());
 }
 
 #[test]

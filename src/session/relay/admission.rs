@@ -353,6 +353,11 @@ impl Relay {
 
     /// The unit is over (backend idle): give back the caller's permit and rule slots.
     pub(super) fn end_unit(&mut self) {
+        if self.unit.is_open() {
+            // Whatever it did is answered by now: a read shared with others must not have
+            // started before this (`crate::coalesce`).
+            self.unit.ended_at = Some(self.now());
+        }
         self.core.deadlines.unit_over();
         // A pinned client's backend stays with it: so does the caller's permit for it.
         self.unit.end(self.core.pinned);

@@ -19,7 +19,8 @@ use super::Relay;
 
 impl Relay {
     /// Joins the run of this read (a follower), starts one (the unit leads it), or `None`
-    /// when the statement may not be shared.
+    /// when the statement may not be shared (or the run in flight started before the
+    /// client's last unit ended: it may not show what that unit wrote).
     pub(super) fn join_shared(
         &mut self,
         rule: CoalesceRule,
@@ -48,7 +49,9 @@ impl Relay {
             settings: self.login.settings.clone(),
             text: Bytes::copy_from_slice(text),
         };
-        Some(self.app.coalescer.join(key, rule.max_result_bytes))
+        self.app
+            .coalescer
+            .join(key, rule.max_result_bytes, self.unit.ended_at)
     }
 
     /// A follower's wait: `true` when the client was answered from the leader's result;

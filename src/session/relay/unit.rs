@@ -36,6 +36,9 @@ pub(super) struct Unit {
     pub rule_coalesce: Option<CoalesceRule>,
     /// The unit runs a read others with the same read wait for: its result is recorded.
     pub lead: Option<Lead>,
+    /// When the client's last unit ended: a shared read that started before then may not
+    /// have seen what that unit did.
+    pub ended_at: Option<tokio::time::Instant>,
     /// The unit declared a WITH HOLD cursor: its COMMIT runs the cursor's query (to
     /// materialize it), so it runs under the proxy's deadline like any statement.
     pub hold_cursor: bool,

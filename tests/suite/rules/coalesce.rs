@@ -45,7 +45,8 @@ fn start() -> Option<Env> {
                      CREATE TABLE b.flags (name text, value text);
                      INSERT INTO b.flags VALUES ('from', 'b'), ('more', 'b');
                      GRANT USAGE ON SCHEMA a, b TO {APP_USER};
-                     GRANT SELECT ON ALL TABLES IN SCHEMA public, a, b TO {APP_USER};"
+                     GRANT SELECT ON ALL TABLES IN SCHEMA public, a, b TO {APP_USER};
+                     GRANT UPDATE ON public.flags TO {APP_USER};"
                 ),
             );
         },
@@ -193,6 +194,43 @@ async fn identical_reads_at_once_run_a_handful_of_times_and_each_client_gets_pos
     assert!(
         executed as f64 <= led + fell_back && executed <= 10,
         "Postgres scanned flags {executed} times for {N} clients (led {led})"
+    );
+
+    // A client that wrote reads its write, even while a run that started before its write
+    // is still in flight: it does not join that run.
+    let slow = "SELECT name, value, (SELECT count(*) FROM generate_series(1, 5000000)) AS n \
+                FROM flags ORDER BY name";
+    coalesce(proxy, slow, json!({})).await;
+    let mut early = WireClient::connect(proxy.addr(), APP_USER, APP_PASSWORD, APP_DB)
+        .await
+        .expect("login");
+    let mut writer = WireClient::connect(proxy.addr(), APP_USER, APP_PASSWORD, APP_DB)
+        .await
+        .expect("login");
+    early.query(slow);
+    early.send().await.expect("send");
+    tokio::time::sleep(Duration::from_millis(30)).await;
+    writer
+        .simple("UPDATE flags SET value = 'changed' WHERE name = 'beta'")
+        .await
+        .expect("write");
+    let shared_before = metric(proxy, "pgsluice_coalesce_shared_total").await;
+    writer.query(slow);
+    writer.send().await.expect("send");
+    let (mine, _) = writer.until_ready_raw().await.expect("the writer's read");
+    let (old, _) = early.until_ready_raw().await.expect("the earlier read");
+    assert!(
+        String::from_utf8_lossy(&mine).contains("changed"),
+        "the writer's read shows its write"
+    );
+    assert!(
+        !String::from_utf8_lossy(&old).contains("changed"),
+        "the run that started before the write did not see it"
+    );
+    assert_eq!(
+        metric(proxy, "pgsluice_coalesce_shared_total").await,
+        shared_before,
+        "the writer did not join the older run"
     );
     proxy.assert_healthy().await;
 }
