@@ -123,6 +123,9 @@ impl Fallback {
     }
 }
 
+/// Where a run publishes its end.
+type Run = Arc<watch::Sender<State>>;
+
 /// Counters for `/metrics`.
 #[derive(Debug, Default)]
 pub struct Counters {
@@ -138,7 +141,7 @@ pub struct Counters {
 #[derive(Debug, Default)]
 pub struct Coalescer {
     /// Runs in flight, with when each started.
-    flights: Mutex<HashMap<Key, (Arc<watch::Sender<State>>, Instant)>>,
+    flights: Mutex<HashMap<Key, (Run, Instant)>>,
     verdicts: Mutex<HashMap<u64, Result<(), &'static str>>>,
     pub counters: Counters,
 }
@@ -206,7 +209,7 @@ impl Coalescer {
         self.flights.lock().len()
     }
 
-    fn end(&self, key: &Key, tx: &Arc<watch::Sender<State>>, state: State) {
+    fn end(&self, key: &Key, tx: &Run, state: State) {
         {
             let mut flights = self.flights.lock();
             if flights.get(key).is_some_and(|(t, _)| Arc::ptr_eq(t, tx)) {
@@ -226,7 +229,7 @@ impl Coalescer {
 pub struct Lead {
     coalescer: Arc<Coalescer>,
     key: Key,
-    tx: Arc<watch::Sender<State>>,
+    tx: Run,
     buf: BytesMut,
     limit: usize,
     failed: Option<Fallback>,
