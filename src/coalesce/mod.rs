@@ -9,9 +9,11 @@
 //!
 //! Same read means the same pool (database and server user, primary or replica), the same
 //! session settings (all but `application_name`, which no shareable read can see) and the same
-//! text byte for byte. Whether a text may be shared at all is decided once per pattern by a
-//! real parse ([`pure::shareable`]); the session also requires a one-statement simple-protocol
-//! read outside a transaction, with nothing else in flight (`Relay::coalesce_eligible`).
+//! text byte for byte — for an extended batch, the bytes [`batch::Batch::key`] makes of its
+//! text, parameter types, values and formats. Whether a text may be shared at all is decided
+//! once per pattern by a real parse ([`pure::shareable`]); the session also requires a read
+//! that opens a unit outside a transaction, with nothing else in flight
+//! (`session::relay::shared`).
 //!
 //! A follower falls back to running the read itself, never gets someone else's error: when
 //! the result is larger than the bound, when the leader's read failed (each client then gets
@@ -25,6 +27,7 @@
 //! that ended is not joined (the client runs its read alone), so a client reads its own
 //! writes and never goes back in time.
 
+pub mod batch;
 pub mod pure;
 
 use std::collections::HashMap;

@@ -561,7 +561,12 @@ impl Relay {
         if !self.core.out.is_empty() && !self.write_backend_now()? {
             self.flush_backend().await?;
         }
+        let mark = self.core.cout.len();
         self.core.out.t.answer_synthetic(&mut self.core.cout);
+        if let Some(lead) = &mut self.unit.lead {
+            // A shared batch's answers the proxy gives itself (a Parse it did not send).
+            lead.capture(&self.core.cout[mark..]);
+        }
         if !self.core.cout.is_empty() {
             self.flush_client(client).await?;
         }
@@ -672,8 +677,7 @@ impl Relay {
                     self.apply_step_effects(step, class, t)?
                 }
                 Flow::Follow(joined, rule, t) => {
-                    let text = step.text.unwrap_or_default();
-                    if self.follow(joined, rule, class, text).await {
+                    if self.follow(joined, rule, class, step).await {
                         return Ok(None);
                     }
                     self.attach_step(step, class, t)?
@@ -712,10 +716,8 @@ impl Relay {
         {
             return self.refuse_statement(step.tag, e).map(|()| Flow::Refused);
         }
-        if let Some(rule) = self.unit.rule_coalesce.take()
-            && let Some(text) = step.text
-        {
-            match self.join_shared(rule, class, text) {
+        if let Some(rule) = self.unit.rule_coalesce.take() {
+            match self.join_shared(rule, class, step) {
                 Some(j @ crate::coalesce::Joined::Follow(_)) => {
                     return Ok(Flow::Follow(j, rule, t));
                 }
@@ -794,6 +796,7 @@ impl Relay {
             admit: AdmitStep::Now,
             route: Routing::Query,
             text: Some(sql),
+            frame,
             effects: Effects::Apply(Some(sql)),
         };
         let timeouts = match self.statement_now(&step, &class)? {
@@ -836,6 +839,7 @@ impl Relay {
             admit: AdmitStep::Now,
             route: Routing::No,
             text: None,
+            frame,
             effects: Effects::Apply(None),
         };
         let timeouts = match self.statement_now(&step, &class)? {
@@ -875,6 +879,7 @@ impl Relay {
                 rest,
             },
             text: None,
+            frame,
             effects: Effects::AtBind,
         };
         let go = match self.statement_now(&step, &class)? {
@@ -943,6 +948,7 @@ impl Relay {
                 rest,
             },
             text: None,
+            frame,
             effects: Effects::Apply(text.as_deref()),
         };
         let timeouts = match self.statement_now(&step, &class)? {
@@ -1844,6 +1850,8 @@ struct Step<'a> {
     route: Routing<'a>,
     /// A simple Query's text: what a COALESCE rule shares it by.
     text: Option<&'a [u8]>,
+    /// The whole message (a Parse or Bind opening a batch: what a COALESCE rule reads it by).
+    frame: &'a [u8],
     effects: Effects<'a>,
 }
 

@@ -258,6 +258,41 @@ impl Statements {
         mut srv: Server<'_>,
         out: &mut Outbox,
     ) {
+        let hash = self.remember(body, p, class);
+        if p.name.is_empty() {
+            self.unnamed_here = true;
+            out.send(Expect::new(Kind::Parse, Mode::Forward), frame);
+            return;
+        }
+        if !self.renamed {
+            // The client owns its backend: its names stay its own, as on a direct connection
+            // (`pg_prepared_statements`, SQL EXECUTE/DEALLOCATE, drivers that check them).
+            out.send(Expect::new(Kind::Parse, Mode::Forward), frame);
+        } else if srv.has(hash, p.query, p.types) {
+            out.answer_here(Kind::Parse);
+        } else {
+            srv.prepare(out, hash, p.query, p.types, Mode::Forward);
+        }
+    }
+
+    /// The text and parameter types a statement the client prepared was parsed with.
+    pub fn text_and_types(&self, name: &[u8]) -> Option<(Bytes, Bytes)> {
+        if name.is_empty() {
+            self.unnamed_class
+                .as_ref()
+                .map(|_| (self.unnamed_query.clone(), self.unnamed_types.clone()))
+        } else {
+            self.named
+                .get(name)
+                .map(|s| (s.query.clone(), s.types.clone()))
+        }
+    }
+
+    /// A client's Parse the proxy keeps as the client's statement without sending it (also the
+    /// first half of [`Statements::parse`]): prepared on a backend when a Bind needs it. In
+    /// transaction mode only (a shared read answered without a backend, `crate::coalesce`).
+    /// Returns the statement's hash.
+    pub fn remember(&mut self, body: &[u8], p: Parse<'_>, class: Arc<Classified>) -> u64 {
         if p.name.is_empty() {
             // Kept (one copy; a kept slice would pin the client buffer it was cut from) to be
             // parsed again on another backend, and for the read-back's `set_config` names.
@@ -267,9 +302,9 @@ impl Statements {
             self.unnamed_query = kept.slice(query..types - 1);
             self.unnamed_types = kept.slice(types..);
             self.unnamed_class = Some(class);
-            self.unnamed_here = true;
-            out.send(Expect::new(Kind::Parse, Mode::Forward), frame);
-            return;
+            // Not on the backend held now (if any): parsed again before its next Bind.
+            self.unnamed_here = false;
+            return 0;
         }
         let hash = if self.renamed {
             let mut h = Xxh3::with_seed(self.seed);
@@ -296,15 +331,7 @@ impl Statements {
         self.forget(p.name);
         self.bytes += stmt.kept;
         self.named.insert(kept.slice(..p.name.len()), stmt);
-        if !self.renamed {
-            // The client owns its backend: its names stay its own, as on a direct connection
-            // (`pg_prepared_statements`, SQL EXECUTE/DEALLOCATE, drivers that check them).
-            out.send(Expect::new(Kind::Parse, Mode::Forward), frame);
-        } else if srv.has(hash, p.query, p.types) {
-            out.answer_here(Kind::Parse);
-        } else {
-            srv.prepare(out, hash, p.query, p.types, Mode::Forward);
-        }
+        hash
     }
 
     /// Makes sure the client's statement `name` exists on this backend (an injected Parse

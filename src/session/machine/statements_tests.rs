@@ -354,3 +354,28 @@ fn two_texts_sharing_a_hash_are_never_confused() {
         vec![('C', name.clone()), ('P', name.clone()), ('B', name)]
     );
 }
+
+/// A Parse kept without sending it (a shared read answered the client): nothing goes to
+/// the backend then, and the statement is prepared where its next Bind runs.
+#[test]
+fn a_remembered_parse_is_prepared_at_its_next_bind() {
+    let mut f = Fixture::new(true);
+    for name in ["q1", ""] {
+        let sql = "SELECT $1::int";
+        let (_, body) = parse_frame(name, sql);
+        let p = Parse::read(&body).unwrap();
+        let class = f.classifier.classify(sql);
+        f.st.remember(&body, p, class);
+        assert_eq!(f.sent(), vec![], "nothing sent for {name:?}");
+        let (text, types) = f.st.text_and_types(name.as_bytes()).expect("known");
+        assert_eq!((&text[..], &types[..]), (sql.as_bytes(), &b"\0\0"[..]));
+    }
+    assert!(f.st.has_unnamed());
+    let name = f.proxy_name("q1");
+    f.bind("q1");
+    assert_eq!(f.sent(), vec![('P', name.clone()), ('B', name)]);
+    // The unnamed one is parsed again before its Bind.
+    f.with(|st, _, out| st.ensure_unnamed(b"", out));
+    assert_eq!(f.sent(), vec![('P', String::new())]);
+    assert!(f.st.text_and_types(b"never").is_none());
+}

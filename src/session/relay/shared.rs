@@ -1,21 +1,29 @@
 //! A read under a COALESCE rule (`crate::coalesce`) in the relay: whether this statement may
 //! share an execution, joining the run in flight (or starting one), and a follower's answer.
 //!
-//! Owns the session's half of the decision: a one-statement simple-protocol read outside a
-//! transaction, with no session effect, nothing else in flight or unsent, no backend held, in
-//! transaction mode, from a client not pinned — and a text the parse proves shareable. The
-//! leader's recording happens where its replies are written (`Relay::on_backend_now`), its
-//! end at its first ReadyForQuery (`Relay::on_seen`).
+//! Owns the session's half of the decision: a read that opens a unit outside a transaction,
+//! with no session effect, nothing else in flight or unsent, no backend held, in transaction
+//! mode, from a client not pinned, and a text the parse proves shareable — as a one-statement
+//! simple Query, or as an extended batch of the one shape `coalesce::batch` reads (`[Parse]
+//! Bind [Describe] Execute Sync`, all sent). The leader's recording happens where its
+//! client's bytes are written (`Relay::on_backend_now`, and the answers the proxy gives
+//! itself in `Relay::on_client_data`), its end at its first ReadyForQuery (`Relay::on_seen`).
+//!
+//! A follower's batch is answered here: the leader's bytes, then the rest of the batch is
+//! dropped up to its Sync, which gets the ReadyForQuery; a Parse in it is kept as the client's
+//! statement, prepared on a backend when a later Bind needs it.
 
 use bytes::Bytes;
 
 use crate::classify::{Classified, StmtKind};
-use crate::coalesce::{Fallback, Joined, Key};
+use crate::coalesce::{Fallback, Joined, Key, batch};
 use crate::config::PoolMode;
 use crate::policy::rules::CoalesceRule;
-use crate::protocol::messages;
+use crate::protocol::framing;
+use crate::protocol::messages::{self, Parse};
 
-use super::Relay;
+use super::route::Routing;
+use super::{Relay, Step};
 
 impl Relay {
     /// Joins the run of this read (a follower), starts one (the unit leads it), or `None`
@@ -25,7 +33,7 @@ impl Relay {
         &mut self,
         rule: CoalesceRule,
         class: &Classified,
-        text: &[u8],
+        step: &Step<'_>,
     ) -> Option<Joined> {
         let eligible = !self.lease.attached()
             && self.unit.lead.is_none()
@@ -41,13 +49,32 @@ impl Relay {
         if !eligible {
             return None;
         }
-        let sql = std::str::from_utf8(text).ok()?;
+        let (text, key): (Bytes, Bytes) = match (step.tag, step.text, step.route) {
+            (b'Q', Some(text), _) => {
+                let t = Bytes::copy_from_slice(text);
+                (t.clone(), t)
+            }
+            (b'P' | b'B', _, Routing::Batch { rest, .. }) => {
+                let b = batch::read(step.frame, rest)?;
+                let (text, types) = match &b.parse {
+                    Some(p) => (
+                        Bytes::copy_from_slice(p.query),
+                        Bytes::copy_from_slice(p.types),
+                    ),
+                    None => self.core.statements.text_and_types(b.statement)?,
+                };
+                let key = b.key(&text, &types).into();
+                (text, key)
+            }
+            _ => return None,
+        };
+        let sql = std::str::from_utf8(&text).ok()?;
         self.app.coalescer.shareable(class.fingerprint, sql).ok()?;
         let pool = self.lease.unit_pool.as_ref().unwrap_or(&self.pool);
         let key = Key {
             pool: std::sync::Arc::as_ptr(pool) as usize,
             settings: self.login.settings.clone(),
-            text: Bytes::copy_from_slice(text),
+            text: key,
         };
         self.app
             .coalescer
@@ -60,8 +87,8 @@ impl Relay {
         &mut self,
         mut joined: Joined,
         rule: CoalesceRule,
-        class: &Classified,
-        text: &[u8],
+        class: &std::sync::Arc<Classified>,
+        step: &Step<'_>,
     ) -> bool {
         loop {
             let follower = match joined {
@@ -74,16 +101,34 @@ impl Relay {
             match follower.wait(rule.max_wait).await {
                 Ok(result) => {
                     self.core.cout.extend_from_slice(&result);
-                    messages::ready_for_query(&mut self.core.cout, self.core.out.t.txn);
+                    self.answered_shared(class, step);
                     return true;
                 }
                 // The run ended without a result: the next one may be led from here.
-                Err(Fallback::Gone) => match self.join_shared(rule, class, text) {
+                Err(Fallback::Gone) => match self.join_shared(rule, class, step) {
                     Some(j) => joined = j,
                     None => return false,
                 },
                 Err(_) => return false,
             }
         }
+    }
+
+    /// After the leader's bytes: a simple Query's ReadyForQuery; for a batch, its Parse kept
+    /// as the client's statement and the rest dropped up to the Sync (answered there).
+    fn answered_shared(&mut self, class: &std::sync::Arc<Classified>, step: &Step<'_>) {
+        if step.tag == b'Q' {
+            messages::ready_for_query(&mut self.core.cout, self.core.out.t.txn);
+            return;
+        }
+        let body = &step.frame[framing::HEADER_LEN..];
+        if step.tag == b'P'
+            && let Some(p) = Parse::read(body)
+        {
+            self.core
+                .statements
+                .remember(body, p, std::sync::Arc::clone(class));
+        }
+        self.core.requests.skip_until_sync();
     }
 }

@@ -326,3 +326,140 @@ async fn alone_error(cluster: &Cluster, sql: &str) -> Vec<u8> {
     assert!(text.contains("C22012"), "{text}");
     bytes
 }
+
+/// A prepared read: shared by its text and its parameters.
+const FLAGS_P: &str = "SELECT name, value, (SELECT count(*) FROM generate_series(1, 300000)) AS n \
+                       FROM flags WHERE value <> $1 ORDER BY name";
+
+/// `n` clients logged in, then each sending Parse (statement `name`), Bind with the parameter
+/// `param(i)`, Describe, Execute, Sync at once: each one's raw reply.
+async fn batches_at_once(
+    addr: SocketAddr,
+    n: usize,
+    name: &str,
+    param: fn(usize) -> &'static str,
+) -> Vec<(usize, Vec<u8>)> {
+    let mut clients = Vec::with_capacity(n);
+    for _ in 0..n {
+        clients.push(
+            WireClient::connect(addr, APP_USER, APP_PASSWORD, APP_DB)
+                .await
+                .expect("login"),
+        );
+    }
+    let go = Arc::new(tokio::sync::Barrier::new(n));
+    let tasks: Vec<_> = clients
+        .into_iter()
+        .enumerate()
+        .map(|(i, mut c)| {
+            let go = Arc::clone(&go);
+            let name = name.to_owned();
+            tokio::spawn(async move {
+                go.wait().await;
+                c.parse(&name, FLAGS_P)
+                    .bind("", &name, &[Some(param(i))])
+                    .describe_portal("")
+                    .execute("", 0)
+                    .sync();
+                c.send().await.expect("send");
+                let (bytes, status) = c.until_ready_raw().await.expect("reply");
+                assert_eq!(status, b'I');
+                // The statement is the client's from now on, whoever ran it.
+                if !name.is_empty() {
+                    c.bind("", &name, &[Some(param(i))]).execute("", 0).sync();
+                    c.send().await.expect("send");
+                    let again = c.until_ready_raw().await.expect("again").0;
+                    assert!(
+                        again.windows(4).any(|w| w == b"dark" || w == b"beta"),
+                        "the named statement runs again: {}",
+                        String::from_utf8_lossy(&again)
+                    );
+                }
+                (i, bytes)
+            })
+        })
+        .collect();
+    let mut out = Vec::with_capacity(n);
+    for t in tasks {
+        out.push(t.await.expect("client task"));
+    }
+    out
+}
+
+/// The same batch straight to Postgres.
+async fn batch_alone(cluster: &Cluster, name: &str, param: &str) -> Vec<u8> {
+    let mut c = WireClient::connect(cluster.addr(), APP_USER, APP_PASSWORD, APP_DB)
+        .await
+        .expect("direct login");
+    c.parse(name, FLAGS_P)
+        .bind("", name, &[Some(param)])
+        .describe_portal("")
+        .execute("", 0)
+        .sync();
+    c.send().await.expect("send");
+    c.until_ready_raw().await.expect("reply").0
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn prepared_reads_are_shared_by_text_and_parameters() {
+    let Some(env) = start() else { return };
+    let proxy = &env.proxy;
+    coalesce(proxy, FLAGS_P, json!({})).await;
+    let param = |i: usize| if i.is_multiple_of(2) { "x" } else { "off" };
+    for name in ["", "s1"] {
+        let before = metric(proxy, "pgsluice_coalesce_shared_total").await;
+        let want = [
+            batch_alone(&env.cluster, name, "x").await,
+            batch_alone(&env.cluster, name, "off").await,
+        ];
+        assert_ne!(want[0], want[1], "the parameter changes the rows");
+        let got = batches_at_once(proxy.addr(), 60, name, param).await;
+        for (i, bytes) in &got {
+            assert!(
+                *bytes == want[i % 2],
+                "statement {name:?}, client {i}: {}\nwant {}",
+                String::from_utf8_lossy(bytes),
+                String::from_utf8_lossy(&want[i % 2])
+            );
+        }
+        let shared = metric(proxy, "pgsluice_coalesce_shared_total").await - before;
+        assert!(shared >= 30.0, "statement {name:?}: {shared} shared of 60");
+    }
+
+    // A driver's prepared statements (tokio-postgres: Parse and Describe first, then Bind,
+    // Execute, Sync under names of its own): the rows each would get alone.
+    let before = metric(proxy, "pgsluice_coalesce_shared_total").await;
+    let mut clients = Vec::new();
+    for _ in 0..60 {
+        let c = proxy.client().await;
+        let stmt = c.prepare(FLAGS_P).await.expect("prepare");
+        clients.push((c, stmt));
+    }
+    let go = Arc::new(tokio::sync::Barrier::new(clients.len()));
+    let tasks: Vec<_> = clients
+        .into_iter()
+        .map(|(c, stmt)| {
+            let go = Arc::clone(&go);
+            tokio::spawn(async move {
+                go.wait().await;
+                let rows = c.query(&stmt, &[&"x"]).await.expect("query");
+                rows.iter()
+                    .map(|r| (r.get::<_, String>(0), r.get::<_, String>(1)))
+                    .collect::<Vec<_>>()
+            })
+        })
+        .collect();
+    for t in tasks {
+        let rows = t.await.expect("client task");
+        assert_eq!(
+            rows,
+            vec![
+                ("beta".to_owned(), "on".to_owned()),
+                ("dark".to_owned(), "off".to_owned())
+            ]
+        );
+    }
+    let shared = metric(proxy, "pgsluice_coalesce_shared_total").await - before;
+    assert!(shared >= 30.0, "tokio-postgres: {shared} shared of 60");
+    proxy.assert_healthy().await;
+}
