@@ -361,6 +361,53 @@ mod tests {
         assert_eq!(s.competing(1, at(4_000)), 0.0);
     }
 
+    /// Two callers that always have a waiter — one with 100 ms units, one with 800 ms units —
+    /// on a pool of 2, served by rank at every release for a simulated minute: each gets its
+    /// weight's part of the backend time (equal weights: 50 % each within ±10 points; 3:1:
+    /// 75 / 25), whatever its units' length.
+    #[test]
+    fn saturating_callers_get_their_weights_part_of_the_backend_time() {
+        for (weights, want) in [([1, 1], 0.5), ([3, 1], 0.75)] {
+            let t0 = Instant::now();
+            let mut s = Shares::new(t0);
+            let units = [Duration::from_millis(100), Duration::from_millis(800)];
+            for (c, w) in weights.iter().enumerate() {
+                s.note(&asker(c as u16, *w, None));
+            }
+            s.contended(true, t0);
+            let mut held = [Duration::ZERO; 2];
+            // The two backends: (caller, started, ends).
+            let mut running: Vec<(u16, Instant, Instant)> = Vec::new();
+            let mut now = t0;
+            let end = t0 + Duration::from_secs(60);
+            while now < end {
+                while running.len() < 2 {
+                    let pick = (0..2u16)
+                        .min_by(|a, b| {
+                            let ra = s.rank(Some(*a), now, 2).unwrap_or(f64::INFINITY);
+                            let rb = s.rank(Some(*b), now, 2).unwrap_or(f64::INFINITY);
+                            ra.total_cmp(&rb)
+                        })
+                        .expect("two callers");
+                    s.start(pick, now);
+                    running.push((pick, now, now + units[usize::from(pick)]));
+                }
+                running.sort_by_key(|r| r.2);
+                let (c, started, ends) = running.remove(0);
+                now = ends;
+                s.finish(c, started, ends);
+                held[usize::from(c)] += ends - started;
+            }
+            let total = (held[0] + held[1]).as_secs_f64();
+            let first = held[0].as_secs_f64() / total;
+            eprintln!("weights {weights:?}: short caller {first:.3}");
+            assert!(
+                (first - want).abs() <= 0.1,
+                "weights {weights:?}: the short caller held {first:.3} of the time"
+            );
+        }
+    }
+
     #[test]
     fn rank_divides_by_weight_and_a_caller_over_its_share_is_not_served() {
         let t0 = Instant::now();
