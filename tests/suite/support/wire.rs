@@ -317,8 +317,9 @@ impl WireClient {
             .map_err(|e| format!("send: {e}"))
     }
 
-    /// The next backend message; `Err` on EOF, I/O error or a 20 s silence.
-    pub async fn recv(&mut self) -> Result<Backend, String> {
+    /// The next whole backend message, undecoded; `Err` on EOF, I/O error, a bad length or a
+    /// 20 s silence.
+    async fn next_frame(&mut self) -> Result<BytesMut, String> {
         loop {
             if self.rbuf.len() >= 5 {
                 let len = i32::from_be_bytes(self.rbuf[1..5].try_into().expect("4 bytes"));
@@ -327,18 +328,7 @@ impl WireClient {
                 }
                 let total = len as usize + 1;
                 if self.rbuf.len() >= total {
-                    let mut frame = self.rbuf.split_to(total).freeze();
-                    let tag = frame.get_u8();
-                    frame.advance(4);
-                    let msg = decode(tag, frame)?;
-                    match &msg {
-                        Backend::ParameterStatus(k, v) => {
-                            self.params.insert(k.clone(), v.clone());
-                        }
-                        Backend::KeyData { pid, key } => self.key = Some((*pid, key.clone())),
-                        _ => {}
-                    }
-                    return Ok(msg);
+                    return Ok(self.rbuf.split_to(total));
                 }
             }
             let read = tokio::time::timeout(RECV_TIMEOUT, self.stream.read_buf(&mut self.rbuf))
@@ -349,6 +339,22 @@ impl WireClient {
                 return Err("connection closed by the server".to_string());
             }
         }
+    }
+
+    /// The next backend message; `Err` on EOF, I/O error or a 20 s silence.
+    pub async fn recv(&mut self) -> Result<Backend, String> {
+        let mut frame = self.next_frame().await?.freeze();
+        let tag = frame.get_u8();
+        frame.advance(4);
+        let msg = decode(tag, frame)?;
+        match &msg {
+            Backend::ParameterStatus(k, v) => {
+                self.params.insert(k.clone(), v.clone());
+            }
+            Backend::KeyData { pid, key } => self.key = Some((*pid, key.clone())),
+            _ => {}
+        }
+        Ok(msg)
     }
 
     /// Messages up to and including the next ReadyForQuery.
@@ -369,28 +375,11 @@ impl WireClient {
     pub async fn until_ready_raw(&mut self) -> Result<(Vec<u8>, u8), String> {
         let mut out = Vec::new();
         loop {
-            if self.rbuf.len() >= 5 {
-                let len = i32::from_be_bytes(self.rbuf[1..5].try_into().expect("4 bytes"));
-                if len < 4 {
-                    return Err(format!("backend sent a message with length {len}"));
-                }
-                let total = len as usize + 1;
-                if self.rbuf.len() >= total {
-                    let frame = self.rbuf.split_to(total);
-                    if frame[0] == b'Z' {
-                        return Ok((out, frame.get(5).copied().unwrap_or(0)));
-                    }
-                    out.extend_from_slice(&frame);
-                    continue;
-                }
+            let frame = self.next_frame().await?;
+            if frame[0] == b'Z' {
+                return Ok((out, frame.get(5).copied().unwrap_or(0)));
             }
-            let read = tokio::time::timeout(RECV_TIMEOUT, self.stream.read_buf(&mut self.rbuf))
-                .await
-                .map_err(|_| format!("no backend message within {RECV_TIMEOUT:?}"))?
-                .map_err(|e| format!("recv: {e}"))?;
-            if read == 0 {
-                return Err("connection closed by the server".to_string());
-            }
+            out.extend_from_slice(&frame);
         }
     }
 
