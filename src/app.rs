@@ -83,6 +83,15 @@ pub struct App {
     pub coalescer: Arc<crate::coalesce::Coalescer>,
 }
 
+/// A login let through [`App::door`], counted until it has logged in (dropped).
+pub struct DoorPass<'a>(&'a AtomicUsize);
+
+impl Drop for DoorPass<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
 /// Re-reads the configuration source and applies it with [`App::reload`]; `Err` lists the
 /// problems (the running configuration stays).
 pub type Reloader = Arc<dyn Fn() -> Result<(), Vec<String>> + Send + Sync>;
@@ -130,6 +139,10 @@ pub struct AppStats {
     /// Connections handed to the login thread to log in (or be refused), since start.
     pub offloaded_logins: AtomicU64,
     pub client_errors: AtomicU64,
+    /// Logins let through the door ([`App::door`]) and still logging in.
+    pub door_passing: AtomicUsize,
+    /// Logins that waited at the door, since start.
+    pub logins_held: AtomicU64,
 }
 
 impl AppStats {
@@ -334,6 +347,55 @@ impl App {
         self.auth_cache.clear();
         self.tls.install(tls);
         Ok(())
+    }
+
+    /// A login waits at the door, before its authentication exchange, while the pool of
+    /// (`database`, `user`) or its caller's queue is crowded for it ([`Pool::crowded`],
+    /// `CallerTable::crowded`), counting the logins let through ahead of it that have not
+    /// logged in yet: its first statement would otherwise start a wait it is unlikely to
+    /// finish in time, and a refusal after that wait costs the client a new login. Looked at
+    /// every 10 ms or so (a waiting login holds its handshake slot and a timer, no lock).
+    /// Critical callers never wait here, nor a login to a pool not yet made; nobody waits
+    /// longer than half the handshake timeout (then the login goes on as usual). Off with
+    /// `limits.hold_logins: false`. The caller is resolved from what a login carries
+    /// (`application_name`, user, address; comment tags come with statements).
+    pub async fn door(
+        &self,
+        database: &str,
+        user: &str,
+        application_name: Option<&str>,
+        addr: Option<std::net::IpAddr>,
+    ) -> Option<DoorPass<'_>> {
+        let pool = self.pools.get(database, user)?;
+        let rt = self.runtime.load_full();
+        if !rt.config.limits.hold_logins {
+            return None;
+        }
+        let caller = rt.callers.resolve(&[], application_name, user, addr);
+        if rt.limits.priority(caller) as usize == 0 {
+            return None;
+        }
+        let room = rt.limits.queue_timeout(caller);
+        let until = tokio::time::Instant::now()
+            + Duration::from_millis(rt.config.limits.handshake_timeout_ms) / 2;
+        let passing = &self.stats.door_passing;
+        let mut held = false;
+        loop {
+            let now = tokio::time::Instant::now();
+            let coming = passing.load(Ordering::Relaxed);
+            if now >= until
+                || !(pool.crowded(room, coming) || rt.limits.crowded(caller, room, now, coming))
+            {
+                passing.fetch_add(1, Ordering::Relaxed);
+                return Some(DoorPass(passing));
+            }
+            if !held {
+                held = true;
+                self.stats.logins_held.fetch_add(1, Ordering::Relaxed);
+            }
+            let jitter = Duration::from_micros(rand::random_range(0..5_000));
+            tokio::time::sleep(Duration::from_millis(10) + jitter).await;
+        }
     }
 
     /// Where CancelRequests for other instances' keys go: the configured `peers` and, in a

@@ -754,6 +754,9 @@ pub struct LimitsConfig {
     /// the kernel's probe count). A vanished client host is found and its session ends.
     /// 0 = off. Read at start.
     pub client_tcp_keepalive_ms: u64,
+    /// A non-critical login waits before its authentication exchange while its pool's or
+    /// its caller's queue is crowded (`App::door`).
+    pub hold_logins: bool,
 }
 
 impl Default for LimitsConfig {
@@ -772,6 +775,7 @@ impl Default for LimitsConfig {
             client_idle_timeout_ms: 0,
             max_pools: 1_000,
             client_tcp_keepalive_ms: 60_000,
+            hold_logins: true,
         }
     }
 }

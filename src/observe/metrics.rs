@@ -124,6 +124,8 @@ pub struct Scrape {
     pub handshakes_in_progress: u64,
     /// Connections handed to the login thread (the session thread had enough logins).
     pub logins_offloaded: u64,
+    /// Logins that waited before authenticating while their pool or caller was crowded.
+    pub logins_held: u64,
     pub client_errors: u64,
     /// [`BREAKER_CLOSED`], [`BREAKER_HALF_OPEN`] or [`BREAKER_OPEN`].
     pub breaker_state: i64,
@@ -358,6 +360,7 @@ struct ScrapeSeries {
     clients_accepted: IntCounter,
     handshakes: IntGauge,
     logins_offloaded: IntCounter,
+    logins_held: IntCounter,
     client_errors: IntCounter,
     breaker_state: IntGauge,
     breaker_trips: IntCounterVec,
@@ -719,6 +722,11 @@ impl ScrapeSeries {
                  start: with one session thread, those that arrived while 4 were logging in on it, \
                  and all while client TLS is on.",
             ),
+            logins_held: counter(
+                "pgsluice_client_logins_held_total",
+                "Logins of non-critical callers that waited before authenticating while their \
+                 pool's or caller's queue was crowded (limits.hold_logins).",
+            ),
             client_errors: counter(
                 "pgsluice_client_errors_total",
                 "Client connections that ended with a protocol or I/O error.",
@@ -840,6 +848,7 @@ impl ScrapeSeries {
         set_counter(&self.clients_accepted, s.client_connections_accepted);
         self.handshakes.set(gauge_value(s.handshakes_in_progress));
         set_counter(&self.logins_offloaded, s.logins_offloaded);
+        set_counter(&self.logins_held, s.logins_held);
         set_counter(&self.client_errors, s.client_errors);
         self.breaker_state.set(s.breaker_state);
         for (reason, n) in &s.breaker_trips {

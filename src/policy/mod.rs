@@ -311,6 +311,25 @@ impl CallerTable {
         self.caller(id).1.policy.queue_timeout
     }
 
+    /// A login of caller `id` should wait before it logs in: its queue is full, or the
+    /// waiters queued now and the `coming` logins let in ahead of it, at the pace its slots
+    /// come back, would keep it waiting more than half of `room`.
+    pub fn crowded(&self, id: u16, room: Duration, now: Instant, coming: usize) -> bool {
+        let c = self.caller(id).1;
+        let (released, queued) = c.limiter.drain_counts();
+        let queued = queued.saturating_add(u32::try_from(coming).unwrap_or(u32::MAX));
+        if queued == 0 {
+            return false;
+        }
+        if queued >= c.limiter.limits().queue_depth {
+            return true;
+        }
+        c.stats
+            .drain
+            .expected_wait(released, u64::from(queued), now)
+            .is_some_and(|w| w > room / 2)
+    }
+
     /// The longest a client of caller `id` may stay idle inside a transaction.
     pub fn idle_transaction_timeout(&self, id: u16) -> Option<Duration> {
         self.caller(id).1.policy.idle_transaction_timeout

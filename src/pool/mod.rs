@@ -536,6 +536,21 @@ impl Pool {
         self.slots.set_caps(caps);
     }
 
+    /// A login whose client may wait `room` for a backend should wait before it logs in:
+    /// the clients queued now and the `coming` logins let in ahead of it, at the rate
+    /// checkouts are served, would keep it waiting more than half of that.
+    pub fn crowded(&self, room: Duration, coming: usize) -> bool {
+        let waiting = (self.slots.queued_now() + coming) as u64;
+        if waiting == 0 {
+            return false;
+        }
+        let room = room.min(Duration::from_millis(self.cfg.checkout_timeout_ms));
+        let served = self.stats.checkouts.load(Ordering::Relaxed);
+        self.drain
+            .expected_wait(served, waiting, Instant::now())
+            .is_some_and(|w| w > room / 2)
+    }
+
     /// The expected wait for a backend of this pool: the clients waiting, at the rate
     /// checkouts have been served (`None` until that rate is known).
     pub fn expected_wait(&self) -> Option<Duration> {

@@ -694,6 +694,12 @@ impl Slots {
         g.available > g.reserve && g.queued() == 0
     }
 
+    /// Clients queued at the last change, without the lock (waiters that left may still
+    /// count until the queue is next looked at).
+    pub fn queued_now(&self) -> usize {
+        self.queued.load(Ordering::Relaxed)
+    }
+
     /// Clients currently waiting for a slot.
     pub fn waiting(&self) -> usize {
         let g = self.inner.lock();

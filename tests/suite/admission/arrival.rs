@@ -6,7 +6,10 @@
 //! One backend, kept busy by twenty clients looping on 50 ms statements: a queue of about
 //! nineteen, served about twenty times a second, so a newcomer's wait is about a second.
 //! `hasty` may wait 150 ms (its `queue_timeout_ms`: refused on arrival once its wait is more
-//! than twice that), `patient` 2 s (the pool's checkout timeout). With `PGSLUICE_TEST_DIRECT=1` this test is skipped.
+//! than twice that), `patient` 2 s (the pool's checkout timeout); both log in before the
+//! queue builds. A `hasty` login while the queue stands waits before its authentication
+//! (`limits.hold_logins`) and then gets in — held, not refused — while a `pay` (critical)
+//! login gets in at once. With `PGSLUICE_TEST_DIRECT=1` this test is skipped.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -26,6 +29,9 @@ callers:
     match: { application_name: hasty }
   - name: patient
     match: { application_name: patient }
+  - name: pay
+    priority: critical
+    match: { application_name: pay }
 ";
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -34,6 +40,9 @@ async fn a_wait_that_cannot_fit_is_refused_at_once_and_one_that_fits_is_served()
         return;
     };
     let proxy = &env.proxy;
+    // Logged in before the queue builds: their statements meet the decision.
+    let hasty = connect(proxy, Some("hasty")).await;
+    let patient = connect(proxy, Some("patient")).await;
     let stop = Instant::now() + Duration::from_secs(8);
     let mut busy = Vec::new();
     for _ in 0..20 {
@@ -52,7 +61,30 @@ async fn a_wait_that_cannot_fit_is_refused_at_once_and_one_that_fits_is_served()
     tokio::time::sleep(Duration::from_millis(1500)).await;
     assert!(pool_waiting(proxy).await >= 5, "the backend is contended");
 
-    let hasty = connect(proxy, Some("hasty")).await;
+    // A login now: a critical one gets in at once; a hasty one waits before it
+    // authenticates (its first statement would meet a queue it cannot wait for), then gets in.
+    let held_before = logins_held(proxy).await;
+    let pay = connect(proxy, Some("pay")).await;
+    assert_eq!(
+        logins_held(proxy).await,
+        held_before,
+        "a critical login is not held"
+    );
+    drop(pay);
+    let late = tokio::spawn({
+        let cfg = {
+            let mut cfg = proxy.app_config();
+            cfg.application_name("hasty");
+            cfg
+        };
+        async move {
+            let t = Instant::now();
+            let r =
+                tokio::time::timeout(Duration::from_secs(9), cfg.connect(tokio_postgres::NoTls))
+                    .await;
+            (t.elapsed(), r.map(|r| r.map(|_| ())))
+        }
+    });
     let mut refusals = Vec::new();
     for _ in 0..10 {
         let t = Instant::now();
@@ -90,7 +122,6 @@ async fn a_wait_that_cannot_fit_is_refused_at_once_and_one_that_fits_is_served()
     );
 
     // A client that may wait 2 s waits about a second and is served, every time.
-    let patient = connect(proxy, Some("patient")).await;
     for _ in 0..5 {
         let t = Instant::now();
         let r = patient.simple_query("SELECT 1").await;
@@ -104,6 +135,27 @@ async fn a_wait_that_cannot_fit_is_refused_at_once_and_one_that_fits_is_served()
             "the busy callers were served"
         );
     }
+    let (took, r) = late.await.expect("late login");
+    assert!(
+        matches!(r, Ok(Ok(()))),
+        "the held login got in: {r:?} after {took:?}"
+    );
+    assert!(took >= Duration::from_millis(500), "held: {took:?}");
+    let metrics = proxy
+        .admin_request(
+            "GET",
+            "/metrics",
+            crate::support::proxy::ADMIN_READ_TOKEN,
+            None,
+        )
+        .await
+        .1;
+    assert!(
+        metrics
+            .lines()
+            .any(|l| l.starts_with("pgsluice_client_logins_held_total ") && !l.ends_with(" 0")),
+        "counted"
+    );
     let pools = admin_get(proxy, "/v1/pools").await;
     let arrival = &pools["pools"][0]["arrival"];
     assert!(
@@ -111,4 +163,20 @@ async fn a_wait_that_cannot_fit_is_refused_at_once_and_one_that_fits_is_served()
         "{arrival}"
     );
     proxy.assert_healthy().await;
+}
+
+/// `pgsluice_client_logins_held_total`.
+async fn logins_held(proxy: &crate::support::proxy::Proxy) -> u64 {
+    let (_, text) = proxy
+        .admin_request(
+            "GET",
+            "/metrics",
+            crate::support::proxy::ADMIN_READ_TOKEN,
+            None,
+        )
+        .await;
+    text.lines()
+        .find_map(|l| l.strip_prefix("pgsluice_client_logins_held_total "))
+        .and_then(|v| v.trim().parse().ok())
+        .expect("pgsluice_client_logins_held_total")
 }
