@@ -21,6 +21,7 @@
 //! - Notifications are forwarded as the bytes Postgres sent (the notifying backend's pid,
 //!   channel and payload), never re-encoded.
 
+pub mod batch;
 pub mod listener;
 pub mod sql;
 

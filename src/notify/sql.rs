@@ -135,14 +135,19 @@ const NOT_COL_ID: &[&str] = &[
     "with",
 ];
 
+/// Whether `sql` may be a `LISTEN`/`UNLISTEN` at all, from its first byte: a text that starts
+/// with another verb (nearly every one) is not.
+#[inline(always)]
+pub fn may_be_listen(sql: &[u8]) -> bool {
+    !matches!(sql.first(), Some(c) if c.is_ascii_alphabetic() && !matches!(c, b'l' | b'L' | b'u' | b'U'))
+}
+
 /// Reads `sql` (a Query's text, without its NUL) as one `LISTEN`/`UNLISTEN` statement.
 pub fn parse(sql: &[u8]) -> Option<Command> {
     // Runs on every Query in transaction mode: no allocation before the verb matched, and
     // a text that starts with another verb (nearly every one) is done with at its first byte.
-    match sql.first() {
-        Some(b'l' | b'L' | b'u' | b'U') => {}
-        Some(c) if c.is_ascii_alphabetic() => return None,
-        _ => {}
+    if !may_be_listen(sql) {
+        return None;
     }
     let mut i = skip(sql, 0)?;
     let verb = word(sql, &mut i);

@@ -512,6 +512,16 @@ impl Relay {
                     // Handled where it arrived: the buffer is held here meanwhile, and given
                     // back without the frame on every path (an error ends the session anyway).
                     let held = self.core.requests.hold();
+                    if self.core.mode == PoolMode::Transaction
+                        && may_listen_batch(tag, &held[..len], &self.core.listen_statements)
+                        && let Some(r) = self.on_listen_batch(&held).await
+                    {
+                        // A batch that only LISTENs, answered here whole.
+                        let took = *r.as_ref().unwrap_or(&len);
+                        self.core.requests.give_back(held, took);
+                        r?;
+                        continue;
+                    }
                     let frame = &held[..len];
                     // Dispatched here, not through a frame of its own: one future less
                     // to build and poll per request.
@@ -866,6 +876,10 @@ impl Relay {
         client: &mut S,
     ) -> Result<(), End> {
         let p = messages::Parse::read(body).ok_or_else(|| SessionCore::malformed("Parse"))?;
+        if !self.core.listen_statements.is_empty() {
+            // The name now means a statement a backend runs.
+            self.core.listen_statements.retain(|(n, _)| **n != *p.name);
+        }
         if let Some(e) = self.core.statements.over_limit(p.name, body.len()) {
             return self.refuse_statement(b'P', e);
         }
@@ -1838,6 +1852,23 @@ fn write_now<S: AsyncWrite + Unpin>(stream: &mut S, buf: &[u8]) -> std::io::Resu
     match Pin::new(stream).poll_write(&mut cx, buf) {
         Poll::Ready(r) => r,
         Poll::Pending => Ok(0),
+    }
+}
+
+/// Whether a batch that starts with this message may be one that only `LISTEN`s (a Parse
+/// whose text may start with the verb, or a message naming such a statement the proxy
+/// answered): cheap, before the batch is read.
+#[inline(always)]
+fn may_listen_batch(
+    tag: u8,
+    frame: &[u8],
+    listening: &[(Box<[u8]>, crate::notify::sql::Command)],
+) -> bool {
+    match tag {
+        b'P' => messages::Parse::read(&frame[framing::HEADER_LEN..])
+            .is_some_and(|p| crate::notify::sql::may_be_listen(p.query)),
+        b'B' | b'D' | b'C' => !listening.is_empty(),
+        _ => false,
     }
 }
 

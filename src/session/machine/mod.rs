@@ -83,6 +83,9 @@ pub(in crate::session) struct SessionCore {
     pub classify_on: bool,
     /// The last statement's classification, for the next text of the same shape.
     pub memo: Memo,
+    /// Prepared `LISTEN`/`UNLISTEN` statements the proxy answered itself (extended
+    /// protocol, `notify::batch`): their names and what they do.
+    pub listen_statements: Vec<(Box<[u8]>, crate::notify::sql::Command)>,
 }
 
 impl SessionCore {
@@ -117,6 +120,7 @@ impl SessionCore {
             reads: route::Reads::default(),
             classify_on,
             memo: Default::default(),
+            listen_statements: Vec::new(),
         }
     }
 

@@ -151,6 +151,16 @@ impl Statements {
         self
     }
 
+    /// The client's statement `name` (empty: the unnamed one) is now something the proxy
+    /// answers itself: a Bind of it must not run what was prepared under the name before.
+    pub fn forget_statement(&mut self, name: &[u8]) {
+        if name.is_empty() {
+            self.unnamed_class = None;
+        } else {
+            self.forget(name);
+        }
+    }
+
     fn forget(&mut self, name: &[u8]) {
         if let Some(s) = self.named.remove(name) {
             self.bytes -= s.kept;

@@ -28,6 +28,8 @@ use std::time::Duration;
 use bytes::{Buf, BytesMut};
 use tokio::io::{AsyncWrite, AsyncWriteExt};
 
+use crate::config::PoolMode;
+use crate::notify::batch::{self, Step};
 use crate::notify::sql::{Channel, Command};
 use crate::notify::{Member, Taken};
 use crate::protocol::PgError;
@@ -40,6 +42,8 @@ const WRITE_CHUNK: usize = 64 * 1024;
 /// Most channels one client may listen on through the proxy (each costs the proxy a registry
 /// entry and the listener a `LISTEN`).
 const MAX_CHANNELS: usize = 10_000;
+/// Most prepared `LISTEN`/`UNLISTEN` statements kept per client (the oldest goes).
+const MAX_LISTEN_STATEMENTS: usize = 1_024;
 /// The shortest a `LISTEN` waits for the listener to confirm its channel.
 const MIN_CONFIRM_WAIT: Duration = Duration::from_secs(5);
 
@@ -80,6 +84,18 @@ impl Relay {
     }
 
     async fn answer_listen(&mut self, cmd: Command) -> Result<(), End> {
+        match self.run_listen(cmd).await {
+            Ok(()) => {
+                messages::ready_for_query(&mut self.core.cout, b'I');
+                Ok(())
+            }
+            Err(e) => self.core.refuse(b'Q', e),
+        }
+    }
+
+    /// Registers or drops the client's channels for `cmd` and writes its CommandComplete
+    /// (after the NOTICE of a name cut to length); `Err`: the refusal to send instead.
+    async fn run_listen(&mut self, cmd: Command) -> Result<(), PgError> {
         let tag: &[u8] = match &cmd {
             Command::Listen(_) => b"LISTEN\0",
             _ => b"UNLISTEN\0",
@@ -90,7 +106,7 @@ impl Relay {
                     && l.member.channel_count() >= MAX_CHANNELS
                     && !l.member.listens(&ch.name)
                 {
-                    return self.core.refuse(b'Q', too_many_channels());
+                    return Err(too_many_channels());
                 }
                 let pool = std::sync::Arc::clone(&self.pool);
                 let l = self.notify.get_or_insert_with(|| {
@@ -104,7 +120,7 @@ impl Relay {
                 let wait = pool.connect_params().connect_timeout.max(MIN_CONFIRM_WAIT);
                 if !m.applied(generation, wait).await {
                     m.unlisten(&ch.name);
-                    return self.core.refuse(b'Q', listener_down(&ch.name));
+                    return Err(listener_down(&ch.name));
                 }
                 truncation_notice(&ch, &mut self.core.cout);
             }
@@ -121,8 +137,76 @@ impl Relay {
             }
         }
         messages::raw(&mut self.core.cout, b'C', &[tag]);
-        messages::ready_for_query(&mut self.core.cout, b'I');
         Ok(())
+    }
+
+    /// An extended-protocol batch that only `LISTEN`s or `UNLISTEN`s (`notify::batch`),
+    /// answered here under the same conditions as a simple one (transaction mode, not pinned,
+    /// a UTF-8 client, no backend held, nothing in flight): the bytes of `buf` it took, or
+    /// `None` when it goes on as any batch. `buf` starts at the batch's first message.
+    pub(super) async fn on_listen_batch(&mut self, buf: &[u8]) -> Option<Result<usize, End>> {
+        let t = &self.core.out.t;
+        let here = self.core.mode == PoolMode::Transaction
+            && !self.core.pinned
+            && !self.lease.attached()
+            && t.txn == b'I'
+            && !t.in_flight()
+            && self.core.out.is_empty()
+            && utf8_client(&self.login.settings);
+        if !here {
+            return None;
+        }
+        let known = &self.core.listen_statements;
+        let batch = batch::read(buf, |name| {
+            known
+                .iter()
+                .find(|(n, _)| **n == *name)
+                .map(|(_, c)| c.clone())
+        })?;
+        Some(self.answer_listen_batch(batch).await)
+    }
+
+    async fn answer_listen_batch(&mut self, b: batch::Batch<'_>) -> Result<usize, End> {
+        for step in b.steps {
+            let out = &mut self.core.cout;
+            match step {
+                Step::Parse { name, cmd } => {
+                    // The name now means this statement, for the proxy and not a backend.
+                    self.core.statements.forget_statement(name);
+                    let kept = &mut self.core.listen_statements;
+                    kept.retain(|(n, _)| **n != *name);
+                    if kept.len() >= MAX_LISTEN_STATEMENTS {
+                        kept.remove(0);
+                    }
+                    kept.push((name.into(), cmd));
+                    messages::parse_complete(out);
+                }
+                Step::DescribeStatement => {
+                    messages::raw(out, b't', &[&0u16.to_be_bytes()]);
+                    messages::raw(out, b'n', &[]);
+                }
+                Step::DescribePortal => messages::raw(out, b'n', &[]),
+                Step::Bind => messages::raw(out, b'2', &[]),
+                Step::Execute(cmd) => {
+                    if let Err(e) = self.run_listen(cmd).await {
+                        // As Postgres: the rest of the batch is skipped up to its Sync.
+                        if e.severity == crate::protocol::error::Severity::Fatal {
+                            return Err(End::Error(e));
+                        }
+                        e.encode(&mut self.core.cout);
+                        break;
+                    }
+                }
+                Step::Close { statement } => {
+                    if let Some(name) = statement {
+                        self.core.listen_statements.retain(|(n, _)| **n != *name);
+                    }
+                    messages::close_complete(out);
+                }
+            }
+        }
+        messages::ready_for_query(&mut self.core.cout, b'I');
+        Ok(b.len)
     }
 
     /// Writes what the client's mailbox holds while the client is between statements;
