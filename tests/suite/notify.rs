@@ -5,7 +5,9 @@
 //! statements. Session mode is unchanged (its clients own their backend).
 //!
 //! Raw protocol clients (`support::raw`) are used where the order of messages on the wire is
-//! the point; psycopg2 (Debian's `python3-psycopg2`) is the real-driver check.
+//! the point; psycopg2 and asyncpg (Debian's `python3-psycopg2` and `python3-asyncpg`, under
+//! Debian's own interpreter) are the real-driver checks, asyncpg with 200 listening clients on
+//! a pool of 5.
 
 use std::process::Command;
 use std::time::Duration;
@@ -20,6 +22,9 @@ use crate::support::sql::{STEP, eventually};
 use crate::support::{run_with_timeout_async, within};
 
 const LISTENER_APP: &str = "pgsluice listener";
+/// The interpreter Debian's python3-* packages (the drivers) belong to, whatever else is on
+/// `PATH`.
+const DEBIAN_PYTHON: &str = "/usr/bin/python3";
 
 async fn raw_client(proxy: &Proxy) -> Raw {
     let mut r = Raw::tcp(proxy.addr()).await;
@@ -499,8 +504,7 @@ async fn session_mode_listens_on_the_clients_own_backend() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn psycopg2_receives_notifications_through_the_proxy() {
     let (_cluster, proxy) = start(2);
-    let python = "/usr/bin/python3";
-    let mut cmd = Command::new(python);
+    let mut cmd = Command::new(DEBIAN_PYTHON);
     cmd.arg(
         std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/drivers/notify_psycopg2.py"),
     )
@@ -575,4 +579,147 @@ async fn a_latin1_client_listens_on_its_own_backend() {
     let n = next_notification(&mut r, "on its own backend").await;
     assert_eq!(n.0, pid);
     assert_eq!(n.1, "latin");
+}
+
+/// asyncpg (Debian's `python3-asyncpg`): 200 connections `add_listener` on a pool of 5
+/// (`tests/drivers/notify_asyncpg.py` says what it checks). While they listen, Postgres sees
+/// the pool and the listener connection, no more.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn asyncpg_two_hundred_listeners_on_a_pool_of_five() {
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicI64, Ordering};
+    use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
+
+    const CLIENTS: usize = 200;
+    const POOL: usize = 5;
+    // The pool and the listener connection: the script's notifier goes through the proxy too.
+    const MAX_BACKENDS: i64 = POOL as i64 + 1;
+    let (cluster, proxy) = start(POOL);
+    let monitor = cluster.monitor().await;
+
+    let mut check = Command::new(DEBIAN_PYTHON);
+    check.args(["-c", "import asyncpg"]);
+    let usable = check.output().is_ok_and(|o| o.status.success());
+    assert!(
+        usable,
+        "{DEBIAN_PYTHON} cannot import asyncpg: install Debian's python3-asyncpg \
+         (apt-get install -y python3-asyncpg, as scripts/test does); this test does not skip"
+    );
+
+    let mut child = tokio::process::Command::new(DEBIAN_PYTHON)
+        .arg(
+            std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+                .join("tests/drivers/notify_asyncpg.py"),
+        )
+        .arg(proxy.connect_str(APP_USER, APP_PASSWORD, APP_DB))
+        .arg(CLIENTS.to_string())
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()
+        .expect("run the asyncpg script");
+    let mut stdin = child.stdin.take().expect("stdin");
+    let mut lines = BufReader::new(child.stdout.take().expect("stdout")).lines();
+    let mut stderr = child.stderr.take().expect("stderr");
+    let stderr = tokio::spawn(async move {
+        let mut s = String::new();
+        let _ = stderr.read_to_string(&mut s).await;
+        s
+    });
+
+    // The most server connections of the app user seen at any time during the run.
+    // Stopped before the cluster, also when the test fails.
+    struct AbortOnDrop(tokio::task::JoinHandle<()>);
+    impl Drop for AbortOnDrop {
+        fn drop(&mut self) {
+            self.0.abort();
+        }
+    }
+    let most = Arc::new(AtomicI64::new(0));
+    let sampler = {
+        let monitor = cluster.monitor().await;
+        let most = most.clone();
+        AbortOnDrop(tokio::spawn(async move {
+            loop {
+                let n = monitor.backend_count(APP_DB, APP_USER).await;
+                most.fetch_max(n, Ordering::Relaxed);
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+        }))
+    };
+
+    let first = within(
+        Duration::from_secs(60),
+        "the asyncpg clients to listen",
+        lines.next_line(),
+    )
+    .await
+    .expect("read stdout");
+    let listening = format!("listening {CLIENTS}");
+    if first.as_deref() != Some(listening.as_str()) {
+        let _ = child.start_kill();
+        panic!(
+            "asyncpg script: {first:?} instead of {listening:?}\n{}",
+            stderr.await.unwrap_or_default()
+        );
+    }
+    let backends = monitor.backend_count(APP_DB, APP_USER).await;
+    let pool = proxy.app_pool().await;
+    eprintln!("{CLIENTS} asyncpg listeners: {backends} server connections of {APP_USER}");
+    assert_eq!(pool["listening"], CLIENTS, "{pool}");
+    assert_eq!(pool["listen_channels"], 5, "{pool}");
+    assert!(
+        backends <= MAX_BACKENDS,
+        "{backends} server connections for {CLIENTS} listening clients on a pool of {POOL}"
+    );
+    assert_eq!(
+        listeners(&monitor).await.len(),
+        1,
+        "one listener connection"
+    );
+    stdin.write_all(b"go\n").await.expect("write go");
+    drop(stdin);
+
+    let mut out = vec![first.unwrap_or_default()];
+    while let Some(line) = within(
+        Duration::from_secs(60),
+        "the asyncpg script's output",
+        lines.next_line(),
+    )
+    .await
+    .expect("read stdout")
+    {
+        out.push(line);
+    }
+    let status = within(STEP, "the asyncpg script to exit", child.wait())
+        .await
+        .expect("wait");
+    let stderr = stderr.await.unwrap_or_default();
+    let stdout = out.join("\n");
+    assert!(
+        status.success(),
+        "asyncpg script: {status}\n{stdout}\n{stderr}"
+    );
+    // Round 1: 200 clients on one channel and 40 on a second, 3 notifications each; round 2:
+    // 50 have unlistened one channel.
+    let expected = [
+        "listening 200",
+        "round 1 notifications 720",
+        "queries 1 done",
+        "unlistened 50",
+        "round 2 notifications 570",
+        "queries 2 done",
+    ];
+    assert_eq!(out[..out.len() - 1], expected, "{stdout}\n{stderr}");
+    assert!(out[out.len() - 1].starts_with("ok in "), "{stdout}");
+
+    drop(sampler);
+    let most = most.load(Ordering::Relaxed);
+    eprintln!("at most {most} server connections of {APP_USER} during the run");
+    assert!(
+        most <= MAX_BACKENDS,
+        "{most} server connections at some point during the run (pool {POOL} + listener)"
+    );
+    proxy.assert_healthy().await;
 }
