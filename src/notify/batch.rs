@@ -5,9 +5,11 @@
 //! Owns the shape: every message up to and including the Sync is already sent and is one of
 //! a Parse whose text `sql::parse` reads as one `LISTEN`/`UNLISTEN`, a Describe or Close of
 //! such a statement (prepared in this batch or an earlier one the proxy answered), a Bind of
-//! one with no parameters to the unnamed portal, a Describe, Execute or Close of that portal,
-//! a Flush. Anything else — another statement, a named portal, a parameter, a Sync not yet
-//! arrived — is not this shape, and the batch goes to a backend as any other.
+//! one with no parameters to the unnamed portal, a Describe, Execute or Close of that portal;
+//! a Flush ends it as a Sync does, but owes no ReadyForQuery (asyncpg prepares with Parse,
+//! Describe, Flush and waits for the answers). Anything else — another statement, a named
+//! portal, a parameter, neither Sync nor Flush arrived yet — is not this shape, and the batch
+//! goes to a backend as any other.
 
 use crate::protocol::framing::{self, Direction};
 use crate::protocol::messages::{Bind, Parse, Target};
@@ -35,11 +37,14 @@ pub enum Step<'a> {
     Close { statement: Option<&'a [u8]> },
 }
 
-/// Such a batch: its steps in order and its length in bytes (the Sync included).
+/// Such a batch: its steps in order, its length in bytes (the Sync or Flush that ends it
+/// included), and whether a Sync ends it (a ReadyForQuery is owed) or a Flush (the driver
+/// waits for the answers so far before it sends the rest: asyncpg's prepare).
 #[derive(Debug, PartialEq, Eq)]
 pub struct Batch<'a> {
     pub steps: Vec<Step<'a>>,
     pub len: usize,
+    pub sync: bool,
 }
 
 /// Reads `buf` (from the batch's first message on) as such a batch; `known` gives the
@@ -62,10 +67,13 @@ pub fn read<'a>(buf: &'a [u8], known: impl Fn(&[u8]) -> Option<Command>) -> Opti
         let body = &buf[at + framing::HEADER_LEN..at + h.total];
         at += h.total;
         let step = match h.tag {
-            frontend::SYNC => {
-                return (!steps.is_empty()).then_some(Batch { steps, len: at });
+            frontend::SYNC | frontend::FLUSH => {
+                return (!steps.is_empty()).then_some(Batch {
+                    steps,
+                    len: at,
+                    sync: h.tag == frontend::SYNC,
+                });
             }
-            frontend::FLUSH => continue,
             frontend::PARSE => {
                 let p = Parse::read(body)?;
                 let cmd = sql::parse(p.query)?;
@@ -114,7 +122,10 @@ pub fn read<'a>(buf: &'a [u8], known: impl Fn(&[u8]) -> Option<Command>) -> Opti
 /// A Bind's tail (after the statement name) with no parameters: its format codes, a
 /// parameter count of 0, then its result formats.
 fn no_parameters(tail: &[u8]) -> bool {
-    let Some(n) = tail.get(..2).map(|b| usize::from(u16::from_be_bytes([b[0], b[1]]))) else {
+    let Some(n) = tail
+        .get(..2)
+        .map(|b| usize::from(u16::from_be_bytes([b[0], b[1]])))
+    else {
         return false;
     };
     let at = 2 + 2 * n;
@@ -159,22 +170,29 @@ mod tests {
         let prepare = [
             parse(stmt, "LISTEN \"Gamma Ray\""),
             msg(b'D', format!("S{stmt}\0").as_bytes()),
-            sync(),
+            msg(b'H', b""),
             b"trailing".to_vec(),
         ]
         .concat();
         let b = read(&prepare, |_| None).expect("prepare");
         assert_eq!(b.len, prepare.len() - b"trailing".len());
-        assert!(matches!(&b.steps[0], Step::Parse { name, cmd: Command::Listen(ch) }
-            if *name == stmt.as_bytes() && ch.name == "Gamma Ray"));
+        assert!(!b.sync, "ended by its Flush");
+        assert!(
+            matches!(&b.steps[0], Step::Parse { name, cmd: Command::Listen(ch) }
+            if *name == stmt.as_bytes() && ch.name == "Gamma Ray")
+        );
         assert_eq!(b.steps[1], Step::DescribeStatement);
 
         let run = [bind(stmt, 0), execute(), sync()].concat();
-        assert!(read(&run, |_| None).is_none(), "not a statement it answered");
+        assert!(
+            read(&run, |_| None).is_none(),
+            "not a statement it answered"
+        );
         let known = |n: &[u8]| {
             (n == stmt.as_bytes()).then(|| sql::parse(b"LISTEN \"Gamma Ray\"").expect("cmd"))
         };
         let b = read(&run, known).expect("run");
+        assert!(b.sync);
         assert_eq!(b.steps.len(), 2);
         assert!(matches!(b.steps[1], Step::Execute(Command::Listen(_))));
     }
@@ -188,7 +206,7 @@ mod tests {
             [parse("", "NOTIFY a"), sync()].concat(),
             // A parameter.
             [parse("", "LISTEN a"), bind("", 1), execute(), sync()].concat(),
-            // No Sync yet.
+            // Neither Sync nor Flush yet.
             [parse("", "LISTEN a"), bind("", 0), execute()].concat(),
             // A named portal.
             [parse("", "LISTEN a"), msg(b'E', b"p\0\0\0\0\0"), sync()].concat(),

@@ -17,9 +17,13 @@
 //! - Inside a transaction block `LISTEN`/`UNLISTEN` is refused (0A000, raised by Postgres so
 //!   the transaction aborts as for any error): Postgres would apply it at COMMIT, on a backend
 //!   this client does not keep.
+//! - The extended protocol: a batch that only prepares, describes, binds, executes or closes
+//!   such statements (`notify::batch`), up to its Sync or a Flush, is answered here whole
+//!   under the same conditions; the statements it prepared are kept
+//!   (`SessionCore::listen_statements`) for the driver's later Bind of them.
 //! - Behind a request still in flight (a pipeline), from a pinned client, and anything the
-//!   reader does not take (several statements, the extended protocol) goes to the backend as
-//!   before, which pins; an `UNLISTEN` there also leaves the proxy's channels.
+//!   readers do not take (several statements, a batch with other work) goes to the backend
+//!   as before, which pins; an `UNLISTEN` there also leaves the proxy's channels.
 
 use std::pin::Pin;
 use std::task::{Context, Poll};
@@ -194,6 +198,11 @@ impl Relay {
                             return Err(End::Error(e));
                         }
                         e.encode(&mut self.core.cout);
+                        if !b.sync {
+                            // Its Sync has not come yet: what comes before it is dropped.
+                            self.core.requests.skip_until_sync();
+                            return Ok(b.len);
+                        }
                         break;
                     }
                 }
@@ -205,7 +214,9 @@ impl Relay {
                 }
             }
         }
-        messages::ready_for_query(&mut self.core.cout, b'I');
+        if b.sync {
+            messages::ready_for_query(&mut self.core.cout, b'I');
+        }
         Ok(b.len)
     }
 
