@@ -686,7 +686,8 @@ impl Relay {
                     }
                     self.apply_step_effects(step, class, t)?
                 }
-                Flow::Follow(joined, rule, t) => {
+                Flow::Follow(follow) => {
+                    let (joined, rule, t) = *follow;
                     if self.follow(joined, rule, class, step).await {
                         return Ok(None);
                     }
@@ -729,7 +730,7 @@ impl Relay {
         if let Some(rule) = self.unit.rule_coalesce.take() {
             match self.join_shared(rule, class, step) {
                 Some(j @ crate::coalesce::Joined::Follow(_)) => {
-                    return Ok(Flow::Follow(j, rule, t));
+                    return Ok(Flow::Follow(Box::new((j, rule, t))));
                 }
                 Some(crate::coalesce::Joined::Lead(l)) => self.unit.lead = Some(l),
                 None => {}
@@ -1865,8 +1866,12 @@ fn may_listen_batch(
     listening: &[(Box<[u8]>, crate::notify::sql::Command)],
 ) -> bool {
     match tag {
-        b'P' => messages::Parse::read(&frame[framing::HEADER_LEN..])
-            .is_some_and(|p| crate::notify::sql::may_be_listen(p.query)),
+        b'P' => {
+            // The text starts after the statement's name: only the name is scanned.
+            let body = &frame[framing::HEADER_LEN..];
+            memchr::memchr(0, body)
+                .is_some_and(|end| crate::notify::sql::may_be_listen(&body[end + 1..]))
+        }
         b'B' | b'D' | b'C' => !listening.is_empty(),
         _ => false,
     }
@@ -1897,13 +1902,16 @@ enum Flow {
     /// Admitted with these timeouts; a backend has to be checked out.
     Attach(Timeouts),
     /// Admitted with these timeouts; the same read runs for another client: wait for its
-    /// result (a COALESCE rule).
-    Follow(
-        crate::coalesce::Joined,
-        crate::policy::rules::CoalesceRule,
-        Timeouts,
-    ),
+    /// result (a COALESCE rule). Boxed: every statement's `Flow` stays a few words.
+    Follow(Box<Following>),
 }
+
+/// A follower of a shared read, its rule and the timeouts it runs with if it runs its own.
+type Following = (
+    crate::coalesce::Joined,
+    crate::policy::rules::CoalesceRule,
+    Timeouts,
+);
 
 /// How a statement is admitted.
 #[derive(Clone, Copy, PartialEq, Eq)]
