@@ -136,7 +136,7 @@ mod tests {
     #[test]
     fn the_shapes_drivers_send_are_read_with_names_left_out_of_the_key() {
         let sql = "SELECT v FROM t WHERE id = $1";
-        // Parse, Bind, Describe, Execute, Sync (pgjdbc, asyncpg's first run).
+        // Parse, Bind, Describe, Execute, Sync.
         let first = parse("s1", sql);
         let rest = cat(&[bind("", "s1", "7"), describe_portal(), execute(0), sync()]);
         let a = read(&first, &rest).expect("shape");

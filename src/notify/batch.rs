@@ -215,7 +215,7 @@ mod tests {
         ] {
             assert!(read(&batch, |_| None).is_none(), "{batch:?}");
         }
-        // psycopg 3 / pgjdbc: the unnamed statement, in one batch.
+        // The unnamed statement, all in one batch.
         let one = [
             parse("", "UNLISTEN *"),
             bind("", 0),

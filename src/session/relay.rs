@@ -806,7 +806,6 @@ impl Relay {
             tag: b'Q',
             admit: AdmitStep::Now,
             route: Routing::Query,
-            text: Some(sql),
             frame,
             effects: Effects::Apply(Some(sql)),
         };
@@ -849,7 +848,6 @@ impl Relay {
             tag: b'F',
             admit: AdmitStep::Now,
             route: Routing::No,
-            text: None,
             frame,
             effects: Effects::Apply(None),
         };
@@ -893,7 +891,6 @@ impl Relay {
                 opened_by: Some(p.name),
                 rest,
             },
-            text: None,
             frame,
             effects: Effects::AtBind,
         };
@@ -962,7 +959,6 @@ impl Relay {
                 opened_by: None,
                 rest,
             },
-            text: None,
             frame,
             effects: Effects::Apply(text.as_deref()),
         };
@@ -1884,9 +1880,8 @@ struct Step<'a> {
     admit: AdmitStep,
     /// How it takes part in routing its unit to a replica.
     route: Routing<'a>,
-    /// A simple Query's text: what a COALESCE rule shares it by.
-    text: Option<&'a [u8]>,
-    /// The whole message (a Parse or Bind opening a batch: what a COALESCE rule reads it by).
+    /// The whole message (what a COALESCE rule shares it by: a Query's text, or the batch a
+    /// Parse or Bind opens).
     frame: &'a [u8],
     effects: Effects<'a>,
 }

@@ -49,12 +49,13 @@ impl Relay {
         if !eligible {
             return None;
         }
-        let (text, key): (Bytes, Bytes) = match (step.tag, step.text, step.route) {
-            (b'Q', Some(text), _) => {
-                let t = Bytes::copy_from_slice(text);
+        let (text, key): (Bytes, Bytes) = match (step.tag, step.route) {
+            (b'Q', _) => {
+                let sql = messages::query_body(&step.frame[framing::HEADER_LEN..])?;
+                let t = Bytes::copy_from_slice(sql);
                 (t.clone(), t)
             }
-            (b'P' | b'B', _, Routing::Batch { rest, .. }) => {
+            (b'P' | b'B', Routing::Batch { rest, .. }) => {
                 let b = batch::read(step.frame, rest)?;
                 let (text, types) = match &b.parse {
                     Some(p) => (
