@@ -18,8 +18,8 @@ use std::time::Duration;
 use bytes::{Bytes, BytesMut};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
-use super::{Shared, sql};
-use crate::pool::{BackendConn, Pool};
+use super::{ListenSource, Shared, sql};
+use crate::pool::backend::BackendConn;
 use crate::protocol::PgError;
 use crate::protocol::framing::{self, Direction};
 use crate::protocol::tag::backend;
@@ -42,7 +42,7 @@ enum Stop {
 }
 
 /// The listener task of a pool's hub: runs until the pool is dropped.
-pub(super) async fn run(pool: Weak<Pool>, shared: Arc<Shared>) {
+pub(super) async fn run(pool: Weak<dyn ListenSource>, shared: Arc<Shared>) {
     let mut failures = 0u32;
     let mut was_lost = false;
     loop {
@@ -64,7 +64,7 @@ pub(super) async fn run(pool: Weak<Pool>, shared: Arc<Shared>) {
         }
         let Some(p) = pool.upgrade() else { return };
         let mut params = (*p.connect_params()).clone();
-        let name = p.name.clone();
+        let name = p.name().to_owned();
         drop(p);
         params.startup.retain(|(k, _)| k != "application_name");
         params
@@ -134,7 +134,7 @@ fn announce(shared: &Shared, what: &str) {
 async fn serve(
     mut conn: BackendConn,
     shared: &Shared,
-    pool: &Weak<Pool>,
+    pool: &Weak<dyn ListenSource>,
     resumed: bool,
     synced: &mut bool,
 ) -> Stop {

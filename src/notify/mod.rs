@@ -35,7 +35,7 @@ use bytes::{Bytes, BytesMut};
 use futures_util::task::AtomicWaker;
 use parking_lot::Mutex;
 
-use crate::pool::Pool;
+use crate::pool::backend::ConnectParams;
 
 /// Most notifications one client may have waiting.
 pub const MAX_QUEUED: usize = 1_000;
@@ -117,7 +117,14 @@ impl Mailbox {
     }
 }
 
-/// One pool's registry and its listener. Lives in the [`Pool`].
+/// What the listener needs of the pool whose hub it serves: how to connect as it does, and
+/// its name for the logs. The listener holds it weakly and ends when the pool is gone.
+pub trait ListenSource: Send + Sync + 'static {
+    fn connect_params(&self) -> Arc<ConnectParams>;
+    fn name(&self) -> &str;
+}
+
+/// One pool's registry and its listener. Lives in the pool (`pool::Pool::notify`).
 #[derive(Default)]
 pub struct Hub {
     shared: Arc<Shared>,
@@ -183,9 +190,9 @@ impl Hub {
 
     /// A membership for one session of `pool` (whose hub this is); starts the listener task
     /// the first time.
-    pub fn join(&self, pool: &Arc<Pool>) -> Member {
+    pub fn join<P: ListenSource>(&self, pool: &Arc<P>) -> Member {
         if !self.shared.started.swap(true, Ordering::AcqRel) {
-            let weak: Weak<Pool> = Arc::downgrade(pool);
+            let weak: Weak<dyn ListenSource> = Arc::downgrade(pool) as Weak<dyn ListenSource>;
             tokio::spawn(listener::run(weak, Arc::clone(&self.shared)));
         }
         Member {

@@ -17,7 +17,7 @@ pub mod backend;
 pub mod caps;
 pub mod catalog;
 pub mod park;
-pub mod prepared;
+pub use crate::protocol::prepared;
 pub mod reset;
 pub mod slots;
 pub mod verify;
@@ -1639,6 +1639,16 @@ impl Pools {
 
     pub fn all(&self) -> Vec<Arc<Pool>> {
         self.map.lock().values().cloned().collect()
+    }
+}
+
+impl crate::notify::ListenSource for Pool {
+    fn connect_params(&self) -> Arc<ConnectParams> {
+        Pool::connect_params(self)
+    }
+
+    fn name(&self) -> &str {
+        &self.name
     }
 }
 

@@ -2,7 +2,11 @@
 //! (critical → low), FIFO within a priority, each with its own deadline. The last `reserve`
 //! free slots are the critical priority's alone: other priorities take a slot only while
 //! more than `reserve` are free, so a storm of lower-priority work can never hold every
-//! backend while critical work waits.
+//! backend while critical work waits. The reserve grows with what critical work uses: to one
+//! more than the most slots it held at once in the last [`PEAK_WINDOW`] (up to a
+//! [`YIELD_SHARE`]th of the pool), so a critical caller whose transactions overlap — more of
+//! them as the database slows — still finds a slot free when lower priorities hold the rest,
+//! instead of waiting for one of their transactions (a report's: seconds) to end.
 //!
 //! A slot is handed to a waiter through its *mailbox*: an entry of a slab kept under the same
 //! lock as the counts and the queues. A release that finds a waiter marks its mailbox granted
@@ -69,6 +73,10 @@ pub const PRESSURE_HOLD: Duration = Duration::from_secs(10);
 /// Under pressure, a lower priority holds at most `capacity / YIELD_SHARE` slots (at least 1).
 pub const YIELD_SHARE: usize = 4;
 
+/// How long the most slots critical work held at once keeps the reserve that large (it
+/// counts for one to two windows).
+pub const PEAK_WINDOW: Duration = Duration::from_secs(10);
+
 /// With fair shares, how often the sweeper looks again while a waiter's caller is above its
 /// share and holds a backend.
 pub const SHARE_LOOK: Duration = Duration::from_millis(50);
@@ -117,11 +125,42 @@ enum Mail {
     TimedOut,
 }
 
+/// The most of something seen at once in the current [`PEAK_WINDOW`] and the one before.
+#[derive(Default)]
+struct Peak {
+    current: usize,
+    previous: usize,
+    since: Option<Instant>,
+}
+
+impl Peak {
+    fn note(&mut self, n: usize, now: Instant) {
+        match self.since {
+            Some(t) if now.saturating_duration_since(t) < PEAK_WINDOW => {}
+            Some(t) => {
+                // The window before the new one counts if it was the one just ended.
+                let ended_now = now.saturating_duration_since(t) < 2 * PEAK_WINDOW;
+                self.previous = if ended_now { self.current } else { 0 };
+                self.current = 0;
+                self.since = Some(now);
+            }
+            None => self.since = Some(now),
+        }
+        self.current = self.current.max(n);
+    }
+
+    fn get(&self) -> usize {
+        self.current.max(self.previous)
+    }
+}
+
 struct Inner {
     capacity: usize,
     available: usize,
-    /// Free slots only priority 0 may take.
+    /// Free slots only priority 0 may take (at least; see [`Inner::keep`]).
     reserve: usize,
+    /// The most slots priority 0 held at once, this window and the last.
+    critical_peak: Peak,
     /// Slots each priority holds now.
     held: [usize; PRIORITIES],
     /// Most slots each priority may hold (the adaptive limit's shares; all by default).
@@ -173,6 +212,17 @@ impl Wakes {
 }
 
 impl Inner {
+    /// Free slots the priorities below critical leave alone: the configured reserve, or one
+    /// more than critical work's recent peak when that is larger (at most a [`YIELD_SHARE`]th
+    /// of the pool). No reserve configured (no critical caller, or a pool under four): none.
+    fn keep(&self) -> usize {
+        if self.reserve == 0 {
+            return 0;
+        }
+        let grown = (self.critical_peak.get() + 1).min(self.capacity / YIELD_SHARE);
+        self.reserve.max(grown)
+    }
+
     /// Entries in the wait queues (including waiters that left and are not yet popped).
     fn queued(&self) -> usize {
         self.waiters.iter().map(VecDeque::len).sum()
@@ -187,7 +237,7 @@ impl Inner {
     /// non-critical priorities) and `p` is below its cap — its yield share while a more
     /// urgent (non-critical) priority is under pressure.
     fn may_take(&self, p: usize) -> bool {
-        let keep = if p == 0 { 0 } else { self.reserve };
+        let keep = if p == 0 { 0 } else { self.keep() };
         let mut cap = self.caps[p];
         if p > 1 && self.pressed[1..p].iter().any(Option::is_some) {
             cap = cap.min((self.capacity / YIELD_SHARE).max(1));
@@ -246,6 +296,10 @@ impl Inner {
                 self.available -= 1;
                 self.held[p] += 1;
                 self.served[p] += 1;
+                if p == 0 {
+                    let at = *now.get_or_insert_with(Instant::now);
+                    self.critical_peak.note(self.held[0], at);
+                }
                 let since = w.caller.map(|c| {
                     let at = *now.get_or_insert_with(Instant::now);
                     self.shares.start(c, at);
@@ -399,6 +453,7 @@ impl Slots {
                 capacity,
                 available: capacity,
                 reserve: reserve.min(capacity.saturating_sub(1)),
+                critical_peak: Peak::default(),
                 held: [0; PRIORITIES],
                 caps: [capacity; PRIORITIES],
                 waiters: Default::default(),
@@ -570,8 +625,9 @@ impl Slots {
         self.inner.lock().arrivals[priority.min(PRIORITIES - 1)].waited_out();
     }
 
-    /// The periodic look (once a second): resolves the arrival decisions' hint checks and
-    /// ends the pressure of priorities that have not queued for [`PRESSURE_HOLD`].
+    /// The periodic look (once a second): resolves the arrival decisions' hint checks, ends
+    /// the pressure of priorities that have not queued for [`PRESSURE_HOLD`] and lets the
+    /// critical reserve shrink back to critical work's recent peak.
     pub fn tick(self: &Arc<Self>, now: Instant) {
         let mut wakes = Wakes::default();
         {
@@ -580,7 +636,11 @@ impl Slots {
                 let served = g.served[..=p].iter().sum();
                 g.arrivals[p].tick(served, now);
             }
-            let mut relaxed = false;
+            // The reserve shrinks back once critical work's peak is two windows old.
+            let kept = g.keep();
+            let held = g.held[0];
+            g.critical_peak.note(held, now);
+            let mut relaxed = g.keep() < kept;
             for at in &mut g.pressed {
                 if at.is_some_and(|t| now.saturating_duration_since(t) >= PRESSURE_HOLD) {
                     *at = None;
@@ -637,6 +697,10 @@ impl Slots {
         }
         g.available -= 1;
         g.held[priority] += 1;
+        if priority == 0 {
+            let held = g.held[0];
+            g.critical_peak.note(held, now);
+        }
         if let Some(c) = asker.caller {
             g.shares.start(c, now);
         }
@@ -691,7 +755,7 @@ impl Slots {
     /// parked with its idle client ([`Parking`]) without keeping anyone from one.
     pub fn quiet(&self) -> bool {
         let g = self.inner.lock();
-        g.available > g.reserve && g.queued() == 0
+        g.available > g.keep() && g.queued() == 0
     }
 
     /// Clients queued at the last change, without the lock (waiters that left may still
@@ -713,9 +777,10 @@ impl Slots {
         self.inner.lock().available
     }
 
-    /// Slots only critical waiters may take.
+    /// Slots only critical waiters may take now (the configured reserve, grown to critical
+    /// work's recent peak).
     pub fn reserve(&self) -> usize {
-        self.inner.lock().reserve
+        self.inner.lock().keep()
     }
 
     /// Most slots each priority may hold now.
@@ -941,6 +1006,57 @@ mod tests {
             0,
             "a pool of one has no reserve"
         );
+    }
+
+    /// Critical work that held four slots at once leaves five free when lower priorities
+    /// fill the pool (its peak + 1, capped at a quarter of 20), so its next transactions find
+    /// one at once; two windows after its last peak the reserve is back to the configured 2.
+    #[tokio::test(start_paused = true)]
+    async fn the_reserve_grows_to_critical_work_s_recent_peak() {
+        let s = Slots::new(20, 2);
+        let fill = |s: &Arc<Slots>| {
+            let mut lows = Vec::new();
+            while let Some(p) = s.try_acquire(3, Instant::now()) {
+                lows.push(p);
+            }
+            lows
+        };
+        assert_eq!(
+            fill(&s).len(),
+            18,
+            "before any critical work: the configured reserve"
+        );
+        let s = Slots::new(20, 2);
+        let critical: Vec<_> = (0..4)
+            .map(|_| s.try_acquire(0, Instant::now()).expect("critical"))
+            .collect();
+        drop(critical);
+        assert_eq!(s.reserve(), 5);
+        let lows = fill(&s);
+        assert_eq!(lows.len(), 15, "five left for critical work");
+        let crit: Vec<_> = (0..5)
+            .map(|_| s.try_acquire(0, Instant::now()).expect("critical at once"))
+            .collect();
+        assert!(
+            s.try_acquire(0, Instant::now()).is_none(),
+            "the pool is full"
+        );
+        drop(crit);
+        // Five held at once: the reserve stays at its cap (five) through this window and
+        // the next ...
+        tokio::time::advance(Duration::from_secs(5)).await;
+        s.tick(Instant::now());
+        assert_eq!(s.reserve(), 5);
+        tokio::time::advance(PEAK_WINDOW).await;
+        s.tick(Instant::now());
+        assert_eq!(s.reserve(), 5, "the last window's peak still counts");
+        // ... and is back to the configured two once no window in sight saw it.
+        tokio::time::advance(PEAK_WINDOW).await;
+        s.tick(Instant::now());
+        assert_eq!(s.reserve(), 2);
+        let more = fill(&s);
+        assert_eq!(more.len(), 3, "lows take the room the reserve gave back");
+        drop((lows, more));
     }
 
     /// Caps hold a priority back even with free slots; raising them hands the room to its

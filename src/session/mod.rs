@@ -104,8 +104,9 @@ impl Drop for InlineLogin {
 /// Connections of one address that may wait for its share, per unit of the share: beyond,
 /// the address's new connections are refused at once (one host cannot queue up every client
 /// slot either). With the default share of 64, a storm from one address has 64 logins at
-/// work and 1 024 waiting, while it takes eight addresses to hold every handshake slot.
-pub const WAITING_PER_SHARE: usize = 16;
+/// work and 2 048 waiting (clients behind one NAT or load balancer arrive from one address),
+/// while it takes eight addresses to hold every handshake slot.
+pub const WAITING_PER_SHARE: usize = 32;
 
 impl HandshakeSlot {
     /// Takes a slot for a client at `ip`, waiting until `deadline` for one: first the

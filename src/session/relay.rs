@@ -282,7 +282,7 @@ impl Relay {
                     // lose no new connection.
                     self.core
                         .deadlines
-                        .drain_at(Instant::now() + DRAIN_IDLE_GRACE);
+                        .drain_at((Instant::now() + DRAIN_IDLE_GRACE).into_std());
                     Ok(())
                 }
                 Event::Deadline(Deadline::IdleGrace) => {
@@ -334,7 +334,7 @@ impl Relay {
         let (rt, caller) = (&self.rt, self.unit.caller);
         self.core.deadlines.arm_idle(
             idle,
-            Instant::now,
+            || Instant::now().into_std(),
             || match rt.config.limits.client_idle_timeout_ms {
                 0 => None,
                 ms => Some(Duration::from_millis(ms)),
@@ -466,10 +466,11 @@ impl Relay {
     /// deadline it served).
     #[inline(always)]
     fn poll_timer(&mut self, cx: &mut Context<'_>) -> Poll<Event> {
-        let Some(at) = self.core.deadlines.next() else {
+        let Some(due) = self.core.deadlines.next() else {
             self.timer = None;
             return Poll::Pending;
         };
+        let at = Instant::from_std(due);
         let timer = match &mut self.timer {
             Some(t) => {
                 if t.deadline() != at {
@@ -482,7 +483,7 @@ impl Relay {
         if timer.as_mut().poll(cx).is_pending() {
             return Poll::Pending;
         }
-        Poll::Ready(Event::Deadline(self.core.deadlines.due(at)))
+        Poll::Ready(Event::Deadline(self.core.deadlines.due(due)))
     }
 
     // ---------------------------------------------------------------- client → backend
@@ -1684,7 +1685,9 @@ impl Relay {
             // If the server sends nothing at all by then, it is unreachable and its
             // connection is given up.
             let grace = Duration::from_millis(self.pool.cfg.cancel_grace_ms);
-            self.core.deadlines.cancel_sent(Instant::now() + grace);
+            self.core
+                .deadlines
+                .cancel_sent((Instant::now() + grace).into_std());
         }
     }
 

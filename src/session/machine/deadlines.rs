@@ -6,7 +6,7 @@
 
 use std::time::Duration;
 
-use tokio::time::Instant;
+use std::time::Instant;
 
 /// Which deadline passed (in the order they win when two fall on the same instant).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

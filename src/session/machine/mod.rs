@@ -6,9 +6,9 @@
 //! serve ([`route`]) — and what the proxy knows of the client's server session (pinned,
 //! settings to read back, how its texts are read, what its writes require of a replica).
 //!
-//! It imports protocol, classify, the pool's prepared-statement cache and WAL position types
-//! and the tracker;
-//! never the app, a pool or a socket. The relay (`super::relay`) drives it: it reads the
+//! It imports protocol (prepared-statement names and WAL positions included), classify, the
+//! statistics' outcome type and the tracker; never the app, a pool, tokio or a socket (times
+//! are `std::time::Instant` values the driver hands in). The relay (`super::relay`) drives it: it reads the
 //! sockets, waits for admission and checkouts, and hands bytes and outcomes in. `oracle`
 //! checks the cores against a simulated Postgres (in the tests and under cargo-fuzz).
 

@@ -146,7 +146,7 @@ fn through_proxy(rounds: &[Vec<Op>], cuts: &[usize]) -> Vec<u8> {
         false,
     );
     let class = std::sync::Arc::new(crate::classify::fingerprint::analyze("SELECT 1", 1 << 20));
-    let now = tokio::time::Instant::now();
+    let now = std::time::Instant::now();
     let (mut tracked, mut completed) = (0u64, 0u64);
     let mut seen = Vec::new();
     for (n, round) in rounds.iter().enumerate() {

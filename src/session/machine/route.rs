@@ -17,11 +17,11 @@
 
 use std::sync::Arc;
 
-use tokio::time::Instant;
+use std::time::Instant;
 
 use crate::classify::{Classified, StmtKind};
-use crate::pool::wal::{Lsn, WalMark};
 use crate::protocol::framing::{self, Direction};
+use crate::protocol::lsn::{Lsn, WalMark};
 use crate::protocol::messages::{Bind, Parse};
 use crate::protocol::tag::frontend;
 

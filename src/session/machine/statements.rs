@@ -21,9 +21,9 @@ use bytes::Bytes;
 use xxhash_rust::xxh3::Xxh3;
 
 use crate::classify::Classified;
-use crate::pool::prepared::{Lookup, PreparedCache, server_name};
 use crate::protocol::PgError;
 use crate::protocol::messages::{self, Bind, Parse, Target};
+use crate::protocol::prepared::{Lookup, PreparedCache, server_name};
 use crate::protocol::tag::{frontend, target};
 use crate::session::tracker::{Expect, Kind, Mode, Outbox};
 

@@ -106,7 +106,7 @@ impl Relay {
     #[inline(always)]
     pub(super) fn admit_now(&mut self, class: &Arc<Classified>) -> Admit {
         let arrived = self.now();
-        self.core.tally.arrived(arrived);
+        self.core.tally.arrived(arrived.into_std());
         if !self.unit.is_open() {
             // A new unit: it runs under the configuration in force now, all of it (caller
             // matching, limits, series, timeouts) from one snapshot, whatever a reload does
@@ -258,7 +258,7 @@ impl Relay {
         let start = self.now();
         self.core
             .tally
-            .track(class, self.unit.last_caller, start, ready_seq);
+            .track(class, self.unit.last_caller, start.into_std(), ready_seq);
     }
 
     /// A client ReadyForQuery arrived: records the statements it completes (caller metrics,
@@ -268,7 +268,7 @@ impl Relay {
         let now = self.now();
         let idle = self.core.out.t.txn == b'I';
         let (rt, app) = (&self.rt, &self.app);
-        let ready = self.core.tally.ready(now, rows, idle, |f| {
+        let ready = self.core.tally.ready(now.into_std(), rows, idle, |f| {
             rt.caller_metrics
                 .query(f.caller, f.total, f.elapsed, f.succeeded);
             // Every statement that reached the backend tells the breaker how it went.
@@ -347,7 +347,7 @@ impl Relay {
             // must not bring the backstop forward (only statements with a timeout get here).
             self.core
                 .deadlines
-                .arm_backstop(Instant::now() + d + Duration::from_secs(1));
+                .arm_backstop((Instant::now() + d + Duration::from_secs(1)).into_std());
         }
     }
 

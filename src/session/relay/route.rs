@@ -103,7 +103,12 @@ impl Relay {
         let metrics = &self.rt.caller_metrics;
         match &self.lease.replica {
             Some(r) if r.replica_usable(entry.max_replica_lag_ms) => {
-                if self.core.reads.fresh.allows(r.replica_replay_lsn(), now) {
+                if self
+                    .core
+                    .reads
+                    .fresh
+                    .allows(r.replica_replay_lsn(), now.into_std())
+                {
                     self.lease.unit_pool = Some(Arc::clone(r));
                     metrics.replica_read(caller, TO_REPLICA);
                 } else {
@@ -181,7 +186,7 @@ impl Relay {
             .and_then(|c| c.read_your_writes_ms);
         self.core.reads.fresh = match window {
             Some(0) => Fresh::Any,
-            Some(ms) => Fresh::After(now + Duration::from_millis(ms)),
+            Some(ms) => Fresh::After((now + Duration::from_millis(ms)).into_std()),
             None => {
                 let mark = Arc::new(WalMark::default());
                 tokio::spawn(b.release_after_wal_read(Arc::clone(&mark)));
