@@ -543,7 +543,11 @@ row() { printf '| %s | %s | %s | %s | %s | %s |\n' "$@"; }
   fi
   echo
   echo "TPS: median over rounds; 'fail' = pgbench could not run (direct -c 512 exceeds max_connections=300);"
-  echo "'n/a' = PgBouncer $BOUNCER_VERSION cannot run -M prepared in transaction mode (1.21+ can)."
+  if [ "$BOUNCER_PREPARED" = 1 ]; then
+    echo "PgBouncer $BOUNCER_VERSION ran -M prepared with max_prepared_statements = 200."
+  else
+    echo "'n/a' = PgBouncer $BOUNCER_VERSION cannot run -M prepared in transaction mode (1.21+ can)."
+  fi
   echo "Raw data, storm tables, CSV time series and SVG charts: $OUT"
 } | tee "$OUT/table.md"
 
