@@ -483,9 +483,13 @@ pub struct PoolConfig {
     pub checkout_timeout_ms: u64,
     /// Backends only critical callers may take (the last free ones), so lower priorities can
     /// never hold the whole pool while critical work waits. Unset: a tenth of `size` (at
-    /// least 1) in pools of 4 or more when some caller is `critical`, else none. At most
-    /// `size - 1`.
+    /// least 1) in pools of 4 or more when some caller is `critical`, else none, growing with
+    /// critical work's recent peak (`pool::slots`); set, exactly that. At most `size - 1`.
     pub critical_reserve: Option<usize>,
+    /// `critical_reserve` was set by the operator (filled in by [`Config::pool_for`]): the
+    /// reserve stays as set instead of growing with critical work's peak.
+    #[serde(skip)]
+    pub critical_reserve_fixed: bool,
     /// The adaptive concurrency limit: non-critical priorities may hold fewer backends while
     /// the database's measured load is above `adaptive_target_percent` (lowest priority cut
     /// first). Unset: on when some caller has a priority other than `normal`.
@@ -534,6 +538,7 @@ impl Default for PoolConfig {
             max_lifetime_ms: 3_600_000,
             checkout_timeout_ms: 2_000,
             critical_reserve: None,
+            critical_reserve_fixed: false,
             adaptive: None,
             adaptive_floor: 2,
             adaptive_target_percent: 50.0,
@@ -1362,6 +1367,7 @@ impl Config {
         } else {
             0
         };
+        p.critical_reserve_fixed = p.critical_reserve.is_some();
         let reserve = p.critical_reserve.unwrap_or(auto);
         p.critical_reserve = Some(reserve.min(p.size.saturating_sub(1)));
         let prioritised = self.callers.iter().any(|c| c.priority != Priority::Normal);
@@ -1400,6 +1406,27 @@ mod tests {
 
     fn password(c: &Config) -> Option<String> {
         c.backend_url().and_then(|u| u.password)
+    }
+
+    /// The critical reserve: unset, a tenth of the pool that may grow; set, fixed as set.
+    #[test]
+    fn an_operator_s_critical_reserve_is_fixed_and_the_default_grows() {
+        let callers = "callers:\n  - { name: pay, priority: critical }\n";
+        let auto = Config::from_yaml(&format!("pool:\n  size: 20\n{callers}")).unwrap();
+        let p = auto.pool_for("d", "u");
+        assert_eq!(
+            (p.critical_reserve, p.critical_reserve_fixed),
+            (Some(2), false)
+        );
+        let set = Config::from_yaml(&format!(
+            "pool:\n  size: 20\n  critical_reserve: 3\n{callers}"
+        ))
+        .unwrap();
+        let p = set.pool_for("d", "u");
+        assert_eq!(
+            (p.critical_reserve, p.critical_reserve_fixed),
+            (Some(3), true)
+        );
     }
 
     #[test]

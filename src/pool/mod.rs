@@ -263,7 +263,14 @@ impl Pool {
             },
             database: database.to_string(),
             user: user.to_string(),
-            slots: Slots::with_fair(cfg.size, cfg.critical_reserve.unwrap_or(0), cfg.fair_shares),
+            slots: {
+                let slots =
+                    Slots::with_fair(cfg.size, cfg.critical_reserve.unwrap_or(0), cfg.fair_shares);
+                if cfg.critical_reserve_fixed {
+                    slots.fix_reserve();
+                }
+                slots
+            },
             attempts: Semaphore::new(cfg.max_connect_attempts),
             cfg,
             connect: Mutex::new(Arc::new(connect)),

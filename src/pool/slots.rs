@@ -161,6 +161,8 @@ struct Inner {
     reserve: usize,
     /// The most slots priority 0 held at once, this window and the last.
     critical_peak: Peak,
+    /// The reserve grows with `critical_peak` (an operator's explicit reserve does not).
+    reserve_grows: bool,
     /// Slots each priority holds now.
     held: [usize; PRIORITIES],
     /// Most slots each priority may hold (the adaptive limit's shares; all by default).
@@ -214,10 +216,11 @@ impl Wakes {
 impl Inner {
     /// Free slots the priorities below critical leave alone: the configured reserve, or one
     /// more than critical work's recent peak when that is larger (at most a [`YIELD_SHARE`]th
-    /// of the pool). No reserve configured (no critical caller, or a pool under four): none.
+    /// of the pool). No reserve (no critical caller, or a pool under four): none; a reserve
+    /// the operator set ([`Slots::fix_reserve`]): exactly that.
     fn keep(&self) -> usize {
-        if self.reserve == 0 {
-            return 0;
+        if self.reserve == 0 || !self.reserve_grows {
+            return self.reserve;
         }
         let grown = (self.critical_peak.get() + 1).min(self.capacity / YIELD_SHARE);
         self.reserve.max(grown)
@@ -454,6 +457,7 @@ impl Slots {
                 available: capacity,
                 reserve: reserve.min(capacity.saturating_sub(1)),
                 critical_peak: Peak::default(),
+                reserve_grows: true,
                 held: [0; PRIORITIES],
                 caps: [capacity; PRIORITIES],
                 waiters: Default::default(),
@@ -777,6 +781,12 @@ impl Slots {
         self.inner.lock().available
     }
 
+    /// The reserve stays as configured: it does not grow with critical work's peak (an
+    /// operator set `pool.critical_reserve`).
+    pub fn fix_reserve(&self) {
+        self.inner.lock().reserve_grows = false;
+    }
+
     /// Slots only critical waiters may take now (the configured reserve, grown to critical
     /// work's recent peak).
     pub fn reserve(&self) -> usize {
@@ -1057,6 +1067,16 @@ mod tests {
         let more = fill(&s);
         assert_eq!(more.len(), 3, "lows take the room the reserve gave back");
         drop((lows, more));
+
+        // A reserve the operator set stays as set.
+        let fixed = Slots::new(20, 2);
+        fixed.fix_reserve();
+        let critical: Vec<_> = (0..4)
+            .map(|_| fixed.try_acquire(0, Instant::now()).expect("critical"))
+            .collect();
+        drop(critical);
+        assert_eq!(fixed.reserve(), 2);
+        assert_eq!(fill(&fixed).len(), 18);
     }
 
     /// Caps hold a priority back even with free slots; raising them hands the room to its
