@@ -8,9 +8,10 @@
 //!
 //! It imports protocol (prepared-statement names and WAL positions included), classify, the
 //! statistics' outcome type and the tracker; never the app, a pool, tokio or a socket (times
-//! are `std::time::Instant` values the driver hands in). The relay (`super::relay`) drives it: it reads the
-//! sockets, waits for admission and checkouts, and hands bytes and outcomes in. `oracle`
-//! checks the cores against a simulated Postgres (in the tests and under cargo-fuzz).
+//! are `std::time::Instant` values the driver hands in). The relay (`super::relay`) drives
+//! it: it reads the sockets, waits for admission and checkouts, and hands bytes and outcomes
+//! in. `oracle` checks the cores against a simulated Postgres (in the tests and under
+//! cargo-fuzz).
 
 use bytes::BytesMut;
 

@@ -39,18 +39,32 @@ async fn pids(monitor: &Monitor, db: &str) -> BTreeSet<i32> {
     rows.iter().map(|r| r.get(0)).collect()
 }
 
-/// Waits until `db` has exactly `n` backends, then checks every 100 ms for `hold` that the
-/// same ones stay; returns them.
+/// Waits until `db` has exactly `n` backends (the same ones 300 ms apart), then checks every
+/// 100 ms for `hold` that the same ones stay; returns them.
 async fn stable_pids(monitor: &Monitor, db: &str, n: usize, hold: Duration) -> BTreeSet<i32> {
+    stable_pids_in(monitor, db, n..=n, hold).await
+}
+
+/// [`stable_pids`] for a number of backends in `range`.
+async fn stable_pids_in(
+    monitor: &Monitor,
+    db: &str,
+    range: std::ops::RangeInclusive<usize>,
+    hold: Duration,
+) -> BTreeSet<i32> {
     let deadline = std::time::Instant::now() + STEP;
     let seen = loop {
         let seen = pids(monitor, db).await;
-        if seen.len() == n {
-            break seen;
+        // Settled: the same set twice, 300 ms apart (an upkeep round opens one at a time).
+        if range.contains(&seen.len()) {
+            tokio::time::sleep(Duration::from_millis(300)).await;
+            if pids(monitor, db).await == seen {
+                break seen;
+            }
         }
         assert!(
             std::time::Instant::now() < deadline,
-            "not {n} warm backends on {db} within {STEP:?}: {seen:?}"
+            "not {range:?} warm backends on {db} within {STEP:?}: {seen:?}"
         );
         tokio::time::sleep(Duration::from_millis(20)).await;
     };
@@ -126,14 +140,16 @@ async fn min_idle_connections_open_at_start_stay_open_and_are_reused() {
         overridden
     );
 
-    // A pool made at a client's first login: its one connection is topped up to 2 and kept.
+    // A pool made at a client's first login: topped up to 2 idle and kept. When the
+    // once-a-second upkeep runs while the client still holds its backend, 2 others open
+    // (`min_idle` counts idle connections), so 2 or 3 — but stable, and opened once each.
     let cfg = proxy.config(APP_USER, APP_PASSWORD, UNNAMED_DB);
     let (lazy, _task) = proxy.client_with(&cfg).await;
     scalar(&lazy, "SELECT 1").await;
     drop(lazy);
-    stable_pids(&monitor, UNNAMED_DB, 2, hold).await;
+    let kept = stable_pids_in(&monitor, UNNAMED_DB, 2..=3, hold).await;
     assert_eq!(
         connects(&proxy, &format!("{UNNAMED_DB}/{APP_USER}")).await,
-        2
+        kept.len() as u64
     );
 }
