@@ -537,14 +537,21 @@ for m in re.finditer(r"pub struct (\w+) \{(.*?)\n\}", text, re.S):
     if m.group(1) == "Overrides":
         continue
     rename = None
+    skipped = False
     for line in m.group(2).splitlines():
         r = re.search(r'rename = "([^"]+)"', line)
         if r:
             rename = r.group(1)
+        # A field serde never reads (`#[serde(skip)]`) is not a configuration key.
+        if re.search(r"#\[serde\(skip\)\]", line):
+            skipped = True
         f = re.match(r"\s*pub (\w+):", line)
         if f:
             key = rename or f.group(1)
             rename = None
+            if skipped:
+                skipped = False
+                continue
             if not re.search(r"[`.]" + re.escape(key) + r"[`.\[]", ref):
                 missing.append(f"{m.group(1)}.{key}")
 missing and die(f"config keys missing from the configuration reference: {missing}")
