@@ -101,15 +101,7 @@ pub fn read<'a>(frame: &'a [u8], rest: &'a [u8]) -> Option<Batch<'a>> {
 mod tests {
     use super::read;
 
-    fn msg(tag: u8, body: &[u8]) -> Vec<u8> {
-        let mut m = vec![tag];
-        m.extend_from_slice(&((body.len() + 4) as u32).to_be_bytes());
-        m.extend_from_slice(body);
-        m
-    }
-    fn parse(name: &str, sql: &str) -> Vec<u8> {
-        msg(b'P', format!("{name}\0{sql}\0\0\0").as_bytes())
-    }
+    use crate::protocol::frames::{msg, parse, sync};
     fn bind(portal: &str, stmt: &str, param: &str) -> Vec<u8> {
         let mut b = format!("{portal}\0{stmt}\0").into_bytes();
         b.extend_from_slice(&[0, 0, 0, 1]);
@@ -125,9 +117,6 @@ mod tests {
         let mut b = b"\0".to_vec();
         b.extend_from_slice(&rows.to_be_bytes());
         msg(b'E', &b)
-    }
-    fn sync() -> Vec<u8> {
-        msg(b'S', b"")
     }
     fn cat(parts: &[Vec<u8>]) -> Vec<u8> {
         parts.concat()

@@ -136,15 +136,7 @@ fn no_parameters(tail: &[u8]) -> bool {
 mod tests {
     use super::*;
 
-    fn msg(tag: u8, body: &[u8]) -> Vec<u8> {
-        let mut m = vec![tag];
-        m.extend_from_slice(&((body.len() + 4) as u32).to_be_bytes());
-        m.extend_from_slice(body);
-        m
-    }
-    fn parse(name: &str, sql: &str) -> Vec<u8> {
-        msg(b'P', format!("{name}\0{sql}\0\0\0").as_bytes())
-    }
+    use crate::protocol::frames::{msg, parse, sync};
     fn bind(stmt: &str, params: u16) -> Vec<u8> {
         let mut b = format!("\0{stmt}\0").into_bytes();
         b.extend_from_slice(&[0, 0]);
@@ -154,9 +146,6 @@ mod tests {
         }
         b.extend_from_slice(&[0, 0]);
         msg(b'B', &b)
-    }
-    fn sync() -> Vec<u8> {
-        msg(b'S', b"")
     }
     fn execute() -> Vec<u8> {
         msg(b'E', b"\0\0\0\0\0")

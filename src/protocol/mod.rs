@@ -9,6 +9,8 @@
 //! ReadyForQuery).
 
 pub mod error;
+#[cfg(test)]
+pub mod frames;
 pub mod framing;
 pub mod lsn;
 pub mod messages;

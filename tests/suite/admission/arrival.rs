@@ -175,8 +175,6 @@ async fn logins_held(proxy: &crate::support::proxy::Proxy) -> u64 {
             None,
         )
         .await;
-    text.lines()
-        .find_map(|l| l.strip_prefix("pgsluice_client_logins_held_total "))
-        .and_then(|v| v.trim().parse().ok())
-        .expect("pgsluice_client_logins_held_total")
+    crate::support::spawned::metric(&text, "pgsluice_client_logins_held_total")
+        .expect("pgsluice_client_logins_held_total") as u64
 }
