@@ -83,12 +83,15 @@ pub struct App {
     pub coalescer: Arc<crate::coalesce::Coalescer>,
 }
 
-/// A login let through [`App::door`], counted until it has logged in (dropped).
-pub struct DoorPass<'a>(&'a AtomicUsize);
+/// A login let through [`App::door`], counted as coming until its session's first statement
+/// meets admission (where it joins the queues the door counts), the session ends, or
+/// [`crate::door::Coming`] stops counting it.
+pub struct DoorPass(Arc<App>, u64);
 
-impl Drop for DoorPass<'_> {
+impl Drop for DoorPass {
     fn drop(&mut self) {
-        self.0.fetch_sub(1, Ordering::Relaxed);
+        let now = tokio::time::Instant::now();
+        self.0.stats.door_coming.arrived(self.1, now);
     }
 }
 
@@ -139,10 +142,13 @@ pub struct AppStats {
     /// Connections handed to the login thread to log in (or be refused), since start.
     pub offloaded_logins: AtomicU64,
     pub client_errors: AtomicU64,
-    /// Logins let through the door ([`App::door`]) and still logging in.
-    pub door_passing: AtomicUsize,
+    /// Logins let through the door ([`App::door`]) whose first statement has not reached
+    /// admission yet.
+    pub door_coming: crate::door::Coming,
     /// Logins that waited at the door, since start.
     pub logins_held: AtomicU64,
+    /// Logins waiting at the door now.
+    pub door_held: crate::door::Held,
 }
 
 impl AppStats {
@@ -349,23 +355,28 @@ impl App {
         Ok(())
     }
 
-    /// A login waits at the door, before its authentication exchange, while the pool of
-    /// (`database`, `user`) or its caller's queue is crowded for it ([`Pool::crowded`],
+    /// An authenticated login waits at the door, before it is told it is in, while the pool
+    /// of (`database`, `user`) or its caller's queue is crowded for it ([`Pool::crowded`],
     /// `CallerTable::crowded`), counting the logins let through ahead of it that have not
-    /// logged in yet: its first statement would otherwise start a wait it is unlikely to
-    /// finish in time, and a refusal after that wait costs the client a new login. Looked at
-    /// every 10 ms or so (a waiting login holds its handshake slot and a timer, no lock).
-    /// Critical callers never wait here, nor a login to a pool not yet made; nobody waits
-    /// longer than half the handshake timeout (then the login goes on as usual). Off with
-    /// `limits.hold_logins: false`. The caller is resolved from what a login carries
-    /// (`application_name`, user, address; comment tags come with statements).
+    /// reached admission yet ([`crate::door::Coming`]): its first statement would otherwise start a wait it is unlikely to
+    /// finish in time, and a refusal after that wait costs the client a new login. Waiting
+    /// after the exchange, the client's own work (a SCRAM proof) is done while it waits, and
+    /// it is ready to send its first statement the moment it is let in; `on_hold` runs once
+    /// when the login starts to wait (the session gives back its handshake slot there).
+    /// Looked at every 10 ms or so, less often with many waiting ([`crate::door::poll`]; a
+    /// waiting login holds a timer, no lock). Critical callers never wait here, nor a
+    /// login to a pool not yet made; nobody waits longer than half the handshake timeout
+    /// (then the login goes on as usual). Off with `limits.hold_logins: false`. The caller is
+    /// resolved from what a login carries (`application_name`, user, address; comment tags
+    /// come with statements).
     pub async fn door(
-        &self,
+        self: &Arc<Self>,
         database: &str,
         user: &str,
         application_name: Option<&str>,
         addr: Option<std::net::IpAddr>,
-    ) -> Option<DoorPass<'_>> {
+        on_hold: impl FnOnce(),
+    ) -> Option<DoorPass> {
         let pool = self.pools.get(database, user)?;
         let rt = self.runtime.load_full();
         if !rt.config.limits.hold_logins {
@@ -378,23 +389,25 @@ impl App {
         let room = rt.limits.queue_timeout(caller);
         let until = tokio::time::Instant::now()
             + Duration::from_millis(rt.config.limits.handshake_timeout_ms) / 2;
-        let passing = &self.stats.door_passing;
-        let mut held = false;
+        let coming = &self.stats.door_coming;
+        let mut held = None;
+        let mut on_hold = Some(on_hold);
         loop {
             let now = tokio::time::Instant::now();
-            let coming = passing.load(Ordering::Relaxed);
+            let ahead = coming.count(now);
             if now >= until
-                || !(pool.crowded(room, coming) || rt.limits.crowded(caller, room, now, coming))
+                || !(pool.crowded(room, ahead) || rt.limits.crowded(caller, room, now, ahead))
             {
-                passing.fetch_add(1, Ordering::Relaxed);
-                return Some(DoorPass(passing));
+                return Some(DoorPass(Arc::clone(self), coming.pass(now)));
             }
-            if !held {
-                held = true;
+            if held.is_none() {
+                held = Some(self.stats.door_held.enter());
                 self.stats.logins_held.fetch_add(1, Ordering::Relaxed);
+                if let Some(f) = on_hold.take() {
+                    f();
+                }
             }
-            let jitter = Duration::from_micros(rand::random_range(0..5_000));
-            tokio::time::sleep(Duration::from_millis(10) + jitter).await;
+            tokio::time::sleep(crate::door::poll(self.stats.door_held.now())).await;
         }
     }
 

@@ -35,6 +35,7 @@ pub mod cli;
 pub mod clients;
 pub mod coalesce;
 pub mod config;
+pub mod door;
 pub mod fleet;
 pub mod lifecycle;
 pub mod notify;

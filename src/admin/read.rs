@@ -233,6 +233,7 @@ fn scrape(st: &AdminState) -> Scrape {
         handshakes_in_progress: u(app.stats.handshakes.load(Relaxed)),
         logins_offloaded: app.stats.offloaded_logins.load(Relaxed),
         logins_held: app.stats.logins_held.load(Relaxed),
+        logins_waiting: app.stats.door_held.now() as u64,
         client_errors: app.stats.client_errors.load(Relaxed),
         breaker_state: match breaker.state {
             BreakerState::Closed => BREAKER_CLOSED,

@@ -759,8 +759,8 @@ pub struct LimitsConfig {
     /// the kernel's probe count). A vanished client host is found and its session ends.
     /// 0 = off. Read at start.
     pub client_tcp_keepalive_ms: u64,
-    /// A non-critical login waits before its authentication exchange while its pool's or
-    /// its caller's queue is crowded (`App::door`).
+    /// A non-critical login waits after its authentication exchange, before it is told it
+    /// is in, while its pool's or its caller's queue is crowded (`App::door`).
     pub hold_logins: bool,
 }
 
@@ -769,8 +769,8 @@ impl Default for LimitsConfig {
         LimitsConfig {
             max_client_conn: 10_000,
             handshake_timeout_ms: 10_000,
-            max_handshakes: 512,
-            max_handshakes_per_address: 64,
+            max_handshakes: 4096,
+            max_handshakes_per_address: 512,
             max_cancels_per_address: 32,
             shutdown_timeout_ms: 30_000,
             client_write_timeout_ms: 30_000,

@@ -1070,10 +1070,12 @@ mod tests {
         let c = Config::from_yaml("").unwrap();
         assert_eq!(
             (
+                c.limits.max_handshakes,
                 c.limits.max_handshakes_per_address,
                 c.limits.max_cancels_per_address
             ),
-            (64, 32)
+            (4096, 512, 32),
+            "it takes eight addresses to hold every handshake slot"
         );
         let errs = Config::from_yaml(
             "limits:\n  max_handshakes_per_address: 0\n  max_cancels_per_address: 0\n",

@@ -124,8 +124,10 @@ pub struct Scrape {
     pub handshakes_in_progress: u64,
     /// Connections handed to the login thread (the session thread had enough logins).
     pub logins_offloaded: u64,
-    /// Logins that waited before authenticating while their pool or caller was crowded.
+    /// Logins that waited, once authenticated, while their pool or caller was crowded.
     pub logins_held: u64,
+    /// Logins waiting at the door now.
+    pub logins_waiting: u64,
     pub client_errors: u64,
     /// [`BREAKER_CLOSED`], [`BREAKER_HALF_OPEN`] or [`BREAKER_OPEN`].
     pub breaker_state: i64,
@@ -361,6 +363,7 @@ struct ScrapeSeries {
     handshakes: IntGauge,
     logins_offloaded: IntCounter,
     logins_held: IntCounter,
+    logins_waiting: IntGauge,
     client_errors: IntCounter,
     breaker_state: IntGauge,
     breaker_trips: IntCounterVec,
@@ -722,9 +725,14 @@ impl ScrapeSeries {
                  start: with one session thread, those that arrived while 4 were logging in on it, \
                  and all while client TLS is on.",
             ),
+            logins_waiting: gauge(
+                "pgsluice_client_logins_waiting",
+                "Authenticated logins waiting at the door now (limits.hold_logins); they hold \
+                 no handshake slot.",
+            ),
             logins_held: counter(
                 "pgsluice_client_logins_held_total",
-                "Logins of non-critical callers that waited before authenticating while their \
+                "Logins of non-critical callers that waited, once authenticated, while their \
                  pool's or caller's queue was crowded (limits.hold_logins).",
             ),
             client_errors: counter(
@@ -849,6 +857,7 @@ impl ScrapeSeries {
         self.handshakes.set(gauge_value(s.handshakes_in_progress));
         set_counter(&self.logins_offloaded, s.logins_offloaded);
         set_counter(&self.logins_held, s.logins_held);
+        self.logins_waiting.set(gauge_value(s.logins_waiting));
         set_counter(&self.client_errors, s.client_errors);
         self.breaker_state.set(s.breaker_state);
         for (reason, n) in &s.breaker_trips {

@@ -6,7 +6,8 @@
 //! Owns [`DrainRate`]: fed a monotonic count of completions (slots given back, checkouts
 //! served, logins finished) that its owner already keeps, it samples that count only when
 //! asked — at a refusal — so the hot path pays nothing. The rate is the completions since the
-//! previous sample over the time between, smoothed over about a second. Pure: time comes in.
+//! previous sample over the time between: a rise is taken at once, a fall smoothed over about
+//! a second. Pure: time comes in.
 
 use std::time::Duration;
 
@@ -56,7 +57,11 @@ impl DrainRate {
         }
         let seen = count.saturating_sub(prev.count) as f64 / span.as_secs_f64();
         let rate = match prev.rate {
-            // Weight the new reading by how much of the smoothing window it covers.
+            // A queue that starts to move is believed at once (the backends a long query
+            // held come free together, and a login held at the door for that estimate
+            // should not wait a smoothing window longer); a slowdown is weighted by how
+            // much of the smoothing window the new reading covers.
+            Some(r) if seen > r => seen,
             Some(r) => {
                 let w = (span.as_secs_f64() / SMOOTHING.as_secs_f64()).min(1.0);
                 r + w * (seen - r)
@@ -110,5 +115,27 @@ mod tests {
         // Nothing completes: capped, not infinite.
         tokio::time::advance(Duration::from_secs(5)).await;
         assert_eq!(d.expected_wait(120, 9, Instant::now()), Some(MAX_WAIT));
+    }
+
+    /// A stalled queue that starts to move (long queries ending together) is believed from
+    /// the first reading; a slowdown after it is smoothed, not believed at once.
+    #[tokio::test(start_paused = true)]
+    async fn a_rise_is_taken_at_once_and_a_fall_is_smoothed() {
+        let d = DrainRate::new();
+        d.rate(0, Instant::now());
+        tokio::time::advance(Duration::from_secs(1)).await;
+        assert_eq!(d.rate(0, Instant::now()), Some(0.0), "stalled");
+        tokio::time::advance(Duration::from_millis(200)).await;
+        assert_eq!(
+            d.rate(200, Instant::now()),
+            Some(1000.0),
+            "moving: believed at once"
+        );
+        tokio::time::advance(Duration::from_millis(200)).await;
+        let r = d.rate(200, Instant::now()).expect("a rate");
+        assert!(
+            (799.0..=801.0).contains(&r),
+            "a fall is a fifth of the way per 200 ms: {r}"
+        );
     }
 }

@@ -311,23 +311,32 @@ impl CallerTable {
         self.caller(id).1.policy.queue_timeout
     }
 
-    /// A login of caller `id` should wait before it logs in: its queue is full, or the
-    /// waiters queued now and the `coming` logins let in ahead of it, at the pace its slots
-    /// come back, would keep it waiting more than half of `room`.
+    /// A login of caller `id` should wait at the door: its queue is full, or the waiters
+    /// queued now and the `coming` logins let in ahead of it, at the pace its slots come
+    /// back, would keep it waiting more than half of `room`, or that pace is not known yet.
     pub fn crowded(&self, id: u16, room: Duration, now: Instant, coming: usize) -> bool {
         let c = self.caller(id).1;
         let (released, queued) = c.limiter.drain_counts();
-        let queued = queued.saturating_add(u32::try_from(coming).unwrap_or(u32::MAX));
-        if queued == 0 {
+        let coming = u32::try_from(coming).unwrap_or(u32::MAX);
+        let limits = c.limiter.limits();
+        if limits.queue_depth == 0
+            || (queued == 0
+                && c.limiter.in_flight().saturating_add(coming) < limits.max_concurrency)
+        {
+            // A caller without a queue never makes its clients wait (it refuses at once,
+            // with a hint); otherwise it and those coming ahead of it would be admitted
+            // without a wait.
             return false;
         }
-        if queued >= c.limiter.limits().queue_depth {
+        let queued = queued.saturating_add(coming);
+        if queued >= limits.queue_depth {
             return true;
         }
+        // Until the pace is known (as `Pool::crowded`), a queue counts as crowded.
         c.stats
             .drain
             .expected_wait(released, u64::from(queued), now)
-            .is_some_and(|w| w > room / 2)
+            .is_none_or(|w| w > room / 2)
     }
 
     /// The longest a client of caller `id` may stay idle inside a transaction.

@@ -543,19 +543,23 @@ impl Pool {
         self.slots.set_caps(caps);
     }
 
-    /// A login whose client may wait `room` for a backend should wait before it logs in:
-    /// the clients queued now and the `coming` logins let in ahead of it, at the rate
-    /// checkouts are served, would keep it waiting more than half of that.
+    /// A login whose client may wait `room` for a backend should wait at the door: the
+    /// clients queued now and the `coming` logins let in ahead of it, at the rate checkouts
+    /// are served, would keep it waiting more than half of that, or that rate is not known
+    /// yet.
     pub fn crowded(&self, room: Duration, coming: usize) -> bool {
         let waiting = (self.slots.queued_now() + coming) as u64;
-        if waiting == 0 {
+        if waiting == 0 || self.slots.room_for(coming) {
             return false;
         }
         let room = room.min(Duration::from_millis(self.cfg.checkout_timeout_ms));
         let served = self.stats.checkouts.load(Ordering::Relaxed);
+        // Until the pace is known (a fifth of a second after the first look), a queue
+        // counts as crowded: the first logins of a storm to a pool nobody has asked about
+        // would otherwise all pass before anyone could tell how long they would wait.
         self.drain
             .expected_wait(served, waiting, Instant::now())
-            .is_some_and(|w| w > room / 2)
+            .is_none_or(|w| w > room / 2)
     }
 
     /// The expected wait for a backend of this pool: the clients waiting, at the rate

@@ -762,6 +762,12 @@ impl Slots {
         g.available > g.keep() && g.queued() == 0
     }
 
+    /// Nobody queues and `n` more non-critical clients would find a slot free at once.
+    pub fn room_for(&self, n: usize) -> bool {
+        let g = self.inner.lock();
+        g.queued() == 0 && g.available > g.keep() + n
+    }
+
     /// Clients queued at the last change, without the lock (waiters that left may still
     /// count until the queue is next looked at).
     pub fn queued_now(&self) -> usize {
@@ -1486,6 +1492,31 @@ mod tests {
         // Pressure ends PRESSURE_HOLD after the last normal waiter: low may take it again.
         s.tick(Instant::now() + PRESSURE_HOLD);
         assert!(s.try_acquire(3, Instant::now()).is_some());
+    }
+
+    /// Room for `n` more: nobody queues and more than the reserve and `n` are free.
+    #[tokio::test(start_paused = true)]
+    async fn room_for_counts_the_reserve_and_the_queue() {
+        let s = Slots::new(4, 1);
+        let far = Instant::now() + Duration::from_secs(60);
+        assert!(
+            s.room_for(2) && !s.room_for(3),
+            "4 free, 1 kept for critical work"
+        );
+        let held = [
+            s.acquire(2, far, usize::MAX).await.unwrap(),
+            s.acquire(2, far, usize::MAX).await.unwrap(),
+            s.acquire(2, far, usize::MAX).await.unwrap(),
+        ];
+        assert!(!s.room_for(0), "only the reserve is free");
+        let queued = {
+            let s = Arc::clone(&s);
+            tokio::spawn(async move { s.acquire(2, far, usize::MAX).await.map(|_| ()) })
+        };
+        tokio::task::yield_now().await;
+        drop(held);
+        queued.await.unwrap().unwrap();
+        assert!(s.room_for(2) && !s.room_for(3), "all back, nobody queues");
     }
 }
 

@@ -305,14 +305,6 @@ pub async fn startup<S: AsyncRead + AsyncWrite + Unpin>(
         0
     };
 
-    // A crowded pool: wait here, before the authentication exchange (`App::door`).
-    let application_name = settings
-        .iter()
-        .find(|(k, _)| k == "application_name")
-        .map(|(_, v)| v.as_str());
-    let _passing = app
-        .door(&database, &user, application_name, Some(peer))
-        .await;
     // Channel binding only over TLS, with the binding of the certificate this connection
     // was shown (`tls` is the snapshot whose acceptor ran its handshake).
     let end_point = tls.end_point.as_ref().filter(|_| s.is_tls());

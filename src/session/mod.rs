@@ -103,10 +103,10 @@ impl Drop for InlineLogin {
 
 /// Connections of one address that may wait for its share, per unit of the share: beyond,
 /// the address's new connections are refused at once (one host cannot queue up every client
-/// slot either). With the default share of 64, a storm from one address has 64 logins at
-/// work and 2 048 waiting (clients behind one NAT or load balancer arrive from one address),
+/// slot either). With the default share of 512, a storm from one address has 512 logins at
+/// work and 4 096 waiting (clients behind one NAT or load balancer arrive from one address),
 /// while it takes eight addresses to hold every handshake slot.
-pub const WAITING_PER_SHARE: usize = 32;
+pub const WAITING_PER_SHARE: usize = 8;
 
 impl HandshakeSlot {
     /// Takes a slot for a client at `ip`, waiting until `deadline` for one: first the
@@ -207,7 +207,7 @@ pub async fn run<S, G>(
     let write_timeout = Duration::from_millis(limits.client_write_timeout_ms);
     let mut stream = ClientStream::Plain(WriteTimeout::new(stream, write_timeout));
     let mut buf = BytesMut::with_capacity(8 * 1024);
-    let deadline = Instant::now() + Duration::from_millis(limits.handshake_timeout_ms);
+    let mut deadline = Instant::now() + Duration::from_millis(limits.handshake_timeout_ms);
     let started = tokio::time::timeout_at(
         deadline,
         handshake::startup(&app, &mut stream, &mut buf, peer.source_ip()),
@@ -230,8 +230,22 @@ pub async fn run<S, G>(
         let _hold = hold;
         return console::serve(app, stream, buf, peer, login, owed).await;
     }
-    let moving = handover.0.is_some();
     let mut slot = Some(slot);
+    // A crowded pool: the authenticated login waits here, before it is told it is in
+    // (`App::door`). Its exchange is over, so it waits without its handshake slot, and the
+    // handshake deadline is moved on by the time the proxy held it.
+    let held_from = Instant::now();
+    let passing = app
+        .door(
+            &login.database,
+            &login.user,
+            login.application_name(),
+            Some(peer.source_ip()),
+            || slot = None,
+        )
+        .await;
+    deadline += held_from.elapsed();
+    let moving = handover.0.is_some();
     let mut greeted = None;
     if moving && let Some((pool, status)) = known_answer(&app, &mut login) {
         // The usual login: all the client is told is known here, so it is told from this
@@ -263,8 +277,8 @@ pub async fn run<S, G>(
             Some(g) => Some(g),
             None => prepare(&app, &mut stream, peer, slot, &mut login, owed, deadline).await,
         };
-        if let Some((pool, reg)) = greeted {
-            serve(app, stream, buf, peer, pool, login, reg).await;
+        if let Some(greeted) = greeted {
+            serve(app, stream, buf, peer, greeted, login, passing).await;
         }
     };
     match handover.0 {
@@ -375,15 +389,16 @@ async fn greet<S: AsyncRead + AsyncWrite + Unpin>(
     Some(reg)
 }
 
-/// A greeted client's session, to its end.
+/// A greeted client's session, to its end; `door` (a login let through the door) is counted
+/// as coming until its first statement meets admission.
 async fn serve<S: AsyncRead + AsyncWrite + Rehome + Unpin>(
     app: Arc<App>,
     mut stream: Client<S>,
     buf: BytesMut,
     peer: ClientAddr,
-    pool: Arc<Pool>,
+    (pool, reg): (Arc<Pool>, cancel::Registration),
     login: Login,
-    reg: cancel::Registration,
+    door: Option<crate::app::DoorPass>,
 ) {
     let tls = stream.is_tls();
     // Named from the client's record (the relay takes `login`): no copies of the names.
@@ -397,6 +412,7 @@ async fn serve<S: AsyncRead + AsyncWrite + Rehome + Unpin>(
     }
     let since = Instant::now();
     let mut relay = Relay::new(app.clone(), pool, login, reg.entry.clone(), buf, peer);
+    relay.came_through(door);
     let end = relay.run(&mut stream).await;
     drop(relay);
     if let End::Error(e) = &end {

@@ -210,6 +210,12 @@ impl Relay {
         }
     }
 
+    /// A login let through the door: counted as coming until its first statement meets
+    /// admission.
+    pub fn came_through(&mut self, door: Option<crate::app::DoorPass>) {
+        self.unit.door = door;
+    }
+
     /// Borrows the relay rather than taking it: an `async fn` that takes its receiver by
     /// value keeps it twice in its future (the argument and the moved-in local), 1.2 KiB
     /// more per session. The caller drops it right after.

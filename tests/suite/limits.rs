@@ -296,20 +296,27 @@ async fn prepared_statement_bytes_are_bounded_per_client_and_per_backend() {
 
 const OTHER: Ipv4Addr = Ipv4Addr::new(127, 0, 0, 2);
 
-/// With the default limits, two addresses of silent sockets (a slowloris from two hosts) hold
-/// only their two shares of the handshake slots: a third address logs in at once.
+/// With limits in the defaults' proportion (an address's share an eighth of the process-wide
+/// cap; here 64 of 512, to keep the sockets few), two addresses of silent sockets (a slowloris
+/// from two hosts) hold only their two shares of the handshake slots: a third address logs
+/// in at once.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn two_addresses_cannot_fill_the_handshake_cap() {
     if direct_mode() {
         note_skipped("per-address handshake limits of pgsluice");
         return;
     }
-    let env = common::start(2, "limits:\n  handshake_timeout_ms: 30000\n", |_| {});
+    let env = common::start(
+        2,
+        "limits:\n  handshake_timeout_ms: 30000\n  max_handshakes: 512\n  \
+         max_handshakes_per_address: 64\n",
+        |_| {},
+    );
     let proxy = &env.proxy;
     let addr = proxy.addr();
     let mut silent = Vec::new();
     for from in [Ipv4Addr::LOCALHOST, OTHER] {
-        // The default share (64), and more that wait for it: two addresses' worth of
+        // The share (64), and more that wait for it: two addresses' worth of
         // sockets that would fill all 512 slots if a share were half of them.
         for _ in 0..260 {
             let mut s = connect_from(from, addr).await;

@@ -107,6 +107,10 @@ impl Relay {
     pub(super) fn admit_now(&mut self, class: &Arc<Classified>) -> Admit {
         let arrived = self.now();
         self.core.tally.arrived(arrived.into_std());
+        if self.unit.door.is_some() {
+            // From here it is counted in the queues it joins, not as coming.
+            self.unit.door = None;
+        }
         if !self.unit.is_open() {
             // A new unit: it runs under the configuration in force now, all of it (caller
             // matching, limits, series, timeouts) from one snapshot, whatever a reload does

@@ -23,6 +23,9 @@ pub(super) struct Unit {
     pub stmt_admissions: Vec<StatementAdmission>,
     /// The caller the unit was admitted as.
     pub caller: u16,
+    /// A login let through the door is counted as coming until its first statement meets
+    /// admission (`App::door`).
+    pub door: Option<crate::app::DoorPass>,
     /// The caller of a statement without comment tags, resolved under the session's runtime
     /// snapshot and current settings (`application_name`); cleared when either changes.
     pub session_caller: Option<u16>,

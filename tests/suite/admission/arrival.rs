@@ -7,9 +7,9 @@
 //! nineteen, served about twenty times a second, so a newcomer's wait is about a second.
 //! `hasty` may wait 150 ms (its `queue_timeout_ms`: refused on arrival once its wait is more
 //! than twice that), `patient` 2 s (the pool's checkout timeout); both log in before the
-//! queue builds. A `hasty` login while the queue stands waits before its authentication
-//! (`limits.hold_logins`) and then gets in — held, not refused — while a `pay` (critical)
-//! login gets in at once. With `PGSLUICE_TEST_DIRECT=1` this test is skipped.
+//! queue builds. A `hasty` login while the queue stands waits once it has authenticated
+//! (`limits.hold_logins`), holding no handshake slot, and then gets in — held, not refused —
+//! while a `pay` (critical) login gets in at once. With `PGSLUICE_TEST_DIRECT=1` this test is skipped.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -61,8 +61,8 @@ async fn a_wait_that_cannot_fit_is_refused_at_once_and_one_that_fits_is_served()
     tokio::time::sleep(Duration::from_millis(1500)).await;
     assert!(pool_waiting(proxy).await >= 5, "the backend is contended");
 
-    // A login now: a critical one gets in at once; a hasty one waits before it
-    // authenticates (its first statement would meet a queue it cannot wait for), then gets in.
+    // A login now: a critical one gets in at once; a hasty one waits once it has
+    // authenticated (its first statement would meet a queue it cannot wait for), then gets in.
     let held_before = logins_held(proxy).await;
     let pay = connect(proxy, Some("pay")).await;
     assert_eq!(
@@ -85,6 +85,29 @@ async fn a_wait_that_cannot_fit_is_refused_at_once_and_one_that_fits_is_served()
             (t.elapsed(), r.map(|r| r.map(|_| ())))
         }
     });
+    // Held at the door, it holds no handshake slot (its exchange is over).
+    let mut waiting = None;
+    for _ in 0..100 {
+        let (_, text) = proxy
+            .admin_request(
+                "GET",
+                "/metrics",
+                crate::support::proxy::ADMIN_READ_TOKEN,
+                None,
+            )
+            .await;
+        let m = |series| crate::support::spawned::metric(&text, series);
+        if m("pgsluice_client_logins_waiting") == Some(1.0) {
+            waiting = Some(m("pgsluice_client_handshakes"));
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_eq!(
+        waiting,
+        Some(Some(0.0)),
+        "the hasty login waits at the door without a handshake slot"
+    );
     let mut refusals = Vec::new();
     for _ in 0..10 {
         let t = Instant::now();

@@ -77,7 +77,9 @@ async fn run(yaml: &str) -> Option<Run> {
     let stop = Instant::now() + Duration::from_secs(7);
     let mut reports = Vec::new();
     for _ in 0..6 {
+        let t0 = Instant::now();
         let c = connect(proxy, Some("report")).await;
+        eprintln!("DEBUG report login took {:?}", t0.elapsed());
         reports.push(tokio::spawn(async move {
             while Instant::now() < stop {
                 c.simple_query("SELECT pg_sleep(0.3)")
