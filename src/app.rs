@@ -358,8 +358,9 @@ impl App {
     /// An authenticated login waits at the door, before it is told it is in, while the pool
     /// of (`database`, `user`) or its caller's queue is crowded for it ([`Pool::crowded`],
     /// `CallerTable::crowded`), counting the logins let through ahead of it that have not
-    /// reached admission yet ([`crate::door::Coming`]): its first statement would otherwise start a wait it is unlikely to
-    /// finish in time, and a refusal after that wait costs the client a new login. Waiting
+    /// reached admission yet ([`crate::door::Coming`]): its first statement would otherwise
+    /// start a wait it is unlikely to finish in time, and a refusal after that wait costs the
+    /// client a new login. Waiting
     /// after the exchange, the client's own work (a SCRAM proof) is done while it waits, and
     /// it is ready to send its first statement the moment it is let in; `on_hold` runs once
     /// when the login starts to wait (the session gives back its handshake slot there).

@@ -88,14 +88,7 @@ async fn a_wait_that_cannot_fit_is_refused_at_once_and_one_that_fits_is_served()
     // Held at the door, it holds no handshake slot (its exchange is over).
     let mut waiting = None;
     for _ in 0..100 {
-        let (_, text) = proxy
-            .admin_request(
-                "GET",
-                "/metrics",
-                crate::support::proxy::ADMIN_READ_TOKEN,
-                None,
-            )
-            .await;
+        let text = metrics(proxy).await;
         let m = |series| crate::support::spawned::metric(&text, series);
         if m("pgsluice_client_logins_waiting") == Some(1.0) {
             waiting = Some(m("pgsluice_client_handshakes"));
@@ -164,21 +157,7 @@ async fn a_wait_that_cannot_fit_is_refused_at_once_and_one_that_fits_is_served()
         "the held login got in: {r:?} after {took:?}"
     );
     assert!(took >= Duration::from_millis(500), "held: {took:?}");
-    let metrics = proxy
-        .admin_request(
-            "GET",
-            "/metrics",
-            crate::support::proxy::ADMIN_READ_TOKEN,
-            None,
-        )
-        .await
-        .1;
-    assert!(
-        metrics
-            .lines()
-            .any(|l| l.starts_with("pgsluice_client_logins_held_total ") && !l.ends_with(" 0")),
-        "counted"
-    );
+    assert!(logins_held(proxy).await > held_before, "counted");
     let pools = admin_get(proxy, "/v1/pools").await;
     let arrival = &pools["pools"][0]["arrival"];
     assert!(
@@ -188,16 +167,21 @@ async fn a_wait_that_cannot_fit_is_refused_at_once_and_one_that_fits_is_served()
     proxy.assert_healthy().await;
 }
 
-/// `pgsluice_client_logins_held_total`.
-async fn logins_held(proxy: &crate::support::proxy::Proxy) -> u64 {
-    let (_, text) = proxy
+/// The proxy's `/metrics` text.
+async fn metrics(proxy: &crate::support::proxy::Proxy) -> String {
+    proxy
         .admin_request(
             "GET",
             "/metrics",
             crate::support::proxy::ADMIN_READ_TOKEN,
             None,
         )
-        .await;
-    crate::support::spawned::metric(&text, "pgsluice_client_logins_held_total")
+        .await
+        .1
+}
+
+/// `pgsluice_client_logins_held_total`.
+async fn logins_held(proxy: &crate::support::proxy::Proxy) -> u64 {
+    crate::support::spawned::metric(&metrics(proxy).await, "pgsluice_client_logins_held_total")
         .expect("pgsluice_client_logins_held_total") as u64
 }
