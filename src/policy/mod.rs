@@ -328,14 +328,17 @@ impl CallerTable {
             // without a wait.
             return false;
         }
-        let queued = queued.saturating_add(coming);
-        if queued >= limits.queue_depth {
+        let waiting = queued.saturating_add(coming);
+        if waiting >= limits.queue_depth {
             return true;
         }
-        // Until the pace is known (as `Pool::crowded`), a queue counts as crowded.
+        // Until the pace is known (as `Pool::crowded`), a queue counts as crowded — here
+        // even before anyone queues: a caller's first wave of a storm would otherwise all
+        // pass before its permits told how fast they come back (logins that never send
+        // stop counting as coming within a second, and free permits let them in).
         c.stats
             .drain
-            .expected_wait(released, u64::from(queued), now)
+            .expected_wait(released, u64::from(waiting), now)
             .is_none_or(|w| w > room / 2)
     }
 

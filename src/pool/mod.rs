@@ -548,18 +548,24 @@ impl Pool {
     /// are served, would keep it waiting more than half of that, or that rate is not known
     /// yet.
     pub fn crowded(&self, room: Duration, coming: usize) -> bool {
-        let waiting = (self.slots.queued_now() + coming) as u64;
+        let queued = self.slots.queued_now();
+        let waiting = (queued + coming) as u64;
         if waiting == 0 || self.slots.room_for(coming) {
             return false;
         }
         let room = room.min(Duration::from_millis(self.cfg.checkout_timeout_ms));
         let served = self.stats.checkouts.load(Ordering::Relaxed);
-        // Until the pace is known (a fifth of a second after the first look), a queue
-        // counts as crowded: the first logins of a storm to a pool nobody has asked about
-        // would otherwise all pass before anyone could tell how long they would wait.
-        self.drain
-            .expected_wait(served, waiting, Instant::now())
-            .is_none_or(|w| w > room / 2)
+        match self.drain.expected_wait(served, waiting, Instant::now()) {
+            // Clients queue and the pace is not known yet (a fifth of a second after the
+            // first look): crowded, or a storm's first logins would all pass before anyone
+            // could tell how long they would wait.
+            None => queued > 0,
+            // Nobody queues: only logins let through that have not asked for a backend yet
+            // (a benchmark connecting all its clients before it starts sends nothing), so a
+            // pace of nothing is no evidence of a wait.
+            Some(w) if queued == 0 && w >= crate::policy::drain::MAX_WAIT => false,
+            Some(w) => w > room / 2,
+        }
     }
 
     /// The expected wait for a backend of this pool: the clients waiting, at the rate
