@@ -360,10 +360,10 @@ impl App {
     /// `CallerTable::crowded`), counting the logins let through ahead of it that have not
     /// reached admission yet ([`crate::door::Coming`]): its first statement would otherwise
     /// start a wait it is unlikely to finish in time, and a refusal after that wait costs the
-    /// client a new login. Waiting
-    /// after the exchange, the client's own work (a SCRAM proof) is done while it waits, and
-    /// it is ready to send its first statement the moment it is let in; `on_hold` runs once
-    /// when the login starts to wait (the session gives back its handshake slot there).
+    /// client a new login. Waiting after the exchange, the client's own work (a SCRAM proof)
+    /// is done while it waits, and it is ready to send its first statement the moment it is
+    /// let in; `on_hold` runs once, when the login starts to wait (the session gives back its
+    /// handshake slot there).
     /// Looked at every 10 ms or so, less often with many waiting ([`crate::door::poll`]; a
     /// waiting login holds a timer, no lock). Critical callers never wait here, nor a
     /// login to a pool not yet made; nobody waits longer than half the handshake timeout
@@ -391,7 +391,9 @@ impl App {
         let until = tokio::time::Instant::now()
             + Duration::from_millis(rt.config.limits.handshake_timeout_ms) / 2;
         let coming = &self.stats.door_coming;
-        let mut held = None;
+        // The guard that counts it as waiting, from its first pause (when `on_hold` is
+        // spent) to its pass.
+        let mut _held = None;
         let mut on_hold = Some(on_hold);
         loop {
             let now = tokio::time::Instant::now();
@@ -401,12 +403,10 @@ impl App {
             {
                 return Some(DoorPass(Arc::clone(self), coming.pass(now)));
             }
-            if held.is_none() {
-                held = Some(self.stats.door_held.enter());
+            if let Some(f) = on_hold.take() {
+                _held = Some(self.stats.door_held.enter());
                 self.stats.logins_held.fetch_add(1, Ordering::Relaxed);
-                if let Some(f) = on_hold.take() {
-                    f();
-                }
+                f();
             }
             tokio::time::sleep(crate::door::poll(self.stats.door_held.now())).await;
         }

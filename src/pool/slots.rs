@@ -1498,25 +1498,40 @@ mod tests {
     #[tokio::test(start_paused = true)]
     async fn room_for_counts_the_reserve_and_the_queue() {
         let s = Slots::new(4, 1);
-        let far = Instant::now() + Duration::from_secs(60);
         assert!(
             s.room_for(2) && !s.room_for(3),
             "4 free, 1 kept for critical work"
         );
-        let held = [
-            s.acquire(2, far, usize::MAX).await.unwrap(),
-            s.acquire(2, far, usize::MAX).await.unwrap(),
-            s.acquire(2, far, usize::MAX).await.unwrap(),
-        ];
+        let held: Vec<_> = (0..3)
+            .map(|_| s.try_acquire(2, Instant::now()).expect("normal"))
+            .collect();
         assert!(!s.room_for(0), "only the reserve is free");
-        let queued = {
+        drop(held);
+
+        // Slots free, but a queue: a low waiter held to its yield share while a normal one
+        // waited recently.
+        let s = Slots::new(8, 0);
+        let far = Instant::now() + Duration::from_secs(60);
+        let mut low: Vec<_> = (0..8)
+            .map(|_| s.try_acquire(3, Instant::now()).expect("low"))
+            .collect();
+        let normal = {
             let s = Arc::clone(&s);
             tokio::spawn(async move { s.acquire(2, far, usize::MAX).await.map(|_| ()) })
         };
         tokio::task::yield_now().await;
-        drop(held);
-        queued.await.unwrap().unwrap();
-        assert!(s.room_for(2) && !s.room_for(3), "all back, nobody queues");
+        drop(low.pop());
+        normal.await.unwrap().unwrap();
+        let capped = {
+            let s = Arc::clone(&s);
+            tokio::spawn(async move { s.acquire(3, far, usize::MAX).await.map(|_| ()) })
+        };
+        tokio::task::yield_now().await;
+        drop(low.pop());
+        drop(low.pop());
+        assert_eq!((s.available(), s.waiting()), (3, 1));
+        assert!(!s.room_for(0), "free slots, but someone queues");
+        capped.abort();
     }
 }
 
