@@ -546,12 +546,15 @@ impl Pool {
     /// A login whose client may wait `room` for a backend should wait at the door: the
     /// clients queued now and the `coming` logins let in ahead of it, at the rate checkouts
     /// are served, would keep it waiting more than half of that, or that rate is not known
-    /// yet.
+    /// yet, or the queue is full (`pool.max_waiting`: its checkout would be refused at once).
     pub fn crowded(&self, room: Duration, coming: usize) -> bool {
         let queued = self.slots.queued_now();
         let waiting = (queued + coming) as u64;
         if waiting == 0 || self.slots.room_for(coming) {
             return false;
+        }
+        if queued + coming >= self.cfg.max_waiting {
+            return true;
         }
         let room = room.min(Duration::from_millis(self.cfg.checkout_timeout_ms));
         let served = self.stats.checkouts.load(Ordering::Relaxed);

@@ -185,3 +185,69 @@ async fn logins_held(proxy: &crate::support::proxy::Proxy) -> u64 {
     crate::support::spawned::metric(&metrics(proxy).await, "pgsluice_client_logins_held_total")
         .expect("pgsluice_client_logins_held_total") as u64
 }
+
+/// A pool queue at `pool.max_waiting` holds logins at the door even when it moves fast: the
+/// new client's first statement would be refused at once as full. One backend, eight clients
+/// looping on 20 ms statements (one runs, three wait, the rest are refused as full and try
+/// again): a wait of about 60 ms, well within the time a client may wait, so only the full
+/// queue can hold the login.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_full_pool_queue_holds_logins_at_the_door() {
+    let Some(env) = start(
+        1,
+        "\
+admin: { open_reads: true }
+pool: { max_waiting: 3 }
+limits: { handshake_timeout_ms: 2000 }
+",
+    ) else {
+        return;
+    };
+    let proxy = &env.proxy;
+    let stop = Instant::now() + Duration::from_secs(4);
+    let mut busy = Vec::new();
+    for _ in 0..8 {
+        let c = connect(proxy, Some("busy")).await;
+        busy.push(tokio::spawn(async move {
+            let (mut served, mut full) = (0, 0);
+            while Instant::now() < stop {
+                match c.simple_query("SELECT pg_sleep(0.02)").await {
+                    Ok(_) => served += 1,
+                    Err(e) => {
+                        assert_eq!(sqlstate(&e), "53300", "{e:?}");
+                        full += 1;
+                        tokio::time::sleep(Duration::from_millis(5)).await;
+                    }
+                }
+            }
+            (served, full)
+        }));
+    }
+    tokio::time::sleep(Duration::from_millis(800)).await;
+    assert!(pool_waiting(proxy).await >= 2, "the queue stands");
+    let held_before = logins_held(proxy).await;
+    let mut cfg = proxy.app_config();
+    cfg.application_name("late");
+    let t = Instant::now();
+    let late = cfg.connect(tokio_postgres::NoTls).await.map(|_| ());
+    let took = t.elapsed();
+    assert!(
+        late.is_ok(),
+        "the login was held, not refused as full: {late:?}"
+    );
+    assert!(
+        logins_held(proxy).await > held_before,
+        "the login was held while the queue was full ({took:?})"
+    );
+    let mut full = 0;
+    for b in busy {
+        let (served, f) = b.await.expect("busy client");
+        assert!(served > 0, "every busy client was served");
+        full += f;
+    }
+    assert!(
+        full > 0,
+        "the queue was full: busy clients were refused as full"
+    );
+    proxy.assert_healthy().await;
+}
