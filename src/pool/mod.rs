@@ -107,6 +107,9 @@ pub struct PoolStats {
     /// Checks that found session state the proxy did not know of (each also reset).
     pub verify_differences: AtomicU64,
     pub checkouts: AtomicU64,
+    /// Checkouts by non-critical callers: the pace at which a queue of non-critical work is
+    /// served (critical work mostly takes the reserve, which no one else may use).
+    pub shared_checkouts: AtomicU64,
     pub checkout_timeouts: AtomicU64,
     /// Checkouts refused at once because `max_waiting` clients were already waiting.
     pub waiting_refused: AtomicU64,
@@ -162,7 +165,7 @@ pub struct Pool {
     pub catalog: catalog::Catalog,
     /// Statements whose session check has read the settings once (`verify.rs`).
     pub checked: verify::Seen,
-    /// How fast checkouts are served (the retry hints of its waiters).
+    /// How fast non-critical checkouts are served (the retry hints of its waiters, the door).
     drain: crate::policy::drain::DrainRate,
     /// The adaptive concurrency limit, when `adaptive` is on.
     adaptive: Option<Mutex<adaptive::AdaptiveLimit>>,
@@ -544,8 +547,9 @@ impl Pool {
     }
 
     /// A login whose client may wait `room` for a backend should wait at the door: the
-    /// clients queued now and the `coming` logins let in ahead of it, at the rate checkouts
-    /// are served, would keep it waiting more than half of that, or that rate is not known
+    /// clients queued now and the `coming` logins let in ahead of it, at the rate
+    /// non-critical checkouts are served (critical work's are mostly the reserve's, which
+    /// no one else may take), would keep it waiting more than half of that, or that rate is not known
     /// yet, or the queue is full (`pool.max_waiting`: its checkout would be refused at once).
     pub fn crowded(&self, room: Duration, coming: usize) -> bool {
         let queued = self.slots.queued_now();
@@ -557,7 +561,7 @@ impl Pool {
             return true;
         }
         let room = room.min(Duration::from_millis(self.cfg.checkout_timeout_ms));
-        let served = self.stats.checkouts.load(Ordering::Relaxed);
+        let served = self.stats.shared_checkouts.load(Ordering::Relaxed);
         match self.drain.expected_wait(served, waiting, Instant::now()) {
             // Clients queue and the pace is not known yet (a fifth of a second after the
             // first look): crowded, or a storm's first logins would all pass before anyone
@@ -574,9 +578,17 @@ impl Pool {
     /// The expected wait for a backend of this pool: the clients waiting, at the rate
     /// checkouts have been served (`None` until that rate is known).
     pub fn expected_wait(&self) -> Option<Duration> {
-        let served = self.stats.checkouts.load(Ordering::Relaxed);
+        let served = self.stats.shared_checkouts.load(Ordering::Relaxed);
         let waiting = self.slots.waiting() as u64;
         self.drain.expected_wait(served, waiting, Instant::now())
+    }
+
+    #[inline(always)]
+    fn count_checkout(&self, priority: usize) {
+        self.stats.checkouts.fetch_add(1, Ordering::Relaxed);
+        if priority > 0 {
+            self.stats.shared_checkouts.fetch_add(1, Ordering::Relaxed);
+        }
     }
 
     pub fn mode(&self) -> PoolMode {
@@ -597,6 +609,7 @@ impl Pool {
         if self.paused.load(Ordering::SeqCst) || !self.slots.queue_empty() {
             return None;
         }
+        let asker = asker.into();
         let permit = self.slots.try_acquire(asker, now)?;
         let conn = {
             let mut idle = self.idle.lock();
@@ -608,7 +621,7 @@ impl Pool {
             }
             idle.pop()?
         };
-        self.stats.checkouts.fetch_add(1, Ordering::Relaxed);
+        self.count_checkout(asker.priority);
         Some(self.guard(conn, permit))
     }
 
@@ -701,7 +714,7 @@ impl Pool {
                     }
                 }
             })?;
-        self.stats.checkouts.fetch_add(1, Ordering::Relaxed);
+        self.count_checkout(asker.priority);
         loop {
             while let Some(mut conn) = self.pop_idle() {
                 let now = Instant::now();
@@ -1722,5 +1735,51 @@ mod tests {
         assert!(Arc::ptr_eq(&list, &first));
         // A different list has none.
         assert!(p.greeting(&settings("application_name", "batch")).is_none());
+    }
+
+    /// The door reads the pace of non-critical checkouts: a critical caller served at 400 a
+    /// second from its reserve says nothing of when a queue of normal work moves; a normal
+    /// pace that fits lets logins in; a queue at `pool.max_waiting` holds them whatever the
+    /// pace.
+    #[tokio::test(start_paused = true)]
+    async fn the_door_reads_the_pace_of_non_critical_checkouts() {
+        let p = Pool::unconnected();
+        let room = Duration::from_secs(2);
+        let held: Vec<_> = std::iter::from_fn(|| p.slots.try_acquire(1, Instant::now()))
+            .take(100)
+            .collect();
+        assert!(!held.is_empty() && p.slots.try_acquire(1, Instant::now()).is_none());
+        let far = Instant::now() + Duration::from_secs(60);
+        let waiters: Vec<_> = (0..5)
+            .map(|_| {
+                let s = Arc::clone(&p.slots);
+                tokio::spawn(async move { s.acquire(1, far, 1000).await.map(drop) })
+            })
+            .collect();
+        tokio::task::yield_now().await;
+        assert_eq!(p.slots.queued_now(), 5);
+        assert!(p.crowded(room, 0), "the pace is not known yet");
+
+        tokio::time::advance(Duration::from_secs(1)).await;
+        for _ in 0..400 {
+            p.count_checkout(0);
+        }
+        assert!(
+            p.crowded(room, 0),
+            "only critical checkouts: the normal queue did not move"
+        );
+
+        tokio::time::advance(Duration::from_secs(1)).await;
+        for _ in 0..100 {
+            p.count_checkout(2);
+        }
+        assert_eq!(p.stats.checkouts.load(Ordering::Relaxed), 500);
+        assert!(!p.crowded(room, 0), "six at 100 a second: 60 ms");
+        let full = p.cfg.max_waiting - 5;
+        assert!(p.crowded(room, full), "the queue would be full");
+        drop(held);
+        for w in waiters {
+            w.abort();
+        }
     }
 }
