@@ -141,6 +141,8 @@ pub struct AppStats {
     pub inline_logins: AtomicUsize,
     /// Connections handed to the login thread to log in (or be refused), since start.
     pub offloaded_logins: AtomicU64,
+    /// Times accepting moved to the login thread for a burst of logins (`server::Accepting`).
+    pub accept_moves: AtomicU64,
     pub client_errors: AtomicU64,
     /// Logins let through the door ([`App::door`]) whose first statement has not reached
     /// admission yet.

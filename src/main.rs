@@ -414,7 +414,9 @@ async fn run(
         unix,
         keepalive: (keepalive_ms > 0).then(|| std::time::Duration::from_millis(keepalive_ms)),
     };
-    pgsluice::server::serve(app, listeners, login).await;
+    pgsluice::server::serve(app, listeners, login)
+        .await
+        .map_err(|e| anyhow::anyhow!("cannot move the listeners to the login thread: {e}"))?;
     admin_stop.cancel();
     let _ = tokio::time::timeout(std::time::Duration::from_secs(2), admin_task).await;
     services.finish().await;

@@ -2,9 +2,10 @@
 //!
 //! A tokio socket is registered with the I/O driver of the runtime it was made in, and that
 //! driver's thread is the one woken when the socket becomes ready, whichever thread polls it.
-//! A connection that logs in on the login thread moves to the login thread's event loop when
-//! it is accepted and back to the session thread's once logged in: each thread is woken only
-//! by its own sockets. [`Rehome::rehome`] makes the move in place, where it is called (inside
+//! A connection that logs in on another thread than the one whose listener accepted it moves
+//! to that thread's event loop before its first read, and one logged in on the login thread
+//! moves to the session thread's once logged in: each thread is woken only by its own
+//! sockets. [`Rehome::rehome`] makes the move in place, where it is called (inside
 //! the runtime that is to own the socket). A client connection is held in a [`Movable`],
 //! whose socket is deregistered from the old event loop and its descriptor registered here:
 //! two system calls, and no descriptor needed for the move. The connection itself is

@@ -8,7 +8,7 @@
 //! SO_REUSEPORT when several instances share the port, and the Unix-domain socket in
 //! `unix_socket_dir` (clients of both are served alike). With a login runtime, connections
 //! beyond the first few logging in at once log in there, and their sessions come back to the
-//! session runtime.
+//! session runtime; during such a burst the listeners move there too ([`Accepting`]).
 
 use std::net::SocketAddr;
 use std::os::unix::fs::{FileTypeExt, MetadataExt, PermissionsExt};
@@ -96,20 +96,25 @@ pub fn bind(addr: SocketAddr, reuseport: bool) -> std::io::Result<TcpListener> {
 /// when this is dropped (if it is still the one bound here).
 pub struct UnixSocket {
     listener: UnixListener,
-    path: PathBuf,
-    /// Device and inode of the file bound here.
-    file: (u64, u64),
+    file: SocketFile,
 }
 
 impl UnixSocket {
     pub fn path(&self) -> &Path {
-        &self.path
+        &self.file.path
     }
 }
 
-impl Drop for UnixSocket {
+/// The socket file bound, removed when dropped if it is still that file.
+struct SocketFile {
+    path: PathBuf,
+    /// Device and inode of the file bound here.
+    id: (u64, u64),
+}
+
+impl Drop for SocketFile {
     fn drop(&mut self) {
-        if std::fs::symlink_metadata(&self.path).is_ok_and(|m| (m.dev(), m.ino()) == self.file) {
+        if std::fs::symlink_metadata(&self.path).is_ok_and(|m| (m.dev(), m.ino()) == self.id) {
             let _ = std::fs::remove_file(&self.path);
         }
     }
@@ -147,8 +152,10 @@ pub fn bind_unix(dir: &Path, port: u16, mode: u32) -> std::io::Result<UnixSocket
     let meta = std::fs::symlink_metadata(&path)?;
     Ok(UnixSocket {
         listener,
-        path,
-        file: (meta.dev(), meta.ino()),
+        file: SocketFile {
+            path,
+            id: (meta.dev(), meta.ino()),
+        },
     })
 }
 
@@ -172,6 +179,24 @@ enum Accepted {
 }
 
 impl Listeners {
+    /// The listeners registered with the current runtime's event loop instead of the one
+    /// they were bound in (its thread is then the one woken by new connections).
+    fn rehome(self) -> std::io::Result<Listeners> {
+        let tcp = TcpListener::from_std(self.tcp.into_std()?)?;
+        let unix = match self.unix {
+            Some(u) => Some(UnixSocket {
+                listener: UnixListener::from_std(u.listener.into_std()?)?,
+                file: u.file,
+            }),
+            None => None,
+        };
+        Ok(Listeners {
+            tcp,
+            unix,
+            keepalive: self.keepalive,
+        })
+    }
+
     async fn accept(&self) -> std::io::Result<(Accepted, ClientAddr)> {
         let unix = async {
             match &self.unix {
@@ -198,25 +223,63 @@ impl Listeners {
 }
 
 /// Accepts clients until shutdown, then waits for sessions up to `shutdown_timeout_ms`.
-/// With `login` (a login runtime), a new connection logs in here while fewer than
-/// [`INLINE_LOGINS`] do and client TLS is off; otherwise it moves to the login runtime to log
-/// in there and its session is handed back here (see [`session::Handover`]). A storm of new
-/// connections then costs the session thread its accepts, and at most `INLINE_LOGINS` logins
-/// at a time.
-pub async fn serve(app: Arc<App>, listeners: Listeners, login: Option<tokio::runtime::Handle>) {
+/// With `login` (a login runtime), a new connection logs in on the session thread while
+/// fewer than [`INLINE_LOGINS`] do and client TLS is off, and otherwise on the login thread,
+/// its session handed to the session thread once logged in (see [`session::Handover`]).
+/// Accepting moves with a burst: while new connections are logging in on the login thread,
+/// the listeners are there too (see [`Accepting`]).
+pub async fn serve(
+    app: Arc<App>,
+    listeners: Listeners,
+    login: Option<tokio::runtime::Handle>,
+) -> std::io::Result<()> {
     let tasks = app.life.clients().clone();
-    let offload = login.map(|login| {
-        login.spawn(pacemaker());
-        Offload {
-            handover: session::Handover::to(tasks.clone(), tokio::runtime::Handle::current()),
-            login,
+    match login {
+        None => {
+            accept_loop(&app, &tasks, listeners, None).await;
         }
-    });
-    accept_loop(&app, &tasks, listeners, offload.as_ref()).await;
+        Some(login) => {
+            login.spawn(pacemaker());
+            let sessions = tokio::runtime::Handle::current();
+            let offload = Arc::new(Offload {
+                handover: session::Handover::to(tasks.clone(), sessions.clone()),
+                sessions,
+                login,
+            });
+            let mut listeners = listeners;
+            let mut on = Accepting::OnSessions;
+            loop {
+                let handle = match on {
+                    Accepting::OnSessions => &offload.sessions,
+                    Accepting::OnLogin => &offload.login,
+                };
+                listeners = {
+                    let _there = handle.enter();
+                    listeners.rehome()?
+                };
+                let (app2, tasks2, o) = (Arc::clone(&app), tasks.clone(), Arc::clone(&offload));
+                let phase = handle.spawn(async move {
+                    accept_loop(&app2, &tasks2, listeners, Some((&o, on))).await
+                });
+                match phase.await {
+                    Ok(Some(back)) => {
+                        listeners = back;
+                        on = on.other();
+                        if on == Accepting::OnLogin {
+                            app.stats.accept_moves.fetch_add(1, Ordering::Relaxed);
+                        }
+                    }
+                    // Stopping (the listeners are closed), or the runtime is shutting down.
+                    Ok(None) | Err(_) => break,
+                }
+            }
+        }
+    }
     let grace = Duration::from_millis(app.config().limits.shutdown_timeout_ms);
     app.life
         .drain(grace, FORCE_GRACE, || app.force_stop())
         .await;
+    Ok(())
 }
 
 /// Logins in progress on the session thread beyond which a new connection logs in on the
@@ -235,11 +298,40 @@ fn inline_login(app: &Arc<App>) -> Option<session::InlineLogin> {
     session::InlineLogin::try_enter(app, INLINE_LOGINS)
 }
 
-/// The login runtime, and the way back from it.
+/// The two runtimes a connection may log in on, and the way from the login runtime to the
+/// session runtime for a session logged in there.
 struct Offload {
+    sessions: tokio::runtime::Handle,
     login: tokio::runtime::Handle,
     handover: session::Handover,
 }
+
+/// Where the listeners are: with the session thread's event loop while logins are few (a
+/// connection that logs in there never changes thread: `pgbench -C` costs no hop), with
+/// the login thread's during a burst — from the first connection sent to log in there
+/// until none has been for [`BURST_CALM`] — so a reconnect storm's accepts wake the login
+/// thread, at its lower priority, instead of the session thread (each accept of thousands
+/// otherwise delays the statements of clients already served: a critical caller's p99 in
+/// a storm of 1 500 logins was 8–50 ms with accepts on the session thread, 5–7 ms off it,
+/// docs/BENCHMARKS.md). A move is two system calls per listener.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Accepting {
+    OnSessions,
+    OnLogin,
+}
+
+impl Accepting {
+    fn other(self) -> Accepting {
+        match self {
+            Accepting::OnSessions => Accepting::OnLogin,
+            Accepting::OnLogin => Accepting::OnSessions,
+        }
+    }
+}
+
+/// How long accepting stays on the login thread after the last connection sent to log in
+/// there.
+const BURST_CALM: Duration = Duration::from_secs(1);
 
 /// Keeps a timer due within [`PACE`] on the login thread's timer wheel, for as long as the
 /// runtime runs. Tokio wakes a parked runtime (a write to its eventfd, and one more turn of
@@ -255,19 +347,30 @@ async fn pacemaker() {
 
 const PACE: Duration = Duration::from_secs(1);
 
-/// Accepts clients, each with a task of its own on this runtime, until shutdown.
+/// Accepts clients, each with a task of its own, until shutdown (`None`, the listeners
+/// closed) or, with a login runtime, until accepting should move to the other runtime
+/// (`Some`, the listeners to move: see [`Accepting`]).
 async fn accept_loop(
     app: &Arc<App>,
     tasks: &TaskTracker,
     listeners: Listeners,
-    offload: Option<&Offload>,
-) {
+    offload: Option<(&Offload, Accepting)>,
+) -> Option<Listeners> {
     let mut backoff = Duration::from_millis(5);
     let mut warnings = AcceptWarnings::default();
+    // On the login thread: when to move back (a burst's last login there, plus the calm).
+    let mut calm_at = Instant::now() + BURST_CALM;
     loop {
+        let move_back = async {
+            match offload {
+                Some((_, Accepting::OnLogin)) => tokio::time::sleep_until(calm_at).await,
+                _ => std::future::pending().await,
+            }
+        };
         let accepted = tokio::select! {
             r = listeners.accept() => r,
             _ = app.life.stopping() => break,
+            _ = move_back => return Some(listeners),
         };
         let (sock, peer) = match accepted {
             Ok(x) => {
@@ -282,39 +385,58 @@ async fn accept_loop(
                 continue;
             }
         };
-        match sock {
+        let to_login = match sock {
             Accepted::Tcp(s) => admit(app, tasks, offload, Movable::new(s), peer),
             Accepted::Unix(s) => admit(app, tasks, offload, Movable::new(s), peer),
+        };
+        match offload {
+            Some((_, Accepting::OnSessions)) if to_login => return Some(listeners),
+            Some((_, Accepting::OnLogin)) if to_login => calm_at = Instant::now() + BURST_CALM,
+            _ => {}
         }
     }
     // The socket file goes with the listener: a client that finds none tries elsewhere.
     drop(listeners);
+    None
 }
 
 /// Takes a client slot for a new connection (or refuses it above `max_client_conn`) and
 /// starts its task, which waits for a handshake slot (bounded by the handshake timeout) and
-/// runs the session: accepting never waits. The task runs here, or on the login runtime when
-/// there is one and it gets no [`inline_login`] place.
+/// runs the session: accepting never waits. The task runs on the session runtime when there
+/// is no login runtime or it gets an [`inline_login`] place, else on the login runtime; its
+/// socket moves there first if it was accepted on the other one. `true`: it went to the
+/// login runtime.
 fn admit<S>(
     app: &Arc<App>,
     tasks: &TaskTracker,
-    offload: Option<&Offload>,
+    offload: Option<(&Offload, Accepting)>,
     sock: S,
     peer: ClientAddr,
-) where
+) -> bool
+where
     S: AsyncRead + AsyncWrite + crate::rehome::Rehome + Unpin + Send + 'static,
 {
-    let (inline, away) = match offload {
-        None => (None, None),
-        Some(o) => match inline_login(app) {
-            Some(inline) => (Some(inline), None),
+    // Where the task runs (`None`: here), and the way to the session runtime after a
+    // login on the login runtime.
+    let (inline, to, handover) = match offload {
+        None => (None, None, session::Handover::default()),
+        Some((o, on)) => match inline_login(app) {
+            Some(inline) => (
+                Some(inline),
+                (on == Accepting::OnLogin).then_some(&o.sessions),
+                session::Handover::default(),
+            ),
             None => {
                 app.stats.offloaded_logins.fetch_add(1, Ordering::Relaxed);
-                (None, Some(o))
+                (
+                    None,
+                    (on == Accepting::OnSessions).then_some(&o.login),
+                    o.handover.clone(),
+                )
             }
         },
     };
-    let handover = away.map(|o| o.handover.clone()).unwrap_or_default();
+    let to_login = offload.is_some() && inline.is_none();
     let max = app.config().limits.max_client_conn;
     let n = app.stats.clients.fetch_add(1, Ordering::Relaxed);
     let slot = ClientSlot(app.clone());
@@ -322,12 +444,13 @@ fn admit<S>(
     let app2 = app.clone();
     let timeout = Duration::from_millis(app.config().limits.handshake_timeout_ms);
     let deadline = tokio::time::Instant::now() + timeout;
-    let moving = away.is_some();
+    let moving = to.is_some();
     let task = async move {
         let mut sock = sock;
-        // The socket joins the login thread's event loop before anything is read from it.
+        // The socket joins the event loop of the thread it logs in on before anything is
+        // read from it.
         if moving && let Err(e) = sock.rehome() {
-            tracing::warn!(%peer, error = %e, "cannot move a new connection to the login thread");
+            tracing::warn!(%peer, error = %e, "cannot move a new connection to another thread");
             return;
         }
         if n >= max {
@@ -342,10 +465,11 @@ fn admit<S>(
     // Boxed: the task cell then holds a pointer, and its changes of stage copy that instead
     // of the handshake's whole future (a login's largest copies).
     let task = Box::pin(task);
-    drop(match away {
-        Some(o) => tasks.spawn_on(task, &o.login),
+    drop(match to {
+        Some(there) => tasks.spawn_on(task, there),
         None => tasks.spawn(task),
     });
+    to_login
 }
 
 /// Accepts CancelRequests passed on by peer instances on this instance's own `peer_listen`

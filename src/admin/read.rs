@@ -232,6 +232,7 @@ fn scrape(st: &AdminState) -> Scrape {
         client_connections_accepted: app.stats.clients_total.load(Relaxed),
         handshakes_in_progress: u(app.stats.handshakes.load(Relaxed)),
         logins_offloaded: app.stats.offloaded_logins.load(Relaxed),
+        accept_moves: app.stats.accept_moves.load(Relaxed),
         logins_held: app.stats.logins_held.load(Relaxed),
         logins_waiting: app.stats.door_held.now() as u64,
         client_errors: app.stats.client_errors.load(Relaxed),

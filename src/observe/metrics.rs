@@ -124,6 +124,8 @@ pub struct Scrape {
     pub handshakes_in_progress: u64,
     /// Connections handed to the login thread (the session thread had enough logins).
     pub logins_offloaded: u64,
+    /// Times accepting moved to the login thread for a burst of logins.
+    pub accept_moves: u64,
     /// Logins that waited, once authenticated, while their pool or caller was crowded.
     pub logins_held: u64,
     /// Logins waiting at the door now.
@@ -362,6 +364,7 @@ struct ScrapeSeries {
     clients_accepted: IntCounter,
     handshakes: IntGauge,
     logins_offloaded: IntCounter,
+    accept_moves: IntCounter,
     logins_held: IntCounter,
     logins_waiting: IntGauge,
     client_errors: IntCounter,
@@ -725,6 +728,11 @@ impl ScrapeSeries {
                  start: with one session thread, those that arrived while 4 were logging in on it, \
                  and all while client TLS is on.",
             ),
+            accept_moves: counter(
+                "pgsluice_client_accept_moves_total",
+                "Times new connections began to be accepted on the login thread for a burst of \
+                 logins (back on the session thread after a second without one) since start.",
+            ),
             logins_waiting: gauge(
                 "pgsluice_client_logins_waiting",
                 "Authenticated logins waiting at the door now (limits.hold_logins); they hold \
@@ -856,6 +864,7 @@ impl ScrapeSeries {
         set_counter(&self.clients_accepted, s.client_connections_accepted);
         self.handshakes.set(gauge_value(s.handshakes_in_progress));
         set_counter(&self.logins_offloaded, s.logins_offloaded);
+        set_counter(&self.accept_moves, s.accept_moves);
         set_counter(&self.logins_held, s.logins_held);
         self.logins_waiting.set(gauge_value(s.logins_waiting));
         set_counter(&self.client_errors, s.client_errors);

@@ -115,8 +115,9 @@ async fn unix_sockets_on_both_sides() {
 /// With one session thread: a login thread at nice 10 beside it; a client that logs in while
 /// fewer than 4 others do logs in on the session thread, one that arrives while 4 are
 /// logging in there (here: 4 connections that never send their startup packet) logs in on the
-/// login thread (`pgsluice_client_logins_offloaded_total`), and a burst of 40 clients logged
-/// in on either is served with each its own answer.
+/// login thread (`pgsluice_client_logins_offloaded_total`) and moves accepting there
+/// (`pgsluice_client_accept_moves_total`) until a second passes without another, and a burst
+/// of 40 clients logged in on either is served with each its own answer.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn one_session_thread_logs_a_burst_of_clients_in_on_a_lower_priority_thread() {
     let cluster = Cluster::start();
@@ -191,6 +192,12 @@ async fn one_session_thread_logs_a_burst_of_clients_in_on_a_lower_priority_threa
         );
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
+    const MOVES: &str = "pgsluice_client_accept_moves_total";
+    assert_eq!(
+        scrape(MOVES).await,
+        0.0,
+        "accepting stays while logins are few"
+    );
     let client = proxy.client().await;
     assert_eq!(scalar(&client, "SELECT 'offloaded'").await, "offloaded");
     assert_eq!(
@@ -198,7 +205,36 @@ async fn one_session_thread_logs_a_burst_of_clients_in_on_a_lower_priority_threa
         1.0,
         "a login beside 4 in progress on the session thread belongs to the login thread"
     );
-    drop((client, silent));
+    assert_eq!(
+        scrape(MOVES).await,
+        1.0,
+        "a login sent to the login thread moves accepting there"
+    );
+    // Accepted on the login thread: logs in there while the 4 places are taken...
+    let client2 = proxy.client().await;
+    assert_eq!(
+        scalar(&client2, "SELECT 'accepted there'").await,
+        "accepted there"
+    );
+    assert_eq!(scrape(OFFLOADED).await, 2.0);
+    drop((client, client2, silent));
+    // ...and on the session thread once they are free (its socket moves there first).
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while scrape("pgsluice_client_handshakes").await > 0.0 {
+        assert!(
+            Instant::now() < deadline,
+            "the silent connections never ended"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let client = proxy.client().await;
+    assert_eq!(scalar(&client, "SELECT 'moved'").await, "moved");
+    assert_eq!(
+        scrape(OFFLOADED).await,
+        2.0,
+        "a login beside none stays inline"
+    );
+    drop(client);
     // Logged in on either, served here: 40 clients connect at once and each sees its own answer.
     let clients = (0..40i32).map(|i| {
         let proxy = Arc::clone(&proxy);
@@ -223,6 +259,36 @@ async fn one_session_thread_logs_a_burst_of_clients_in_on_a_lower_priority_threa
     {
         r.expect("client task").expect("client result");
     }
+    // A second after the last login sent to the login thread, accepting is back on the
+    // session thread: lone logins are served, and a new burst moves it again.
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    let moves = scrape(MOVES).await;
+    for i in 0..3 {
+        let client = proxy.client().await;
+        assert_eq!(scalar(&client, &format!("SELECT {i}")).await, i.to_string());
+    }
+    assert_eq!(scrape(MOVES).await, moves, "lone logins move nothing");
+    let mut silent = Vec::new();
+    for _ in 0..4 {
+        silent.push(
+            tokio::net::TcpStream::connect(proxy.addr())
+                .await
+                .expect("connect"),
+        );
+    }
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while scrape("pgsluice_client_handshakes").await < 4.0 {
+        assert!(Instant::now() < deadline, "4 silent connections again");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let client = proxy.client().await;
+    assert_eq!(scalar(&client, "SELECT 'again'").await, "again");
+    assert_eq!(
+        scrape(MOVES).await,
+        moves + 1.0,
+        "accepting had come back to the session thread, and moves again"
+    );
+    drop((client, silent));
     proxy.assert_healthy().await;
 }
 
