@@ -312,7 +312,7 @@ struct Offload {
 /// until none has been for [`BURST_CALM`] — so a reconnect storm's accepts wake the login
 /// thread, at its lower priority, instead of the session thread (each accept of thousands
 /// otherwise delays the statements of clients already served: a critical caller's p99 in
-/// a storm of 1 500 logins was 8–50 ms with accepts on the session thread, 5–7 ms off it,
+/// a storm of 1 500 logins was 10–23 ms with accepts on the session thread, 5–10 ms off it,
 /// docs/BENCHMARKS.md). A move is two system calls per listener.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Accepting {
