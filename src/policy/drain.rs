@@ -6,8 +6,8 @@
 //! Owns [`DrainRate`]: fed a monotonic count of completions (slots given back, checkouts
 //! served, logins finished) that its owner already keeps, it samples that count only when
 //! asked — at a refusal — so the hot path pays nothing. The rate is the completions since the
-//! previous sample over the time between: a rise is taken at once, a fall smoothed over about
-//! a second. Pure: time comes in.
+//! previous sample over the time between: a rise (of a few completions at least) is taken at
+//! once, anything else smoothed over about a second. Pure: time comes in.
 
 use std::time::Duration;
 
@@ -18,6 +18,8 @@ use tokio::time::Instant;
 const MIN_SPAN: Duration = Duration::from_millis(200);
 /// Time constant of the smoothing.
 const SMOOTHING: Duration = Duration::from_secs(1);
+/// Completions a reading needs for a rise to be believed at once.
+const MIN_RISE: u64 = 4;
 /// Longest wait ever estimated (a stalled queue is "come back much later", not infinity).
 pub const MAX_WAIT: Duration = Duration::from_secs(60);
 
@@ -55,13 +57,15 @@ impl DrainRate {
         if span < MIN_SPAN {
             return prev.rate;
         }
-        let seen = count.saturating_sub(prev.count) as f64 / span.as_secs_f64();
+        let done = count.saturating_sub(prev.count);
+        let seen = done as f64 / span.as_secs_f64();
         let rate = match prev.rate {
             // A queue that starts to move is believed at once (the backends a long query
             // held come free together, and a login held at the door for that estimate
-            // should not wait a smoothing window longer); a slowdown is weighted by how
-            // much of the smoothing window the new reading covers.
-            Some(r) if seen > r => seen,
+            // should not wait a smoothing window longer) — when the reading counts enough
+            // completions to be one: one or two of them in a short span say little. Other
+            // changes are weighted by how much of the smoothing window the reading covers.
+            Some(r) if seen > r && done >= MIN_RISE => seen,
             Some(r) => {
                 let w = (span.as_secs_f64() / SMOOTHING.as_secs_f64()).min(1.0);
                 r + w * (seen - r)
@@ -136,6 +140,22 @@ mod tests {
         assert!(
             (799.0..=801.0).contains(&r),
             "a fall is a fifth of the way per 200 ms: {r}"
+        );
+    }
+
+    /// One or two completions in a short span are no evidence of a faster queue: a queue
+    /// served every 0.4 s that sees one completion in 200 ms is not taken as 5 a second.
+    #[tokio::test(start_paused = true)]
+    async fn a_rise_of_a_few_completions_is_smoothed() {
+        let d = DrainRate::new();
+        d.rate(0, Instant::now());
+        tokio::time::advance(Duration::from_secs(2)).await;
+        assert_eq!(d.rate(5, Instant::now()), Some(2.5));
+        tokio::time::advance(Duration::from_millis(200)).await;
+        let r = d.rate(6, Instant::now()).expect("a rate");
+        assert!(
+            (2.99..=3.01).contains(&r),
+            "a fifth of the way from 2.5 to 5: {r}"
         );
     }
 }

@@ -176,22 +176,7 @@ async fn one_session_thread_logs_a_burst_of_clients_in_on_a_lower_priority_threa
         "lone logins went to the login thread"
     );
     // Four connections that never send a startup packet hold the session thread's places.
-    let mut silent = Vec::new();
-    for _ in 0..4 {
-        silent.push(
-            tokio::net::TcpStream::connect(proxy.addr())
-                .await
-                .expect("connect"),
-        );
-    }
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while scrape("pgsluice_client_handshakes").await < 4.0 {
-        assert!(
-            Instant::now() < deadline,
-            "4 silent connections never showed as handshakes"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    let silent = silent_logins(&proxy, 4).await;
     const MOVES: &str = "pgsluice_client_accept_moves_total";
     assert_eq!(
         scrape(MOVES).await,
@@ -268,19 +253,7 @@ async fn one_session_thread_logs_a_burst_of_clients_in_on_a_lower_priority_threa
         assert_eq!(scalar(&client, &format!("SELECT {i}")).await, i.to_string());
     }
     assert_eq!(scrape(MOVES).await, moves, "lone logins move nothing");
-    let mut silent = Vec::new();
-    for _ in 0..4 {
-        silent.push(
-            tokio::net::TcpStream::connect(proxy.addr())
-                .await
-                .expect("connect"),
-        );
-    }
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while scrape("pgsluice_client_handshakes").await < 4.0 {
-        assert!(Instant::now() < deadline, "4 silent connections again");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    let silent = silent_logins(&proxy, 4).await;
     let client = proxy.client().await;
     assert_eq!(scalar(&client, "SELECT 'again'").await, "again");
     assert_eq!(
@@ -290,6 +263,33 @@ async fn one_session_thread_logs_a_burst_of_clients_in_on_a_lower_priority_threa
     );
     drop((client, silent));
     proxy.assert_healthy().await;
+}
+
+/// `n` connections that never send a startup packet, once the proxy counts them as
+/// handshakes in progress (each holds a login place).
+async fn silent_logins(proxy: &Proxy, n: usize) -> Vec<tokio::net::TcpStream> {
+    let mut silent = Vec::new();
+    for _ in 0..n {
+        silent.push(
+            tokio::net::TcpStream::connect(proxy.addr())
+                .await
+                .expect("connect"),
+        );
+    }
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let (_, text) = proxy
+            .admin_request("GET", "/metrics", ADMIN_READ_TOKEN, None)
+            .await;
+        if metric(&text, "pgsluice_client_handshakes").is_some_and(|h| h >= n as f64) {
+            return silent;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "{n} silent connections never showed as handshakes"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
 }
 
 /// (name, nice value) of every thread of process `pid`, from /proc; a thread that exits

@@ -508,7 +508,9 @@ async fn a_stepped_pattern_is_named_and_throttled_automatically_while_others_pas
         e["baseline"].as_f64().unwrap_or(-1.0),
         e["current"].as_f64().unwrap_or(-1.0),
     );
-    assert!((1.0..30.0).contains(&baseline), "baseline ~10/s: {anomaly}");
+    // The steady ~10/s, not the step: on a busy machine the first ticks of the step reach
+    // the baseline before the detection fires (30.8/s seen once), against thousands a second.
+    assert!((1.0..50.0).contains(&baseline), "baseline ~10/s: {anomaly}");
     assert!(current >= 10.0 * baseline.max(5.0), "{anomaly}");
     let window = e["window_ms"].as_u64().unwrap_or(0);
     assert!(
