@@ -38,7 +38,6 @@
 //! was tried the same way (a Query admitted and sent without a future) and measured slower;
 //! it stays async.
 
-use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
@@ -59,7 +58,7 @@ use crate::pool::{Pool, Pooled, reset};
 use crate::protocol::PgError;
 use crate::protocol::framing;
 use crate::protocol::messages;
-use crate::rehome::{Rehome, Waiting};
+use crate::rehome::Rehome;
 use crate::runtime::Runtime;
 
 use super::state;
@@ -74,6 +73,7 @@ mod listen;
 mod route;
 mod shared;
 mod unit;
+mod wake;
 
 use super::machine::deadlines::{Deadline, Idle};
 use super::machine::statements::{Server, Statements};
@@ -83,6 +83,7 @@ use admission::Timeouts;
 use lease::Lease;
 use route::Routing;
 use unit::Unit;
+use wake::{Cancels, Wake};
 
 pub struct Relay {
     app: Arc<App>,
@@ -92,23 +93,10 @@ pub struct Relay {
     /// The session's state without sockets: the cores, the deadlines, the tally and what
     /// the proxy knows of the client's server session.
     core: SessionCore,
-    /// A cancel the backstop is delivering: nothing more is sent to the backend until it has
-    /// arrived, so it can only stop the statement it was meant for.
-    backstop_cancel: Option<tokio::task::JoinHandle<()>>,
-    /// `cancel::Entry::requested` when a 57014 was last seen.
-    cancels_seen: u64,
-    /// The one timer behind `deadlines` (the earliest of them), kept across loop turns and
-    /// moved only when that deadline changes: a sleep made per turn would enter and leave the
-    /// timer wheel for every message.
-    timer: Option<Pin<Box<tokio::time::Sleep>>>,
-    /// Which of client and backend the event loop looks at first (they take turns).
-    backend_first: bool,
-    /// Whose waker the client socket holds, if its last read found it empty. The client is
-    /// read only through it, in [`Relay::poll_event`].
-    client_wait: Waiting,
-    /// The clock read once per wake-up ([`Relay::now`]); cleared when an event arrives and
-    /// after any wait.
-    tick: Option<Instant>,
+    /// The backstop's cancel on its way, and the client's cancels seen.
+    cancels: Cancels,
+    /// The event loop's timer, turns, client waker and clock.
+    wake: Wake,
     /// Client address, for caller matching by CIDR (none over the Unix socket).
     peer_ip: Option<std::net::IpAddr>,
     /// The runtime snapshot of the current unit (loaded when its first statement is
@@ -193,12 +181,8 @@ impl Relay {
                 reading_trusted,
                 classify_on,
             ),
-            backstop_cancel: None,
-            cancels_seen: 0,
-            timer: None,
-            backend_first: false,
-            client_wait: Waiting::default(),
-            tick: None,
+            cancels: Cancels::default(),
+            wake: Wake::default(),
             peer_ip: peer.ip(),
             rt,
             lease: Lease {
@@ -239,7 +223,7 @@ impl Relay {
         self.arm_idle_timers();
         loop {
             let ev = std::future::poll_fn(|cx| self.poll_event(cx, client)).await;
-            self.tick = None;
+            self.wake.moved_on();
             let r = match ev {
                 Event::Client(Ok(0)) | Event::Client(Err(_)) => return End::ClientClosed,
                 Event::Client(Ok(n)) => {
@@ -405,9 +389,9 @@ impl Relay {
             return Poll::Ready(ev);
         }
         let reading = self.notify.as_ref().is_none_or(|l| l.nout.is_empty());
-        self.backend_first = !self.backend_first;
+        let backend_first = self.wake.backend_turn();
         if reading
-            && self.backend_first
+            && backend_first
             && let Poll::Ready(r) = self.poll_backend(cx)
         {
             return Poll::Ready(Event::Backend(r));
@@ -416,13 +400,14 @@ impl Relay {
         if reading
             && !self.lease.replica_held()
             && let Poll::Ready(r) =
-                self.client_wait
+                self.wake
+                    .client
                     .poll_read(cx, client, self.core.requests.buf_mut())
         {
             return Poll::Ready(Event::Client(r));
         }
         if reading
-            && !self.backend_first
+            && !backend_first
             && let Poll::Ready(r) = self.poll_backend(cx)
         {
             return Poll::Ready(Event::Backend(r));
@@ -452,7 +437,7 @@ impl Relay {
     /// release and the statistics another), and again after anything that waited.
     #[inline(always)]
     pub(super) fn now(&mut self) -> Instant {
-        *self.tick.get_or_insert_with(Instant::now)
+        self.wake.now()
     }
 
     /// Reads from the borrowed backend; pending forever when there is none.
@@ -472,23 +457,7 @@ impl Relay {
     /// deadline it served).
     #[inline(always)]
     fn poll_timer(&mut self, cx: &mut Context<'_>) -> Poll<Event> {
-        let Some(due) = self.core.deadlines.next() else {
-            self.timer = None;
-            return Poll::Pending;
-        };
-        let at = Instant::from_std(due);
-        let timer = match &mut self.timer {
-            Some(t) => {
-                if t.deadline() != at {
-                    t.as_mut().reset(at);
-                }
-                t
-            }
-            slot @ None => slot.insert(Box::pin(tokio::time::sleep_until(at))),
-        };
-        if timer.as_mut().poll(cx).is_pending() {
-            return Poll::Pending;
-        }
+        let due = std::task::ready!(self.wake.poll_timer(cx, self.core.deadlines.next()));
         Poll::Ready(Event::Deadline(self.core.deadlines.due(due)))
     }
 
@@ -1435,7 +1404,7 @@ impl Relay {
     /// handles both).
     #[inline(always)]
     fn write_backend_now(&mut self) -> Result<bool, End> {
-        if self.backstop_cancel.is_some() {
+        if self.cancels.backstop.is_some() {
             return Ok(false);
         }
         let Some(b) = self.lease.backend.as_mut() else {
@@ -1524,7 +1493,7 @@ impl Relay {
         if self.core.out.is_empty() {
             return Ok(());
         }
-        if let Some(h) = self.backstop_cancel.take() {
+        if let Some(h) = self.cancels.backstop.take() {
             // Its cancel must not reach the backend after our next request does.
             let _ = h.await;
         }
@@ -1674,10 +1643,7 @@ impl Relay {
     /// was asked for, and says nothing about the server's health (the breaker must not open
     /// because users pressed cancel).
     fn client_cancelled(&mut self) -> bool {
-        let n = self.cancel.requested();
-        let asked = n != self.cancels_seen;
-        self.cancels_seen = n;
-        asked
+        self.cancels.asked(self.cancel.requested())
     }
 
     /// The statement outran its timeout and the backstop: cancel it, and give the server
@@ -1687,7 +1653,7 @@ impl Relay {
         if let Some(h) =
             self.cancel_backend_query("statement ran past its timeout and the proxy's backstop")
         {
-            self.backstop_cancel = Some(h);
+            self.cancels.backstop = Some(h);
             // If the server sends nothing at all by then, it is unreachable and its
             // connection is given up.
             let grace = Duration::from_millis(self.pool.cfg.cancel_grace_ms);

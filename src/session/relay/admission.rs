@@ -321,11 +321,11 @@ impl Relay {
             return Ok(r);
         }
         // It waits: whatever reads the clock next reads it afresh.
-        self.tick = None;
+        self.wake.moved_on();
         let buf = self.core.requests.buf_mut();
         let before = buf.len();
         let r = unless_client_leaves(fut, client, buf, &self.cancel, why).await;
-        self.tick = None;
+        self.wake.moved_on();
         let read = self.core.requests.buf_mut().len().saturating_sub(before);
         self.core.tally.received(read as u64);
         r
