@@ -227,14 +227,12 @@ impl Relay {
             let r = match ev {
                 Event::Client(Ok(0)) | Event::Client(Err(_)) => return End::ClientClosed,
                 Event::Client(Ok(n)) => {
-                    self.core.tally.received(n as u64);
-                    self.core.deadlines.client_spoke();
+                    self.core.client_read(n);
                     self.on_client_data(client).await
                 }
                 Event::Backend(Ok(0)) | Event::Backend(Err(_)) => return self.backend_gone(),
                 Event::Backend(Ok(n)) if self.core.deferred => {
-                    self.core.tally.sent(n as u64);
-                    self.core.deadlines.server_spoke();
+                    self.core.backend_read(n);
                     match self.on_backend_data(client).await {
                         Ok(()) if !self.lease.replica_held() => {
                             // The replica's read is done and its backend back: now the rest.
@@ -245,9 +243,7 @@ impl Relay {
                     }
                 }
                 Event::Backend(Ok(n)) => {
-                    self.core.tally.sent(n as u64);
-                    // The server is alive: whatever the cancel does, it will be answered.
-                    self.core.deadlines.server_spoke();
+                    self.core.backend_read(n);
                     // Not through `on_backend_data`: no future unless something waits.
                     match self.on_backend_now(client) {
                         Ok(None) => Ok(()),
@@ -265,14 +261,12 @@ impl Relay {
                 }
                 Event::Deadline(Deadline::Unanswered) => return self.backend_unresponsive(),
                 Event::Shutdown => {
-                    self.core.draining = true;
                     // Between transactions: give a request already on its way a moment. A
                     // client that just logged in (its first query already on the wire) is
                     // served rather than told 57P01, which is what makes a rolling restart
                     // lose no new connection.
                     self.core
-                        .deadlines
-                        .drain_at((Instant::now() + DRAIN_IDLE_GRACE).into_std());
+                        .drain((Instant::now() + DRAIN_IDLE_GRACE).into_std());
                     Ok(())
                 }
                 Event::Deadline(Deadline::IdleGrace) => {

@@ -125,6 +125,28 @@ impl SessionCore {
         }
     }
 
+    /// The client sent `n` bytes (now in `requests`): counted, and its idle deadline is off.
+    #[inline(always)]
+    pub(super) fn client_read(&mut self, n: usize) {
+        self.tally.received(n as u64);
+        self.deadlines.client_spoke();
+    }
+
+    /// The backend sent `n` bytes (now in `replies`): counted, and the server is alive —
+    /// whatever a cancel does, it will be answered.
+    #[inline(always)]
+    pub(super) fn backend_read(&mut self, n: usize) {
+        self.tally.sent(n as u64);
+        self.deadlines.server_spoke();
+    }
+
+    /// Graceful shutdown began: the session leaves at its next point between transactions;
+    /// found between them, it waits for a request already on its way until `grace_until`.
+    pub(super) fn drain(&mut self, grace_until: std::time::Instant) {
+        self.draining = true;
+        self.deadlines.drain_at(grace_until);
+    }
+
     /// Where the client stands when the session next waits: owing the next move inside a
     /// transaction, between transactions, or not at all (something in flight or unsent).
     #[inline(always)]
