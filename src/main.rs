@@ -414,13 +414,11 @@ async fn run(
         unix,
         keepalive: (keepalive_ms > 0).then(|| std::time::Duration::from_millis(keepalive_ms)),
     };
-    pgsluice::server::serve(app, listeners, login)
-        .await
-        .map_err(|e| anyhow::anyhow!("cannot move the listeners to the login thread: {e}"))?;
+    let served = pgsluice::server::serve(app, listeners, login).await;
     admin_stop.cancel();
     let _ = tokio::time::timeout(std::time::Duration::from_secs(2), admin_task).await;
     services.finish().await;
-    Ok(())
+    served.map_err(|e| anyhow::anyhow!("cannot move the listeners between threads: {e}"))
 }
 
 /// Runtime rules persisted by the admin API, if a rules file is configured and exists.

@@ -227,13 +227,15 @@ impl Listeners {
 /// fewer than [`INLINE_LOGINS`] do and client TLS is off, and otherwise on the login thread,
 /// its session handed to the session thread once logged in (see [`session::Handover`]).
 /// Accepting moves with a burst: while new connections are logging in on the login thread,
-/// the listeners are there too (see [`Accepting`]).
+/// the listeners are there too (see [`Accepting`]). `Err`: the listeners could not move
+/// (the sessions were drained as in a shutdown first).
 pub async fn serve(
     app: Arc<App>,
     listeners: Listeners,
     login: Option<tokio::runtime::Handle>,
 ) -> std::io::Result<()> {
     let tasks = app.life.clients().clone();
+    let mut failed = None;
     match login {
         None => {
             accept_loop(&app, &tasks, listeners, None).await;
@@ -253,9 +255,19 @@ pub async fn serve(
                     Accepting::OnSessions => &offload.sessions,
                     Accepting::OnLogin => &offload.login,
                 };
-                listeners = {
+                let moved = {
                     let _there = handle.enter();
-                    listeners.rehome()?
+                    listeners.rehome()
+                };
+                listeners = match moved {
+                    Ok(l) => l,
+                    Err(e) => {
+                        // No listener left: the sessions still finish as in a shutdown.
+                        tracing::error!(error = %e, "cannot move the listeners; shutting down");
+                        app.begin_shutdown();
+                        failed = Some(e);
+                        break;
+                    }
                 };
                 let (app2, tasks2, o) = (Arc::clone(&app), tasks.clone(), Arc::clone(&offload));
                 let phase = handle.spawn(async move {
@@ -279,7 +291,7 @@ pub async fn serve(
     app.life
         .drain(grace, FORCE_GRACE, || app.force_stop())
         .await;
-    Ok(())
+    failed.map_or(Ok(()), Err)
 }
 
 /// Logins in progress on the session thread beyond which a new connection logs in on the

@@ -561,8 +561,7 @@ impl Pool {
             return true;
         }
         let room = room.min(Duration::from_millis(self.cfg.checkout_timeout_ms));
-        let served = self.stats.shared_checkouts.load(Ordering::Relaxed);
-        match self.drain.expected_wait(served, waiting, Instant::now()) {
+        match self.wait_behind(waiting) {
             // Clients queue and the pace is not known yet (a fifth of a second after the
             // first look): crowded, or a storm's first logins would all pass before anyone
             // could tell how long they would wait.
@@ -578,8 +577,13 @@ impl Pool {
     /// The expected wait for a backend of this pool: the clients waiting, at the rate
     /// checkouts have been served (`None` until that rate is known).
     pub fn expected_wait(&self) -> Option<Duration> {
+        self.wait_behind(self.slots.waiting() as u64)
+    }
+
+    /// The wait of a newcomer behind `waiting` clients, at the pace non-critical checkouts
+    /// are served.
+    fn wait_behind(&self, waiting: u64) -> Option<Duration> {
         let served = self.stats.shared_checkouts.load(Ordering::Relaxed);
-        let waiting = self.slots.waiting() as u64;
         self.drain.expected_wait(served, waiting, Instant::now())
     }
 

@@ -187,10 +187,11 @@ async fn logins_held(proxy: &crate::support::proxy::Proxy) -> u64 {
 }
 
 /// A pool queue at `pool.max_waiting` holds logins at the door even when it moves fast: the
-/// new client's first statement would be refused at once as full. One backend, eight clients
-/// looping on 20 ms statements (one runs, three wait, the rest are refused as full and try
-/// again): a wait of about 60 ms, well within the time a client may wait, so only the full
-/// queue can hold the login.
+/// new client's first statement would be refused at once as full. One backend, sixteen
+/// clients looping on 50 ms statements (one runs, three wait, the rest are refused as full and
+/// try again at once, so a place that comes free is taken again within a moment): a wait of
+/// about 150 ms, well within the time a client may wait, so only the full queue can hold the
+/// login.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_full_pool_queue_holds_logins_at_the_door() {
     let Some(env) = start(
@@ -204,19 +205,23 @@ limits: { handshake_timeout_ms: 2000 }
         return;
     };
     let proxy = &env.proxy;
+    // All logged in before any loops (a later login would itself be held at the door).
+    let mut clients = Vec::new();
+    for _ in 0..16 {
+        clients.push(connect(proxy, Some("busy")).await);
+    }
     let stop = Instant::now() + Duration::from_secs(4);
     let mut busy = Vec::new();
-    for _ in 0..8 {
-        let c = connect(proxy, Some("busy")).await;
+    for c in clients {
         busy.push(tokio::spawn(async move {
             let (mut served, mut full) = (0, 0);
             while Instant::now() < stop {
-                match c.simple_query("SELECT pg_sleep(0.02)").await {
+                match c.simple_query("SELECT pg_sleep(0.05)").await {
                     Ok(_) => served += 1,
                     Err(e) => {
                         assert_eq!(sqlstate(&e), "53300", "{e:?}");
                         full += 1;
-                        tokio::time::sleep(Duration::from_millis(5)).await;
+                        tokio::time::sleep(Duration::from_millis(1)).await;
                     }
                 }
             }
@@ -226,8 +231,10 @@ limits: { handshake_timeout_ms: 2000 }
     tokio::time::sleep(Duration::from_millis(800)).await;
     assert!(pool_waiting(proxy).await >= 2, "the queue stands");
     let held_before = logins_held(proxy).await;
+    // Settings the pool has met: the login itself needs no backend (a new
+    // `application_name` would be learnt on one, through the full queue).
     let mut cfg = proxy.app_config();
-    cfg.application_name("late");
+    cfg.application_name("busy");
     let t = Instant::now();
     let late = cfg.connect(tokio_postgres::NoTls).await.map(|_| ());
     let took = t.elapsed();
@@ -239,12 +246,14 @@ limits: { handshake_timeout_ms: 2000 }
         logins_held(proxy).await > held_before,
         "the login was held while the queue was full ({took:?})"
     );
-    let mut full = 0;
+    let (mut served, mut full) = (0, 0);
     for b in busy {
-        let (served, f) = b.await.expect("busy client");
-        assert!(served > 0, "every busy client was served");
+        let (s, f) = b.await.expect("busy client");
+        served += s;
         full += f;
     }
+    // About 80 statements of 50 ms fit in the 4 s; the queue kept moving.
+    assert!(served >= 20, "the backend served the queue: {served}");
     assert!(
         full > 0,
         "the queue was full: busy clients were refused as full"
