@@ -366,12 +366,13 @@ impl App {
     /// is done while it waits, and it is ready to send its first statement the moment it is
     /// let in; `on_hold` runs once, when the login starts to wait (the session gives back its
     /// handshake slot there).
-    /// Looked at every 10 ms or so, less often with many waiting ([`crate::door::poll`]; a
-    /// waiting login holds a timer, no lock). Critical callers never wait here, nor a
-    /// login to a pool not yet made; nobody waits longer than half the handshake timeout
-    /// (then the login goes on as usual). Off with `limits.hold_logins: false`. The caller is
-    /// resolved from what a login carries (`application_name`, user, address; comment tags
-    /// come with statements).
+    /// Logins wait in line, one line per pool and caller, and go through in the order they
+    /// came ([`crate::door::Lines`]): only the head of a line looks, every 10 ms or so (a
+    /// waiting login holds a timer or a wake-up, no lock). Critical callers never wait here,
+    /// nor a login to a pool not yet made; nobody waits longer than half the handshake
+    /// timeout (then the login goes on as usual). Off with `limits.hold_logins: false`. The
+    /// caller is resolved from what a login carries (`application_name`, user, address;
+    /// comment tags come with statements).
     pub async fn door(
         self: &Arc<Self>,
         database: &str,
@@ -394,23 +395,38 @@ impl App {
             + Duration::from_millis(rt.config.limits.handshake_timeout_ms) / 2;
         let coming = &self.stats.door_coming;
         // The guard that counts it as waiting, from its first pause (when `on_hold` is
-        // spent) to its pass.
+        // spent) to its pass, and its place in line (dropped as it passes: the next looks).
         let mut _held = None;
+        let mut place: Option<crate::door::Place<'_>> = None;
         let mut on_hold = Some(on_hold);
         loop {
             let now = tokio::time::Instant::now();
-            let ahead = coming.count(now);
-            if now >= until
-                || !(pool.crowded(room, ahead) || rt.limits.crowded(caller, room, now, ahead))
-            {
+            // Only the first in line looks (a newcomer is first when nobody waits).
+            let first = match &place {
+                Some(p) => p.is_head(),
+                None => !pool.door.occupied(caller),
+            };
+            let open = first && {
+                let ahead = coming.count(now);
+                !(pool.crowded(room, ahead) || rt.limits.crowded(caller, room, now, ahead))
+            };
+            if open || now >= until {
                 return Some(DoorPass(Arc::clone(self), coming.pass(now)));
             }
+            let place = place.get_or_insert_with(|| pool.door.join(caller));
             if let Some(f) = on_hold.take() {
                 _held = Some(self.stats.door_held.enter());
                 self.stats.logins_held.fetch_add(1, Ordering::Relaxed);
                 f();
             }
-            tokio::time::sleep(crate::door::poll(self.stats.door_held.now())).await;
+            if place.is_head() {
+                tokio::time::sleep(crate::door::poll()).await;
+            } else {
+                tokio::select! {
+                    () = place.turn() => {}
+                    () = tokio::time::sleep_until(until) => {}
+                }
+            }
         }
     }
 

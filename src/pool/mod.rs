@@ -197,6 +197,8 @@ pub struct Pool {
     /// Transaction mode's multiplexed LISTEN: who listens on what, and the listener
     /// connection that holds their union (`crate::notify`).
     pub notify: crate::notify::Hub,
+    /// The logins waiting at the door for this pool, in line by caller (`App::door`).
+    pub door: crate::door::Lines,
 }
 
 /// The replay lag of a standby in ms: 0 when it has replayed all it received, the age of
@@ -259,6 +261,7 @@ impl Pool {
             replica_lag_ms: AtomicU64::new(0),
             replica_replay_lsn: AtomicU64::new(0),
             notify: crate::notify::Hub::default(),
+            door: crate::door::Lines::default(),
             name: if replica {
                 format!("{database}/{user}@replica")
             } else {
