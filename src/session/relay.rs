@@ -1404,7 +1404,10 @@ impl Relay {
         let Some(b) = self.lease.backend.as_mut() else {
             return Ok(false);
         };
-        match write_now(&mut b.conn().stream, self.core.out.pending()) {
+        let Ok(bytes) = self.core.out.to_write() else {
+            return Err(self.outbox_broken());
+        };
+        match write_now(&mut b.conn().stream, bytes) {
             Ok(n) => Ok(self.core.out.written(n)),
             Err(_) => {
                 self.core.out.clear();
@@ -1495,9 +1498,34 @@ impl Relay {
             self.core.out.clear();
             return Ok(());
         };
-        let r = b.conn().stream.write_all(self.core.out.pending()).await;
+        let Ok(bytes) = self.core.out.to_write() else {
+            return Err(self.outbox_broken());
+        };
+        let r = b.conn().stream.write_all(bytes).await;
         self.core.out.clear();
         r.map_err(|_| self.backend_gone())
+    }
+
+    /// A request was queued with another message's bytes (a bug, caught before anything
+    /// was written): the replies owed no longer match what the backend would answer, so
+    /// the backend is closed and the session ends with an internal error.
+    #[cold]
+    fn outbox_broken(&mut self) -> End {
+        tracing::error!(
+            pool = %self.pool.name,
+            "{}: closing the session and its server connection",
+            crate::session::tracker::Broken
+        );
+        if let Some(b) = self.lease.backend.take() {
+            b.discard();
+        }
+        self.core.out.clear();
+        self.end_unit();
+        End::Error(PgError::fatal(
+            "XX000",
+            "pgsluice: internal error: a request was queued with another message's bytes; \
+             the session ends and its server connection is closed",
+        ))
     }
 
     /// In transaction mode, returns the backend once it is idle with nothing owed (after

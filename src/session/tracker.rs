@@ -15,7 +15,7 @@ use crate::protocol::messages;
 use crate::protocol::tag::{backend, status};
 
 mod outbox;
-pub use outbox::Outbox;
+pub use outbox::{Broken, Outbox};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Kind {

@@ -160,6 +160,20 @@ impl SessionCore {
         }
     }
 
+    /// Between units: the last reply said idle, nothing is in flight and nothing unsent —
+    /// the next request starts a new unit (a transaction, or a statement outside one).
+    #[inline(always)]
+    pub(super) fn between_units(&self) -> bool {
+        self.out.t.txn == b'I' && !self.out.t.in_flight() && self.out.is_empty()
+    }
+
+    /// The session's backend goes back to the pool between transactions: transaction mode,
+    /// and nothing the proxy cannot track pins it.
+    #[inline(always)]
+    pub(super) fn pooled(&self) -> bool {
+        self.mode == PoolMode::Transaction && !self.pinned
+    }
+
     /// What the release decision reads ([`release::decide`]): `attached` a backend,
     /// `pooled` it goes back between transactions (transaction mode, not pinned).
     #[inline(always)]
@@ -170,7 +184,7 @@ impl SessionCore {
             nothing_unsent: self.out.is_empty(),
             skipping: self.requests.skipping(),
             attached,
-            pooled: self.mode == PoolMode::Transaction && !self.pinned,
+            pooled: self.pooled(),
             capture_needed: self.capture_needed,
         }
     }

@@ -32,7 +32,6 @@ use std::time::Duration;
 use bytes::{Buf, BytesMut};
 use tokio::io::{AsyncWrite, AsyncWriteExt};
 
-use crate::config::PoolMode;
 use crate::notify::batch::{self, Step};
 use crate::notify::sql::{Channel, Command};
 use crate::notify::{Member, Taken};
@@ -74,11 +73,9 @@ impl Relay {
             }
             return None;
         }
-        let t = &self.core.out.t;
-        let between =
-            !self.lease.attached() || (t.txn == b'I' && !t.in_flight() && self.core.out.is_empty());
+        let between = !self.lease.attached() || self.core.between_units();
         if !between {
-            if t.txn == b'I' {
+            if self.core.out.t.txn == b'I' {
                 // Behind a request in flight, whose outcome (a BEGIN?) is not known yet.
                 return None;
             }
@@ -149,13 +146,9 @@ impl Relay {
     /// a UTF-8 client, no backend held, nothing in flight): the bytes of `buf` it took, or
     /// `None` when it goes on as any batch. `buf` starts at the batch's first message.
     pub(super) async fn on_listen_batch(&mut self, buf: &[u8]) -> Option<Result<usize, End>> {
-        let t = &self.core.out.t;
-        let here = self.core.mode == PoolMode::Transaction
-            && !self.core.pinned
+        let here = self.core.pooled()
             && !self.lease.attached()
-            && t.txn == b'I'
-            && !t.in_flight()
-            && self.core.out.is_empty()
+            && self.core.between_units()
             && utf8_client(&self.login.settings);
         if !here {
             return None;

@@ -69,12 +69,7 @@ impl Relay {
             return Ok(());
         }
         self.lease.unit_pool = None;
-        let eligible = self.core.out.t.txn == b'I'
-            && !self.core.out.t.in_flight()
-            && self.core.out.is_empty()
-            && !self.core.pinned
-            && self.core.mode == PoolMode::Transaction
-            && route::routable(class);
+        let eligible = self.core.between_units() && self.core.pooled() && route::routable(class);
         if !eligible {
             return Ok(());
         }

@@ -17,7 +17,6 @@ use bytes::Bytes;
 
 use crate::classify::{Classified, StmtKind};
 use crate::coalesce::{Fallback, Joined, Key, batch};
-use crate::config::PoolMode;
 use crate::policy::rules::CoalesceRule;
 use crate::protocol::framing;
 use crate::protocol::messages::{self, Parse};
@@ -37,11 +36,8 @@ impl Relay {
     ) -> Option<Joined> {
         let eligible = !self.lease.attached()
             && self.unit.lead.is_none()
-            && self.core.out.t.txn == b'I'
-            && !self.core.out.t.in_flight()
-            && self.core.out.is_empty()
-            && !self.core.pinned
-            && self.core.mode == PoolMode::Transaction
+            && self.core.between_units()
+            && self.core.pooled()
             && class.kind == StmtKind::Read
             && class.effects.is_empty()
             && !class.oversized
