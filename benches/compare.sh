@@ -108,7 +108,7 @@ for t in pgbench psql pgbouncer; do
 done
 PGBENCH=$(command -v pgbench || echo "$PGBIN/pgbench")
 PSQL=$(command -v psql || echo "$PGBIN/psql")
-PGBOUNCER=$(command -v pgbouncer || echo /usr/sbin/pgbouncer)
+PGBOUNCER=${PGBOUNCER:-$(command -v pgbouncer || echo /usr/sbin/pgbouncer)}
 BOUNCER_VERSION=$("$PGBOUNCER" --version | awk 'NR==1{print $2}')
 
 # Postgres and PgBouncer refuse to run as root: use the postgres user then. setpriv keeps

@@ -109,7 +109,7 @@ done
 [ -n "$PGBIN" ] || PGBIN=$(dirname "$(command -v initdb || true)")
 [ -x "$PGBIN/initdb" ] || die "PostgreSQL server binaries not found (apt-get install -y postgresql)"
 PSQL=$(command -v psql || echo "$PGBIN/psql")
-PGBOUNCER=$(command -v pgbouncer || echo /usr/sbin/pgbouncer)
+PGBOUNCER=${PGBOUNCER:-$(command -v pgbouncer || echo /usr/sbin/pgbouncer)}
 case " $TARGETS " in
   *" pgbouncer "*) [ -x "$PGBOUNCER" ] || die "pgbouncer not found (apt-get install -y pgbouncer)" ;;
 esac
