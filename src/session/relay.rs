@@ -231,12 +231,12 @@ impl Relay {
                     self.on_client_data(client).await
                 }
                 Event::Backend(Ok(0)) | Event::Backend(Err(_)) => return self.backend_gone(),
-                Event::Backend(Ok(n)) if self.core.deferred => {
+                Event::Backend(Ok(n)) if self.core.deferred() => {
                     self.core.backend_read(n);
                     match self.on_backend_data(client).await {
                         Ok(()) if !self.lease.replica_held() => {
                             // The replica's read is done and its backend back: now the rest.
-                            self.core.deferred = false;
+                            self.core.replica_read_done();
                             self.on_client_data(client).await
                         }
                         r => r,
@@ -420,7 +420,9 @@ impl Relay {
             return Poll::Ready(Event::Terminate);
         }
         match self.app.life.phase() {
-            Phase::Draining | Phase::Forcing if !self.core.draining => Poll::Ready(Event::Shutdown),
+            Phase::Draining | Phase::Forcing if !self.core.draining() => {
+                Poll::Ready(Event::Shutdown)
+            }
             Phase::Forcing => Poll::Ready(Event::Force),
             _ => Poll::Pending,
         }
@@ -466,7 +468,7 @@ impl Relay {
                 // What the client sent after a read routed to a replica waits for that read
                 // to finish: it may write, and the replica's backend must not see it. (A
                 // routed extended batch goes on up to its Sync, which has arrived.)
-                self.core.deferred = self.core.requests.has_buffered();
+                self.core.defer_behind_replica();
                 break;
             }
             let attached = self.lease.attached();
@@ -482,7 +484,7 @@ impl Relay {
                     // Handled where it arrived: the buffer is held here meanwhile, and given
                     // back without the frame on every path (an error ends the session anyway).
                     let held = self.core.requests.hold();
-                    if self.core.mode == PoolMode::Transaction
+                    if self.core.mode() == PoolMode::Transaction
                         && may_listen_batch(tag, &held[..len], &self.core.listen_statements)
                         && let Some(r) = self.on_listen_batch(&held).await
                     {
@@ -747,7 +749,7 @@ impl Relay {
         client: &mut S,
     ) -> Result<(), End> {
         let sql = messages::query_body(body).ok_or_else(|| SessionCore::malformed("Query"))?;
-        if self.core.mode == PoolMode::Transaction
+        if self.core.mode() == PoolMode::Transaction
             && let Some(cmd) = crate::notify::sql::parse(sql)
             && let Some(answered) = self.on_listen(cmd).await
         {
@@ -756,7 +758,7 @@ impl Relay {
         let class = self.classify(sql);
         // Only SQL EXECUTE (an Unknown effect) and DEALLOCATE can name a statement, so
         // ordinary queries never pay for reading the name.
-        if self.core.mode == PoolMode::Transaction
+        if self.core.mode() == PoolMode::Transaction
             && !self.core.statements.is_empty()
             && class.effects.iter().any(|e| {
                 matches!(
@@ -980,18 +982,17 @@ impl Relay {
 
     /// Fingerprint, kind and session effects of a statement text (cached by text).
     fn classify(&mut self, sql: &[u8]) -> Arc<Classified> {
-        if !self.core.classify_on {
-            return self.app.unclassified.clone();
-        }
         // A non-UTF-8 text (client encoding) is classified as its lossy copy; the bytes sent
         // stay the client's.
-        self.app.classifier.classify_memo(sql, &mut self.core.memo)
+        self.core
+            .classify(&self.app.classifier, sql)
+            .unwrap_or_else(|| self.app.unclassified.clone())
     }
 
     /// Applies a statement's session-state effects: pin, capture, cleanup marks, or refusal.
     /// `sql` is the statement's text, where the proxy has it.
     fn apply_effects(&mut self, c: &Classified, sql: Option<&[u8]>) -> Result<(), PgError> {
-        let transaction = self.core.mode == PoolMode::Transaction;
+        let transaction = self.core.mode() == PoolMode::Transaction;
         let doubt = transaction && self.doubts(c, sql);
         if c.effects.is_empty() && !doubt {
             return Ok(());
@@ -1032,8 +1033,7 @@ impl Relay {
         if a.forget_prepared {
             conn.prepared.clear();
         }
-        if a.pin && !self.core.pinned {
-            self.core.pinned = true;
+        if a.pin && self.core.pin() {
             self.pool
                 .stats
                 .pinned_clients
@@ -1048,7 +1048,7 @@ impl Relay {
                 .dirty
                 .merge(state::unproven_dirt(unproven));
         }
-        self.core.capture_needed |= a.capture;
+        self.core.capture_after(a.capture);
         Ok(())
     }
 
@@ -1062,7 +1062,7 @@ impl Relay {
             // Already `SessionEffect::Unknown`.
             return false;
         }
-        if !self.core.reading_trusted {
+        if !self.core.reading_trusted() {
             return true;
         }
         if c.proof.set_config {
@@ -1082,7 +1082,6 @@ impl Relay {
     /// Notes the custom (dotted) settings a tracked statement may set, for the read-back;
     /// `false` when their names cannot all be known (then only a full reset is safe).
     fn remember_custom_gucs(&mut self, c: &Classified, sql: Option<&[u8]>) -> bool {
-        const MAX_CUSTOM: usize = 64;
         let mut names = Vec::new();
         for e in &c.effects {
             match e {
@@ -1099,15 +1098,7 @@ impl Relay {
                 _ => {}
             }
         }
-        for n in names.into_iter().filter(|n| n.contains('.')) {
-            if !self.core.custom_gucs.contains(&n) {
-                if self.core.custom_gucs.len() >= MAX_CUSTOM {
-                    return false;
-                }
-                self.core.custom_gucs.push(n);
-            }
-        }
-        true
+        self.core.remember_custom_gucs(names)
     }
 
     /// Refuses one statement. Inside a transaction block the refusal is raised *by Postgres*
@@ -1432,7 +1423,7 @@ impl Relay {
         {
             self.unit.lead = None;
         }
-        self.core.backend_fatal |= seen.fatal;
+        self.core.note_fatal(seen.fatal);
         if seen.not_prepared {
             let hashes = self.core.replies.take_not_prepared();
             let conn = self.lease.conn();
@@ -1454,7 +1445,7 @@ impl Relay {
         if seen.captured {
             let captured: params::Shared = self.core.replies.take_settings().into();
             self.lease.conn().applied = Arc::clone(&captured);
-            self.core.reading_trusted = params::reading_trusted(&captured);
+            self.core.settings_read(&captured);
             self.login.settings = captured;
             self.unit.session_caller = None;
         }
@@ -1563,10 +1554,8 @@ impl Relay {
     /// is over and not parked: the backend goes back to its pool).
     async fn settle_slow(&mut self, d: release::Decision) -> Result<(), End> {
         if d == release::Decision::ReadBack {
-            self.core.capture_needed = false;
-            self.core.replies.restart_capture();
-            let sql = state::capture_sql(&self.pool.login_user(), &self.core.custom_gucs);
-            self.core.out.query(Mode::Capture, &sql);
+            let sql = state::capture_sql(&self.pool.login_user(), self.core.custom_gucs());
+            self.core.read_back(&sql);
             return self.flush_backend().await;
         }
         set_cancel_target(&self.cancel, None).await;
@@ -1605,7 +1594,7 @@ impl Relay {
         if first_release
             || self.lease.unit_pool.is_some()
             || self.lease.replica_possible
-            || self.core.draining
+            || self.core.draining()
         {
             return false;
         }
@@ -1640,7 +1629,7 @@ impl Relay {
 
     /// During a graceful shutdown a client leaves as soon as it is between transactions.
     fn leave_if_draining(&self) -> Result<(), End> {
-        if self.core.draining {
+        if self.core.draining() {
             Err(End::Error(PgError::shutting_down()))
         } else {
             Ok(())
@@ -1710,7 +1699,7 @@ impl Relay {
             self.app.policy.record_backend_result(false);
         }
         self.end_unit();
-        if self.core.backend_fatal {
+        if self.core.backend_fatal() {
             // Postgres already told the client why (e.g. 57P01); just close.
             End::BackendLost
         } else {
@@ -1723,7 +1712,7 @@ impl Relay {
     /// Gives the backend back (or closes it) after the client left.
     async fn finish(&mut self, end: &End) {
         self.flush_counters();
-        if self.core.pinned {
+        if self.core.pinned() {
             self.pool
                 .stats
                 .pinned_clients
@@ -1740,7 +1729,7 @@ impl Relay {
         // The client left before the proxy knew what its session looks like: settings not yet
         // read back, a read-back or re-apply still unanswered, budgets not yet put back,
         // replies still owed. Assume the worst: DISCARD ALL before anyone else gets it.
-        if self.core.capture_needed
+        if self.core.capture_needed()
             || self.core.out.t.capturing()
             || self.unit.restore_after.is_some()
             || !self.core.out.t.idle()
@@ -1757,7 +1746,7 @@ impl Relay {
             txn: self.core.out.t.txn,
             skip,
             buffered,
-            session_mode: self.core.mode == PoolMode::Session,
+            session_mode: self.core.mode() == PoolMode::Session,
         };
         let cancel = self.cancel.clone();
         let _ = &self.app;

@@ -38,13 +38,16 @@ use deadlines::{Deadlines, Idle};
 use statements::Statements;
 use tally::Tally;
 
+/// Custom settings a session's read-back names at most.
+pub(super) const MAX_CUSTOM_GUCS: usize = 64;
+
 /// Limits the core enforces on what a client sends (`limits.*` at login).
 pub(super) struct CoreLimits {
     pub max_message: usize,
 }
 
 pub(in crate::session) struct SessionCore {
-    pub mode: PoolMode,
+    mode: PoolMode,
     /// Client → backend: framing, size limit, COPY streaming, skip-to-Sync.
     pub requests: requests::Requests,
     /// Backend → client: framing, streaming and what each reply means.
@@ -62,28 +65,28 @@ pub(in crate::session) struct SessionCore {
     /// Statements sent and the replies that complete them, errors, bytes.
     pub tally: Tally,
     /// The backend sent a FATAL error; it is about to close.
-    pub backend_fatal: bool,
+    backend_fatal: bool,
     /// Session state we cannot track keeps this client on its backend until it leaves.
-    pub pinned: bool,
+    pinned: bool,
     /// Re-read the backend's session settings once the current transaction ends.
-    pub capture_needed: bool,
+    capture_needed: bool,
     /// The client's settings leave texts read as Postgres reads them
     /// (`params::reading_trusted`); when not, no text of its is proven harmless.
-    pub reading_trusted: bool,
+    reading_trusted: bool,
     /// Custom (dotted) settings this client set: Postgres lists no placeholder setting in
     /// `pg_settings`, so the read-back asks for these by name.
-    pub custom_gucs: Vec<String>,
+    custom_gucs: Vec<String>,
     /// Graceful shutdown: leave at the next point between transactions.
-    pub draining: bool,
+    draining: bool,
     /// Client frames wait in `requests` while a replica runs the read before them.
-    pub deferred: bool,
+    deferred: bool,
     /// Read-your-writes: whether the unit wrote, and what a replica must have replayed
     /// before the client's reads go there.
-    pub reads: route::Reads,
+    reads: route::Reads,
     /// `classify.enabled` when the session started.
-    pub classify_on: bool,
+    classify_on: bool,
     /// The last statement's classification, for the next text of the same shape.
-    pub memo: Memo,
+    memo: Memo,
     /// Prepared `LISTEN`/`UNLISTEN` statements the proxy answered itself (extended
     /// protocol, `notify::batch`): their names and what they do.
     pub listen_statements: Vec<(Box<[u8]>, crate::notify::sql::Command)>,
@@ -145,6 +148,159 @@ impl SessionCore {
     pub(super) fn drain(&mut self, grace_until: std::time::Instant) {
         self.draining = true;
         self.deadlines.drain_at(grace_until);
+    }
+
+    pub(super) fn mode(&self) -> PoolMode {
+        self.mode
+    }
+
+    /// Session state the proxy cannot track keeps this client on its backend until it
+    /// leaves: `true` the first time (the pool counts pinned clients).
+    pub(super) fn pin(&mut self) -> bool {
+        !std::mem::replace(&mut self.pinned, true)
+    }
+
+    pub(super) fn pinned(&self) -> bool {
+        self.pinned
+    }
+
+    /// Graceful shutdown began ([`SessionCore::drain`]).
+    pub(super) fn draining(&self) -> bool {
+        self.draining
+    }
+
+    /// A read was routed to a replica: what the client sent after it waits until the read is
+    /// done (it may write, and the replica's backend must not see it).
+    pub(super) fn defer_behind_replica(&mut self) {
+        self.deferred = self.requests.has_buffered();
+    }
+
+    /// Client frames wait in `requests` behind a replica's read.
+    pub(super) fn deferred(&self) -> bool {
+        self.deferred
+    }
+
+    /// The replica's read is done: the frames behind it go on.
+    pub(super) fn replica_read_done(&mut self) {
+        self.deferred = false;
+    }
+
+    /// The backend sent a FATAL error (`fatal`): it is about to close, and Postgres has told
+    /// the client why.
+    pub(super) fn note_fatal(&mut self, fatal: bool) {
+        self.backend_fatal |= fatal;
+    }
+
+    pub(super) fn backend_fatal(&self) -> bool {
+        self.backend_fatal
+    }
+
+    /// The backend's settings were read back: whether they leave texts read as Postgres
+    /// reads them (`params::reading_trusted`).
+    pub(super) fn settings_read(&mut self, settings: &crate::protocol::params::Shared) {
+        self.reading_trusted = crate::protocol::params::reading_trusted(settings);
+    }
+
+    pub(super) fn reading_trusted(&self) -> bool {
+        self.reading_trusted
+    }
+
+    /// A statement may have changed the session's settings (`needed`): read them back once
+    /// its transaction ends.
+    pub(super) fn capture_after(&mut self, needed: bool) {
+        self.capture_needed |= needed;
+    }
+
+    pub(super) fn capture_needed(&self) -> bool {
+        self.capture_needed
+    }
+
+    /// Sends the read-back of the session's settings, `sql` (built for the custom settings
+    /// of [`SessionCore::custom_gucs`]).
+    pub(super) fn read_back(&mut self, sql: &str) {
+        self.capture_needed = false;
+        self.replies.restart_capture();
+        self.out.query(super::tracker::Mode::Capture, sql);
+    }
+
+    /// Notes custom (dotted) settings a statement may set, for the read-back; `false` when
+    /// more than [`MAX_CUSTOM_GUCS`] would be kept (then only a full reset is safe).
+    pub(super) fn remember_custom_gucs(&mut self, names: Vec<String>) -> bool {
+        for n in names.into_iter().filter(|n| n.contains('.')) {
+            if !self.custom_gucs.contains(&n) {
+                if self.custom_gucs.len() >= MAX_CUSTOM_GUCS {
+                    return false;
+                }
+                self.custom_gucs.push(n);
+            }
+        }
+        true
+    }
+
+    /// The custom settings this client set.
+    pub(super) fn custom_gucs(&self) -> &[String] {
+        &self.custom_gucs
+    }
+
+    /// A statement text's fingerprint, kind and session effects through `classifier` and
+    /// the session's memo of its last shape; `None` when classification was off at login.
+    #[inline(always)]
+    pub(super) fn classify(
+        &mut self,
+        classifier: &crate::classify::Classifier,
+        sql: &[u8],
+    ) -> Option<std::sync::Arc<crate::classify::Classified>> {
+        self.classify_on
+            .then(|| classifier.classify_memo(sql, &mut self.memo))
+    }
+
+    /// Whether the rest of an extended batch holds only routable reads
+    /// ([`route::batch_reads`]): each Parse's text classified as it will be when it is
+    /// handled, each Bind's statement as the client prepared it.
+    pub(super) fn batch_reads(
+        &mut self,
+        classifier: &crate::classify::Classifier,
+        opened_by: Option<&[u8]>,
+        rest: &[u8],
+    ) -> bool {
+        let (memo, statements, on) = (&mut self.memo, &self.statements, self.classify_on);
+        route::batch_reads(opened_by, rest, |item| match item {
+            route::Item::Parse(text) => {
+                on && route::routable(&classifier.classify_memo(text, memo))
+            }
+            route::Item::Bind(name) => statements
+                .class_and_hash(name)
+                .0
+                .is_some_and(|c| route::routable(&c)),
+        })
+    }
+
+    /// A statement that `may_write` is on its way in a unit on the primary: in transaction
+    /// mode the unit's end decides what the client's next reads require of a replica.
+    #[inline(always)]
+    pub(super) fn note_write(&mut self, may_write: bool) {
+        if may_write && self.mode == PoolMode::Transaction {
+            self.reads.wrote = true;
+        }
+    }
+
+    /// The unit is over: whether it may have written (and it is forgotten).
+    pub(super) fn take_wrote(&mut self) -> bool {
+        std::mem::take(&mut self.reads.wrote)
+    }
+
+    /// Whether a replica that has replayed up to `replayed` may serve the client's next read
+    /// at `now`, given what the client wrote ([`route::Fresh::allows`]).
+    pub(super) fn replica_fresh_enough(
+        &mut self,
+        replayed: Option<crate::protocol::lsn::Lsn>,
+        now: std::time::Instant,
+    ) -> bool {
+        self.reads.fresh.allows(replayed, now)
+    }
+
+    pub(super) fn require_fresh(&mut self, fresh: route::Fresh) {
+        self.reads.fresh = fresh;
     }
 
     /// Where the client stands when the session next waits: owing the next move inside a

@@ -364,7 +364,7 @@ impl Relay {
         }
         self.core.deadlines.unit_over();
         // A pinned client's backend stays with it: so does the caller's permit for it.
-        self.unit.end(self.core.pinned);
+        self.unit.end(self.core.pinned());
     }
 
     /// Injects `timeouts` for the next statement so they apply inside its transaction.

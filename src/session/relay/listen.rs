@@ -61,7 +61,7 @@ impl Relay {
     /// A `LISTEN`/`UNLISTEN` read by `notify::sql`: `Some` when answered (or refused) here,
     /// `None` when it goes to the backend as any statement.
     pub(super) async fn on_listen(&mut self, cmd: Command) -> Option<Result<(), End>> {
-        let here = !self.core.pinned && utf8_client(&self.login.settings);
+        let here = !self.core.pinned() && utf8_client(&self.login.settings);
         if !here {
             if let (Some(l), Command::Unlisten(_) | Command::UnlistenAll) = (&mut self.notify, &cmd)
             {

@@ -21,12 +21,12 @@ use std::time::Duration;
 use tokio::time::Instant;
 
 use crate::classify::Classified;
-use crate::config::{PoolMode, ReadRoute, ReplicaFallback};
+use crate::config::{ReadRoute, ReplicaFallback};
 use crate::pool::Pooled;
 use crate::pool::wal::WalMark;
 use crate::protocol::PgError;
 
-use super::super::machine::route::{self, Fresh, Item};
+use super::super::machine::route::{self, Fresh};
 use super::Relay;
 
 /// Where `pgsluice_replica_reads_total` counts a read (`REPLICA_READ_DECISIONS` order).
@@ -100,9 +100,7 @@ impl Relay {
             Some(r) if r.replica_usable(entry.max_replica_lag_ms) => {
                 if self
                     .core
-                    .reads
-                    .fresh
-                    .allows(r.replica_replay_lsn(), now.into_std())
+                    .replica_fresh_enough(r.replica_replay_lsn(), now.into_std())
                 {
                     self.lease.unit_pool = Some(Arc::clone(r));
                     metrics.replica_read(caller, TO_REPLICA);
@@ -137,17 +135,7 @@ impl Relay {
     /// Parse's text classified as it will be when it is handled, each Bind's statement as the
     /// client prepared it.
     fn batch_reads(&mut self, opened_by: Option<&[u8]>, rest: &[u8]) -> bool {
-        let (app, memo, statements) = (&self.app, &mut self.core.memo, &self.core.statements);
-        let classify_on = self.core.classify_on;
-        route::batch_reads(opened_by, rest, |item| match item {
-            Item::Parse(text) => {
-                classify_on && route::routable(&app.classifier.classify_memo(text, memo))
-            }
-            Item::Bind(name) => statements
-                .class_and_hash(name)
-                .0
-                .is_some_and(|c| route::routable(&c)),
-        })
+        self.core.batch_reads(&self.app.classifier, opened_by, rest)
     }
 
     /// A statement is on its way to the backend: one that may write, in a unit on the
@@ -155,14 +143,11 @@ impl Relay {
     /// position ([`Relay::release_after_unit`]).
     #[inline(always)]
     pub(super) fn note_write(&mut self, class: &Classified) {
-        if self.lease.replica_possible
-            && self.lease.unit_pool.is_none()
-            && !self.core.reads.wrote
-            && self.core.mode == PoolMode::Transaction
-            && route::may_write(class)
-        {
-            self.core.reads.wrote = true;
-        }
+        self.core.note_write(
+            self.lease.replica_possible
+                && self.lease.unit_pool.is_none()
+                && route::may_write(class),
+        );
     }
 
     /// The unit is over and its backend leaves the client: after a unit that may have
@@ -170,7 +155,7 @@ impl Relay {
     /// read on `b` before it goes back to its pool (then `None`: that task has it), or the
     /// caller's window. `Some(b)`: release it as usual.
     pub(super) fn release_after_unit(&mut self, b: Pooled, now: Instant) -> Option<Pooled> {
-        if !std::mem::take(&mut self.core.reads.wrote) {
+        if !self.core.take_wrote() {
             return Some(b);
         }
         let window = self
@@ -179,16 +164,17 @@ impl Relay {
             .callers
             .get(usize::from(self.unit.last_caller))
             .and_then(|c| c.read_your_writes_ms);
-        self.core.reads.fresh = match window {
+        let fresh = match window {
             Some(0) => Fresh::Any,
             Some(ms) => Fresh::After((now + Duration::from_millis(ms)).into_std()),
             None => {
                 let mark = Arc::new(WalMark::default());
                 tokio::spawn(b.release_after_wal_read(Arc::clone(&mark)));
-                self.core.reads.fresh = Fresh::Replayed(mark);
+                self.core.require_fresh(Fresh::Replayed(mark));
                 return None;
             }
         };
+        self.core.require_fresh(fresh);
         Some(b)
     }
 }
