@@ -485,7 +485,7 @@ impl Relay {
                     // back without the frame on every path (an error ends the session anyway).
                     let held = self.core.requests.hold();
                     if self.core.mode() == PoolMode::Transaction
-                        && may_listen_batch(tag, &held[..len], &self.core.listen_statements)
+                        && may_listen_batch(tag, &held[..len], self.core.listen_statements())
                         && let Some(r) = self.on_listen_batch(&held).await
                     {
                         // A batch that only LISTENs, answered here whole.
@@ -847,10 +847,8 @@ impl Relay {
         client: &mut S,
     ) -> Result<(), End> {
         let p = messages::Parse::read(body).ok_or_else(|| SessionCore::malformed("Parse"))?;
-        if !self.core.listen_statements.is_empty() {
-            // The name now means a statement a backend runs.
-            self.core.listen_statements.retain(|(n, _)| **n != *p.name);
-        }
+        // The name now means a statement a backend runs.
+        self.core.forget_listen_statement(p.name);
         if let Some(e) = self.core.statements.over_limit(p.name, body.len()) {
             return self.refuse_statement(b'P', e);
         }
@@ -1302,11 +1300,7 @@ impl Relay {
     ) -> Result<Option<BackendRest>, End> {
         loop {
             let mark = self.core.cout.len();
-            let next = self.core.replies.next(
-                &mut self.core.out.t,
-                &mut self.core.retry,
-                &mut self.core.cout,
-            );
+            let next = self.core.next_reply();
             if let Some(lead) = &mut self.unit.lead {
                 // What a read others wait for sends its client is theirs too.
                 lead.capture(&self.core.cout[mark..]);

@@ -38,6 +38,9 @@ use deadlines::{Deadlines, Idle};
 use statements::Statements;
 use tally::Tally;
 
+/// Prepared `LISTEN`/`UNLISTEN` statements a session keeps at most.
+pub(super) const MAX_LISTEN_STATEMENTS: usize = 1_024;
+
 /// Custom settings a session's read-back names at most.
 pub(super) const MAX_CUSTOM_GUCS: usize = 64;
 
@@ -59,7 +62,7 @@ pub(in crate::session) struct SessionCore {
     /// The client's prepared statements and their proxy names.
     pub statements: Statements,
     /// A batch kept for one replay after 0A000 "cached plan must not change result type".
-    pub retry: Option<retry::Retry>,
+    retry: Option<retry::Retry>,
     /// The backstop, unanswered-cancel, shutdown and idle deadlines.
     pub deadlines: Deadlines,
     /// Statements sent and the replies that complete them, errors, bytes.
@@ -89,7 +92,7 @@ pub(in crate::session) struct SessionCore {
     memo: Memo,
     /// Prepared `LISTEN`/`UNLISTEN` statements the proxy answered itself (extended
     /// protocol, `notify::batch`): their names and what they do.
-    pub listen_statements: Vec<(Box<[u8]>, crate::notify::sql::Command)>,
+    listen_statements: Vec<(Box<[u8]>, crate::notify::sql::Command)>,
 }
 
 impl SessionCore {
@@ -301,6 +304,46 @@ impl SessionCore {
 
     pub(super) fn require_fresh(&mut self, fresh: route::Fresh) {
         self.reads.fresh = fresh;
+    }
+
+    /// The next step over the backend's bytes in `replies`: replies forwarded to the client
+    /// buffer, the tracker and a batch kept for replay advanced ([`replies::Replies::next`]).
+    #[inline(always)]
+    pub(super) fn next_reply(
+        &mut self,
+    ) -> Result<replies::Next, crate::protocol::framing::FrameError> {
+        self.replies
+            .next(&mut self.out.t, &mut self.retry, &mut self.cout)
+    }
+
+    /// The command of a prepared `LISTEN`/`UNLISTEN` statement the proxy answered itself.
+    pub(super) fn listen_statement(&self, name: &[u8]) -> Option<crate::notify::sql::Command> {
+        self.listen_statements
+            .iter()
+            .find(|(n, _)| **n == *name)
+            .map(|(_, c)| c.clone())
+    }
+
+    pub(super) fn listen_statements(&self) -> &[(Box<[u8]>, crate::notify::sql::Command)] {
+        &self.listen_statements
+    }
+
+    /// The proxy answered a Parse of `name` as `cmd` (the oldest is forgotten beyond
+    /// [`MAX_LISTEN_STATEMENTS`]); the name no longer means a backend's statement.
+    pub(super) fn keep_listen_statement(&mut self, name: &[u8], cmd: crate::notify::sql::Command) {
+        self.statements.forget_statement(name);
+        self.forget_listen_statement(name);
+        if self.listen_statements.len() >= MAX_LISTEN_STATEMENTS {
+            self.listen_statements.remove(0);
+        }
+        self.listen_statements.push((name.into(), cmd));
+    }
+
+    /// `name` was closed, or now means a statement a backend runs.
+    pub(super) fn forget_listen_statement(&mut self, name: &[u8]) {
+        if !self.listen_statements.is_empty() {
+            self.listen_statements.retain(|(n, _)| **n != *name);
+        }
     }
 
     /// Where the client stands when the session next waits: owing the next move inside a

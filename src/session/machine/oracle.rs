@@ -193,10 +193,7 @@ fn through_proxy(rounds: &[Vec<Op>], cuts: &[usize]) -> Vec<u8> {
         for read in bytes.chunks(cuts.get(n).copied().unwrap_or(usize::MAX).max(1)) {
             core.replies.buf_mut().extend_from_slice(read);
             loop {
-                match core
-                    .replies
-                    .next(&mut core.out.t, &mut core.retry, &mut core.cout)
-                {
+                match core.next_reply() {
                     Ok(Next::Read) => break,
                     Ok(Next::Seen(s)) if s.ready => {
                         let idle = core.out.t.txn == b'I';

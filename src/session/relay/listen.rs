@@ -45,8 +45,6 @@ const WRITE_CHUNK: usize = 64 * 1024;
 /// Most channels one client may listen on through the proxy (each costs the proxy a registry
 /// entry and the listener a `LISTEN`).
 const MAX_CHANNELS: usize = 10_000;
-/// Most prepared `LISTEN`/`UNLISTEN` statements kept per client (the oldest goes).
-const MAX_LISTEN_STATEMENTS: usize = 1_024;
 /// The shortest a `LISTEN` waits for the listener to confirm its channel.
 const MIN_CONFIRM_WAIT: Duration = Duration::from_secs(5);
 
@@ -153,37 +151,25 @@ impl Relay {
         if !here {
             return None;
         }
-        let known = &self.core.listen_statements;
-        let batch = batch::read(buf, |name| {
-            known
-                .iter()
-                .find(|(n, _)| **n == *name)
-                .map(|(_, c)| c.clone())
-        })?;
+        let core = &self.core;
+        let batch = batch::read(buf, |name| core.listen_statement(name))?;
         Some(self.answer_listen_batch(batch).await)
     }
 
     async fn answer_listen_batch(&mut self, b: batch::Batch<'_>) -> Result<usize, End> {
         for step in b.steps {
-            let out = &mut self.core.cout;
             match step {
                 Step::Parse { name, cmd } => {
                     // The name now means this statement, for the proxy and not a backend.
-                    self.core.statements.forget_statement(name);
-                    let kept = &mut self.core.listen_statements;
-                    kept.retain(|(n, _)| **n != *name);
-                    if kept.len() >= MAX_LISTEN_STATEMENTS {
-                        kept.remove(0);
-                    }
-                    kept.push((name.into(), cmd));
-                    messages::parse_complete(out);
+                    self.core.keep_listen_statement(name, cmd);
+                    messages::parse_complete(&mut self.core.cout);
                 }
                 Step::DescribeStatement => {
-                    messages::raw(out, b't', &[&0u16.to_be_bytes()]);
-                    messages::raw(out, b'n', &[]);
+                    messages::raw(&mut self.core.cout, b't', &[&0u16.to_be_bytes()]);
+                    messages::raw(&mut self.core.cout, b'n', &[]);
                 }
-                Step::DescribePortal => messages::raw(out, b'n', &[]),
-                Step::Bind => messages::raw(out, b'2', &[]),
+                Step::DescribePortal => messages::raw(&mut self.core.cout, b'n', &[]),
+                Step::Bind => messages::raw(&mut self.core.cout, b'2', &[]),
                 Step::Execute(cmd) => {
                     if let Err(e) = self.run_listen(cmd).await {
                         // As Postgres: the rest of the batch is skipped up to its Sync.
@@ -201,9 +187,9 @@ impl Relay {
                 }
                 Step::Close { statement } => {
                     if let Some(name) = statement {
-                        self.core.listen_statements.retain(|(n, _)| **n != *name);
+                        self.core.forget_listen_statement(name);
                     }
-                    messages::close_complete(out);
+                    messages::close_complete(&mut self.core.cout);
                 }
             }
         }
