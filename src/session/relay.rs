@@ -270,7 +270,7 @@ impl Relay {
                     Ok(())
                 }
                 Event::Deadline(Deadline::IdleGrace) => {
-                    self.core.deadlines.clear(Deadline::IdleGrace);
+                    self.core.idle_grace_over();
                     self.maybe_release().await
                 }
                 Event::Deadline(Deadline::IdleTransaction) => {
@@ -316,7 +316,7 @@ impl Relay {
         });
         // The session's snapshot, refreshed at each unit's admission: no shared load here.
         let (rt, caller) = (&self.rt, self.unit.caller);
-        self.core.deadlines.arm_idle(
+        self.core.arm_idle(
             idle,
             || Instant::now().into_std(),
             || match rt.config.limits.client_idle_timeout_ms {
@@ -453,8 +453,8 @@ impl Relay {
     /// deadline it served).
     #[inline(always)]
     fn poll_timer(&mut self, cx: &mut Context<'_>) -> Poll<Event> {
-        let due = std::task::ready!(self.wake.poll_timer(cx, self.core.deadlines.next()));
-        Poll::Ready(Event::Deadline(self.core.deadlines.due(due)))
+        let due = std::task::ready!(self.wake.poll_timer(cx, self.core.next_deadline()));
+        Poll::Ready(Event::Deadline(self.core.deadline_due(due)))
     }
 
     // ---------------------------------------------------------------- client → backend
@@ -803,7 +803,7 @@ impl Relay {
             None => self.core.send_ready(e, frame),
         }
         self.restore_timeouts();
-        self.track_statement(class, self.core.tally.last_ready());
+        self.track_statement(class, self.core.last_ready());
         Ok(())
     }
 
@@ -835,7 +835,7 @@ impl Relay {
         self.core
             .send_ready(Expect::new(Kind::FunctionCall, Mode::Forward), frame);
         self.restore_timeouts();
-        self.track_statement(class, self.core.tally.last_ready());
+        self.track_statement(class, self.core.last_ready());
         Ok(())
     }
 
@@ -941,7 +941,7 @@ impl Relay {
             },
         };
         self.inject_timeouts(timeouts, &class, false);
-        self.track_statement(class, self.core.tally.last_ready() + 1);
+        self.track_statement(class, self.core.last_ready() + 1);
         if let Some(hash) = hash {
             self.core.retry_start(hash, frame);
         }
@@ -1328,7 +1328,7 @@ impl Relay {
             // The statements the backstop was armed for are answered. Left armed, it would
             // cancel whatever the client runs next in the same transaction (and, if that one
             // were silent, give up its connection); a later statement arms its own.
-            self.core.deadlines.answered();
+            self.core.statements_answered();
         }
         if !self.core.cout.is_empty() && !self.write_client_now(client)? {
             return Ok(Some(BackendRest::Tail));
@@ -1434,7 +1434,7 @@ impl Relay {
             let asked = code == Some("57014") && self.client_cancelled();
             let fault = code.is_some_and(admission::is_backend_fault) && !asked;
             let failure = crate::observe::stats::Outcome::of_error(code, asked);
-            self.core.tally.errored(failure, fault);
+            self.core.request_failed(failure, fault);
         }
         if seen.captured {
             let captured: params::Shared = self.core.replies.take_settings().into();
@@ -1654,7 +1654,7 @@ impl Relay {
     /// The statement outran its timeout and the backstop: cancel it, and give the server
     /// `pool.cancel_grace_ms` to answer anything at all.
     fn on_backstop(&mut self) {
-        self.core.deadlines.answered();
+        self.core.statements_answered();
         if let Some(h) =
             self.cancel_backend_query("statement ran past its timeout and the proxy's backstop")
         {
@@ -1662,9 +1662,7 @@ impl Relay {
             // If the server sends nothing at all by then, it is unreachable and its
             // connection is given up.
             let grace = Duration::from_millis(self.pool.cfg.cancel_grace_ms);
-            self.core
-                .deadlines
-                .cancel_sent((Instant::now() + grace).into_std());
+            self.core.cancel_sent((Instant::now() + grace).into_std());
         }
     }
 
@@ -1672,7 +1670,7 @@ impl Relay {
     /// is unreachable (a partition, a hung host). Its connection is closed, never pooled, and
     /// the client is told, instead of both waiting forever on a socket no one will answer.
     fn backend_unresponsive(&mut self) -> End {
-        self.core.deadlines.server_spoke();
+        self.core.server_given_up();
         let grace_ms = self.pool.cfg.cancel_grace_ms;
         if let Some(mut b) = self.lease.backend.take() {
             let pid = b.conn().pid;

@@ -13,6 +13,8 @@
 //! in. `oracle` checks the cores against a simulated Postgres (in the tests and under
 //! cargo-fuzz).
 
+use std::time::{Duration, Instant};
+
 use bytes::BytesMut;
 
 use crate::classify::Memo;
@@ -34,7 +36,7 @@ pub(super) mod route;
 pub(super) mod statements;
 pub(super) mod tally;
 
-use deadlines::{Deadlines, Idle};
+use deadlines::{Deadline, Deadlines, Idle};
 use statements::Statements;
 use tally::Tally;
 
@@ -64,9 +66,9 @@ pub(in crate::session) struct SessionCore {
     /// A batch kept for one replay after 0A000 "cached plan must not change result type".
     retry: Option<retry::Retry>,
     /// The backstop, unanswered-cancel, shutdown and idle deadlines.
-    pub deadlines: Deadlines,
+    deadlines: Deadlines,
     /// Statements sent and the replies that complete them, errors, bytes.
-    pub tally: Tally,
+    tally: Tally,
     /// The backend sent a FATAL error; it is about to close.
     backend_fatal: bool,
     /// Session state we cannot track keeps this client on its backend until it leaves.
@@ -344,6 +346,116 @@ impl SessionCore {
         if !self.listen_statements.is_empty() {
             self.listen_statements.retain(|(n, _)| **n != *name);
         }
+    }
+
+    // ---------------------------------------------------------------- deadlines
+
+    /// The earliest deadline armed, if any.
+    #[inline(always)]
+    pub(super) fn next_deadline(&self) -> Option<Instant> {
+        self.deadlines.next()
+    }
+
+    /// Which deadline the timer that fired at `at` was for.
+    pub(super) fn deadline_due(&self, at: Instant) -> Deadline {
+        self.deadlines.due(at)
+    }
+
+    /// The drain's grace for a client between transactions is spent.
+    pub(super) fn idle_grace_over(&mut self) {
+        self.deadlines.clear(Deadline::IdleGrace);
+    }
+
+    /// Arms the idle limit for where the client stands ([`Deadlines::arm_idle`]).
+    #[inline(always)]
+    pub(super) fn arm_idle(
+        &mut self,
+        idle: Idle,
+        now: impl FnOnce() -> Instant,
+        client_limit: impl FnOnce() -> Option<Duration>,
+        txn_limit: impl FnOnce() -> Option<Duration>,
+    ) {
+        self.deadlines.arm_idle(idle, now, client_limit, txn_limit);
+    }
+
+    /// The proxy's own deadline for a statement with a timeout (the backstop), at `at`.
+    pub(super) fn arm_backstop(&mut self, at: Instant) {
+        self.deadlines.arm_backstop(at);
+    }
+
+    /// The statements the backstop was armed for are answered.
+    #[inline(always)]
+    pub(super) fn statements_answered(&mut self) {
+        self.deadlines.answered();
+    }
+
+    /// The backstop fired and sent a cancel: the server has until `at` to answer anything.
+    pub(super) fn cancel_sent(&mut self, at: Instant) {
+        self.deadlines.cancel_sent(at);
+    }
+
+    /// The server was given up for its silence: nothing more is awaited from it.
+    pub(super) fn server_given_up(&mut self) {
+        self.deadlines.server_spoke();
+    }
+
+    /// The unit is over: nothing of its statements is owed any more.
+    pub(super) fn unit_over(&mut self) {
+        self.deadlines.unit_over();
+    }
+
+    // ---------------------------------------------------------------- statistics
+
+    /// A statement arrived at `at` (its wait for admission counts from here).
+    #[inline(always)]
+    pub(super) fn statement_arrived(&mut self, at: Instant) {
+        self.tally.arrived(at);
+    }
+
+    /// The client sent `n` bytes while its request waited (counted, not a new request).
+    pub(super) fn read_while_waiting(&mut self, n: usize) {
+        self.tally.received(n as u64);
+    }
+
+    /// The bytes relayed each way since the last call.
+    pub(super) fn take_bytes(&mut self) -> (u64, u64) {
+        self.tally.take_bytes()
+    }
+
+    /// The ReadyForQuery the last request sent will be answered with.
+    #[inline(always)]
+    pub(super) fn last_ready(&self) -> u64 {
+        self.tally.last_ready()
+    }
+
+    /// A statement of `caller` sent at `start`, completed by ReadyForQuery number `ready_seq`.
+    #[inline(always)]
+    pub(super) fn track(
+        &mut self,
+        class: std::sync::Arc<crate::classify::Classified>,
+        caller: u16,
+        start: Instant,
+        ready_seq: u64,
+    ) {
+        self.tally.track(class, caller, start, ready_seq);
+    }
+
+    /// The current request got an error, counted as `failure`; `fault`: the backend's.
+    pub(super) fn request_failed(&mut self, failure: crate::observe::stats::Outcome, fault: bool) {
+        self.tally.errored(failure, fault);
+    }
+
+    /// A ReadyForQuery reached the client at `now`: each statement it completes goes to
+    /// `each` ([`Tally::ready`]), and the sum comes back.
+    #[inline(always)]
+    pub(super) fn ready(
+        &mut self,
+        now: Instant,
+        rows: u64,
+        each: impl FnMut(tally::Finished<'_>),
+    ) -> tally::Ready {
+        let idle = self.out.t.txn == b'I';
+        self.tally.ready(now, rows, idle, each)
     }
 
     /// Where the client stands when the session next waits: owing the next move inside a

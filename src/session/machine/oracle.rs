@@ -165,14 +165,14 @@ fn through_proxy(rounds: &[Vec<Op>], cuts: &[usize]) -> Vec<u8> {
                 // ReadyForQuery, a Bind by the one of the Sync still to come.
                 (Origin::Client, Kind::Query | Kind::FunctionCall) => {
                     core.send_ready_with(e, |buf| encode(buf, op));
-                    let ready = core.tally.last_ready();
-                    core.tally.track(class.clone(), 0, now, ready);
+                    let ready = core.last_ready();
+                    core.track(class.clone(), 0, now, ready);
                     tracked += 1;
                 }
                 (Origin::Client, Kind::Sync) => core.send_ready_with(e, |buf| encode(buf, op)),
                 (Origin::Client, Kind::Bind) => {
-                    let ready = core.tally.last_ready() + 1;
-                    core.tally.track(class.clone(), 0, now, ready);
+                    let ready = core.last_ready() + 1;
+                    core.track(class.clone(), 0, now, ready);
                     tracked += 1;
                     core.out.send_with(e, |buf| encode(buf, op));
                 }
@@ -196,8 +196,7 @@ fn through_proxy(rounds: &[Vec<Op>], cuts: &[usize]) -> Vec<u8> {
                 match core.next_reply() {
                     Ok(Next::Read) => break,
                     Ok(Next::Seen(s)) if s.ready => {
-                        let idle = core.out.t.txn == b'I';
-                        core.tally.ready(now, s.rows, idle, |_| completed += 1);
+                        core.ready(now, s.rows, |_| completed += 1);
                     }
                     Ok(_) => {}
                     Err(e) => panic!("the simulated server's bytes are well formed: {e}"),

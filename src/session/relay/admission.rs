@@ -106,7 +106,7 @@ impl Relay {
     #[inline(always)]
     pub(super) fn admit_now(&mut self, class: &Arc<Classified>) -> Admit {
         let arrived = self.now();
-        self.core.tally.arrived(arrived.into_std());
+        self.core.statement_arrived(arrived.into_std());
         if self.unit.door.is_some() {
             // From here it is counted in the queues it joins, not as coming.
             self.unit.door = None;
@@ -261,7 +261,6 @@ impl Relay {
         self.note_write(&class);
         let start = self.now();
         self.core
-            .tally
             .track(class, self.unit.last_caller, start.into_std(), ready_seq);
     }
 
@@ -270,9 +269,8 @@ impl Relay {
     /// relayed, in the counters of the pool whose backend sent it.
     pub(super) fn statements_done(&mut self, rows: u64) {
         let now = self.now();
-        let idle = self.core.out.t.txn == b'I';
         let (rt, app) = (&self.rt, &self.app);
-        let ready = self.core.tally.ready(now.into_std(), rows, idle, |f| {
+        let ready = self.core.ready(now.into_std(), rows, |f| {
             rt.caller_metrics
                 .query(f.caller, f.total, f.elapsed, f.succeeded);
             // Every statement that reached the backend tells the breaker how it went.
@@ -327,14 +325,14 @@ impl Relay {
         let r = unless_client_leaves(fut, client, buf, &self.cancel, why).await;
         self.wake.moved_on();
         let read = self.core.requests.buf_mut().len().saturating_sub(before);
-        self.core.tally.received(read as u64);
+        self.core.read_while_waiting(read);
         r
     }
 
     /// Adds the bytes the session relayed since the last call to its pool's counters.
     pub(super) fn flush_counters(&mut self) {
         let stats = counted(&self.lease.backend, &self.pool);
-        let (bytes_in, bytes_out) = self.core.tally.take_bytes();
+        let (bytes_in, bytes_out) = self.core.take_bytes();
         if bytes_in > 0 {
             stats.bytes_received.fetch_add(bytes_in, Ordering::Relaxed);
         }
@@ -350,7 +348,6 @@ impl Relay {
             // A fresh reading, not the wake-up's: a backend write that blocked since then
             // must not bring the backstop forward (only statements with a timeout get here).
             self.core
-                .deadlines
                 .arm_backstop((Instant::now() + d + Duration::from_secs(1)).into_std());
         }
     }
@@ -362,7 +359,7 @@ impl Relay {
             // started before this (`crate::coalesce`).
             self.unit.ended_at = Some(self.now());
         }
-        self.core.deadlines.unit_over();
+        self.core.unit_over();
         // A pinned client's backend stays with it: so does the caller's permit for it.
         self.unit.end(self.core.pinned());
     }
