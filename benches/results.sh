@@ -91,8 +91,10 @@ else
     {
       echo "$what — \`benches/$script $*\` ($(machine "$bouncer")):"
       echo
-      # The scripts' own headings and the paths of their raw data are the run's, not the page's.
-      grep -v '^### \|^Raw data\|^Per run:\|^Charts\|^- .*\.svg$' "$dir/table.md" | sed '/./,$!d'
+      # The scripts' own headings and the paths of their raw data are the run's, not the
+      # page's; blank lines before and after the table go too.
+      grep -v '^### \|^Raw data\|^Per run:\|^Charts\|^- .*\.svg$' "$dir/table.md" \
+        | sed -e '/./,$!d' -e :a -e '/^\n*$/{$d;N;ba' -e '}'
     } >"$OUT/$name.md"
   }
 

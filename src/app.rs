@@ -419,7 +419,9 @@ impl App {
                 self.stats.logins_held.fetch_add(1, Ordering::Relaxed);
                 f();
             }
-            if place.is_head() {
+            // First in line (as looked at above; a head that just left is found at the
+            // next look): it polls, the others wait for their turn.
+            if first {
                 tokio::time::sleep(crate::door::poll()).await;
             } else {
                 tokio::select! {
