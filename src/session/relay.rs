@@ -63,7 +63,7 @@ use crate::runtime::Runtime;
 
 use super::state;
 use super::tracker::{Expect, Kind, Mode};
-use super::{End, Login, set_cancel_target, spare};
+use super::{End, Login, set_cancel_target};
 use crate::protocol::params;
 use admission::Admit;
 
@@ -393,10 +393,10 @@ impl Relay {
         // Not while a replica runs a read: what follows it waits (`on_client_data`).
         if reading
             && !self.lease.replica_held()
-            && let Poll::Ready(r) =
-                self.wake
-                    .client
-                    .poll_read(cx, client, self.core.requests.buf_mut())
+            && let Poll::Ready(r) = self
+                .wake
+                .client
+                .poll_read(cx, client, self.core.client_in())
         {
             return Poll::Ready(Event::Client(r));
         }
@@ -442,7 +442,7 @@ impl Relay {
         let Some(b) = &mut self.lease.backend else {
             return Poll::Pending;
         };
-        let buf = self.core.replies.buf_mut();
+        let buf = self.core.backend_in();
         if buf.capacity() - buf.len() < 4096 {
             buf.reserve(16 * 1024);
         }
@@ -464,7 +464,7 @@ impl Relay {
         client: &mut S,
     ) -> Result<(), End> {
         loop {
-            if self.lease.replica_held() && !self.core.out.t.sync_pending {
+            if self.lease.replica_held() && !self.core.sync_pending() {
                 // What the client sent after a read routed to a replica waits for that read
                 // to finish: it may write, and the replica's backend must not see it. (A
                 // routed extended batch goes on up to its Sync, which has arrived.)
@@ -472,25 +472,20 @@ impl Relay {
                 break;
             }
             let attached = self.lease.attached();
-            let next = self.core.requests.next(
-                attached,
-                self.core.out.t.txn,
-                &mut self.core.out,
-                &mut self.core.cout,
-            );
+            let next = self.core.next_request(attached);
             match next {
                 Ok(requests::Request::Read) => break,
                 Ok(requests::Request::Frame { tag, len }) => {
                     // Handled where it arrived: the buffer is held here meanwhile, and given
                     // back without the frame on every path (an error ends the session anyway).
-                    let held = self.core.requests.hold();
+                    let held = self.core.hold_requests();
                     if self.core.mode() == PoolMode::Transaction
                         && may_listen_batch(tag, &held[..len], self.core.listen_statements())
                         && let Some(r) = self.on_listen_batch(&held).await
                     {
                         // A batch that only LISTENs, answered here whole.
                         let took = *r.as_ref().unwrap_or(&len);
-                        self.core.requests.give_back(held, took);
+                        self.core.give_back_requests(held, took);
                         r?;
                         continue;
                     }
@@ -514,7 +509,7 @@ impl Relay {
                             _ => self.on_function_call(frame, client).await,
                         }
                     };
-                    self.core.requests.give_back(held, len);
+                    self.core.give_back_requests(held, len);
                     r?;
                 }
                 Ok(requests::Request::TooLarge { tag, total }) => {
@@ -525,7 +520,7 @@ impl Relay {
                              limits.max_message_bytes ({} bytes)",
                             char::from(tag),
                             total,
-                            self.core.requests.max_message()
+                            self.core.max_message()
                         ),
                     )
                     .with_hint("send large data with COPY, or raise limits.max_message_bytes");
@@ -540,16 +535,15 @@ impl Relay {
         }
         // The empty cases checked here, not in a future made for nothing; a write the
         // socket takes at once needs none either.
-        if !self.core.out.is_empty() && !self.write_backend_now()? {
+        if !self.core.backend_out_empty() && !self.write_backend_now()? {
             self.flush_backend().await?;
         }
-        let mark = self.core.cout.len();
-        self.core.out.t.answer_synthetic(&mut self.core.cout);
+        let mark = self.core.answer_synthetic();
         if let Some(lead) = &mut self.unit.lead {
             // A shared batch's answers the proxy gives itself (a Parse it did not send).
-            lead.capture(&self.core.cout[mark..]);
+            lead.capture(self.core.client_since(mark));
         }
-        if !self.core.cout.is_empty() {
+        if !self.core.to_client().is_empty() {
             self.flush_client(client).await?;
         }
         match self.settle()? {
@@ -586,7 +580,6 @@ impl Relay {
             }
             b'E' => {
                 self.core
-                    .out
                     .send(Expect::new(Kind::Execute, Mode::Forward), frame);
             }
             b'D' | b'C' => {
@@ -759,7 +752,7 @@ impl Relay {
         // Only SQL EXECUTE (an Unknown effect) and DEALLOCATE can name a statement, so
         // ordinary queries never pay for reading the name.
         if self.core.mode() == PoolMode::Transaction
-            && !self.core.statements.is_empty()
+            && self.core.has_statements()
             && class.effects.iter().any(|e| {
                 matches!(
                     e,
@@ -768,7 +761,7 @@ impl Relay {
                 )
             })
             && let Some((verb, name)) = state::sql_prepared_target(sql)
-            && self.core.statements.knows(name.as_slice())
+            && self.core.knows_statement(name.as_slice())
         {
             // On the server it has another name (or none yet): never run something else.
             let e = state::protocol_name_in_sql(verb, &name);
@@ -849,7 +842,7 @@ impl Relay {
         let p = messages::Parse::read(body).ok_or_else(|| SessionCore::malformed("Parse"))?;
         // The name now means a statement a backend runs.
         self.core.forget_listen_statement(p.name);
-        if let Some(e) = self.core.statements.over_limit(p.name, body.len()) {
+        if let Some(e) = self.core.statement_over_limit(p.name, body.len()) {
             return self.refuse_statement(b'P', e);
         }
         let class = self.classify(p.query);
@@ -883,9 +876,7 @@ impl Relay {
             self.inject_timeouts(t, &class, false);
         }
         let srv = server(&mut self.lease.backend, &self.pool);
-        self.core
-            .statements
-            .parse(frame, body, p, class, srv, &mut self.core.out);
+        self.core.parse(frame, body, p, class, srv);
         Ok(())
     }
 
@@ -903,7 +894,7 @@ impl Relay {
             // another client's.
             return self.refuse_statement(b'B', no_unnamed_statement());
         }
-        let (known, hash) = self.core.statements.class_and_hash(stmt);
+        let (known, hash) = self.core.statement_class(stmt);
         // A name the proxy never saw prepared (an SQL `PREPARE`, a guessed name): Postgres
         // may still know it, so it is admitted and judged like anything unreadable.
         let class = known.unwrap_or_else(|| self.app.unknown_statement.clone());
@@ -918,7 +909,7 @@ impl Relay {
                 .effects
                 .contains(&crate::classify::SessionEffect::SetConfigSession)
         {
-            self.core.statements.text_of(stmt)
+            self.core.statement_text(stmt)
         } else {
             None
         };
@@ -945,13 +936,8 @@ impl Relay {
         if let Some(hash) = hash {
             self.core.retry_start(hash, frame);
         }
-        self.core
-            .statements
-            .ensure_unnamed(stmt, &mut self.core.out);
         let srv = server(&mut self.lease.backend, &self.pool);
-        self.core
-            .statements
-            .bind(frame, bind, srv, &mut self.core.out);
+        self.core.bind(frame, bind, srv);
         Ok(())
     }
 
@@ -964,17 +950,8 @@ impl Relay {
         {
             return self.refuse_statement(b'D', no_unnamed_statement());
         }
-        if tag == b'D'
-            && let messages::Target::Statement(name) = target
-        {
-            self.core
-                .statements
-                .ensure_unnamed(name, &mut self.core.out);
-        }
         let srv = server(&mut self.lease.backend, &self.pool);
-        self.core
-            .statements
-            .describe_or_close(tag, frame, target, srv, &mut self.core.out);
+        self.core.describe_or_close(tag, frame, target, srv);
         Ok(())
     }
 
@@ -1103,7 +1080,7 @@ impl Relay {
     /// (an injected `DO … RAISE`), so the transaction aborts exactly as for any error there;
     /// otherwise it is answered by the proxy and nothing reaches the database.
     fn refuse_statement(&mut self, tag: u8, e: PgError) -> Result<(), End> {
-        if !self.lease.attached() || (self.core.out.t.txn == b'I' && !self.core.out.t.in_flight()) {
+        if !self.lease.attached() || (self.core.txn() == b'I' && !self.core.in_flight()) {
             return self.core.refuse(tag, e);
         }
         let sql = raise_sql(&e);
@@ -1113,7 +1090,7 @@ impl Relay {
                     messages::query(buf, &sql)
                 });
         } else {
-            let o = &mut self.core.out;
+            let o = &mut self.core;
             o.send_with(Expect::new(Kind::Parse, Mode::Swallow), |buf| {
                 messages::parse_named(buf, b"", sql.as_bytes(), b"\0\0")
             });
@@ -1255,7 +1232,7 @@ impl Relay {
                 // client then gets a warning and the backend is closed after it
                 // (`injected_failed`).
                 for sql in &steps.statements {
-                    self.core.out.query(Mode::Swallow, sql);
+                    self.core.send_query(Mode::Swallow, sql);
                 }
             }
         }
@@ -1266,17 +1243,13 @@ impl Relay {
     /// A backend is attached: the reply, client-bound and backend-bound buffers come from
     /// the thread's spares when the session has none.
     fn lend_buffers(&mut self) {
-        spare::lend(self.core.replies.buf_mut());
-        spare::lend(&mut self.core.cout);
-        self.core.out.lend_buffer();
+        self.core.lend_buffers();
     }
 
     /// The backend went back to its pool: the empty buffers go back to the spares, for the
     /// next session that attaches one (kept while a backend is parked with the client).
     fn return_buffers(&mut self) {
-        spare::give_back(self.core.replies.buf_mut());
-        spare::give_back(&mut self.core.cout);
-        self.core.out.return_buffer();
+        self.core.return_buffers();
     }
 
     // ---------------------------------------------------------------- backend → client
@@ -1299,11 +1272,11 @@ impl Relay {
         client: &mut S,
     ) -> Result<Option<BackendRest>, End> {
         loop {
-            let mark = self.core.cout.len();
+            let mark = self.core.client_mark();
             let next = self.core.next_reply();
             if let Some(lead) = &mut self.unit.lead {
                 // What a read others wait for sends its client is theirs too.
-                lead.capture(&self.core.cout[mark..]);
+                lead.capture(self.core.client_since(mark));
             }
             match next {
                 Ok(replies::Next::Read) => break,
@@ -1324,13 +1297,13 @@ impl Relay {
                 }
             }
         }
-        if !self.core.out.t.in_flight() {
+        if !self.core.in_flight() {
             // The statements the backstop was armed for are answered. Left armed, it would
             // cancel whatever the client runs next in the same transaction (and, if that one
             // were silent, give up its connection); a later statement arms its own.
             self.core.statements_answered();
         }
-        if !self.core.cout.is_empty() && !self.write_client_now(client)? {
+        if !self.core.to_client().is_empty() && !self.write_client_now(client)? {
             return Ok(Some(BackendRest::Tail));
         }
         Ok(self.settle()?.map(BackendRest::Settle))
@@ -1369,10 +1342,10 @@ impl Relay {
     /// ends the session as `flush_client`'s does.
     #[inline(always)]
     fn write_client_now<S: AsyncWrite + Unpin>(&mut self, client: &mut S) -> Result<bool, End> {
-        match write_now(client, &self.core.cout) {
-            Ok(n) => Ok(spare::consume(&mut self.core.cout, n)),
+        match write_now(client, self.core.to_client()) {
+            Ok(n) => Ok(self.core.client_written(n)),
             Err(_) => {
-                self.core.cout.clear();
+                self.core.drop_client_out();
                 Err(End::ClientClosed)
             }
         }
@@ -1389,13 +1362,13 @@ impl Relay {
         let Some(b) = self.lease.backend.as_mut() else {
             return Ok(false);
         };
-        let Ok(bytes) = self.core.out.to_write() else {
+        let Ok(bytes) = self.core.to_backend() else {
             return Err(self.outbox_broken());
         };
         match write_now(&mut b.conn().stream, bytes) {
-            Ok(n) => Ok(self.core.out.written(n)),
+            Ok(n) => Ok(self.core.backend_written(n)),
             Err(_) => {
-                self.core.out.clear();
+                self.core.drop_backend_out();
                 Err(self.backend_gone())
             }
         }
@@ -1419,14 +1392,14 @@ impl Relay {
         }
         self.core.note_fatal(seen.fatal);
         if seen.not_prepared {
-            let hashes = self.core.replies.take_not_prepared();
+            let hashes = self.core.take_not_prepared();
             let conn = self.lease.conn();
             for hash in hashes {
                 conn.prepared.remove(hash);
             }
         }
         if seen.injected_failed {
-            let msg = self.core.replies.take_injected_failure();
+            let msg = self.core.take_injected_failure();
             self.injected_failed(&msg);
         }
         if seen.errored {
@@ -1437,7 +1410,7 @@ impl Relay {
             self.core.request_failed(failure, fault);
         }
         if seen.captured {
-            let captured: params::Shared = self.core.replies.take_settings().into();
+            let captured: params::Shared = self.core.take_settings().into();
             self.lease.conn().applied = Arc::clone(&captured);
             self.core.settings_read(&captured);
             self.login.settings = captured;
@@ -1452,27 +1425,27 @@ impl Relay {
     /// A query the proxy injected (settings re-apply or capture) failed: tell the client as
     /// a warning, and never reuse this backend, whose session state is now uncertain.
     fn injected_failed(&mut self, msg: &str) {
-        PgError::error(
+        let e = PgError::error(
             "01000",
             format!(
                 "pgsluice: could not re-apply session settings on the server connection: {msg}"
             ),
-        )
-        .encode_notice(&mut self.core.cout);
+        );
+        self.core.answer(|b| e.encode_notice(b));
         self.lease.conn().dirty.unresettable = true;
     }
 
     async fn flush_client<S: AsyncWrite + Unpin>(&mut self, client: &mut S) -> Result<(), End> {
-        if self.core.cout.is_empty() {
+        if self.core.to_client().is_empty() {
             return Ok(());
         }
-        let r = client.write_all(&self.core.cout).await;
-        self.core.cout.clear();
+        let r = client.write_all(self.core.to_client()).await;
+        self.core.drop_client_out();
         r.map_err(|_| End::ClientClosed)
     }
 
     async fn flush_backend(&mut self) -> Result<(), End> {
-        if self.core.out.is_empty() {
+        if self.core.backend_out_empty() {
             return Ok(());
         }
         if let Some(h) = self.cancels.backstop.take() {
@@ -1480,14 +1453,14 @@ impl Relay {
             let _ = h.await;
         }
         let Some(b) = self.lease.backend.as_mut() else {
-            self.core.out.clear();
+            self.core.drop_backend_out();
             return Ok(());
         };
-        let Ok(bytes) = self.core.out.to_write() else {
+        let Ok(bytes) = self.core.to_backend() else {
             return Err(self.outbox_broken());
         };
         let r = b.conn().stream.write_all(bytes).await;
-        self.core.out.clear();
+        self.core.drop_backend_out();
         r.map_err(|_| self.backend_gone())
     }
 
@@ -1504,7 +1477,7 @@ impl Relay {
         if let Some(b) = self.lease.backend.take() {
             b.discard();
         }
-        self.core.out.clear();
+        self.core.drop_backend_out();
         self.end_unit();
         End::Error(PgError::fatal(
             "XX000",
@@ -1553,7 +1526,7 @@ impl Relay {
             return self.flush_backend().await;
         }
         set_cancel_target(&self.cancel, None).await;
-        self.core.statements.unnamed_left();
+        self.core.unnamed_left();
         if let Some(b) = self.lease.backend.take() {
             let now = self.now();
             // `None`: a task reads the WAL position after the client's write, then returns it.
@@ -1612,7 +1585,7 @@ impl Relay {
         let Some(b) = self.lease.parked.take() else {
             return;
         };
-        self.core.statements.unnamed_left();
+        self.core.unnamed_left();
         if let Some(t) = &self.lease.ticket {
             b.pool().leave_parking(t);
         }
@@ -1635,7 +1608,7 @@ impl Relay {
     /// the backend cannot be released to another client before the cancel has arrived, and
     /// if it was released (or lent again) before the cancel could start, none is sent.
     fn cancel_backend_query(&mut self, why: &'static str) -> Option<tokio::task::JoinHandle<()>> {
-        if !self.core.out.t.in_flight() {
+        if !self.core.in_flight() {
             return None;
         }
         let b = self.lease.backend.as_mut()?;
@@ -1687,7 +1660,7 @@ impl Relay {
         if let Some(b) = self.lease.backend.take() {
             b.discard();
         }
-        if self.core.out.t.in_flight() {
+        if self.core.in_flight() {
             self.app.policy.record_backend_result(false);
         }
         self.end_unit();
@@ -1722,20 +1695,19 @@ impl Relay {
         // read back, a read-back or re-apply still unanswered, budgets not yet put back,
         // replies still owed. Assume the worst: DISCARD ALL before anyone else gets it.
         if self.core.capture_needed()
-            || self.core.out.t.capturing()
+            || self.core.capturing()
             || self.unit.restore_after.is_some()
-            || !self.core.out.t.idle()
+            || !self.core.replies_idle()
         {
             b.conn().dirty.all = true;
         }
-        let (skip, buffered) = self.core.replies.take_rest();
+        let (skip, buffered) = self.core.take_rest();
         let cleanup = reset::Cleanup {
-            pending_ready: self.core.out.t.pending_ready()
-                + usize::from(self.core.out.t.sync_pending),
-            in_flight: self.core.out.t.in_flight(),
-            copy_in: self.core.out.t.copy_in,
-            sync_pending: self.core.out.t.sync_pending,
-            txn: self.core.out.t.txn,
+            pending_ready: self.core.ready_owed(),
+            in_flight: self.core.in_flight(),
+            copy_in: self.core.copy_in(),
+            sync_pending: self.core.sync_pending(),
+            txn: self.core.txn(),
             skip,
             buffered,
             session_mode: self.core.mode() == PoolMode::Session,

@@ -26,6 +26,7 @@ use super::End;
 use super::tracker::{Expect, Outbox};
 
 pub(super) mod deadlines;
+mod io;
 #[cfg(any(test, fuzzing))]
 pub mod oracle;
 pub(super) mod release;
@@ -54,15 +55,15 @@ pub(super) struct CoreLimits {
 pub(in crate::session) struct SessionCore {
     mode: PoolMode,
     /// Client → backend: framing, size limit, COPY streaming, skip-to-Sync.
-    pub requests: requests::Requests,
+    requests: requests::Requests,
     /// Backend → client: framing, streaming and what each reply means.
-    pub replies: replies::Replies,
+    replies: replies::Replies,
     /// Pending writes to the client.
-    pub cout: BytesMut,
+    cout: BytesMut,
     /// Bytes for the backend and the replies they are owed, written together.
-    pub out: Outbox,
+    out: Outbox,
     /// The client's prepared statements and their proxy names.
-    pub statements: Statements,
+    statements: Statements,
     /// A batch kept for one replay after 0A000 "cached plan must not change result type".
     retry: Option<retry::Retry>,
     /// The backstop, unanswered-cancel, shutdown and idle deadlines.

@@ -207,7 +207,8 @@ impl Relay {
             Err(r) => return Err(self.refused(class, caller, &r)),
         };
         for w in warnings {
-            PgError::error("01000", w).encode_notice(&mut self.core.cout);
+            self.core
+                .answer(|b| PgError::error("01000", w).encode_notice(b));
         }
         let cfg = &self.rt.config;
         Ok(Timeouts {
@@ -320,11 +321,11 @@ impl Relay {
         }
         // It waits: whatever reads the clock next reads it afresh.
         self.wake.moved_on();
-        let buf = self.core.requests.buf_mut();
+        let buf = self.core.client_in();
         let before = buf.len();
         let r = unless_client_leaves(fut, client, buf, &self.cancel, why).await;
         self.wake.moved_on();
-        let read = self.core.requests.buf_mut().len().saturating_sub(before);
+        let read = self.core.client_in().len().saturating_sub(before);
         self.core.read_while_waiting(read);
         r
     }
@@ -397,46 +398,42 @@ impl Relay {
                     .trim_end()
                     .trim_end_matches(';')
                     .contains(';'))
-            || self.core.out.t.txn == b'E'
+            || self.core.txn() == b'E'
             // An empty query (or only a comment) must still answer EmptyQueryResponse.
             || class.normalized.trim().is_empty()
         {
             return None;
         }
         self.arm_backstop(t);
-        if class.own_transaction && self.core.out.t.txn == b'I' {
+        if class.own_transaction && self.core.txn() == b'I' {
             // `VACUUM`, `CREATE INDEX CONCURRENTLY`, `CALL`, a FunctionCall: no SET LOCAL can
             // share their transaction. The budget is set for the session in a request of its
             // own before theirs and put back after it (`restore_timeouts`). That needs a gap
             // between requests: in the middle of an extended batch only the backstop holds.
-            if self.core.out.t.sync_pending || self.unit.restore_after.is_some() {
+            if self.core.sync_pending() || self.unit.restore_after.is_some() {
                 return None;
             }
-            self.core.out.query(Mode::Swallow, &session_timeout_sql(t));
+            self.core.send_query(Mode::Swallow, &session_timeout_sql(t));
             self.unit.restore_after = Some(restore_timeout_sql(t));
             return None;
         }
         let sql = timeout_sql(t);
         if simple {
-            if self.core.out.t.txn == b'I' {
+            if self.core.txn() == b'I' {
                 return Some(format!("{sql};"));
             }
-            self.core.out.query(Mode::Swallow, &sql);
+            self.core.send_query(Mode::Swallow, &sql);
             return None;
         }
         let hash = xxhash_rust::xxh3::xxh3_64_with_seed(sql.as_bytes(), self.app.statement_seed);
         let name = crate::pool::prepared::server_name(hash);
         const PORTAL: &[u8] = b"_pgsl_timeouts";
         const NO_TYPES: &[u8] = b"\0\0";
-        super::server(&mut self.lease.backend, &self.pool).ensure(
-            &mut self.core.out,
-            hash,
-            sql.as_bytes(),
-            NO_TYPES,
-            Mode::Swallow,
-        );
+        let srv = super::server(&mut self.lease.backend, &self.pool);
+        self.core
+            .ensure_prepared(srv, hash, sql.as_bytes(), NO_TYPES, Mode::Swallow);
         // No parameters, text results.
-        let o = &mut self.core.out;
+        let o = &mut self.core;
         o.send_with(Expect::new(Kind::Bind, Mode::Swallow), |buf| {
             messages::bind_renamed(buf, PORTAL, &name, b"\0\0\0\0\0\0")
         });
@@ -455,7 +452,7 @@ impl Relay {
     /// client's settings back, in a request of its own.
     pub(super) fn restore_timeouts(&mut self) {
         if let Some(sql) = self.unit.restore_after.take() {
-            self.core.out.query(Mode::Swallow, &sql);
+            self.core.send_query(Mode::Swallow, &sql);
         }
     }
 }

@@ -73,7 +73,7 @@ impl Relay {
         }
         let between = !self.lease.attached() || self.core.between_units();
         if !between {
-            if self.core.out.t.txn == b'I' {
+            if self.core.txn() == b'I' {
                 // Behind a request in flight, whose outcome (a BEGIN?) is not known yet.
                 return None;
             }
@@ -85,7 +85,7 @@ impl Relay {
     async fn answer_listen(&mut self, cmd: Command) -> Result<(), End> {
         match self.run_listen(cmd).await {
             Ok(()) => {
-                messages::ready_for_query(&mut self.core.cout, b'I');
+                self.core.answer(|b| messages::ready_for_query(b, b'I'));
                 Ok(())
             }
             Err(e) => self.core.refuse(b'Q', e),
@@ -121,13 +121,13 @@ impl Relay {
                     m.unlisten(&ch.name);
                     return Err(listener_down(&ch.name));
                 }
-                truncation_notice(&ch, &mut self.core.cout);
+                self.core.answer(|b| truncation_notice(&ch, b));
             }
             Command::Unlisten(ch) => {
                 if let Some(l) = &mut self.notify {
                     l.member.unlisten(&ch.name);
                 }
-                truncation_notice(&ch, &mut self.core.cout);
+                self.core.answer(|b| truncation_notice(&ch, b));
             }
             Command::UnlistenAll => {
                 if let Some(l) = &mut self.notify {
@@ -135,7 +135,7 @@ impl Relay {
                 }
             }
         }
-        messages::raw(&mut self.core.cout, b'C', &[tag]);
+        self.core.answer(|b| messages::raw(b, b'C', &[tag]));
         Ok(())
     }
 
@@ -162,24 +162,25 @@ impl Relay {
                 Step::Parse { name, cmd } => {
                     // The name now means this statement, for the proxy and not a backend.
                     self.core.keep_listen_statement(name, cmd);
-                    messages::parse_complete(&mut self.core.cout);
+                    self.core.answer(messages::parse_complete);
                 }
                 Step::DescribeStatement => {
-                    messages::raw(&mut self.core.cout, b't', &[&0u16.to_be_bytes()]);
-                    messages::raw(&mut self.core.cout, b'n', &[]);
+                    self.core
+                        .answer(|b| messages::raw(b, b't', &[&0u16.to_be_bytes()]));
+                    self.core.answer(|b| messages::raw(b, b'n', &[]));
                 }
-                Step::DescribePortal => messages::raw(&mut self.core.cout, b'n', &[]),
-                Step::Bind => messages::raw(&mut self.core.cout, b'2', &[]),
+                Step::DescribePortal => self.core.answer(|b| messages::raw(b, b'n', &[])),
+                Step::Bind => self.core.answer(|b| messages::raw(b, b'2', &[])),
                 Step::Execute(cmd) => {
                     if let Err(e) = self.run_listen(cmd).await {
                         // As Postgres: the rest of the batch is skipped up to its Sync.
                         if e.severity == crate::protocol::error::Severity::Fatal {
                             return Err(End::Error(e));
                         }
-                        e.encode(&mut self.core.cout);
+                        self.core.answer(|b| e.encode(b));
                         if !b.sync {
                             // Its Sync has not come yet: what comes before it is dropped.
-                            self.core.requests.skip_until_sync();
+                            self.core.skip_until_sync();
                             return Ok(b.len);
                         }
                         break;
@@ -189,12 +190,12 @@ impl Relay {
                     if let Some(name) = statement {
                         self.core.forget_listen_statement(name);
                     }
-                    messages::close_complete(&mut self.core.cout);
+                    self.core.answer(messages::close_complete);
                 }
             }
         }
         if b.sync {
-            messages::ready_for_query(&mut self.core.cout, b'I');
+            self.core.answer(|b| messages::ready_for_query(b, b'I'));
         }
         Ok(b.len)
     }
@@ -212,11 +213,10 @@ impl Relay {
             return Poll::Pending;
         };
         l.member.mailbox.register(cx);
-        let t = &self.core.out.t;
-        let between = t.idle()
-            && self.core.out.is_empty()
-            && self.core.cout.is_empty()
-            && !self.core.requests.skipping();
+        let between = self.core.replies_idle()
+            && self.core.backend_out_empty()
+            && self.core.to_client().is_empty()
+            && !self.core.skipping();
         loop {
             if l.nout.is_empty() {
                 if !between {

@@ -58,7 +58,7 @@ impl Relay {
                         Bytes::copy_from_slice(p.query),
                         Bytes::copy_from_slice(p.types),
                     ),
-                    None => self.core.statements.text_and_types(b.statement)?,
+                    None => self.core.statement_text_and_types(b.statement)?,
                 };
                 let key = b.key(&text, &types).into();
                 (text, key)
@@ -97,7 +97,7 @@ impl Relay {
             };
             match follower.wait(rule.max_wait).await {
                 Ok(result) => {
-                    self.core.cout.extend_from_slice(&result);
+                    self.core.answer(|b| b.extend_from_slice(&result));
                     self.answered_shared(class, step);
                     return true;
                 }
@@ -115,7 +115,7 @@ impl Relay {
     /// as the client's statement and the rest dropped up to the Sync (answered there).
     fn answered_shared(&mut self, class: &std::sync::Arc<Classified>, step: &Step<'_>) {
         if step.tag == b'Q' {
-            messages::ready_for_query(&mut self.core.cout, self.core.out.t.txn);
+            self.core.answer_ready();
             return;
         }
         let body = &step.frame[framing::HEADER_LEN..];
@@ -123,9 +123,8 @@ impl Relay {
             && let Some(p) = Parse::read(body)
         {
             self.core
-                .statements
-                .remember(body, p, std::sync::Arc::clone(class));
+                .remember_statement(body, p, std::sync::Arc::clone(class));
         }
-        self.core.requests.skip_until_sync();
+        self.core.skip_until_sync();
     }
 }
