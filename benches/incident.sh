@@ -26,7 +26,7 @@
 #          [--analytics-conns N] [--analytics-secs S] [--analytics-sql SQL] [--payment-conns N]
 #          [--payment-rate TX_PER_S] [--pool N] [--max-connections N]
 #          [--source-addresses N] [--targets "pgbouncer example priorities tuned tight"]
-#          [--rounds N] [--quick] [--load-nice N]
+#          [--rounds N] [--quick] [--load-nice N] [--load-idle]
 #          [--no-build] [--out DIR] [--port-base P] [--keep]
 # --source-addresses N: the storm clients connect from 127.0.0.2 … 127.0.0.(N+1), as clients
 # on N machines would (default 0: all from 127.0.0.1, which a per-address limit sees as one
@@ -34,6 +34,10 @@
 # --load-nice N: the storm and analytics clients' threads (their SCRAM PBKDF2 included) run
 # at nice N, payment and the monitor at the tool's own priority — clients on other machines
 # would not take the database box's CPU (default 0: they compete for it as they are).
+# --load-idle: those threads run under SCHED_IDLE as well, below any nice value: inside the
+# tool's process a waking payment thread runs at once instead of taking turns with hundreds
+# of PBKDF2 threads (nice alone weighs 15 to payment's 1 024, per thread); the cores are
+# shared between the tool, the proxy and Postgres as before.
 # The first table's columns: storm time ÷ PgBouncer's (when PgBouncer ran in the same run),
 # payment's p99 in the storm ÷ calm, and from pgsluice's /metrics: clients refused on arrival
 # (their expected wait did not fit), refused after a wait (wasted waits), and the retry hints'
@@ -64,6 +68,7 @@ OUT=""
 PORT_BASE=25500
 SOURCES=0
 LOAD_NICE=0
+LOAD_IDLE=()
 
 usage() { awk 'NR > 1 && /^#/ {sub(/^# ?/, ""); print; next} NR > 1 {exit}' "$0"; exit "${1:-0}"; }
 while [ $# -gt 0 ]; do
@@ -82,6 +87,7 @@ while [ $# -gt 0 ]; do
     --targets) TARGETS=$2; shift 2 ;;
     --source-addresses) SOURCES=$2; shift 2 ;;
     --load-nice) LOAD_NICE=$2; shift 2 ;;
+    --load-idle) LOAD_IDLE=(--load-idle); shift ;;
     --rounds) ROUNDS=$2; shift 2 ;;
     --quick) CLIENTS=300; DEADLINE=20; shift ;;
     --no-build) BUILD=0; shift ;;
@@ -334,7 +340,7 @@ run_target() { # target round
     --duration-secs "$DEADLINE" --calm-secs "$CALM" --ramp-ms "$RAMP_MS" \
     --analytics-conns "$ANALYTICS" --analytics-sql "$ANALYTICS_SQL" \
     --billing-conns "$PAYMENT_CONNS" --billing-rate "$PAYMENT_RATE" \
-    --storm-source-addresses "$SOURCES" --load-nice "$LOAD_NICE" \
+    --storm-source-addresses "$SOURCES" --load-nice "$LOAD_NICE" "${LOAD_IDLE[@]}" \
     --summary "$OUT/$name.txt" --csv "$OUT/$name.csv" --svg "$OUT/$name.svg" \
     >"$OUT/$name.log" 2>"$OUT/$name.progress" || log "the storm tool exited with an error on $t"
   c1=$(cpu_ticks "$PROXY_PID")
@@ -419,6 +425,7 @@ done
   echo
   from="all from 127.0.0.1"; [ "$SOURCES" -gt 0 ] && from="from $SOURCES loopback addresses"
   [ "$LOAD_NICE" -gt 0 ] && from="$from, their threads at nice $LOAD_NICE"
+  [ ${#LOAD_IDLE[@]} -gt 0 ] && from="$from, under SCHED_IDLE"
   echo "$CLIENTS storm clients ($from) within $RAMP_MS ms at t = $((CALM + 1)) s, deadline $DEADLINE s; payment $PAYMENT_CONNS connections, $PAYMENT_RATE tx/s; $ANALYTICS analytics connections running \`$ANALYTICS_SQL\`."
   echo
   echo "| target | storm done | storm time, s | ÷ PgBouncer | payment p99 storm / calm | payment errors | refused on arrival | refused after a wait | hint error (÷ hints; mean ms) |"

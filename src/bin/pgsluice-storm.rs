@@ -199,6 +199,13 @@ struct Cli {
     /// the system under test.
     #[arg(long, default_value_t = 0, value_parser = clap::value_parser!(i32).range(0..=19))]
     load_nice: i32,
+    /// Run the load's threads under SCHED_IDLE as well: below any nice value, so a thread at
+    /// the tool's priority (payment, the monitor) that wakes runs at once instead of taking
+    /// turns with hundreds of busy PBKDF2 threads of its own process. Across processes
+    /// nothing changes: the kernel shares the cores between the tool, the proxy and
+    /// Postgres as before.
+    #[arg(long)]
+    load_idle: bool,
     /// SQL templates: {id} = random row, {client}, {seq}.
     #[arg(
         long,
@@ -304,13 +311,19 @@ fn open_files_limit() -> Option<u64> {
     line.split_whitespace().nth(3)?.parse().ok()
 }
 
-/// Lowers the calling thread's CPU priority to `nice` (Linux nice values are per thread).
-/// Failure is harmless: the thread keeps the process' priority.
-fn lower_thread_priority(nice: i32) {
-    // SAFETY: plain system calls on the calling thread's own id; no memory is shared.
+/// Lowers the calling thread's CPU priority to `nice` (Linux nice values are per thread),
+/// and with `idle` its policy to SCHED_IDLE. Failure is harmless: the thread keeps the
+/// process' priority.
+fn lower_thread_priority(nice: i32, idle: bool) {
+    // SAFETY: plain system calls on the calling thread's own id (0 = the calling thread for
+    // sched_setscheduler); the parameter struct lives on this stack frame.
     unsafe {
         let tid = libc::syscall(libc::SYS_gettid) as libc::id_t;
         libc::setpriority(libc::PRIO_PROCESS, tid, nice);
+        if idle {
+            let param = libc::sched_param { sched_priority: 0 };
+            libc::sched_setscheduler(0, libc::SCHED_IDLE, &param);
+        }
     }
 }
 
@@ -341,9 +354,9 @@ fn main() -> ExitCode {
     if let Some(n) = cli.threads {
         rt.worker_threads(n.max(1));
     }
-    if cli.load_nice > 0 {
-        let nice = cli.load_nice;
-        rt.on_thread_start(move || lower_thread_priority(nice));
+    if cli.load_nice > 0 || cli.load_idle {
+        let (nice, idle) = (cli.load_nice, cli.load_idle);
+        rt.on_thread_start(move || lower_thread_priority(nice, idle));
     }
     let rt = match rt.build() {
         Ok(rt) => rt,
