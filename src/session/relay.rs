@@ -78,7 +78,7 @@ mod wake;
 use super::machine::deadlines::{Deadline, Idle};
 use super::machine::statements::{Server, Statements};
 use super::machine::tally::micros;
-use super::machine::{CoreLimits, SessionCore, release, replies, requests};
+use super::machine::{CoreLimits, SessionCore, effects, release, replies, requests};
 use admission::Timeouts;
 use lease::Lease;
 use route::Routing;
@@ -967,113 +967,40 @@ impl Relay {
     /// Applies a statement's session-state effects: pin, capture, cleanup marks, or refusal.
     /// `sql` is the statement's text, where the proxy has it.
     fn apply_effects(&mut self, c: &Classified, sql: Option<&[u8]>) -> Result<(), PgError> {
-        let transaction = self.core.mode() == PoolMode::Transaction;
-        let doubt = transaction && self.doubts(c, sql);
-        if c.effects.is_empty() && !doubt {
-            return Ok(());
-        }
         self.unit.hold_cursor |= c
             .effects
             .contains(&crate::classify::SessionEffect::DeclareWithHold);
         let cfg = &self.pool.cfg;
-        let mut a = if transaction {
-            state::assess(c, cfg.session_state, cfg.unproven)
-        } else {
-            // Session mode: the client owns the backend; only our statement cache cares.
-            state::Assessment {
-                forget_prepared: state::assess(c, cfg.session_state, cfg.unproven).forget_prepared,
-                ..Default::default()
-            }
+        let rules = effects::Rules {
+            session_state: cfg.session_state,
+            unproven: cfg.unproven,
         };
-        if doubt {
-            // Checked or reset as for `SessionEffect::Unknown` (`state::assess`), but not read
-            // back for the client: what a trigger, a view or a default changes in the session
-            // is not the client's to keep (reading settings back costs Postgres a render of
-            // `pg_settings` per unit), and the check undoes it.
-            a.dirt.merge(state::unproven_dirt(cfg.unproven));
-        }
-        if let Some(e) = a.reject {
-            return Err(e);
-        }
-        let unproven = cfg.unproven;
-        if transaction && c.proof.catalog_change {
+        let (pool, wake) = (&self.pool, &mut self.wake);
+        let Some(v) = self.core.effects(c, sql, rules, |names| {
+            pool.catalog.trusts(names, wake.now())
+        })?
+        else {
+            return Ok(());
+        };
+        if v.catalog_changed {
             self.pool.catalog.invalidate();
-            a.dirt.catalog = true;
         }
         let conn = self.lease.conn();
-        if a.dirt.verify || a.dirt.all {
+        if v.unproven {
             conn.unproven_fingerprint = c.fingerprint;
         }
-        conn.dirty.merge(a.dirt);
-        if a.forget_prepared {
+        conn.dirty.merge(v.dirt);
+        if v.forget_prepared {
             conn.prepared.clear();
         }
-        if a.pin && self.core.pin() {
+        if v.pinned_now {
             self.pool
                 .stats
                 .pinned_clients
                 .fetch_add(1, Ordering::Relaxed);
             tracing::debug!(pool = %self.pool.name, statement = %c.normalized, "client pinned to its backend");
         }
-        if a.capture && !self.remember_custom_gucs(c, sql) {
-            // A custom setting whose name we cannot tell would escape the read-back: what
-            // the check finds (or a full reset) undoes it.
-            self.lease
-                .conn()
-                .dirty
-                .merge(state::unproven_dirt(unproven));
-        }
-        self.core.capture_after(a.capture);
         Ok(())
-    }
-
-    /// Whether a statement the parse proved (`classify::proof`) may still reach user code or
-    /// be read otherwise than Postgres reads it: the session's settings change how texts are
-    /// read (`reading_trusted`), a `set_config` names a setting that does, or a name it
-    /// depends on is user code in the database (or the pool's snapshot of that is stale).
-    #[inline(always)]
-    fn doubts(&mut self, c: &Classified, sql: Option<&[u8]>) -> bool {
-        if !c.proof.is_proven() {
-            // Already `SessionEffect::Unknown`.
-            return false;
-        }
-        if !self.core.reading_trusted() {
-            return true;
-        }
-        if c.proof.set_config {
-            let reading = crate::classify::proof::READING_SETTINGS;
-            match sql.and_then(state::set_config_names) {
-                Some(names) if !names.iter().any(|n| reading.contains(&n.as_str())) => {}
-                _ => return true,
-            }
-        }
-        if c.proof.names.is_empty() {
-            return false;
-        }
-        let now = self.now();
-        !self.pool.catalog.trusts(&c.proof.names, now)
-    }
-
-    /// Notes the custom (dotted) settings a tracked statement may set, for the read-back;
-    /// `false` when their names cannot all be known (then only a full reset is safe).
-    fn remember_custom_gucs(&mut self, c: &Classified, sql: Option<&[u8]>) -> bool {
-        let mut names = Vec::new();
-        for e in &c.effects {
-            match e {
-                crate::classify::SessionEffect::Set { name, local: false }
-                | crate::classify::SessionEffect::Reset { name: Some(name) } => {
-                    names.push(name.clone());
-                }
-                crate::classify::SessionEffect::SetConfigSession => {
-                    let Some(found) = sql.and_then(state::set_config_names) else {
-                        return false;
-                    };
-                    names.extend(found);
-                }
-                _ => {}
-            }
-        }
-        self.core.remember_custom_gucs(names)
     }
 
     /// Refuses one statement. Inside a transaction block the refusal is raised *by Postgres*

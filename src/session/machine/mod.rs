@@ -26,6 +26,7 @@ use super::End;
 use super::tracker::{Expect, Outbox};
 
 pub(super) mod deadlines;
+pub(super) mod effects;
 mod io;
 #[cfg(any(test, fuzzing))]
 pub mod oracle;
@@ -205,10 +206,6 @@ impl SessionCore {
     /// reads them (`params::reading_trusted`).
     pub(super) fn settings_read(&mut self, settings: &crate::protocol::params::Shared) {
         self.reading_trusted = crate::protocol::params::reading_trusted(settings);
-    }
-
-    pub(super) fn reading_trusted(&self) -> bool {
-        self.reading_trusted
     }
 
     /// A statement may have changed the session's settings (`needed`): read them back once
