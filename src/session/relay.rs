@@ -1618,14 +1618,7 @@ impl Relay {
             b.discard();
             return;
         }
-        // The client left before the proxy knew what its session looks like: settings not yet
-        // read back, a read-back or re-apply still unanswered, budgets not yet put back,
-        // replies still owed. Assume the worst: DISCARD ALL before anyone else gets it.
-        if self.core.capture_needed()
-            || self.core.capturing()
-            || self.unit.restore_after.is_some()
-            || !self.core.replies_idle()
-        {
+        if self.core.left_unknown(self.unit.restore_after.is_some()) {
             b.conn().dirty.all = true;
         }
         let (skip, buffered) = self.core.take_rest();

@@ -4,8 +4,9 @@
 //! statement's proof cannot be trusted — the session's settings change how texts are read,
 //! a `set_config` names a setting that does, a name it depends on is user code in the
 //! database, a custom setting's name cannot be known — the worst is assumed (the check
-//! against Postgres, or a full reset, per `pool.unproven`). The relay applies the verdict
-//! to the backend and the pool.
+//! against Postgres, or a full reset, per `pool.unproven`); and a client that leaves
+//! before its session is known leaves it to a full reset. The relay applies the verdicts to
+//! the backend and the pool.
 
 use crate::classify::proof::READING_SETTINGS;
 use crate::classify::{Classified, SessionEffect};
@@ -92,6 +93,14 @@ impl SessionCore {
             catalog_changed,
             unproven,
         }))
+    }
+
+    /// The client left before the proxy knew what its server session looks like: settings
+    /// not yet read back, a read-back or re-apply unanswered, the client's budgets not yet put
+    /// back (`restore_pending`), replies still owed. Then the backend gets `DISCARD ALL`
+    /// before anyone else has it (fail closed).
+    pub(in crate::session) fn left_unknown(&self, restore_pending: bool) -> bool {
+        self.capture_needed || self.out.t.capturing() || restore_pending || !self.out.t.idle()
     }
 
     /// Whether a statement the parse proved (`classify::proof`) may still reach user code or
@@ -311,6 +320,24 @@ mod tests {
             None
         );
         assert!(!core.capture_needed() && !core.pinned());
+    }
+
+    #[test]
+    fn a_client_that_leaves_mid_way_leaves_a_session_nobody_knows() {
+        let core = session(PoolMode::Transaction, true);
+        assert!(
+            !core.left_unknown(false),
+            "between transactions, all read back"
+        );
+        assert!(core.left_unknown(true), "its budgets not yet put back");
+        let mut core = session(PoolMode::Transaction, true);
+        core.capture_after(true);
+        assert!(core.left_unknown(false), "settings not yet read back");
+        core.read_back("SELECT 1");
+        assert!(core.left_unknown(false), "the read-back unanswered");
+        let mut core = session(PoolMode::Transaction, true);
+        core.send_query(crate::session::tracker::Mode::Forward, "SELECT 1");
+        assert!(core.left_unknown(false), "a reply still owed");
     }
 
     #[test]

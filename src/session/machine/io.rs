@@ -222,11 +222,6 @@ impl SessionCore {
         self.out.t.idle()
     }
 
-    /// A read-back of the settings is unanswered.
-    pub(in crate::session) fn capturing(&self) -> bool {
-        self.out.t.capturing()
-    }
-
     /// The client is streaming COPY data to the backend.
     pub(in crate::session) fn copy_in(&self) -> bool {
         self.out.t.copy_in

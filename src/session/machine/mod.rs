@@ -214,6 +214,7 @@ impl SessionCore {
         self.capture_needed |= needed;
     }
 
+    #[cfg(test)]
     pub(super) fn capture_needed(&self) -> bool {
         self.capture_needed
     }
