@@ -1061,7 +1061,7 @@ impl Relay {
             .caller_metrics
             .checkout_wait(self.unit.caller, Duration::ZERO);
         self.lease.backend = self.lease.parked.take();
-        self.lend_buffers();
+        self.core.lend_buffers();
         true
     }
 
@@ -1136,7 +1136,7 @@ impl Relay {
         }
         set_cancel_target(&self.cancel, Some(&mut b)).await;
         self.lease.backend = Some(b);
-        self.lend_buffers();
+        self.core.lend_buffers();
         Ok(())
     }
 
@@ -1165,18 +1165,6 @@ impl Relay {
         }
         conn.applied = Arc::clone(&self.login.settings);
         Ok(b)
-    }
-
-    /// A backend is attached: the reply, client-bound and backend-bound buffers come from
-    /// the thread's spares when the session has none.
-    fn lend_buffers(&mut self) {
-        self.core.lend_buffers();
-    }
-
-    /// The backend went back to its pool: the empty buffers go back to the spares, for the
-    /// next session that attaches one (kept while a backend is parked with the client).
-    fn return_buffers(&mut self) {
-        self.core.return_buffers();
     }
 
     // ---------------------------------------------------------------- backend → client
@@ -1468,7 +1456,7 @@ impl Relay {
                 }
             }
         }
-        self.return_buffers();
+        self.core.return_buffers();
         self.lease.unit_pool = None;
         self.leave_if_draining()
     }
@@ -1518,7 +1506,7 @@ impl Relay {
         }
         set_cancel_target(&self.cancel, None).await;
         b.release_parked(self.now());
-        self.return_buffers();
+        self.core.return_buffers();
     }
 
     /// During a graceful shutdown a client leaves as soon as it is between transactions.

@@ -334,6 +334,7 @@ mod tests {
         core.capture_after(true);
         assert!(core.left_unknown(false), "settings not yet read back");
         core.read_back("SELECT 1");
+        // (Owed, so also caught by the replies-owed term.)
         assert!(core.left_unknown(false), "the read-back unanswered");
         let mut core = session(PoolMode::Transaction, true);
         core.send_query(crate::session::tracker::Mode::Forward, "SELECT 1");

@@ -183,14 +183,16 @@ impl SessionCore {
         self.out.send_with(e, write);
     }
 
-    /// A backend is attached: the buffers come from the thread's spares when empty.
+    /// A backend is attached: the reply, client-bound and backend-bound buffers come from
+    /// the thread's spares when the session has none.
     pub(in crate::session) fn lend_buffers(&mut self) {
         spare::lend(self.replies.buf_mut());
         spare::lend(&mut self.cout);
         self.out.lend_buffer();
     }
 
-    /// The backend went back to its pool: the empty buffers go back to the spares.
+    /// The backend went back to its pool: the empty buffers go back to the spares, for the
+    /// next session that attaches one (kept while a backend is parked with the client).
     pub(in crate::session) fn return_buffers(&mut self) {
         spare::give_back(self.replies.buf_mut());
         spare::give_back(&mut self.cout);
@@ -244,7 +246,8 @@ impl SessionCore {
         self.statements.knows(name)
     }
 
-    /// A Parse of `name` with a body of `len` bytes would pass the per-client limits.
+    /// The error a Parse of `name` with a body of `len` bytes gets from the per-client
+    /// statement limits, if it is over one of them.
     pub(in crate::session) fn statement_over_limit(
         &self,
         name: &[u8],
